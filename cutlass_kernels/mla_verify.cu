@@ -1,0 +1,318 @@
+// MLA (DeepSeek-V3 / Kimi K2.x) absorbed attention for tree verify and prefill.
+//
+// The cache holds per position one 576-wide bf16 row: the 512-d compressed latent then the 64-d rope key.
+// Queries arrive absorbed: q[token, head, 0:512] = q_nope @ W_UK[head], q[..., 512:576] = q_rope. All heads
+// share the cache row (multi-query), so one M tile of the MMA is 64 (token, head) rows and every KV tile in
+// shared memory is used by all of them. Score = q . kv[0:576]; the value is kv[0:512]; the output is the
+// attention-weighted latent [token, head, 512] (W_UV is applied after, by mla_head_gemm_kernel).
+// Visibility: positions < prefix_len are visible to every query; position prefix_len + j (tree node j) is
+// visible to query i iff bit j of mask[i] (the tree contract's uint32 bitmask rows, W words each). With
+// mask == nullptr the kernel is causal over the new tokens (the prefill variant): visible iff j <= i.
+//
+// Block: 8 warps. Warp (rw, half): rows 16*rw..16*rw+15 of the 64-row tile, output columns 256*half...+255.
+// For S = Q K^T the two halves split the 576-wide reduction and swap partial sums through shared memory
+// (both then hold the identical full S, so the softmax needs no further exchange). P stays in registers
+// (the C fragment of S is the A fragment of P V). KV tiles of 32 positions are double-buffered with
+// cp.async. The KV range is split over gridDim.z blocks (flash-decoding); with more than one split the
+// partial results (unnormalised O, row max, row sum) go to a workspace that mla_combine_kernel merges.
+
+#include <cuda_bf16.h>
+#include <cute/arch/mma_sm80.hpp>
+
+namespace mla {
+constexpr int D = 576;          // latent 512 + rope 64
+constexpr int DV = 512;
+constexpr int LD = D + 8;       // padded smem row (elements): 1168 bytes, rows hit different banks
+constexpr int BM = 64;          // (token, head) rows per block
+constexpr int BN = 32;          // KV positions per tile
+constexpr int THREADS = 256;
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  const int n = valid ? 16 : 0;   // 0 source bytes: zero fill
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(d), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b0, b1,
+                                            c[0], c[1], c[2], c[3]);
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Rows [row0, row0+BM) of a [rows, D] bf16 matrix into smem (zero rows past the end).
+__device__ __forceinline__ void load_rows_async(uint16_t* s, const uint16_t* g, int row0, int nrows_tile,
+                                                int rows_total) {
+  for (int c = threadIdx.x; c < nrows_tile * (D / 8); c += THREADS) {
+    const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+    const bool ok = row0 + r < rows_total;
+    cp_async16(s + r * LD + col, g + (long long)(ok ? row0 + r : 0) * D + col, ok);
+  }
+}
+}  // namespace mla
+
+// q: [Tq * H, 576] bf16 (row = token * H + head); kv: [kv_len, 576] bf16 with kv_len = prefix_len + Tq;
+// mask: [Tq, mask_words] uint32 or nullptr (causal). With gridDim.z == 1: out bf16 [Tq * H, 512].
+// Otherwise: part_o fp32 [splits, Tq * H, 512], part_ml fp32 [splits, Tq * H, 2] (row max in log2 units,
+// row sum); positions per split = split_len (a multiple of 32).
+extern "C" __global__ void __launch_bounds__(mla::THREADS, 1)
+mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict__ kv,
+                     const unsigned* __restrict__ mask, int mask_words, int Tq, int H, int prefix_len,
+                     float softmax_scale, int split_len, uint16_t* __restrict__ out,
+                     float* __restrict__ part_o, float* __restrict__ part_ml) {
+  using namespace mla;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* sq = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* skv = sq + BM * LD;
+  float* sx = reinterpret_cast<float*>(skv + 2 * BN * LD);   // [half][rw][4 tiles][4][32]
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rw = warp & 3, half = warp >> 2;
+  const int g = lane >> 2, t = lane & 3;
+  const int rows_total = Tq * H;
+  const int row0 = blockIdx.x * BM;
+  const int kv_len = prefix_len + Tq;
+  const int split = blockIdx.z;
+  const int kv_begin = split * split_len;
+  const int kv_end = min(kv_len, kv_begin + split_len);
+  const float sl2 = softmax_scale * 1.4426950408889634f;
+  const float NEG_INF = __int_as_float(0xff800000);
+
+  // Rows this lane owns in the S / O fragments, and their query token.
+  const int my_row[2] = {row0 + rw * 16 + g, row0 + rw * 16 + g + 8};
+  int my_tok[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) my_tok[i] = my_row[i] < rows_total ? my_row[i] / H : -1;
+
+  load_rows_async(sq, q, row0, BM, rows_total);
+  const int ntiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
+  if (ntiles > 0) load_rows_async(skv, kv, kv_begin, BN, kv_end);
+  cp_async_commit();
+
+  float o[32][4];
+#pragma unroll
+  for (int j = 0; j < 32; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[j][c] = 0.f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+  // The reduction range of S for this half: 288 columns = 18 k16 steps.
+  const int k_lo = half * (D / 2);
+  for (int it = 0; it < ntiles; ++it) {
+    const int p0 = kv_begin + it * BN;
+    uint16_t* cur = skv + (it & 1) * BN * LD;
+    if (it + 1 < ntiles) {
+      load_rows_async(skv + ((it + 1) & 1) * BN * LD, kv, p0 + BN, BN, kv_end);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    // Partial S over this half's 288 columns: 16 rows x 32 positions.
+    float s[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[j][c] = 0.f;
+#pragma unroll 6
+    for (int kk = 0; kk < D / 2 / 16; ++kk) {
+      const int k0 = k_lo + kk * 16;
+      uint32_t a[4];
+      ldsm_x4(a, sq + (rw * 16 + (lane & 15)) * LD + k0 + (lane >> 4) * 8);
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        uint32_t b[4];
+        ldsm_x4(b, cur + (nb * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + k0 + ((lane >> 3) & 1) * 8);
+        mma(s[2 * nb], a, b[0], b[1]);
+        mma(s[2 * nb + 1], a, b[2], b[3]);
+      }
+    }
+    // Swap partial sums with the other half (same rows), then add: p0 + p1 in both halves.
+    float* mine = sx + ((half * 4 + rw) * 16) * 32;
+    const float* other = sx + (((1 - half) * 4 + rw) * 16) * 32;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) mine[(j * 4 + c) * 32 + lane] = s[j][c];
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float ov = other[(j * 4 + c) * 32 + lane];
+        s[j][c] = half == 0 ? s[j][c] + ov : ov + s[j][c];
+      }
+
+    // Mask, scale (log2 domain), online softmax per row.
+    float mnew[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int ri = c >> 1;
+        const int p = p0 + j * 8 + 2 * t + (c & 1);
+        const int tok = my_tok[ri];
+        bool vis = p < kv_end && tok >= 0;
+        if (vis && p >= prefix_len) {
+          const int node = p - prefix_len;
+          vis = mask != nullptr ? ((mask[(long long)tok * mask_words + (node >> 5)] >> (node & 31)) & 1u) != 0
+                                : node <= tok;
+        }
+        const float v = vis ? s[j][c] * sl2 : NEG_INF;
+        s[j][c] = v;
+        mnew[ri] = fmaxf(mnew[ri], v);
+      }
+    float corr[2];
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      mnew[ri] = fmaxf(mnew[ri], __shfl_xor_sync(0xffffffffu, mnew[ri], 1));
+      mnew[ri] = fmaxf(mnew[ri], __shfl_xor_sync(0xffffffffu, mnew[ri], 2));
+      corr[ri] = mnew[ri] == NEG_INF ? 1.f : exp2f(m[ri] - mnew[ri]);
+      m[ri] = mnew[ri];
+      l[ri] *= corr[ri];
+    }
+    uint32_t pa[2][4];   // P as A fragments for two k16 steps of positions
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float e[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int ri = c >> 1;
+        e[c] = s[j][c] == NEG_INF ? 0.f : exp2f(s[j][c] - m[ri]);
+        l[ri] += e[c];
+      }
+      pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16(e[0], e[1]);
+      pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(e[2], e[3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[j][0] *= corr[0]; o[j][1] *= corr[0];
+      o[j][2] *= corr[1]; o[j][3] *= corr[1];
+    }
+    // O[16 x 256] += P[16 x 32] V[32 x 256]
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const uint32_t a[4] = {pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3]};
+#pragma unroll
+      for (int nb = 0; nb < 16; ++nb) {
+        uint32_t b[4];
+        ldsm_x4_t(b, cur + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + half * 256 + nb * 16 +
+                         (lane >> 4) * 8);
+        mma(o[2 * nb], a, b[0], b[1]);
+        mma(o[2 * nb + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();   // the tile and the exchange buffer are rewritten next iteration
+  }
+
+  cp_async_wait<0>();   // (only matters when this split had no tile: the q copy is still in flight)
+
+  // Row sums: each lane has partial sums over its columns; reduce over the quad.
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    l[ri] += __shfl_xor_sync(0xffffffffu, l[ri], 1);
+    l[ri] += __shfl_xor_sync(0xffffffffu, l[ri], 2);
+  }
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int row = my_row[ri];
+    if (row >= rows_total) continue;
+    if (gridDim.z == 1) {
+      const float inv = l[ri] > 0.f ? 1.f / l[ri] : 0.f;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = half * 256 + j * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(out + (long long)row * DV + col) =
+            pack_bf16(o[j][2 * ri] * inv, o[j][2 * ri + 1] * inv);
+      }
+    } else {
+      float* po = part_o + ((long long)split * rows_total + row) * DV;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = half * 256 + j * 8 + 2 * t;
+        *reinterpret_cast<float2*>(po + col) = make_float2(o[j][2 * ri], o[j][2 * ri + 1]);
+      }
+      if (half == 0 && t == 0) {
+        part_ml[((long long)split * rows_total + row) * 2 + 0] = m[ri];
+        part_ml[((long long)split * rows_total + row) * 2 + 1] = l[ri];
+      }
+    }
+  }
+}
+
+// Merge the KV splits: out[row] = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s. One block per row,
+// 128 threads x 4 columns.
+extern "C" __global__ void mla_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                              int splits, int rows_total, uint16_t* __restrict__ out) {
+  const int row = blockIdx.x;
+  const int col = threadIdx.x * 4;
+  float M = __int_as_float(0xff800000);
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[((long long)s * rows_total + row) * 2]);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float L = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float ms = part_ml[((long long)s * rows_total + row) * 2];
+    if (ms == __int_as_float(0xff800000)) continue;   // nothing visible in this split
+    const float w = exp2f(ms - M);
+    L += w * part_ml[((long long)s * rows_total + row) * 2 + 1];
+    const float4 v = *reinterpret_cast<const float4*>(part_o + ((long long)s * rows_total + row) * mla::DV + col);
+    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  uint2 o;
+  o.x = mla::pack_bf16(acc.x * inv, acc.y * inv);
+  o.y = mla::pack_bf16(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<uint2*>(out + (long long)row * mla::DV + col) = o;
+}
+
+// Per-head small GEMM for the absorption (q_nope @ W_UK) and the output projection (o_lat @ W_UV^T):
+// y[(t*H + h) * ldy + n] = sum_k x[(t*H + h) * ldx + k] * w[h * w_sh + n * w_sn + k * w_sk], bf16 in/out,
+// fp32 sum. One warp per
+// (t, h, 8 outputs); lanes split K. Memory-bound at decode sizes; good enough beside the attention.
+extern "C" __global__ void mla_head_gemm_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                                                uint16_t* __restrict__ y, int T, int H, int N, int K,
+                                                int ldx, int ldy, long long w_sh, int w_sn, int w_sk) {
+  const int lane = threadIdx.x & 31;
+  const long long wid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int nblk = N / 8;
+  if (wid >= (long long)T * H * nblk) return;
+  const int n0 = (int)(wid % nblk) * 8;
+  const int h = (int)((wid / nblk) % H);
+  const long long th = wid / nblk;   // t * H + h
+  const uint16_t* xr = x + th * ldx;
+  const uint16_t* wh = w + h * w_sh;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int k = lane; k < K; k += 32) {
+    const float xv = __uint_as_float((unsigned)xr[k] << 16);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      acc[i] += xv * __uint_as_float((unsigned)wh[(long long)(n0 + i) * w_sn + (long long)k * w_sk] << 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
+  if (lane < 8) {
+    float v = acc[0];
+#pragma unroll
+    for (int i = 1; i < 8; ++i) if (lane == i) v = acc[i];
+    y[th * ldy + n0 + lane] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+}

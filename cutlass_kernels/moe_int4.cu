@@ -1,0 +1,306 @@
+// INT4 (W4A16) grouped MoE GEMMs for Kimi K2.x: gate+up fused with SiLU(gate)*up, down, weighted combine.
+//
+// Design (decode/verify sizes: a few tokens per expert, so the kernels stream weights):
+// * Tensor cores with swapped operands: the weight rows are the MMA's M (16 rows per m16n8k16 atom), the
+//   tokens of one expert its N (8 per tile). One warp owns RB row blocks of 16 rows and a K range.
+// * Weights are repacked once (runtime/kimi_kernels.py: repack_int4_experts) so that one 16-byte load per
+//   lane is exactly that lane's A fragments for 4 k16 steps of one 16-row block: a warp reads 512
+//   contiguous bytes per (row block, 64-wide K unit). Inside each 64-wide unit the K order is permuted
+//   (same permutation for weights and activations, so the dot product is unchanged): lane (g, t) then
+//   needs activation columns 16t..16t+15 of the unit, two plain 16-byte loads from a row-major bf16 row.
+// * int4 -> bf16 without conversions: lop3 puts a nibble into the low mantissa bits of 128.0 (bf16 0x4300),
+//   one bf16x2 subtract of 136 gives the exact value q-8, one bf16x2 multiply applies the group scale.
+// * Scales (one bf16 per 16 rows x 32 K) are laid out per 512-wide K superblock so a lane pair reads its
+//   16 scales with 16-byte loads and no byte is stored twice.
+// * Launch shape is fixed per token bucket: blockIdx.y walks "slots" (the routing kernel's list of active
+//   experts, longest first); empty slots exit at once.
+#include <cuda_bf16.h>
+#include <cute/arch/mma_sm80.hpp>
+
+namespace moe_int4 {
+
+// Weight stream: skip L1 (read once), ask L2 for 256-byte lines (the warp reads 512 contiguous bytes).
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+// Activations and scales: small, reused by the other warps of the block, so keep them in L1.
+__device__ __forceinline__ uint4 ld_cached(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// (q & 0x000f000f) | 0x43004300: two bf16 values 128 + nibble (low and high half-word).
+__device__ __forceinline__ uint32_t nib_to_bf16x2_biased(uint32_t q) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(q), "n"(0x000f000f), "n"(0x43004300));
+  return r;
+}
+
+// (v - 136) * s on bf16x2: v - 136 = q - 8 is exact, the product is rounded once (round to nearest).
+__device__ __forceinline__ uint32_t dequant_bf16x2(uint32_t v, uint32_t s2) {
+  uint32_t r;
+  const uint32_t one = 0x3f803f80u, minus136 = 0xc308c308u;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(one), "r"(minus136));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(s2));
+  return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b0, b1,
+                                            c[0], c[1], c[2], c[3]);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+constexpr int kUnit = 64;        // K columns per 16-byte lane load
+constexpr int kSuper = 512;      // K columns per scale superblock
+constexpr int kStep = 4;         // K units per pipeline step (one 16-byte scale load per row block)
+
+// Per-warp work for NT token tiles (8 tokens each): accumulate RB row blocks over K units [u0, u1).
+// xrow[nt]: this lane's activation row (token g of tile nt) or nullptr when the token is padding.
+template <int RB, int NT>
+__device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
+                                          const uint4* const (&sp)[RB], const uint4* const (&xrow)[NT],
+                                          int u0, int u1, int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < RB; ++j)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[j][n][c] = 0.f;
+  if (u0 >= u1) return;
+
+  // Software pipeline: the weights and scales of step i+1 are in flight while step i computes.
+  uint4 wn[kStep][RB], sn[RB];
+#pragma unroll
+  for (int j = 0; j < RB; ++j) {
+#pragma unroll
+    for (int uu = 0; uu < kStep; ++uu) wn[uu][j] = ld_stream(wp[j] + (u0 + uu) * 32);
+    sn[j] = ld_cached(sp[j] + (u0 / 8) * 32 + ((u0 / 4) & 1));
+  }
+  for (int u = u0; u < u1; u += kStep) {
+    uint4 wc[kStep][RB], sc[RB];
+#pragma unroll
+    for (int j = 0; j < RB; ++j) {
+      sc[j] = sn[j];
+#pragma unroll
+      for (int uu = 0; uu < kStep; ++uu) wc[uu][j] = wn[uu][j];
+    }
+    if (u + kStep < u1) {
+      const int un = u + kStep;
+#pragma unroll
+      for (int j = 0; j < RB; ++j) {
+#pragma unroll
+        for (int uu = 0; uu < kStep; ++uu) wn[uu][j] = ld_stream(wp[j] + (un + uu) * 32);
+        sn[j] = ld_cached(sp[j] + (un / 8) * 32 + ((un / 4) & 1));
+      }
+    }
+#pragma unroll
+    for (int uu = 0; uu < kStep; ++uu) {
+      uint4 xa[NT][2];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        if (xrow[n] != nullptr) {
+          const uint4* p = xrow[n] + (u + uu) * (kUnit / 8) + t * 2;
+          xa[n][0] = ld_cached(p);
+          xa[n][1] = ld_cached(p + 1);
+        } else {
+          xa[n][0] = make_uint4(0, 0, 0, 0);
+          xa[n][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < RB; ++j) {
+        const uint32_t sw = word_of(sc[j], uu);               // (scale row g, scale row g+8)
+        const uint32_t s_lo = __byte_perm(sw, 0, 0x1010);     // row g in both halves
+        const uint32_t s_hi = __byte_perm(sw, 0, 0x3232);     // row g+8 in both halves
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t q = word_of(wc[uu][j], s);
+          uint32_t a[4];
+          a[0] = dequant_bf16x2(nib_to_bf16x2_biased(q), s_lo);
+          a[1] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 4), s_hi);
+          a[2] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 8), s_lo);
+          a[3] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 12), s_hi);
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+            mma_bf16(acc[j][n], a, word_of(xa[n][s >> 1], 2 * (s & 1)), word_of(xa[n][s >> 1], 2 * (s & 1) + 1));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace moe_int4
+
+namespace moe_int4 {
+
+// One chunk of up to 8*NT tokens of a slot: stream the block's weights once, reduce the KS partial sums in
+// shared memory, store (MODE 0: h = SiLU(gate) * up as bf16; MODE 1: fp32).
+template <int MODE, int RB, int WN, int KS, int NT>
+__device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int ldx, const uint4* const (&wp)[RB],
+                                           const uint4* const (&sp)[RB], int n_rows, int u0, int u1, int rb0,
+                                           int c0, int count, int offset, const int* __restrict__ sorted_token,
+                                           void* __restrict__ out, float* red) {
+  constexpr int RBM = MODE == 0 ? RB / 2 : RB;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wn = warp % WN, ks = warp / WN;
+  const int g = lane >> 2, t = lane & 3;
+  const uint4* xrow[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int i = c0 + n * 8 + g;
+    const int pos = offset + i;
+    const int row = MODE == 0 ? (i < count ? sorted_token[pos] : 0) : pos;
+    xrow[n] = i < count ? reinterpret_cast<const uint4*>(x + (long long)row * ldx) : nullptr;
+  }
+  float acc[RB][NT][4];
+  warp_gemm<RB, NT>(acc, wp, sp, xrow, u0, u1, lane);
+
+  if (KS > 1) {
+    __syncthreads();   // the previous chunk's readers are done with red[]
+    if (ks > 0) {
+#pragma unroll
+      for (int j = 0; j < RB; ++j)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            red[((((ks - 1) * WN + wn) * RB + j) * NT * 4 + n * 4 + c) * 32 + lane] = acc[j][n][c];
+    }
+    __syncthreads();
+    if (ks > 0) return;
+#pragma unroll
+    for (int p = 1; p < KS; ++p)
+#pragma unroll
+      for (int j = 0; j < RB; ++j)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            acc[j][n][c] += red[((((p - 1) * WN + wn) * RB + j) * NT * 4 + n * 4 + c) * 32 + lane];
+  }
+  // Lane (g, t) holds rows g and g+8 of each row block for tokens 2t and 2t+1 of each tile.
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int i = c0 + n * 8 + 2 * t + (c & 1);
+      if (i >= count) continue;
+      const long long orow = (long long)(offset + i) * n_rows;
+#pragma unroll
+      for (int j = 0; j < RBM; ++j) {
+        const int col = (rb0 + j) * 16 + g + 8 * (c >> 1);
+        if (MODE == 0) {
+          const float h = silu(acc[j][n][c]) * acc[j + RBM][n][c];
+          reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(h);
+        } else {
+          reinterpret_cast<float*>(out)[orow + col] = acc[j][n][c];
+        }
+      }
+    }
+}
+
+}  // namespace moe_int4
+
+// One grouped W4A16 GEMM. MODE 0 (gate_up): X rows gathered through sorted_token, weights wq0/ws0 = gate
+// and wq1/ws1 = up, epilogue h = SiLU(gate) * up stored bf16 at the sorted position [P, n_rows].
+// MODE 1 (down): X = h (rows at sorted positions), weights wq0/ws0 = down, fp32 output [P, n_rows].
+// Block: WN x KS warps; warp (wn, ks) owns RB row blocks (MODE 0: RB/2 of gate and the same RB/2 of up)
+// and the ks-th part of K; the KS partial sums meet in shared memory. The slot's tokens go through in
+// chunks of 8, 16 or 32 (NT = 1, 2, 4 tiles, at most NTMAX), the weights streamed once per chunk.
+template <int MODE, int RB, int WN, int KS, int NTMAX>
+__global__ void __launch_bounds__(32 * WN * KS)
+moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
+                 const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
+                 const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
+                 int n_rows, int k,
+                 const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
+                 const int* __restrict__ slot_count, const int* __restrict__ sorted_token,
+                 void* __restrict__ out) {
+  using namespace moe_int4;
+  static_assert(MODE == 1 || RB % 2 == 0, "gate_up pairs gate and up row blocks");
+  static_assert(NTMAX == 1 || NTMAX == 2 || NTMAX == 4, "token tiles per chunk: 1, 2 or 4");
+  constexpr int RBM = MODE == 0 ? RB / 2 : RB;   // row blocks per matrix
+  const int slot = blockIdx.y;
+  const int expert = slot_expert[slot];
+  if (expert < 0) return;
+  const int count = slot_count[slot];
+  const int offset = slot_offset[slot];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wn = warp % WN, ks = warp / WN;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_blocks = n_rows / 16, units = k / kUnit, supers = k / kSuper;
+  const int rb0 = (blockIdx.x * WN + wn) * RBM;
+
+  const uint4* wp[RB];
+  const uint4* sp[RB];
+#pragma unroll
+  for (int j = 0; j < RB; ++j) {
+    const int m = (MODE == 0 && j >= RBM) ? 1 : 0;
+    const int rb = rb0 + (j % RBM);
+    const long long blk = (long long)expert * row_blocks + rb;
+    wp[j] = (m ? wq1 : wq0) + blk * units * 32 + lane;
+    sp[j] = (m ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (t >> 1)) * 2;
+  }
+  // This warp's K range, in whole pipeline steps.
+  const int steps = units / kStep;
+  const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep;
+
+  __shared__ float red[KS > 1 ? (KS - 1) * WN * RB * NTMAX * 4 * 32 : 1];
+  for (int c0 = 0; c0 < count;) {   // count is uniform over the block: every warp takes the same branches
+    const int rem = count - c0;
+    if (NTMAX >= 4 && rem > 16) {
+      gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 4 ? 4 : 1)>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
+                                                         sorted_token, out, red);
+      c0 += 32;
+    } else if (NTMAX >= 2 && rem > 8) {
+      gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 2 ? 2 : 1)>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
+                                                         sorted_token, out, red);
+      c0 += 16;
+    } else {
+      gemm_chunk<MODE, RB, WN, KS, 1>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset, sorted_token,
+                                      out, red);
+      c0 += 8;
+    }
+  }
+}
+
+// y[t] = sum_j weight[t, j] * down_out[assign_pos[t, j]] (+ shared[t]), fp32 sum in a fixed order, bf16 out.
+// One block per token, 4 consecutive columns per thread.
+extern "C" __global__ void moe_combine_kernel(const float* __restrict__ down_out, const float* __restrict__ topk_w,
+                                              const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
+                                              uint16_t* __restrict__ y, int n, int topk) {
+  const int tok = blockIdx.x;
+  for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * 4; col < n; col += gridDim.y * blockDim.x * 4) {
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < topk; ++j) {
+      const float w = topk_w[tok * topk + j];
+      const float4 v = *reinterpret_cast<const float4*>(down_out + (long long)assign_pos[tok * topk + j] * n + col);
+      s.x += w * v.x; s.y += w * v.y; s.z += w * v.z; s.w += w * v.w;
+    }
+    if (shared != nullptr) {
+      const uint2 b = *reinterpret_cast<const uint2*>(shared + (long long)tok * n + col);
+      s.x += __uint_as_float(b.x << 16); s.y += __uint_as_float(b.x & 0xffff0000u);
+      s.z += __uint_as_float(b.y << 16); s.w += __uint_as_float(b.y & 0xffff0000u);
+    }
+    __nv_bfloat162 lo = __floats2bfloat162_rn(s.x, s.y), hi = __floats2bfloat162_rn(s.z, s.w);
+    uint2 o;
+    o.x = *reinterpret_cast<uint32_t*>(&lo);
+    o.y = *reinterpret_cast<uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(y + (long long)tok * n + col) = o;
+  }
+}
+

@@ -1,0 +1,172 @@
+// MoE routing for DeepSeek-V3 / Kimi K2.x (noaux_tc), and the grouping of tokens by expert on the GPU.
+//
+// moe_topk_kernel: one warp per token. scores = sigmoid(logits); choice = scores + e_score_correction_bias;
+//   with n_group > 1, keep the topk_group groups whose two best choice values sum highest (others -inf);
+//   then the topk best choice values. Ties go to the lower index (group or expert) at every step, the rule
+//   the numpy reference uses. Weights = the sigmoid scores of the chosen experts, divided by their sum
+//   (+1e-20) when norm_topk_prob, times routed_scaling_factor.
+// moe_group_kernel: one block. Counts per expert, expert-major sorted order (offsets by expert id, tokens
+//   in increasing order inside an expert: deterministic), the slot list for the grouped GEMMs (active
+//   experts, most tokens first so the longest blocks start first; unused slots get expert -1), and for
+//   each (token, j) its sorted position for the combine.
+// Everything has a fixed launch shape for a token count, so the MoE layer is graph-capturable.
+
+#define MAX_EXPERTS_PER_LANE 16   // experts <= 512
+#define MAX_TOPK 16
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+  }
+}
+
+extern "C" __global__ void moe_topk_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                                           int T, int E, int topk, int n_group, int topk_group,
+                                           int norm_topk_prob, float routed_scaling_factor,
+                                           int* __restrict__ topk_ids, float* __restrict__ topk_w) {
+  const int lane = threadIdx.x & 31;
+  const int tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (tok >= T) return;
+  const float NEG_INF = __int_as_float(0xff800000);
+  float score[MAX_EXPERTS_PER_LANE], choice[MAX_EXPERTS_PER_LANE];   // expert e = lane + 32 * i
+#pragma unroll
+  for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
+    const int e = lane + 32 * i;
+    if (e < E) {
+      const float l = logits[(long long)tok * E + e];
+      score[i] = 1.0f / (1.0f + __expf(-l));
+      choice[i] = score[i] + bias[e];
+    } else {
+      score[i] = 0.f;
+      choice[i] = NEG_INF;
+    }
+  }
+  if (n_group > 1) {
+    // Group score = sum of the group's two best choice values; keep topk_group groups.
+    const int gsize = E / n_group;
+    unsigned keep = 0;   // bit per group (n_group <= 32)
+    float gs = NEG_INF;  // lane < n_group holds group `lane`'s score
+    for (int grp = 0; grp < n_group; ++grp) {
+      float b1 = NEG_INF, b2 = NEG_INF;
+#pragma unroll
+      for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        if (e < E && e / gsize == grp) {
+          const float v = choice[i];
+          if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {   // merge the per-lane top-2 lists
+        const float o1 = __shfl_xor_sync(0xffffffffu, b1, o), o2 = __shfl_xor_sync(0xffffffffu, b2, o);
+        const float n1 = fmaxf(b1, o1);
+        const float n2 = fmaxf(fminf(b1, o1), fmaxf(b2, o2));
+        b1 = n1; b2 = n2;
+      }
+      if (lane == grp) gs = b1 + b2;
+    }
+    for (int r = 0; r < topk_group; ++r) {
+      float v = lane < n_group ? gs : NEG_INF;
+      int i = lane < n_group ? lane : 1 << 30;
+      if ((keep >> lane) & 1u) { v = NEG_INF; i = 1 << 30; }
+      warp_argmax(v, i);
+      keep |= 1u << i;
+    }
+#pragma unroll
+    for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
+      const int e = lane + 32 * i;
+      if (e < E && !((keep >> (e / gsize)) & 1u)) choice[i] = NEG_INF;
+    }
+  }
+  int my_id = 0;          // lane j < topk keeps pick j
+  float my_w = 0.f, wsum = 0.f;
+  for (int r = 0; r < topk; ++r) {
+    float v = NEG_INF;
+    int idx = 1 << 30;
+#pragma unroll
+    for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {   // local best; ascending e, so strict > keeps the lowest
+      const int e = lane + 32 * i;
+      if (e < E && (choice[i] > v || idx == (1 << 30))) { v = choice[i]; idx = e; }
+    }
+    warp_argmax(v, idx);
+    float w = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i)
+      if (lane + 32 * i == idx) { w = score[i]; choice[i] = NEG_INF; }
+    w = __shfl_sync(0xffffffffu, w, idx & 31);
+    wsum += w;
+    if (lane == r) { my_id = idx; my_w = w; }
+  }
+  if (lane < topk) {
+    const float scale = norm_topk_prob ? routed_scaling_factor / (wsum + 1e-20f) : routed_scaling_factor;
+    topk_ids[tok * topk + lane] = my_id;
+    topk_w[tok * topk + lane] = my_w * scale;
+  }
+}
+
+// Single block of 1024 threads. smem: ids[T*topk] + 3 * E ints (dynamic).
+extern "C" __global__ void __launch_bounds__(1024)
+moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int num_slots,
+                 int* __restrict__ expert_count, int* __restrict__ slot_expert, int* __restrict__ slot_offset,
+                 int* __restrict__ slot_count, int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
+  extern __shared__ int smem[];
+  const int P = T * topk;
+  int* ids = smem;
+  int* cnt = ids + P;
+  int* off = cnt + E;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  for (int a = tid; a < P; a += blockDim.x) ids[a] = topk_ids[a];
+  for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
+  for (int s = tid; s < num_slots; s += blockDim.x) { slot_expert[s] = -1; slot_offset[s] = 0; slot_count[s] = 0; }
+  __syncthreads();
+  for (int a = tid; a < P; a += blockDim.x) atomicAdd(&cnt[ids[a]], 1);
+  __syncthreads();
+  if (warp == 0) {   // exclusive prefix sum over experts, 32 at a time
+    int carry = 0;
+    for (int base = 0; base < E; base += 32) {
+      const int e = base + lane;
+      const int c = e < E ? cnt[e] : 0;
+      int incl = c;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      if (e < E) off[e] = carry + incl - c;
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += blockDim.x) {
+    const int c = cnt[e];
+    expert_count[e] = c;
+    if (c == 0) continue;
+    int rank = 0;   // slot order: more tokens first, then lower expert id
+    for (int f = 0; f < E; ++f) {
+      const int cf = cnt[f];
+      rank += (cf > c) || (cf == c && f < e);
+    }
+    slot_expert[rank] = e;
+    slot_offset[rank] = off[e];
+    slot_count[rank] = c;
+  }
+  // Sorted positions: each warp walks the assignments in order for its experts (ballot + popc ranks).
+  for (int e = warp; e < E; e += nwarps) {
+    if (cnt[e] == 0) continue;
+    int pos = off[e];
+    for (int base = 0; base < P; base += 32) {
+      const int a = base + lane;
+      const bool hit = a < P && ids[a] == e;
+      const unsigned m = __ballot_sync(0xffffffffu, hit);
+      if (hit) {
+        const int p = pos + __popc(m & ((1u << lane) - 1u));
+        sorted_token[p] = a / topk;
+        assign_pos[a] = p;
+      }
+      pos += __popc(m);
+    }
+  }
+}

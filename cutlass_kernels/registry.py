@@ -1,0 +1,141 @@
+"""Every CUDA kernel family the runtime builds: its source file, its entry points and what its SASS must
+contain on each arch (a CuTe atom compiled for the wrong arch silently becomes a trap, so tests look for
+the instruction). Each kernel owner registers its families in its own section below, with one
+`register(KernelFamily(...))` call per family."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ALL_ARCHS = ("90a", "100a", "103a", "120a")
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    name: str
+    source: str  # file name in cutlass_kernels/ (an absolute path is accepted, for tests)
+    entries: tuple[str, ...]  # NVRTC name expressions, e.g. "int4_to_bf16_kernel<128>", or extern "C" names
+    required_sass: dict | None = None  # {arch: regex} that must match the SASS for that arch
+    options: tuple[str, ...] = ()  # extra NVRTC options (e.g. "-DTILE=64")
+    archs: tuple[str, ...] = ALL_ARCHS  # archs this family is built for
+    required_ptx: dict | None = None  # {arch: regex} on the PTX, checked when no SASS tool is available
+
+    @property
+    def source_path(self) -> Path:
+        p = Path(self.source)
+        return p if p.is_absolute() else Path(__file__).resolve().parent / p
+
+    def targets(self, arch: str) -> bool:
+        return arch in self.archs
+
+
+FAMILIES: dict[str, KernelFamily] = {}
+
+
+def register(family: KernelFamily) -> KernelFamily:
+    if family.name in FAMILIES:
+        raise ValueError(f"kernel family {family.name!r} registered twice")
+    if not family.source_path.is_file():
+        raise FileNotFoundError(f"kernel family {family.name!r}: no source {family.source_path}")
+    FAMILIES[family.name] = family
+    return family
+
+
+# ---------------------------------------------------------------- foundation (runtime/cuda)
+# int4 (uint4b8: stored q+8, group 32, bf16 scales) -> bf16 dequant through CUTLASS's array converter:
+# one word per thread (coalesced, the one to use) and one group per thread (benchmark variant).
+register(KernelFamily(
+    name="int4_convert",
+    source="int4_convert.cu",
+    entries=("int4_to_bf16_kernel<128>", "int4_to_bf16_kernel<256>", "int4_to_bf16_group_kernel<128>"),
+))
+# Streaming read kernel for the bandwidth benchmark and a trivial kernel for launch/graph overheads.
+register(KernelFamily(
+    name="runtime_probe",
+    source="runtime_probe.cu",
+    entries=("read_sum_kernel", "add_scalar_kernel", "noop_kernel"),
+))
+# One MMA atom per arch family, never run: proves the SASS check catches the tensor-core instruction.
+register(KernelFamily(
+    name="mma_smoke",
+    source="mma_smoke.cu",
+    entries=("mma_smoke_kernel",),
+    required_sass={"90a": r"HGMMA", "100a": r"UTC\w*MMA", "103a": r"UTC\w*MMA", "120a": r"\bQMMA|OMMA"},
+    required_ptx={"90a": r"wgmma\.mma_async", "100a": r"tcgen05\.mma", "103a": r"tcgen05\.mma",
+                  "120a": r"mma\.sync\.aligned\.\S*kind::f8f6f4"},
+))
+
+# ---------------------------------------------------------------- (other kernel families below)
+
+# ---------------------------------------------------------------- dense models (issue 6): linear, norms, attention, sampling
+# Both MMA families use the SM80 bf16 atom (mma.sync m16n8k16), which every target arch runs natively.
+_MMA_BF16_PTX = {a: r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32" for a in ALL_ARCHS}
+_MMA_BF16_SASS = {"90a": r"HMMA\.16816\.F32\.BF16", "120a": r"HMMA\.16816\.F32\.BF16"}
+# bf16 weight-streaming linear: xres <MT, STAGES> for M <= 64 (x slice resident in smem, W register ring),
+# the chunked kernel <MT, RT> for any M (blockIdx.z walks token tiles of 8*MT rows).
+register(KernelFamily(
+    name="dense_linear",
+    source="dense_linear.cu",
+    entries=("linear_bf16_kernel<1, 1>", "linear_bf16_kernel<2, 1>", "linear_bf16_kernel<4, 1>",
+             "linear_bf16_kernel<8, 1>", "linear_bf16_kernel<8, 2>",
+             "linear_bf16_xres_kernel<1, 4>", "linear_bf16_xres_kernel<2, 4>", "linear_bf16_xres_kernel<4, 4>",
+             "linear_bf16_xres_kernel<8, 4>", "linear_bf16_xres_kernel<1, 2>", "linear_bf16_xres_kernel<8, 2>"),
+    required_ptx=_MMA_BF16_PTX,
+    required_sass=_MMA_BF16_SASS,
+))
+# Embedding gather, RMSNorm (+ residual add), RoPE (+ per-head q/k norm), SwiGLU, add.
+register(KernelFamily(
+    name="norm_rope",
+    source="norm_rope.cu",
+    entries=("embedding_kernel", "rmsnorm_kernel", "rope_kernel", "swiglu_kernel", "add_kernel"),
+))
+# Prefix + bitmask attention (tree verify, decode, causal prefill, DFlash block); head dims 64 and 128.
+register(KernelFamily(
+    name="tree_attention",
+    source="tree_attention.cu",
+    entries=("tree_attention_kernel<64>", "tree_attention_kernel<128>",
+             "attention_combine_kernel<64>", "attention_combine_kernel<128>"),
+    required_ptx=_MMA_BF16_PTX,
+    required_sass=_MMA_BF16_SASS,
+))
+# Per-row top-K log-softmax, argmax, inverse-CDF sampling; KV compaction over all cache planes.
+register(KernelFamily(
+    name="sampling",
+    source="sampling.cu",
+    entries=("log_softmax_topk_kernel", "argmax_kernel", "sample_kernel", "kv_compact_kernel"),
+))
+
+# ---------------------------------------------------------------- Kimi K2.x kernels (issue 7)
+# INT4 W4A16 grouped MoE GEMMs: moe_w4a16_kernel<MODE, RB, WN, KS, NTMAX> (MODE 0 gate+up with SiLU*up,
+# 1 down; RB row blocks of 16 per warp, WN x KS warps per block, up to 8*NTMAX tokens per weight pass).
+# The curated table below is what runtime/kimi_kernels.py picks from (per token bucket); tools/bench_moe.py
+# times every entry. mma.sync m16n8k16 (CuTe SM80 atom) exists on every target arch.
+_MMA_SYNC_PTX = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"
+MOE_GEMM_VARIANTS = (
+    "moe_w4a16_kernel<0, 2, 4, 1, 1>", "moe_w4a16_kernel<0, 2, 4, 2, 1>", "moe_w4a16_kernel<0, 4, 4, 1, 1>",
+    "moe_w4a16_kernel<0, 2, 4, 1, 2>", "moe_w4a16_kernel<0, 2, 4, 1, 4>", "moe_w4a16_kernel<0, 4, 2, 1, 2>",
+    "moe_w4a16_kernel<1, 2, 4, 1, 1>", "moe_w4a16_kernel<1, 4, 4, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 2, 1>",
+    "moe_w4a16_kernel<1, 2, 4, 1, 2>", "moe_w4a16_kernel<1, 2, 4, 1, 4>", "moe_w4a16_kernel<1, 4, 2, 1, 2>",
+    "moe_w4a16_kernel<0, 2, 4, 2, 2>", "moe_w4a16_kernel<1, 2, 4, 2, 2>",
+)
+register(KernelFamily(
+    name="moe_int4",
+    source="moe_int4.cu",
+    entries=MOE_GEMM_VARIANTS + ("moe_combine_kernel",),
+    required_sass={a: r"HMMA" for a in ALL_ARCHS},
+    required_ptx={a: _MMA_SYNC_PTX for a in ALL_ARCHS},
+))
+# noaux_tc top-k routing (sigmoid + correction bias, group-limited) and grouping of tokens by expert.
+register(KernelFamily(
+    name="moe_routing",
+    source="moe_routing.cu",
+    entries=("moe_topk_kernel", "moe_group_kernel"),
+))
+# MLA absorbed attention over the 512+64 latent cache (tree mask or causal), split-KV merge, per-head GEMM.
+register(KernelFamily(
+    name="mla_verify",
+    source="mla_verify.cu",
+    entries=("mla_attention_kernel", "mla_combine_kernel", "mla_head_gemm_kernel"),
+    required_sass={a: r"HMMA" for a in ALL_ARCHS},
+    required_ptx={a: _MMA_SYNC_PTX for a in ALL_ARCHS},
+))

@@ -1,0 +1,169 @@
+"""CUDA graphs: capture a stream region, instantiate once, replay; change kernel arguments (scalars or
+buffer pointers) of an instantiated graph without capturing again; a cache of graphs keyed by bucket.
+
+While a capture is active on a stream, every Launch on that stream is recorded with the graph node it
+became (read back with cuStreamGetCaptureInfo), so `GraphExec.update_kernel_args(i, ...)` can patch the
+i-th captured kernel with one cuGraphExecKernelNodeSetParams.
+"""
+from __future__ import annotations
+
+from .device import driver, get_device
+from .errors import check
+from .stream import stream_handle
+
+_active: dict[int, "Capture"] = {}  # int(stream handle) -> capture in progress on it
+
+
+def _note_launch(stream, launch):
+    """Called by Launch after cuLaunchKernel while any capture is active."""
+    cap = _active.get(int(stream))
+    if cap is None:
+        return
+    info = check(driver().cuStreamGetCaptureInfo(stream), "cuStreamGetCaptureInfo")
+    deps = info[3]  # (status, id, graph, dependencies, edge data, count): the node just added
+    if not deps:
+        raise RuntimeError("graph capture: the launched kernel left no node to record")
+    from .kernel import Launch
+    copy = Launch(launch.kernel, launch.grid, launch.block, launch.args, launch.smem)  # never aliased
+    cap.launches.append(copy)
+    cap.nodes.append(deps[-1])
+
+
+def _node_params(lp):
+    """CUDA_KERNEL_NODE_PARAMS for a Launch. kernelParams points at the Launch's own address array, so
+    after set_arg the same struct is valid again; the driver copies the values at each update."""
+    p = driver().CUDA_KERNEL_NODE_PARAMS()
+    p.func = lp.kernel.function
+    p.gridDimX, p.gridDimY, p.gridDimZ = lp.grid
+    p.blockDimX, p.blockDimY, p.blockDimZ = lp.block
+    p.sharedMemBytes = lp.smem
+    p.kernelParams = lp.params
+    p.extra = 0
+    return p
+
+
+class Capture:
+    def __init__(self, stream=None):
+        get_device()
+        self.stream = stream
+        self.handle = stream_handle(stream)
+        self.graph = None
+        self.launches: list = []  # Launch copies, in capture order
+        self.nodes: list = []  # their graph nodes
+
+    def __enter__(self):
+        drv = driver()
+        if int(self.handle) in _active:
+            raise RuntimeError("a capture is already active on this stream")
+        check(drv.cuStreamBeginCapture(self.handle,
+                                       drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+              "cuStreamBeginCapture")
+        _active[int(self.handle)] = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        _active.pop(int(self.handle), None)
+        result = driver().cuStreamEndCapture(self.handle)
+        if exc_type is not None:  # the body failed: end the capture, drop the graph, keep the body's error
+            if int(result[0]) == 0 and result[1] is not None:
+                driver().cuGraphDestroy(result[1])
+            return False
+        self.graph = check(result, "cuStreamEndCapture")
+        return False
+
+    def instantiate(self) -> "GraphExec":
+        if self.graph is None:
+            raise RuntimeError("instantiate() before the capture ended")
+        return GraphExec(self)
+
+    def __del__(self):
+        if getattr(self, "graph", None) is not None:
+            try:
+                driver().cuGraphDestroy(self.graph)
+            except Exception:
+                pass
+
+
+def capture(stream=None) -> Capture:
+    """`with capture(stream) as g: ...launches on stream...` then `g.instantiate()`."""
+    return Capture(stream)
+
+
+class GraphExec:
+    def __init__(self, cap: Capture):
+        self.capture = cap  # keeps the graph, its nodes and the launch copies alive
+        self.handle = check(driver().cuGraphInstantiate(cap.graph, 0), "cuGraphInstantiate")
+        self.launches = cap.launches
+        self._params = [None] * len(cap.launches)  # node parameter structs, built on first update
+
+    @property
+    def num_kernels(self) -> int:
+        return len(self.launches)
+
+    def launch(self, stream=None):
+        check(driver().cuGraphLaunch(self.handle, stream_handle(stream)), "cuGraphLaunch")
+
+    __call__ = launch
+
+    def update_kernel_args(self, index: int, args=None, grid=None, block=None):
+        """Patch the index-th captured kernel: args is a full list, or {arg position: value}; grid/block
+        may change too. Applies to the next replay; nothing is captured again."""
+        lp = self.launches[index]
+        if args is not None:
+            items = args.items() if isinstance(args, dict) else enumerate(args)
+            for i, v in items:
+                lp.set_arg(i, v)
+        p = self._params[index]
+        if p is None or grid is not None or block is not None:
+            from .kernel import _dim3
+            lp.grid = _dim3(grid) if grid is not None else lp.grid
+            lp.block = _dim3(block) if block is not None else lp.block
+            lp._bind()
+            p = self._params[index] = _node_params(lp)
+        check(driver().cuGraphExecKernelNodeSetParams(self.handle, self.capture.nodes[index], p),
+              "cuGraphExecKernelNodeSetParams")
+
+    def __del__(self):
+        try:
+            driver().cuGraphExecDestroy(self.handle)
+        except Exception:
+            pass
+
+
+def bucket_for(n: int, buckets) -> int:
+    """The smallest bucket >= n (graphs are captured per bucket, padded slots masked out)."""
+    for b in sorted(buckets):
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {max(buckets)}")
+
+
+class GraphCache:
+    """Instantiated graphs keyed by bucket (e.g. tree budget): captured on first use, replayed after."""
+
+    def __init__(self, stream=None):
+        self.stream = stream
+        self.graphs: dict = {}
+
+    def get(self, bucket, record):
+        """The graph for `bucket`; on a miss, `record(bucket, stream)` enqueues the work to capture."""
+        g = self.graphs.get(bucket)
+        if g is None:
+            with capture(self.stream) as cap:
+                record(bucket, self.stream)
+            g = self.graphs[bucket] = cap.instantiate()
+        return g
+
+    def launch(self, bucket, record=None, stream=None):
+        g = self.graphs[bucket] if record is None else self.get(bucket, record)
+        g.launch(stream if stream is not None else self.stream)
+        return g
+
+    def __contains__(self, bucket):
+        return bucket in self.graphs
+
+    def __len__(self):
+        return len(self.graphs)
+
+    def clear(self):
+        self.graphs.clear()

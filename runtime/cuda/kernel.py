@@ -1,0 +1,185 @@
+"""Kernels: lazy module loading from the CUBIN cache, and launches with argument buffers packed once.
+
+A kernel's parameters are passed to cuLaunchKernel as `void**`: an array of addresses, one per argument,
+each pointing at the argument's value. Launch keeps both arrays (values in 8-byte slots, addresses to the
+slots) in numpy, so a launch is one driver call and changing an argument is one store. That call goes
+through ctypes straight into libcuda (DDTREE_LAUNCH=bindings uses cuda.bindings instead).
+Scalars must be numpy scalars of the kernel's C type (np.int32(n), np.float32(x), np.int64(...)): a bare
+Python int or float is refused because its width would be a guess.
+DDTREE_CUDA_SYNC=1 synchronises and checks after every launch (debugging: errors point at the kernel).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from . import graph as _graph
+from .device import driver, get_device
+from .errors import CudaError, check
+from .nvrtc import compile_family, resolve_arch
+from .stream import default_stream, stream_handle
+
+_SYNC_EVERY_LAUNCH = os.environ.get("DDTREE_CUDA_SYNC") == "1"
+_modules: dict[tuple, object] = {}  # (family, arch, device ordinal) -> (CUmodule, CompiledModule)
+_kernels: dict[tuple, "Kernel"] = {}
+
+
+def _dim3(d) -> tuple[int, int, int]:
+    d = (d,) if isinstance(d, (int, np.integer)) else tuple(d)
+    if not 1 <= len(d) <= 3 or any(int(x) < 1 for x in d):
+        raise ValueError(f"grid/block dims must be 1..3 positive ints, got {d}")
+    return tuple(int(x) for x in d) + (1,) * (3 - len(d))
+
+
+def load_module(family: str, arch: str | None = None):
+    """The family's CUmodule on the current device (built or read from cache on first use)."""
+    dev = get_device()
+    arch = resolve_arch(arch)
+    key = (family, arch, dev.ordinal)
+    hit = _modules.get(key)
+    if hit is None:
+        compiled = compile_family(family, arch)
+        module = check(driver().cuModuleLoadData(compiled.cubin), f"cuModuleLoadData({family}, sm_{arch})")
+        hit = _modules[key] = (module, compiled)
+    return hit
+
+
+class Kernel:
+    def __init__(self, family: str, entry: str, function, arch: str):
+        self.family, self.entry, self.function, self.arch = family, entry, function, arch
+
+    def __repr__(self):
+        return f"Kernel({self.family}:{self.entry}, sm_{self.arch})"
+
+    def set_max_dynamic_smem(self, nbytes: int):
+        """Opt in to more than 48 KiB of dynamic shared memory for this kernel."""
+        drv = driver()
+        check(drv.cuFuncSetAttribute(self.function,
+                                     drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     int(nbytes)), f"cuFuncSetAttribute(max dynamic smem, {self})")
+
+    def attribute(self, name: str) -> int:
+        """e.g. attribute("NUM_REGS"), "MAX_THREADS_PER_BLOCK", "LOCAL_SIZE_BYTES"."""
+        drv = driver()
+        attr = getattr(drv.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")
+        return check(drv.cuFuncGetAttribute(attr, self.function), f"cuFuncGetAttribute({name}, {self})")
+
+    def prepare(self, grid, block, args, smem: int = 0) -> "Launch":
+        return Launch(self, grid, block, args, smem)
+
+    def launch(self, grid, block, args, smem: int = 0, stream=None):
+        Launch(self, grid, block, args, smem)(stream)
+
+
+def get_kernel(family: str, entry: str, arch: str | None = None) -> Kernel:
+    """A kernel of a registered family, its module loaded lazily on the current device."""
+    dev = get_device()
+    arch = resolve_arch(arch)
+    key = (family, entry, arch, dev.ordinal)
+    k = _kernels.get(key)
+    if k is None:
+        module, compiled = load_module(family, arch)
+        if entry not in compiled.lowered:
+            raise KeyError(f"kernel family {family!r} has no entry {entry!r}; entries: "
+                           f"{', '.join(compiled.lowered)}")
+        fn = check(driver().cuModuleGetFunction(module, compiled.lowered[entry].encode()),
+                   f"cuModuleGetFunction({family}:{entry})")
+        k = _kernels[key] = Kernel(family, entry, fn, arch)
+    return k
+
+
+def _slot_bytes(arg, i: int) -> bytes:
+    """One argument -> its value as 8 little-endian bytes (pointers, and numpy scalars of up to 8 bytes)."""
+    ptr = getattr(arg, "ptr", None)
+    if ptr is not None:  # DeviceArray, PinnedBuffer, ...
+        return int(ptr).to_bytes(8, "little")
+    if isinstance(arg, np.generic):
+        raw = arg.tobytes()
+        if len(raw) > 8:
+            raise TypeError(f"kernel argument {i}: {type(arg).__name__} is {len(raw)} bytes; at most 8")
+        return raw.ljust(8, b"\0")
+    if isinstance(arg, (bool, int, float)):
+        raise TypeError(f"kernel argument {i}: bare Python {type(arg).__name__} {arg!r}; wrap it in the numpy "
+                        f"type of the kernel parameter (np.int32, np.int64, np.float32, np.uint64 ...)")
+    raise TypeError(f"kernel argument {i}: cannot pass {type(arg).__name__}")
+
+
+def _slot_value(arg, i: int) -> np.ndarray:
+    """One argument as a 1-element uint64 array (tests read it back through .view)."""
+    return np.frombuffer(_slot_bytes(arg, i), np.uint64).copy()
+
+
+_ctypes_launch = None  # libcuda's cuLaunchKernel through ctypes, bound on first use (None: not loaded yet)
+
+
+def _launcher():
+    """The C entry point used for launches: ctypes straight into libcuda (fewer Python layers than
+    cuda.bindings), unless DDTREE_LAUNCH=bindings or libcuda cannot be opened by name."""
+    global _ctypes_launch
+    if _ctypes_launch is None:
+        _ctypes_launch = False
+        if os.environ.get("DDTREE_LAUNCH", "ctypes") == "ctypes":
+            try:
+                import ctypes
+                fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+                fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+                fn.restype = ctypes.c_int
+                _ctypes_launch = fn
+            except (OSError, AttributeError):
+                pass
+    return _ctypes_launch
+
+
+class Launch:
+    """A kernel launch with its argument buffer packed once; calling it is a single driver call.
+    `values` holds one 8-byte slot per argument, `addresses` the address of each slot (the void** that
+    cuLaunchKernel reads); set_arg rewrites a slot in place, so the addresses never change."""
+
+    def __init__(self, kernel: Kernel, grid, block, args, smem: int = 0):
+        self.kernel, self.grid, self.block, self.smem = kernel, _dim3(grid), _dim3(block), int(smem)
+        self.args = list(args)
+        n = len(self.args)
+        self._buf = bytearray(b"".join(_slot_bytes(a, i) for i, a in enumerate(self.args)) or bytes(8))
+        self.values = np.frombuffer(self._buf, np.uint64)
+        self.addresses = self.values.ctypes.data + 8 * np.arange(max(n, 1), dtype=np.uint64)
+        self.params = int(self.addresses.ctypes.data) if n else 0
+        self._bind()
+
+    def _bind(self):
+        """Pre-bind everything but the stream, so a launch is one call with two arguments."""
+        g, b, fn = self.grid, self.block, self.kernel.function
+        ct = _launcher() if fn is not None else None
+        if ct:
+            self._ctypes = functools.partial(ct, int(fn), *g, *b, self.smem)
+        else:
+            self._ctypes = None
+            self._bindings = functools.partial(driver().cuLaunchKernel, fn, *g, *b, self.smem)
+
+    def set_arg(self, i: int, value):
+        """Change argument i in place (the next launch, or a graph update, uses it)."""
+        self.values[i] = int.from_bytes(_slot_bytes(value, i), "little")
+        self.args[i] = value
+
+    def __call__(self, stream=None):
+        if stream is None:
+            stream = default_stream()
+        if self._ctypes is not None:
+            ptr = getattr(stream, "ptr", None)
+            err = self._ctypes(int(stream) if ptr is None else ptr, self.params, None)
+        else:
+            err = self._bindings(getattr(stream, "handle", stream), self.params, 0)[0]
+        if err:
+            code = int(err)
+            raise CudaError("cuLaunchKernel", code, driver().CUresult(code).name, str(self.kernel))
+        if _SYNC_EVERY_LAUNCH:
+            s = stream_handle(stream)
+            try:
+                check(driver().cuStreamSynchronize(s), "cuStreamSynchronize")
+            except CudaError as e:
+                raise CudaError(f"{self.kernel} (DDTREE_CUDA_SYNC)", e.code, e.name) from e
+        if _graph._active:  # record the node for later argument updates
+            _graph._note_launch(stream_handle(stream), self)
+
+    launch = __call__

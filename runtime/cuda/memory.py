@@ -1,0 +1,279 @@
+"""Device memory: a bump/first-fit arena of named buffers, standalone allocations, pinned host buffers,
+and chunked weight uploads.
+
+Ordering: every copy and memset here runs on a stream (stream=None -> default_stream(), the stream kernels
+also default to). Calls that hand data back to the host (download, upload without a stream) synchronise
+that stream, so a result is never read before the kernels queued before it have finished.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+
+import numpy as np
+
+from .device import driver, get_device
+from .errors import OutOfMemoryError, check
+from .stream import Event, stream_handle
+
+_live_standalone_bytes = 0  # bytes held by empty()/to_device() allocations, for OOM messages
+
+
+def _fmt(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _mem_alloc(nbytes: int, what: str) -> int:
+    """cuMemAlloc that turns out-of-memory into an error saying what was asked and what is held."""
+    get_device()
+    drv = driver()
+    try:
+        return int(check(drv.cuMemAlloc(max(nbytes, 1)), "cuMemAlloc"))
+    except OutOfMemoryError as e:
+        free, total = check(drv.cuMemGetInfo(), "cuMemGetInfo")
+        raise OutOfMemoryError("cuMemAlloc", e.code, e.name,
+                               f"{what}: asked {_fmt(nbytes)}; device free {_fmt(free)} of {_fmt(total)}, "
+                               f"this process holds {_fmt(_live_standalone_bytes + Arena.held_bytes)} "
+                               f"in ddtree allocations") from None
+
+
+def _mem_free(ptr: int):
+    try:
+        driver().cuMemFree(ptr)
+    except Exception:  # interpreter shutdown
+        pass
+
+
+class DeviceArray:
+    """A typed window on device memory. Owns nothing itself: the arena or the standalone allocation does
+    (`owner` keeps that alive). bf16 is stored as np.uint16."""
+
+    def __init__(self, ptr: int, shape, dtype, owner=None, name: str = ""):
+        self.ptr = int(ptr)
+        self.shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        self.dtype = np.dtype(dtype)
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        self.owner = owner
+        self.name = name
+
+    def __repr__(self):
+        return f"DeviceArray({self.name or hex(self.ptr)}, shape={self.shape}, dtype={self.dtype})"
+
+    def _check_host(self, host: np.ndarray):
+        if host.shape != self.shape or host.dtype != self.dtype:
+            raise ValueError(f"{self!r}: host array has shape {host.shape}, dtype {host.dtype}")
+
+    def upload(self, host, stream=None):
+        """Copy a host array of the same shape and dtype in. Without a stream it is done on return."""
+        host = np.ascontiguousarray(host)
+        self._check_host(host)
+        s = stream_handle(stream)
+        check(driver().cuMemcpyHtoDAsync(self.ptr, host.ctypes.data, self.nbytes, s), "cuMemcpyHtoDAsync")
+        if stream is None:
+            check(driver().cuStreamSynchronize(s), "cuStreamSynchronize")
+        return self
+
+    def download(self, stream=None, out: np.ndarray | None = None) -> np.ndarray:
+        """Copy out to a new (or the given) host array; waits for the stream."""
+        if out is None:
+            out = np.empty(self.shape, self.dtype)
+        elif not out.flags.c_contiguous:
+            raise ValueError("download: `out` must be C-contiguous")
+        self._check_host(out)
+        s = stream_handle(stream)
+        check(driver().cuMemcpyDtoHAsync(out.ctypes.data, self.ptr, self.nbytes, s), "cuMemcpyDtoHAsync")
+        check(driver().cuStreamSynchronize(s), "cuStreamSynchronize")
+        return out
+
+    def copy_from(self, src: "DeviceArray", stream=None):
+        if src.nbytes != self.nbytes:
+            raise ValueError(f"copy_from: {src!r} has {src.nbytes} bytes, {self!r} has {self.nbytes}")
+        check(driver().cuMemcpyDtoDAsync(self.ptr, src.ptr, self.nbytes, stream_handle(stream)),
+              "cuMemcpyDtoDAsync")
+        return self
+
+    def fill_bytes(self, value: int, stream=None):
+        """Set every byte to `value` (poison before a kernel test, or zero)."""
+        check(driver().cuMemsetD8Async(self.ptr, int(value) & 0xFF, self.nbytes, stream_handle(stream)),
+              "cuMemsetD8Async")
+        return self
+
+    def view(self, offset_elems: int, shape, dtype=None) -> "DeviceArray":
+        """A sub-array starting `offset_elems` elements in (optionally reinterpreted as another dtype)."""
+        dtype = np.dtype(dtype or self.dtype)
+        start = offset_elems * self.dtype.itemsize
+        v = DeviceArray(self.ptr + start, shape, dtype, owner=self.owner or self, name=self.name)
+        if offset_elems < 0 or start + v.nbytes > self.nbytes:
+            raise ValueError(f"view of {v.nbytes} bytes at element {offset_elems} overruns {self!r}")
+        return v
+
+
+class _Allocation:
+    """A standalone cuMemAlloc, freed when the last DeviceArray using it goes away."""
+
+    def __init__(self, nbytes: int, what: str):
+        global _live_standalone_bytes
+        self.ptr = _mem_alloc(nbytes, what)
+        self.nbytes = nbytes
+        _live_standalone_bytes += nbytes
+        weakref.finalize(self, _Allocation._release, self.ptr, nbytes)
+
+    @staticmethod
+    def _release(ptr, nbytes):
+        global _live_standalone_bytes
+        _live_standalone_bytes -= nbytes
+        _mem_free(ptr)
+
+
+def empty(shape, dtype) -> DeviceArray:
+    """A standalone device array (its own cuMemAlloc). Contents undefined."""
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    alloc = _Allocation(nbytes, f"empty({shape}, {np.dtype(dtype)})")
+    return DeviceArray(alloc.ptr, shape, dtype, owner=alloc)
+
+
+def to_device(host, stream=None) -> DeviceArray:
+    host = np.ascontiguousarray(host)
+    return empty(host.shape, host.dtype).upload(host, stream)
+
+
+class Arena:
+    """One large device allocation carved into named, aligned buffers (first fit over the gaps).
+    Buffers live until free(name) or reset(); the arena's memory until close() or garbage collection."""
+
+    held_bytes = 0  # all arenas of the process, for OOM messages
+
+    def __init__(self, nbytes: int, name: str = "arena"):
+        self.name = name
+        self.capacity = int(nbytes)
+        self.base = _mem_alloc(self.capacity, f"Arena({name!r})")
+        Arena.held_bytes += self.capacity
+        self._blocks: dict[str, tuple[int, int, DeviceArray]] = {}  # name -> (offset, nbytes, array)
+        self._finalizer = weakref.finalize(self, Arena._release, self.base, self.capacity)
+
+    @staticmethod
+    def _release(base, capacity):
+        Arena.held_bytes -= capacity
+        _mem_free(base)
+
+    def close(self):
+        self._blocks.clear()
+        self._finalizer()
+
+    @property
+    def used(self) -> int:
+        return sum(n for _, n, _ in self._blocks.values())
+
+    def _gaps(self):
+        """(offset, size) of every free gap, in address order."""
+        pos = 0
+        for off, n, _ in sorted(self._blocks.values(), key=lambda b: b[0]):
+            if off > pos:
+                yield pos, off - pos
+            pos = max(pos, off + n)
+        if pos < self.capacity:
+            yield pos, self.capacity - pos
+
+    def alloc(self, name: str, shape, dtype, align: int = 256) -> DeviceArray:
+        if name in self._blocks:
+            raise ValueError(f"arena {self.name!r}: buffer {name!r} already allocated")
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"alignment must be a power of two, got {align}")
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        for off, size in self._gaps():
+            start = -(-(self.base + off) // align) * align - self.base
+            if start + nbytes <= off + size:
+                arr = DeviceArray(self.base + start, shape, dtype, owner=self, name=name)
+                self._blocks[name] = (start, nbytes, arr)
+                return arr
+        largest = max((s for _, s in self._gaps()), default=0)
+        raise OutOfMemoryError("Arena.alloc", -1, "ARENA_OUT_OF_MEMORY",
+                               f"arena {self.name!r}: buffer {name!r} asked {_fmt(nbytes)} "
+                               f"(shape {shape}, {np.dtype(dtype)}, align {align}); capacity "
+                               f"{_fmt(self.capacity)}, used {_fmt(self.used)} in {len(self._blocks)} "
+                               f"buffers, largest free gap {_fmt(largest)}\n{self.report()}")
+
+    def __getitem__(self, name: str) -> DeviceArray:
+        return self._blocks[name][2]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._blocks
+
+    def free(self, name: str):
+        if name not in self._blocks:
+            raise KeyError(f"arena {self.name!r}: no buffer {name!r}")
+        del self._blocks[name]
+
+    def reset(self):
+        self._blocks.clear()
+
+    def report(self, top: int = 20) -> str:
+        lines = [f"arena {self.name!r}: {_fmt(self.used)} used of {_fmt(self.capacity)} "
+                 f"in {len(self._blocks)} buffers"]
+        biggest = sorted(self._blocks.items(), key=lambda kv: -kv[1][1])
+        for name, (off, n, arr) in biggest[:top]:
+            lines.append(f"  {name:<32} {_fmt(n):>12}  @+{off:#x}  {arr.shape} {arr.dtype}")
+        if len(biggest) > top:
+            lines.append(f"  ... {len(biggest) - top} more")
+        return "\n".join(lines)
+
+
+class PinnedBuffer:
+    """Page-locked host memory (fast, truly asynchronous uploads)."""
+
+    def __init__(self, nbytes: int):
+        get_device()
+        self.nbytes = int(nbytes)
+        self.ptr = int(check(driver().cuMemHostAlloc(max(self.nbytes, 1), 0), "cuMemHostAlloc"))
+        self._finalizer = weakref.finalize(self, lambda p: driver().cuMemFreeHost(p), self.ptr)
+
+    def array(self, dtype=np.uint8, shape=None) -> np.ndarray:
+        """A numpy view of the buffer (valid while this PinnedBuffer lives)."""
+        dtype = np.dtype(dtype)
+        count = self.nbytes // dtype.itemsize if shape is None else math.prod(
+            shape if isinstance(shape, (tuple, list)) else (shape,))
+        if count * dtype.itemsize > self.nbytes:
+            raise ValueError(f"pinned buffer of {self.nbytes} bytes cannot hold {count} x {dtype}")
+        raw = (ctypes.c_char * self.nbytes).from_address(self.ptr)
+        arr = np.frombuffer(raw, dtype=dtype, count=count)
+        return arr.reshape(shape) if shape is not None else arr
+
+    def close(self):
+        self._finalizer()
+
+
+def upload_chunked(dst: DeviceArray, src, chunk_bytes: int = 64 << 20, progress=None, stream=None):
+    """Upload a large host array (a np.memmap is fine) through two pinned staging buffers, so the host
+    never holds a second full copy: while one chunk is copied to the device the next is staged.
+    progress(done_bytes, total_bytes) is called after each chunk is queued. Returns when all is done."""
+    src = np.asarray(src)
+    if src.nbytes != dst.nbytes:
+        raise ValueError(f"upload_chunked: source has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
+    if not src.flags.c_contiguous:
+        raise ValueError("upload_chunked: source must be C-contiguous")
+    flat = src.reshape(-1).view(np.uint8)
+    total = flat.size
+    chunk = max(1, min(chunk_bytes, total))
+    staging = [PinnedBuffer(chunk), PinnedBuffer(chunk)] if total else []
+    done_events = [None, None]
+    s = stream_handle(stream)
+    drv = driver()
+    for i, off in enumerate(range(0, total, chunk)):
+        n = min(chunk, total - off)
+        k = i % 2
+        if done_events[k] is not None:
+            done_events[k].synchronize()  # that buffer's previous copy has left the host
+        staging[k].array(np.uint8)[:n] = flat[off:off + n]
+        check(drv.cuMemcpyHtoDAsync(dst.ptr + off, staging[k].ptr, n, s), "cuMemcpyHtoDAsync")
+        done_events[k] = Event(timing=False).record(stream)
+        if progress is not None:
+            progress(off + n, total)
+    check(drv.cuStreamSynchronize(s), "cuStreamSynchronize")
+    return dst

@@ -1,0 +1,93 @@
+"""Streams, events and the timing helper."""
+from __future__ import annotations
+
+import statistics
+
+from .device import driver, get_device
+from .errors import check
+
+
+class Stream:
+    """A non-blocking stream on the current device (never the legacy default stream, which graphs
+    cannot capture)."""
+
+    def __init__(self):
+        get_device()
+        drv = driver()
+        self.handle = check(drv.cuStreamCreate(int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
+        self.ptr = int(self.handle)  # the raw CUstream, for the ctypes launch path
+
+    def synchronize(self):
+        check(driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+    def wait(self, event: "Event"):
+        check(driver().cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
+
+    def close(self):
+        if getattr(self, "handle", None) is not None:
+            check(driver().cuStreamDestroy(self.handle), "cuStreamDestroy")
+            self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the driver may be gone
+            pass
+
+
+_default: Stream | None = None
+
+
+def default_stream() -> Stream:
+    """One process-wide stream the runtime uses when a call gets stream=None."""
+    global _default
+    if _default is None:
+        _default = Stream()
+    return _default
+
+
+def stream_handle(stream) -> object:
+    """Stream | raw CUstream | None -> the CUstream to pass to the driver (None -> default_stream())."""
+    if stream is None:
+        return default_stream().handle
+    return getattr(stream, "handle", stream)
+
+
+class Event:
+    def __init__(self, timing: bool = True):
+        get_device()
+        drv = driver()
+        flags = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = check(drv.cuEventCreate(int(flags)), "cuEventCreate")
+
+    def record(self, stream=None) -> "Event":
+        check(driver().cuEventRecord(self.handle, stream_handle(stream)), "cuEventRecord")
+        return self
+
+    def synchronize(self):
+        check(driver().cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def elapsed_ms(self, other: "Event") -> float:
+        """Milliseconds from this event to `other` (both recorded; waits for `other`)."""
+        other.synchronize()
+        return check(driver().cuEventElapsedTime(self.handle, other.handle), "cuEventElapsedTime")
+
+    def __del__(self):
+        try:
+            driver().cuEventDestroy(self.handle)
+        except Exception:
+            pass
+
+
+def bench(fn, warmup: int = 5, iters: int = 50, stream=None) -> float:
+    """Median milliseconds of fn() over `iters` calls, each bracketed by events on `stream`."""
+    for _ in range(warmup):
+        fn()
+    starts = [Event() for _ in range(iters)]
+    ends = [Event() for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record(stream)
+        fn()
+        e.record(stream)
+    ends[-1].synchronize()
+    return statistics.median(s.elapsed_ms(e) for s, e in zip(starts, ends))

@@ -1,0 +1,432 @@
+"""Python entry points of the dense-model CUDA kernels (cutlass_kernels/dense_linear.cu, norm_rope.cu,
+tree_attention.cu, sampling.cu), on runtime.cuda DeviceArrays. One function per backend op, named after
+runtime/backends/base.py; the CUDA backend calls these.
+
+Conventions:
+- bf16 tensors are DeviceArrays of np.uint16; the caller passes the output buffer (`out`), so a captured
+  graph replays into the same memory. Nothing here allocates in steady state: scratch memory (split-K and
+  split-KV partials, split-K tickets) comes from a `Workspace` that grows only when a larger shape appears.
+- Row strides (`ld*`, in elements) let an op read or write one slice of a fused buffer, e.g. q/k/v of a
+  fused qkv projection, or a rope writing k straight into its cache slots. Default: contiguous rows.
+- Values that change between graph replays (the prefix length, the KV commit plan) are read by the
+  kernels from device memory; host ints are accepted too and uploaded (tests, eager use).
+- Shapes are checked before launch and errors name the op and the sizes.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from runtime.cuda import DeviceArray, empty, get_device, get_kernel
+
+BF16 = np.dtype(np.uint16)
+LN2 = math.log(2.0)
+
+
+def _need(cond: bool, op: str, msg: str):
+    if not cond:
+        raise ValueError(f"{op}: {msg}")
+
+
+def _bf16(a: DeviceArray, op: str, name: str):
+    _need(a.dtype == BF16, op, f"{name} must be bf16 (uint16 bits), got {a.dtype}")
+
+
+def _i32(v) -> np.int32:
+    return np.int32(int(v))
+
+
+class Workspace:
+    """Scratch device memory for split reductions: grows on demand, never shrinks. `tickets` are int32
+    counters the split-K kernel leaves at zero after every launch (allocated zeroed)."""
+
+    def __init__(self):
+        self._scratch: DeviceArray | None = None
+        self._tickets: DeviceArray | None = None
+
+    def scratch(self, nbytes: int) -> DeviceArray:
+        if self._scratch is None or self._scratch.nbytes < nbytes:
+            self._scratch = empty((max(nbytes, 256) // 4 + 1,), np.float32)
+        return self._scratch
+
+    def tickets(self, count: int) -> DeviceArray:
+        if self._tickets is None or self._tickets.size < count:
+            self._tickets = empty((max(count, 64),), np.int32)
+            self._tickets.fill_bytes(0)
+        return self._tickets
+
+
+_default_ws: Workspace | None = None
+
+
+def default_workspace() -> Workspace:
+    global _default_ws
+    if _default_ws is None:
+        _default_ws = Workspace()
+    return _default_ws
+
+
+def _scalar_on_device(value, what: str, op: str) -> DeviceArray:
+    """An int32 device scalar/vector from a DeviceArray (used as is) or host values (uploaded)."""
+    if isinstance(value, DeviceArray):
+        _need(value.dtype == np.int32, op, f"{what} must be int32 on the device")
+        return value
+    host = np.ascontiguousarray(np.atleast_1d(np.asarray(value, dtype=np.int64)).astype(np.int32))
+    dev = empty(host.shape, np.int32)
+    dev.upload(host)
+    return dev
+
+
+# ---------------------------------------------------------------- linear
+LINEAR_ROWS_PER_BLOCK = 128      # 8 warps x 16 W rows
+LINEAR_BLOCKS_PER_SM = 2         # 256 threads at <= 128 registers
+XRES_SMEM_CAP = 100 * 1024       # x slice per block, so two blocks fit an SM's 227 KB
+XRES_PARTIALS_CAP = 16 << 20     # split-K partials that stay in L2 (60 MB, shared with the W stream)
+_smem_raised: set = set()
+
+
+def _mt(M: int) -> int:
+    return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
+
+
+def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, kernel: str = "auto",
+                stages: int = 4, rt: int = 1):
+    """How `linear` launches: (entry, grid, block, k_per_split, dynamic smem).
+
+    M <= 64 -> the x-resident kernel. Its K split is picked by a small cost model: per-SM bytes of W in
+    the slowest wave (waves are ceil(blocks / (2 * SMs))) plus half the fp32 partial traffic (mostly L2),
+    fewest splits on ties; when the smem cap on its x slice forces partials beyond XRES_PARTIALS_CAP
+    (M = 64 at large N), or M > 64 (prefill), the chunked kernel, token tiles on blockIdx.z."""
+    mt = _mt(M)
+    row_blocks = -(-N // LINEAR_ROWS_PER_BLOCK)
+    if kernel == "auto":
+        if M > 64:
+            kernel = "chunked"
+        else:  # x-resident unless its smem-capped K split would push fp32 partials out of L2
+            plan = linear_plan(M, N, K, sm_count, splits, "xres", stages)
+            if plan[1][1] == 1 or plan[1][1] * M * N * 4 <= XRES_PARTIALS_CAP:
+                return plan
+            kernel = "chunked"
+    if kernel == "xres":
+        _need(M <= 64, "linear", f"the x-resident kernel takes M <= 64, got M = {M}")
+        units = -(-K // 64)
+        rows = 8 * mt
+        max_units = max(1, (XRES_SMEM_CAP // (2 * rows) - 32) // 64)
+        slots = LINEAR_BLOCKS_PER_SM * sm_count
+        if splits is None:
+            best = None
+            for s in range(1, min(units, 128) + 1):
+                per = -(-units // s)
+                if per > max_units:
+                    continue
+                s_eff = -(-units // per)
+                waves = -(-row_blocks * s_eff // slots)
+                cost = waves * LINEAR_BLOCKS_PER_SM * per * LINEAR_ROWS_PER_BLOCK * 128
+                if s_eff > 1:
+                    cost += 0.5 * s_eff * M * N * 8 / sm_count
+                if best is None or cost < best[0] - 1e-9:
+                    best = (cost, s_eff)
+            splits = best[1]
+        per = -(-units // max(1, min(int(splits), units)))
+        _need(per <= max_units, "linear", f"splits={splits} leaves {per * 64} k per block: x slice over smem cap")
+        splits = -(-units // per)
+        k_per_split = per * 64
+        entry = f"linear_bf16_xres_kernel<{mt}, {stages}>"
+        smem = rows * (k_per_split + 32) * 2
+        return entry, (row_blocks, splits, 1), k_per_split, smem
+    # chunked kernel (any M)
+    _need(rt == 1 or mt == 8, "linear", "rt=2 exists only for the 64-row token tile")
+    entry = f"linear_bf16_kernel<{mt}, {rt}>"
+    row_blocks = -(-N // (LINEAR_ROWS_PER_BLOCK * rt))
+    z = -(-M // (8 * mt))
+    chunk = 128 // rt
+    n_chunks = -(-K // chunk)
+    if splits is None:
+        splits = max(1, min(n_chunks, -(-LINEAR_BLOCKS_PER_SM * sm_count // (row_blocks * z))))
+    per = -(-n_chunks // max(1, min(int(splits), n_chunks)))
+    splits = -(-n_chunks // per)
+    return entry, (row_blocks, splits, z), per * chunk, 0
+
+
+def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None = None, *,
+           ldx: int | None = None, ldo: int | None = None, ldr: int | None = None,
+           ws: Workspace | None = None, splits: int | None = None, kernel: str = "auto", stages: int = 4,
+           rt: int = 1, stream=None) -> DeviceArray:
+    """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]) in bf16 with fp32 accumulation.
+    kernel/splits/stages/rt override the plan (benchmarks and tests)."""
+    op = "linear"
+    for a, n in ((x, "x"), (w, "w"), (out, "out")):
+        _bf16(a, op, n)
+    _need(len(w.shape) == 2, op, f"w must be [N, K], got {w.shape}")
+    N, K = w.shape
+    M = x.shape[0]
+    _need(x.shape[-1] == K, op, f"x {x.shape} does not match w {w.shape} (K = {K})")
+    _need(K % 8 == 0, op, f"K = {K} must be a multiple of 8 (16-byte weight loads)")
+    _need(out.shape[0] == M and out.shape[-1] == N, op, f"out {out.shape}, want [{M}, {N}]")
+    ldx, ldo = ldx or K, ldo or N
+    _need(ldx % 8 == 0, op, f"ldx = {ldx} must be a multiple of 8")
+    if residual is not None:
+        _bf16(residual, op, "residual")
+        _need(residual.shape[0] == M and residual.shape[-1] == N, op, f"residual {residual.shape}")
+        ldr = ldr or N
+    dev = get_device()
+    entry, grid, k_per_split, smem = linear_plan(M, N, K, dev.sm_count, splits, kernel, stages, rt)
+    ws = ws or default_workspace()
+    if grid[1] > 1:
+        scratch = ws.scratch(grid[1] * M * N * 4)
+        tickets = ws.tickets(grid[0] * grid[2])
+    else:
+        scratch = tickets = out  # unused by the kernel
+    kern = get_kernel("dense_linear", entry)
+    if smem > 48 * 1024 and entry not in _smem_raised:
+        kern.set_max_dynamic_smem(XRES_SMEM_CAP + 8192)
+        _smem_raised.add(entry)
+    kern.launch(grid, 256,
+                [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),
+                 _i32(ldr or 0), scratch, tickets, _i32(M), _i32(N), _i32(K), _i32(k_per_split)],
+                smem=smem, stream=stream)
+    return out
+
+
+# ---------------------------------------------------------------- norms, rope, elementwise
+def embedding(table: DeviceArray, ids: DeviceArray, out: DeviceArray, *, stream=None) -> DeviceArray:
+    """out[t] = table[ids[t]]; ids int32 on the device (ids outside [0, V) give zero rows)."""
+    op = "embedding"
+    _bf16(table, op, "table")
+    _bf16(out, op, "out")
+    V, H = table.shape
+    T = ids.size
+    _need(ids.dtype == np.int32, op, "ids must be int32")
+    _need(out.shape == (T, H), op, f"out {out.shape}, want {(T, H)}")
+    _need(H % 8 == 0, op, f"hidden {H} must be a multiple of 8")
+    get_kernel("norm_rope", "embedding_kernel").launch(
+        T, min(256, max(32, H // 8)), [table, ids, out, _i32(H), _i32(V)], stream=stream)
+    return out
+
+
+def rmsnorm(x: DeviceArray, weight: DeviceArray, out: DeviceArray, eps: float, *,
+            residual: DeviceArray | None = None, residual_out: DeviceArray | None = None,
+            ldx: int | None = None, ldo: int | None = None, stream=None) -> DeviceArray:
+    """out = rmsnorm(x (+ residual)) * weight over the last axis; with `residual`, h = bf16(x + residual)
+    is normalised and also written to `residual_out` (may be `residual` itself: the residual stream)."""
+    op = "rmsnorm"
+    for a, n in ((x, "x"), (weight, "weight"), (out, "out")):
+        _bf16(a, op, n)
+    H = weight.size
+    rows = x.size // x.shape[-1]
+    _need(x.shape[-1] == H and out.shape[-1] == H, op, f"x {x.shape}, weight {weight.shape}, out {out.shape}")
+    _need(H % 8 == 0 and H <= 8192, op, f"row length {H} must be a multiple of 8 and <= 8192")
+    threads = max(32, -(-(H // 8) // 32) * 32)
+    get_kernel("norm_rope", "rmsnorm_kernel").launch(
+        rows, threads,
+        [x, _i32(ldx or H), residual if residual is not None else np.uint64(0), _i32(H), weight,
+         out, _i32(ldo or H), residual_out if residual_out is not None else np.uint64(0), _i32(H),
+         _i32(H), np.float32(eps)], stream=stream)
+    return out
+
+
+def rope(x: DeviceArray, positions: DeviceArray, inv_freq: DeviceArray, out: DeviceArray, *,
+         n_heads: int, head_dim: int, attention_scaling: float = 1.0, interleaved: bool = False,
+         norm_weight: DeviceArray | None = None, eps: float = 1e-6, ldx: int | None = None,
+         ldo: int | None = None, stream=None) -> DeviceArray:
+    """Rotary embedding of x [T, n_heads, head_dim] (token stride ldx) into out (token stride ldo; may be
+    x, or a KV-cache slice: that is the kv_write). `norm_weight`: per-head RMSNorm first (Qwen3 q/k norm).
+    positions int32 [T]; inv_freq float32 [head_dim/2] with YaRN/llama3 scaling already applied."""
+    op = "rope"
+    _bf16(x, op, "x")
+    _bf16(out, op, "out")
+    D = head_dim
+    _need(D % 2 == 0 and D <= 256, op, f"head_dim {D} must be even and <= 256")
+    _need(positions.dtype == np.int32, op, "positions must be int32")
+    _need(inv_freq.dtype == np.float32 and inv_freq.size == D // 2, op, f"inv_freq must be float32 [{D // 2}]")
+    T = positions.size
+    items = T * n_heads
+    warps = 4
+    get_kernel("norm_rope", "rope_kernel").launch(
+        -(-items // warps), 32 * warps,
+        [x, _i32(ldx or n_heads * D), out, _i32(ldo or n_heads * D), positions, inv_freq,
+         np.float32(attention_scaling), _i32(1 if interleaved else 0),
+         norm_weight if norm_weight is not None else np.uint64(0), np.float32(eps),
+         _i32(T), _i32(n_heads), _i32(D)], stream=stream)
+    return out
+
+
+def swiglu(gate: DeviceArray, up: DeviceArray, out: DeviceArray, *, T: int | None = None, I: int | None = None,
+           ldg: int | None = None, ldu: int | None = None, ldo: int | None = None, stream=None) -> DeviceArray:
+    """out = silu(gate) * up over [T, I]; gate/up may be the halves of one [T, 2I] buffer (pass ld*)."""
+    op = "swiglu"
+    T = T if T is not None else out.shape[0]
+    I = I if I is not None else out.shape[-1]
+    _need(I % 8 == 0, op, f"I = {I} must be a multiple of 8")
+    blocks = min(-(-T * I // 8 // 256), 4 * get_device().sm_count * 8)
+    get_kernel("norm_rope", "swiglu_kernel").launch(
+        max(blocks, 1), 256, [gate, _i32(ldg or I), up, _i32(ldu or I), out, _i32(ldo or I), _i32(T), _i32(I)],
+        stream=stream)
+    return out
+
+
+def add(a: DeviceArray, b: DeviceArray, out: DeviceArray, *, stream=None) -> DeviceArray:
+    op = "add"
+    _need(a.size == b.size == out.size and a.size % 8 == 0, op, f"sizes {a.size}, {b.size}, {out.size}")
+    blocks = min(-(-a.size // 8 // 256), 8 * get_device().sm_count)
+    get_kernel("norm_rope", "add_kernel").launch(max(blocks, 1), 256, [a, b, out, np.int64(a.size)], stream=stream)
+    return out
+
+
+# ---------------------------------------------------------------- attention
+ATTN_ROWS_PER_BLOCK = 64
+ATTN_TILE_KEYS = 64
+
+
+def attention_smem_bytes(head_dim: int) -> int:
+    return 2 * 2 * ATTN_TILE_KEYS * (head_dim + 8) * 2  # K and V, two stages, padded rows
+
+
+def attention_splits(T: int, Hq: int, Hkv: int, max_keys: int, sm_count: int, head_dim: int = 128) -> int:
+    """KV splits so that the grid fits in one wave of resident blocks (2 per SM at d128: 208 registers;
+    3 at d64) without spilling into a mostly idle second wave; each split keeps >= 4 key tiles."""
+    blocks = -(-T * (Hq // Hkv) // ATTN_ROWS_PER_BLOCK) * Hkv
+    tiles = -(-max_keys // ATTN_TILE_KEYS)
+    slots = (2 if head_dim > 64 else 3) * sm_count
+    return int(max(1, min(slots // blocks, tiles // 4, 64)))
+
+
+def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_prefix, visibility: DeviceArray,
+              scale: float, out: DeviceArray, *, T: int | None = None, max_keys: int | None = None,
+              ldq: int | None = None, ldk: int | None = None, ldv: int | None = None, ldo: int | None = None,
+              splits: int | None = None, ws: Workspace | None = None, stream=None) -> DeviceArray:
+    """base.py `attention`: q [T, Hq, D] over cache slots [0, n_prefix + T) of k_cache/v_cache
+    [cap, Hkv, D]; prefix slots visible to all, new slot n_prefix + j visible to query i iff bit j of
+    visibility row i (uint32 [T, ceil(T/32)], on the device). n_prefix: int or int32 device scalar (then
+    pass max_keys, an upper bound on n_prefix + T, to size the KV split)."""
+    op = "attention"
+    for a, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (out, "out")):
+        _bf16(a, op, n)
+    T = T if T is not None else q.shape[0]
+    Hq, D = q.shape[-2], q.shape[-1]
+    cap, Hkv, Dk = k_cache.shape[-3:]
+    _need(Dk == D and v_cache.shape[-1] == D, op, f"head dims q {D}, k {Dk}, v {v_cache.shape[-1]} must agree")
+    _need(D in (64, 128), op, f"head_dim {D}: kernels exist for 64 and 128")
+    _need(Hq % Hkv == 0, op, f"Hq = {Hq} not a multiple of Hkv = {Hkv}")
+    words = -(-T // 32)
+    _need(visibility.dtype == np.uint32 and visibility.size >= T * words, op,
+          f"visibility must be uint32 [{T}, {words}], got {visibility.dtype} {visibility.shape}")
+    if not isinstance(n_prefix, DeviceArray):
+        _need(0 <= int(n_prefix) and int(n_prefix) + T <= cap, op, f"n_prefix {n_prefix} + T {T} > capacity {cap}")
+        max_keys = int(n_prefix) + T
+    _need(max_keys is not None, op, "pass max_keys with a device n_prefix")
+    n_prefix_dev = _scalar_on_device(n_prefix, "n_prefix", op)
+    dev = get_device()
+    if splits is None:
+        splits = attention_splits(T, Hq, Hkv, max_keys, dev.sm_count, D)
+    G = Hq // Hkv
+    grid = (-(-T * G // ATTN_ROWS_PER_BLOCK), Hkv, splits)
+    ws = ws or default_workspace()
+    if splits > 1:
+        scratch = ws.scratch(splits * T * Hq * (D + 1) * 4)
+        ws_o = scratch
+        ws_lse = scratch.view(splits * T * Hq * D, (splits * T * Hq,))
+    else:
+        ws_o = ws_lse = out  # unused
+    kern = get_kernel("tree_attention", f"tree_attention_kernel<{D}>")
+    smem = attention_smem_bytes(D)
+    if smem > 48 * 1024:
+        kern.set_max_dynamic_smem(smem)
+    ldo = ldo or Hq * D
+    kern.launch(grid, 128,
+                [q, _i32(ldq or Hq * D), k_cache, _i32(ldk or Hkv * D), v_cache, _i32(ldv or Hkv * D),
+                 visibility, _i32(words), n_prefix_dev, out, _i32(ldo), ws_o, ws_lse,
+                 _i32(T), _i32(Hq), _i32(Hkv), np.float32(scale / LN2)],
+                smem=smem, stream=stream)
+    if splits > 1:
+        get_kernel("tree_attention", f"attention_combine_kernel<{D}>").launch(
+            T * Hq, D, [ws_o, ws_lse, _i32(splits), out, _i32(ldo), _i32(T), _i32(Hq)], stream=stream)
+    return out
+
+
+# ---------------------------------------------------------------- sampling, KV commit
+def _logits_checks(logits: DeviceArray, op: str, V: int | None, ld: int | None):
+    _bf16(logits, op, "logits")
+    rows = logits.shape[0]
+    V = V or logits.shape[-1]
+    ld = ld or logits.shape[-1]
+    _need(ld % 8 == 0, op, f"row stride {ld} must be a multiple of 8 (16-byte loads)")
+    return rows, V, ld
+
+
+def log_softmax_topk(logits: DeviceArray, k: int, out_logp: DeviceArray, out_ids: DeviceArray, *,
+                     V: int | None = None, ld: int | None = None, stream=None):
+    """Per row of bf16 logits [L, V]: the k largest log_softmax values (float32 [L, k], descending) and
+    their ids (int32 [L, k]); ties: lower id first. Exact; k <= 1024."""
+    op = "log_softmax_topk"
+    rows, V, ld = _logits_checks(logits, op, V, ld)
+    _need(1 <= k <= min(1024, V), op, f"k = {k} must be in 1..min(1024, V = {V})")
+    _need(out_logp.dtype == np.float32 and out_logp.size >= rows * k, op, "out_logp must be float32 [L, k]")
+    _need(out_ids.dtype == np.int32 and out_ids.size >= rows * k, op, "out_ids must be int32 [L, k]")
+    get_kernel("sampling", "log_softmax_topk_kernel").launch(
+        rows, 1024, [logits, _i32(ld), _i32(V), _i32(k), out_logp, out_ids], stream=stream)
+    return out_logp, out_ids
+
+
+def argmax(logits: DeviceArray, out: DeviceArray, *, V: int | None = None, ld: int | None = None,
+           stream=None) -> DeviceArray:
+    """out[row] = index of the row's largest logit (ties: lowest index); int32 [rows]."""
+    op = "argmax"
+    rows, V, ld = _logits_checks(logits, op, V, ld)
+    _need(out.dtype == np.int32 and out.size >= rows, op, "out must be int32 [rows]")
+    get_kernel("sampling", "argmax_kernel").launch(rows, 256, [logits, _i32(ld), _i32(V), out], stream=stream)
+    return out
+
+
+def sample(logits: DeviceArray, temperature: float, uniforms: DeviceArray, out: DeviceArray, *,
+           V: int | None = None, ld: int | None = None, stream=None) -> DeviceArray:
+    """base.py `sample`: per row, the first index whose cumulative softmax(logits / T) mass exceeds
+    uniforms[row] * total. uniforms float32 [rows] on the device; out int32 [rows]."""
+    op = "sample"
+    rows, V, ld = _logits_checks(logits, op, V, ld)
+    _need(temperature > 0, op, f"temperature {temperature} must be > 0 (use argmax for greedy)")
+    _need(uniforms.dtype == np.float32 and uniforms.size >= rows, op, "uniforms must be float32 [rows]")
+    _need(out.dtype == np.int32 and out.size >= rows, op, "out must be int32 [rows]")
+    get_kernel("sampling", "sample_kernel").launch(
+        rows, 256, [logits, _i32(ld), _i32(V), np.float32(1.0 / temperature), uniforms, out], stream=stream)
+    return out
+
+
+class KVPlanes:
+    """The cache planes a KV commit moves rows in (every layer's K and V, plus any per-token buffer such
+    as tap-layer hidden states): their device pointers, uploaded once. All rows have the same byte size."""
+
+    def __init__(self, caches: list[DeviceArray]):
+        _need(len(caches) > 0, "kv_compact", "no cache planes")
+        row_bytes = {c.nbytes // c.shape[0] for c in caches}
+        _need(len(row_bytes) == 1, "kv_compact", f"planes have different row sizes {sorted(row_bytes)}")
+        self.row_bytes = row_bytes.pop()
+        _need(self.row_bytes % 16 == 0, "kv_compact", f"row of {self.row_bytes} bytes is not a multiple of 16")
+        self.capacity = min(c.shape[0] for c in caches)
+        self.count = len(caches)
+        self.caches = list(caches)  # keeps them alive
+        self.pointers = empty((self.count,), np.uint64)
+        self.pointers.upload(np.array([c.ptr for c in caches], dtype=np.uint64))
+
+
+def kv_compact(planes: KVPlanes, src_slots, dst_start=None, *, meta: DeviceArray | None = None,
+               stream=None):
+    """For every plane: cache[dst_start + i] = cache[src_slots[i]], i < m (base.py `kv_compact`; src_slots
+    ascending, src_slots[i] >= dst_start + i). Graph use: src_slots int32 device [max_m] and
+    meta int32 device [2] = (dst_start, m). Eager use: host src_slots and dst_start are uploaded."""
+    op = "kv_compact"
+    if meta is None:
+        host = np.asarray(src_slots, dtype=np.int64)
+        _need(dst_start is not None, op, "dst_start is required without meta")
+        _need(np.all(host >= int(dst_start) + np.arange(host.size)), op,
+              "src_slots[i] must be >= dst_start + i (ascending accepted nodes after the prefix)")
+        _need(host.size == 0 or (host.max() < planes.capacity and int(dst_start) + host.size <= planes.capacity),
+              op, f"slots exceed the cache capacity {planes.capacity}")
+        meta = _scalar_on_device([int(dst_start), host.size], "meta", op)
+        src_slots = _scalar_on_device(host if host.size else [0], "src_slots", op)
+    vecs = planes.row_bytes // 16
+    threads = min(256, max(32, vecs))
+    get_kernel("sampling", "kv_compact_kernel").launch(
+        (-(-vecs // threads), planes.count), threads,
+        [planes.pointers, _i32(planes.row_bytes), src_slots, meta], stream=stream)

@@ -1,0 +1,193 @@
+"""Decoding loops over a target model (and a DFlash drafter): prefill, autoregressive decode, DFlash chain
+decode, DDTree decode. Batch 1. Greedy (temperature 0) or seeded sampling.
+
+One speculative round (DESIGN.md, "One DDTree round"), with `start` = committed tokens in the target cache and
+`bonus` = the last emitted token (at position start, not yet in the cache):
+  draft   drafter over [bonus, MASK...] at positions start.., target lm_head on rows 1..      -> [B-1, V]
+  tree    ddtree: log_softmax top-K per row -> build_tree (budget); chain: argmax -> chain_tree
+  verify  target forward over the tree's tokens at positions start + depth with its visibility bitmask
+  walk    the target's token at each node (argmax, or a sample from softmax(logits / T)); follow matching
+          children from the root; the first miss is the next bonus. Lossless at any temperature: every
+          emitted token is the target's own choice at a node whose path is exactly the emitted prefix.
+  commit  compact the accepted nodes' KV to slots start..start+m-1; their tap hidden states become drafter
+          context at those positions.
+Both caches keep `length` equal (the drafter's context covers exactly the committed tokens).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from runtime.backends.base import causal_visibility
+
+MODES = ("ar", "chain", "ddtree")
+
+
+@dataclass
+class RoundStats:
+    committed: int                      # tokens emitted this round (accepted drafts + the bonus)
+    tree_size: int                      # nodes verified (incl. root); 1 for an AR step
+    times: dict                         # stage -> seconds
+
+
+@dataclass
+class GenerationResult:
+    tokens: list                        # generated token ids (stop token included when hit)
+    stop_reason: str                    # "stop_token" | "max_new_tokens"
+    prefill_s: float
+    decode_s: float
+    rounds: list = field(default_factory=list)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens committed per decode round (1.0 for AR)."""
+        return float(np.mean([r.committed for r in self.rounds])) if self.rounds else 0.0
+
+    def stage_times(self) -> dict:
+        out: dict = {}
+        for r in self.rounds:
+            for k, v in r.times.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+
+class Engine:
+    def __init__(self, target, drafter=None):
+        self.target, self.drafter = target, drafter
+        self.backend = target.backend
+        self._tree_workspace = None
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _pick(self, logits, temperature: float, rng) -> np.ndarray:
+        """The target's token per row: argmax at T=0, else a seeded sample of softmax(logits / T)."""
+        b = self.backend
+        if temperature <= 0.0:
+            return b.to_host(b.argmax(logits)).astype(np.int32)
+        u = rng.random(logits.shape[0], dtype=np.float64).astype(np.float32)
+        return b.to_host(b.sample(logits, temperature, b.from_host(u))).astype(np.int32)
+
+    def _taps_concat(self, tapped: dict):
+        ids = self.drafter.target_layer_ids
+        return self.backend.concat([tapped[i] for i in ids]) if len(ids) > 1 else tapped[ids[0]]
+
+    # ---- public -------------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[int], *, mode: str = "ar", max_new_tokens: int = 64,
+                 temperature: float = 0.0, seed: int = 0, stop_token_ids: Sequence[int] = (),
+                 budget: int = 64, on_tokens: Optional[Callable[[list], None]] = None) -> GenerationResult:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode != "ar" and self.drafter is None:
+            raise ValueError(f"mode {mode!r} needs a drafter")
+        if budget < 1:
+            raise ValueError(f"budget must be >= 1, got {budget}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        if prompt.ndim != 1 or len(prompt) == 0:
+            raise ValueError("prompt_ids must be a non-empty 1-D token list")
+        b, tgt = self.backend, self.target
+        stops = set(int(t) for t in stop_token_ids)
+        rng = np.random.default_rng(seed)
+        p = len(prompt)
+        block = self.drafter.block_size if self.drafter is not None else 1
+        capacity = p + max_new_tokens + max(budget, block) + 2
+        cache = tgt.new_cache(capacity)
+        taps = self.drafter.target_layer_ids if mode != "ar" else ()
+        dcache = self.drafter.new_cache(capacity + block) if mode != "ar" else None
+
+        # prefill
+        t0 = time.perf_counter()
+        h, tapped = tgt.forward(cache, b.from_host(prompt), b.from_host(np.arange(p, dtype=np.int32)),
+                                b.from_host(causal_visibility(p)), taps)
+        cache.length = p
+        first = int(self._pick(tgt.logits(h[p - 1:]), temperature, rng)[0])
+        if dcache is not None:
+            self.drafter.add_context(dcache, self._taps_concat(tapped), b.from_host(np.arange(p, dtype=np.int32)))
+        prefill_s = time.perf_counter() - t0
+
+        out = [first]
+        if on_tokens:
+            on_tokens([first])
+        rounds: list = []
+        stop_reason = "stop_token" if first in stops else ""
+        t_decode = time.perf_counter()
+        while not stop_reason and len(out) < max_new_tokens:
+            if mode == "ar":
+                new, stats = self._ar_step(cache, out[-1], temperature, rng)
+            else:
+                new, stats = self._spec_round(cache, dcache, out[-1], mode, budget, temperature, rng)
+            new = new[:max_new_tokens - len(out)]
+            for i, tok in enumerate(new):
+                if tok in stops:
+                    new = new[:i + 1]
+                    stop_reason = "stop_token"
+                    break
+            out.extend(new)
+            stats.committed = len(new)          # what was emitted after max_new_tokens / stop truncation
+            rounds.append(stats)
+            if on_tokens:
+                on_tokens(list(new))
+        return GenerationResult(tokens=out, stop_reason=stop_reason or "max_new_tokens", prefill_s=prefill_s,
+                                decode_s=time.perf_counter() - t_decode, rounds=rounds)
+
+    def _ar_step(self, cache, last: int, temperature, rng):
+        b, tgt = self.backend, self.target
+        t0 = time.perf_counter()
+        pos = cache.length
+        h, _ = tgt.forward(cache, b.from_host(np.array([last], np.int32)), b.from_host(np.array([pos], np.int32)),
+                           b.from_host(causal_visibility(1)))
+        cache.length += 1
+        tok = int(self._pick(tgt.logits(h), temperature, rng)[0])
+        return [tok], RoundStats(committed=1, tree_size=1, times={"verify": time.perf_counter() - t0})
+
+    def _spec_round(self, cache, dcache, bonus: int, mode: str, budget: int, temperature, rng):
+        from runtime.accept import walk
+        from runtime.tree import DraftTree, build_tree, chain_tree
+        b, tgt, d = self.backend, self.target, self.drafter
+        times = {}
+        start = cache.length
+        assert dcache.length == start, "drafter context out of step with the target cache"
+
+        t = time.perf_counter()
+        block_ids = np.full(d.block_size, d.mask_token_id, np.int32)
+        block_ids[0] = bonus
+        dh = d.draft(dcache, tgt.embed(b.from_host(block_ids)),
+                     b.from_host(start + np.arange(d.block_size, dtype=np.int32)))
+        draft_logits = tgt.logits(dh[1:])
+        times["draft"] = (t2 := time.perf_counter()) - t
+
+        if mode == "ddtree":
+            k = min(budget, tgt.vocab_size)
+            logp, ids = b.log_softmax_topk(draft_logits, k)
+            logp, ids = b.to_host(logp), b.to_host(ids)
+            n = min(budget, logp.shape[0] * k)
+            if self._tree_workspace is None or self._tree_workspace.capacity < n:
+                self._tree_workspace = DraftTree(n)
+            tree = build_tree(logp, ids, n, bonus, out=self._tree_workspace)
+        else:
+            tree = chain_tree(b.to_host(b.argmax(draft_logits)).astype(np.int32), bonus)
+        tokens, depths, vis = tree.tokens.copy(), tree.depths.copy(), tree.visibility.copy()
+        times["tree"] = (t3 := time.perf_counter()) - t2
+
+        h, tapped = tgt.forward(cache, b.from_host(tokens), b.from_host(start + depths), b.from_host(vis),
+                                d.target_layer_ids)
+        target_tokens = self._pick(tgt.logits(h), temperature, rng)
+        times["verify"] = (t4 := time.perf_counter()) - t3
+
+        accepted, new_bonus = walk(tree, target_tokens)
+        times["walk"] = (t5 := time.perf_counter()) - t4
+
+        m = len(accepted)
+        moved = np.nonzero(accepted != np.arange(m))[0]
+        if len(moved):
+            first = int(moved[0])
+            cache.compact(b, b.from_host((start + accepted[first:]).astype(np.int32)), start + first)
+        cache.length = start + m
+        ctx = b.embedding(self._taps_concat(tapped), b.from_host(accepted))      # gather the accepted rows
+        d.add_context(dcache, ctx, b.from_host(start + np.arange(m, dtype=np.int32)))
+        times["commit"] = time.perf_counter() - t5
+        new = [int(x) for x in tokens[accepted[1:]]] + [int(new_bonus)]
+        return new, RoundStats(committed=len(new), tree_size=len(tokens), times=times)

@@ -1,0 +1,310 @@
+"""Kimi K2.x kernels on device buffers: MoE routing, the INT4 W4A16 MoE layer, MLA absorbed attention.
+
+Kernel sources: cutlass_kernels/moe_routing.cu, moe_int4.cu, mla_verify.cu (design notes at their tops).
+Numpy references: runtime/kimi_reference.py. Benchmarks: tools/bench_moe.py, tools/bench_mla.py.
+
+INT4 expert layout (`repack_int4_experts`, cached by loader.int4): for a matrix [N, K] (N output rows):
+  packed uint32 [N/16, K/64, 32, 4]: row block, 64-wide K unit, lane, word. Lane l = 4g + t holds the mma
+    A fragments of rows g and g+8 for 4 k16 steps; inside a unit the K order is permuted so that lane t
+    covers physical columns 16t..16t+15 (step s: columns 16t+4s..16t+4s+3). Word s, nibble i holds row
+    g + 8*(i & 1), column 16t + 4s + 2*((i >> 1) & 1) + (i >> 2), as q + 8.
+  scales uint16 (bf16) [N/16, K/512, 16, 8, 2]: row block, 512-wide superblock, lane pair p = 2g + (t >> 1),
+    unit u, row half r: scale of row 16rb + g + 8r, group (512sb + 64u)/32 + (t >> 1).
+Requirements: N % 16 == 0, K % 512 == 0 (Kimi: 2048 and 7168).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+GROUP = 32
+KIMI_TOPK = 8
+KIMI_SCALING = 2.827
+
+# ------------------------------------------------------------------------------------------------------
+# Weight repack (CPU, numpy; runs once per tensor at load, cached on disk by loader.int4)
+
+
+def _nibble_coords():
+    """For nibble i of a word: (row half, column inside the lane's 4-column step group)."""
+    i = np.arange(8)
+    return i & 1, 2 * ((i >> 1) & 1) + (i >> 2)
+
+
+def repack_int4_experts(weight_packed: np.ndarray, weight_scale: np.ndarray, weight_shape):
+    """compressed-tensors pack-quantized INT4 -> this module's kernel layout.
+
+    weight_packed int32 [N, K/8] or [E, N, K/8]; weight_scale bf16 bits (uint16) [N, K/32] or [E, N, K/32];
+    weight_shape (N, K). Returns (packed uint32 [(E,) N/16, K/64, 32, 4], scales uint16 [(E,) N/16, K/512,
+    16, 8, 2])."""
+    n, k = (int(v) for v in np.asarray(weight_shape).ravel()[-2:])
+    wp = np.asarray(weight_packed)
+    ws = np.asarray(weight_scale)
+    if wp.ndim == 3:
+        outs = [repack_int4_experts(wp[e], ws[e], (n, k)) for e in range(wp.shape[0])]
+        return np.stack([o[0] for o in outs]), np.stack([o[1] for o in outs])
+    if n % 16 or k % 512:
+        raise ValueError(f"INT4 MoE layout needs N % 16 == 0 and K % 512 == 0, got N={n}, K={k}")
+    if wp.shape != (n, k // 8) or ws.shape != (n, k // GROUP):
+        raise ValueError(f"weight_packed {wp.shape} / weight_scale {ws.shape} do not match shape ({n}, {k}) "
+                         f"with group {GROUP}")
+    words = np.ascontiguousarray(wp).view(np.uint32)
+    nib = ((words[:, :, None] >> (np.arange(8, dtype=np.uint32) * 4)) & 0xF).reshape(n, k)   # q + 8
+    # [rb, rhalf, g, unit, t, s, c] with row = 16rb + 8rhalf + g and column = 64unit + 16t + 4s + c
+    q = nib.reshape(n // 16, 2, 8, k // 64, 4, 4, 4).transpose(0, 3, 2, 4, 5, 1, 6)  # rb, u, g, t, s, rh, c
+    rh, col = _nibble_coords()
+    packed = np.zeros(q.shape[:5], np.uint32)
+    for i in range(8):
+        packed |= q[..., rh[i], col[i]].astype(np.uint32) << np.uint32(4 * i)
+    packed = packed.reshape(n // 16, k // 64, 32, 4)
+    # scales [N, K/32] -> [rb, r, g, sb, u, th] -> [rb, sb, g, th, u, r]
+    sc = np.ascontiguousarray(ws).view(np.uint16).reshape(n // 16, 2, 8, k // 512, 8, 2)
+    scales = sc.transpose(0, 3, 2, 5, 4, 1).reshape(n // 16, k // 512, 16, 8, 2)
+    return np.ascontiguousarray(packed), np.ascontiguousarray(scales)
+
+
+def unrepack_int4_experts(packed: np.ndarray, scales: np.ndarray, weight_shape):
+    """The inverse of repack_int4_experts for one matrix: (weight_packed int32 [N, K/8], weight_scale uint16)."""
+    n, k = (int(v) for v in weight_shape)
+    rh, col = _nibble_coords()
+    w = np.asarray(packed, np.uint32).reshape(n // 16, k // 64, 8, 4, 4)      # rb, u, g, t, s
+    q = np.zeros((n // 16, k // 64, 8, 4, 4, 2, 4), np.uint32)                 # rb, u, g, t, s, rh, c
+    for i in range(8):
+        q[..., rh[i], col[i]] = (w >> np.uint32(4 * i)) & 0xF
+    nib = q.transpose(0, 5, 2, 1, 3, 4, 6).reshape(n, k)
+    words = np.zeros((n, k // 8), np.uint32)
+    nib8 = nib.reshape(n, k // 8, 8)
+    for i in range(8):
+        words |= nib8[:, :, i] << np.uint32(4 * i)
+    sc = np.asarray(scales, np.uint16).reshape(n // 16, k // 512, 8, 2, 8, 2)  # rb, sb, g, th, u, r
+    ws = sc.transpose(0, 5, 2, 1, 4, 3).reshape(n, k // GROUP)
+    return words.view(np.int32), np.ascontiguousarray(ws)
+
+
+def _register_repacker():
+    try:
+        from loader.int4 import register_int4_repacker
+    except ImportError:   # loader not importable: the function still works directly
+        return
+
+    def fn(weight_packed, weight_scale, shape):
+        packed, scales = repack_int4_experts(weight_packed, weight_scale, shape)
+        return {"packed": packed, "scales": scales}
+
+    register_int4_repacker(fn, name="kimi_moe_w4a16", version="1")
+
+
+_register_repacker()
+
+# ------------------------------------------------------------------------------------------------------
+# GPU side
+
+
+def _cuda():
+    from . import cuda
+    return cuda
+
+
+I32, F32 = np.int32, np.float32
+
+
+@dataclass
+class MoeWeights:
+    """Repacked INT4 experts on the device: gate/up [E, I/16, K/64, 32, 4] (+ scales), down [E, K/16, I/64, ..]."""
+    num_experts: int
+    hidden: int          # K of gate/up, N of down (7168)
+    inter: int           # N of gate/up, K of down (2048)
+    gate_q: object
+    gate_s: object
+    up_q: object
+    up_s: object
+    down_q: object
+    down_s: object
+
+    @property
+    def bytes_per_expert(self) -> int:
+        return sum(a.nbytes for a in (self.gate_q, self.gate_s, self.up_q, self.up_s, self.down_q,
+                                      self.down_s)) // self.num_experts
+
+    @classmethod
+    def upload(cls, gate, up, down):
+        """gate/up/down: (packed, scales) numpy pairs from repack_int4_experts, stacked over experts."""
+        cuda = _cuda()
+        e = gate[0].shape[0]
+        inter, hidden = gate[0].shape[1] * 16, gate[0].shape[2] * 64
+        if down[0].shape[1] * 16 != hidden or down[0].shape[2] * 64 != inter:
+            raise ValueError(f"down {down[0].shape} does not match gate {gate[0].shape}")
+        d = [cuda.to_device(np.ascontiguousarray(a)) for pair in (gate, up, down) for a in pair]
+        return cls(e, hidden, inter, *d)
+
+
+# Variant per token-bucket: (gate_up entry, down entry). RB, WN, KS, NTMAX as in the kernel template.
+# Chosen from tools/bench_moe.py on the H200 (docs/PERF.md); every entry of the registry table works.
+DEFAULT_VARIANTS = {
+    8: ("moe_w4a16_kernel<0, 2, 4, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1>"),
+    64: ("moe_w4a16_kernel<0, 2, 4, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1>"),
+    256: ("moe_w4a16_kernel<0, 2, 4, 1, 2>", "moe_w4a16_kernel<1, 2, 4, 1, 2>"),
+    1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4>", "moe_w4a16_kernel<1, 2, 4, 1, 4>"),
+}
+
+
+def variant_params(entry: str) -> tuple[int, ...]:
+    """"moe_w4a16_kernel<0, 2, 4, 1, 1>" -> (MODE, RB, WN, KS, NTMAX)."""
+    return tuple(int(v) for v in entry[entry.index("<") + 1:entry.index(">")].split(","))
+
+
+def default_variants(tokens: int) -> tuple[str, str]:
+    for bound in sorted(DEFAULT_VARIANTS):
+        if tokens <= bound:
+            return DEFAULT_VARIANTS[bound]
+    raise AssertionError
+
+
+class MoeLayer:
+    """The routed MoE of one layer for a fixed token count T (a graph bucket): buffers allocated once,
+    launches packed once. `forward(stream)` runs routing -> gate_up -> down -> combine on the device.
+
+    Inputs (fill before forward): .x bf16 [T, hidden], .logits fp32 [T, E] (router logits), optional
+    shared-expert output bf16 [T, hidden] passed at construction. Output: .y bf16 [T, hidden]."""
+
+    def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
+                 n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+                 routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None):
+        cuda = _cuda()
+        w = self.weights = weights
+        T, E = int(tokens), w.num_experts
+        if not 1 <= topk <= 16 or E > 512 or (n_group > 1 and (E % n_group or n_group > 32)):
+            raise ValueError(f"unsupported routing: E={E}, topk={topk}, n_group={n_group}")
+        self.T, self.E, self.topk = T, E, topk
+        P = T * topk
+        self.num_slots = min(E, P)
+        self.bias = cuda.to_device(np.asarray(bias, np.float32).reshape(E))
+        self.x = cuda.empty((T, w.hidden), np.uint16)
+        self.logits = cuda.empty((T, E), np.float32)
+        self.topk_ids = cuda.empty((T, topk), np.int32)
+        self.topk_w = cuda.empty((T, topk), np.float32)
+        self.expert_count = cuda.empty((E,), np.int32)
+        self.slot_expert = cuda.empty((self.num_slots,), np.int32)
+        self.slot_offset = cuda.empty((self.num_slots,), np.int32)
+        self.slot_count = cuda.empty((self.num_slots,), np.int32)
+        self.sorted_token = cuda.empty((P,), np.int32)
+        self.assign_pos = cuda.empty((T, topk), np.int32)
+        self.h = cuda.empty((P, w.inter), np.uint16)
+        self.down_out = cuda.empty((P, w.hidden), np.float32)
+        self.y = cuda.empty((T, w.hidden), np.uint16)
+        self.shared = shared
+
+        topk_k = cuda.get_kernel("moe_routing", "moe_topk_kernel")
+        group_k = cuda.get_kernel("moe_routing", "moe_group_kernel")
+        group_smem = (P + 2 * E) * 4
+        if group_smem > 48 * 1024:
+            group_k.set_max_dynamic_smem(group_smem)
+        gu_entry, dn_entry = variants or default_variants(T)
+        self.variants = (gu_entry, dn_entry)
+        launches = [
+            topk_k.prepare(((T + 3) // 4,), (128,), [
+                self.logits, self.bias, I32(T), I32(E), I32(topk), I32(n_group), I32(topk_group),
+                I32(int(norm_topk_prob)), F32(routed_scaling_factor), self.topk_ids, self.topk_w]),
+            group_k.prepare((1,), (1024,), [
+                self.topk_ids, I32(T), I32(topk), I32(E), I32(self.num_slots), self.expert_count,
+                self.slot_expert, self.slot_offset, self.slot_count, self.sorted_token, self.assign_pos],
+                smem=group_smem),
+            self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q, w.up_s, w.inter, w.hidden,
+                              self.h),
+            self._gemm_launch(dn_entry, self.h, w.inter, w.down_q, w.down_s, w.down_q, w.down_s, w.hidden,
+                              w.inter, self.down_out),
+            cuda.get_kernel("moe_int4", "moe_combine_kernel").prepare(
+                (T, (w.hidden // 4 + 255) // 256), (256,), [
+                    self.down_out, self.topk_w, self.assign_pos,
+                    shared if shared is not None else np.uint64(0), self.y, I32(w.hidden), I32(topk)]),
+        ]
+        self.launches = launches
+
+    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out):
+        cuda = _cuda()
+        mode, rb, wn, ks, _ = variant_params(entry)
+        rbm = rb // 2 if mode == 0 else rb
+        if n_rows % (16 * rbm * wn) or k % 512:
+            raise ValueError(f"{entry}: N={n_rows} must be a multiple of {16 * rbm * wn} and K={k} of 512")
+        grid = (n_rows // (16 * rbm * wn), self.num_slots)
+        return cuda.get_kernel("moe_int4", entry).prepare(grid, (32 * wn * ks,), [
+            x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
+            self.slot_count, self.sorted_token, out])
+
+    def forward(self, stream=None, stages=None):
+        """Launch the layer (or only the named stages: 'route', 'gate_up', 'down', 'combine')."""
+        names = ("route", "route", "gate_up", "down", "combine")
+        for name, launch in zip(names, self.launches):
+            if stages is None or name in stages:
+                launch(stream)
+
+
+# ------------------------------------------------------------------------------------------------------
+# MLA
+
+MLA_D, MLA_DV = 576, 512
+_MLA_BM, _MLA_BN, _MLA_LD = 64, 32, 584
+MLA_SMEM = (_MLA_BM * _MLA_LD + 2 * _MLA_BN * _MLA_LD) * 2 + 2 * 4 * 4 * 4 * 32 * 4
+
+
+def mla_splits(rows: int, kv_len: int, sm_count: int = 132) -> int:
+    """KV splits so that about one wave of blocks runs (one 165 KB block per SM)."""
+    tiles = (rows + _MLA_BM - 1) // _MLA_BM
+    return max(1, min((sm_count + tiles - 1) // tiles, (kv_len + 255) // 256))
+
+
+class MlaAttention:
+    """Absorbed MLA attention for Tq queries x H heads over a [prefix_len + Tq, 576] latent cache, with a
+    tree mask (uint32 [Tq, W], bit j of row i: node j visible to query i) or causal (mask None: prefill).
+    Buffers: .q bf16 [Tq, H, 576] (absorbed latent query + rope query), .out bf16 [Tq, H, 512]. The cache and
+    mask are caller buffers. Shapes are fixed (a graph bucket); prefix_len can be patched via set_prefix()."""
+
+    def __init__(self, tq: int, heads: int, kv, prefix_len: int, softmax_scale: float, mask=None,
+                 splits: int | None = None):
+        cuda = _cuda()
+        self.tq, self.heads = int(tq), int(heads)
+        if 64 % self.heads and self.heads % 64:
+            raise ValueError(f"heads={heads}: must divide 64 or be a multiple of it")
+        rows = self.tq * self.heads
+        kv_len = prefix_len + self.tq
+        if kv.shape[0] < kv_len or kv.shape[-1] != MLA_D:
+            raise ValueError(f"kv cache {kv.shape} too small for prefix {prefix_len} + {tq} nodes")
+        dev = cuda.get_device()
+        self.splits = splits or mla_splits(rows, kv_len, dev.sm_count)
+        split_len = math.ceil(kv_len / self.splits / _MLA_BN) * _MLA_BN
+        self.q = cuda.empty((self.tq, self.heads, MLA_D), np.uint16)
+        self.out = cuda.empty((self.tq, self.heads, MLA_DV), np.uint16)
+        ws_splits = self.splits if self.splits > 1 else 1
+        self.part_o = cuda.empty((ws_splits, rows, MLA_DV), np.float32)
+        self.part_ml = cuda.empty((ws_splits, rows, 2), np.float32)
+        k = cuda.get_kernel("mla_verify", "mla_attention_kernel")
+        k.set_max_dynamic_smem(MLA_SMEM)
+        words = mask.shape[1] if mask is not None else 0
+        self.attn = k.prepare(((rows + _MLA_BM - 1) // _MLA_BM, 1, self.splits), (256,), [
+            self.q, kv, mask if mask is not None else np.uint64(0), I32(words), I32(self.tq), I32(self.heads),
+            I32(prefix_len), F32(softmax_scale), I32(split_len), self.out, self.part_o, self.part_ml],
+            smem=MLA_SMEM)
+        self.combine = None
+        if self.splits > 1:
+            self.combine = cuda.get_kernel("mla_verify", "mla_combine_kernel").prepare(
+                (rows,), (128,), [self.part_o, self.part_ml, I32(self.splits), I32(rows), self.out])
+
+    def forward(self, stream=None):
+        self.attn(stream)
+        if self.combine is not None:
+            self.combine(stream)
+
+
+def mla_head_gemm(x, w, y, tokens: int, heads: int, n: int, k: int, ldx: int, ldy: int, w_sh: int, w_sn: int,
+                  w_sk: int, stream=None):
+    """y[(t*H + h)*ldy + n] = sum_k x[(t*H + h)*ldx + k] * w[h*w_sh + n*w_sn + k*w_sk] (bf16, fp32 sum).
+    Absorption: x = q_nope, w = W_UK; output projection: x = attention latent, w = W_UV."""
+    cuda = _cuda()
+    if n % 8:
+        raise ValueError(f"N={n} must be a multiple of 8")
+    warps = tokens * heads * (n // 8)
+    cuda.get_kernel("mla_verify", "mla_head_gemm_kernel").launch(((warps + 7) // 8,), (256,), [
+        x, w, y, I32(tokens), I32(heads), I32(n), I32(k), I32(ldx), I32(ldy), np.int64(w_sh), I32(w_sn),
+        I32(w_sk)], stream=stream)

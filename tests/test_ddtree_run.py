@@ -1,0 +1,101 @@
+"""ddtree-run: exit codes and messages for bad input, and end-to-end runs (embedded SmolLM2 default; a tiny HF
+target directory with a DFlash drafter directory, DDTree output == AR output)."""
+import json
+
+import numpy as np
+import pytest
+
+from loader import save_safetensors
+from tools.ddtree_run import EXIT_BACKEND, EXIT_USAGE, main
+from test_models import VOCAB, hf_tiny, tiny_drafter_checkpoint
+
+
+def run_cli(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def test_missing_model_path(tmp_path, capsys):
+    code, _, err = run_cli(["--model", str(tmp_path / "nope"), "hi"], capsys)
+    assert code == EXIT_USAGE and "model path does not exist" in err
+
+
+def test_bad_gguf(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    code, _, err = run_cli(["--backend", "numpy", "--model", str(bad), "hi"], capsys)
+    assert code == EXIT_USAGE and "cannot load model" in err and "GGUF" in err
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00\x05")
+    code, _, err = run_cli(["--backend", "numpy", "--model", str(truncated), "hi"], capsys)
+    assert code == EXIT_USAGE and "cannot load model" in err
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_bad_budget(value, capsys):
+    code, _, err = run_cli(["--budget", value, "hi"], capsys)
+    assert code == EXIT_USAGE and "--budget" in err
+
+
+def test_ddtree_mode_needs_drafter(capsys):
+    code, _, err = run_cli(["--mode", "ddtree", "hi"], capsys)
+    assert code == EXIT_USAGE and "needs a DFlash drafter" in err
+
+
+def test_cuda_backend_without_gpu(capsys):
+    from runtime.cuda import NoDeviceError, require_device
+    try:
+        require_device()
+        pytest.skip("a CUDA device is usable here; this test covers the no-GPU message")
+    except NoDeviceError:
+        pass
+    code, _, err = run_cli(["--backend", "cuda", "hi"], capsys)
+    assert code == EXIT_BACKEND and "--backend cuda" in err and "no usable CUDA device" in err
+
+
+def test_default_model_runs(capsys):
+    import loader
+    try:
+        loader.default_model_path()
+    except Exception as e:
+        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+    code, out, err = run_cli(["--backend", "numpy", "--max-new-tokens", "3", "--stats",
+                              "The capital of France is"], capsys)
+    assert code == 0, err
+    assert "Paris" in out
+    assert "decoding autoregressively" in err and "tokens/s" in err
+
+
+def _word_tokenizer(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_target_dir_with_drafter_dir(tmp_path, capsys):
+    _, target = hf_tiny("llama", tmp_path)
+    target_dir = tmp_path / "llama"
+    _word_tokenizer(target_dir)
+    config, weights = tiny_drafter_checkpoint(target, taps=(0, 2))
+    draft_dir = tmp_path / "draft"
+    draft_dir.mkdir()
+    (draft_dir / "config.json").write_text(json.dumps(config))
+    save_safetensors(draft_dir / "model.safetensors", weights)
+    prompt = "w3 w17 w42 w8 w91"
+    common = ["--backend", "numpy", "--model", str(target_dir), "--max-new-tokens", "24", prompt]
+    code, ar_out, err = run_cli(["--mode", "ar"] + common, capsys)
+    assert code == 0, err
+    code, dd_out, err = run_cli(["--draft", str(draft_dir), "--budget", "16", "--stats"] + common, capsys)
+    assert code == 0, err
+    assert "mode ddtree" in err and "per round" in err
+    assert dd_out == ar_out and len(ar_out.split()) == 24
+    code, stream_out, err = run_cli(["--draft", str(draft_dir), "--stream"] + common, capsys)
+    assert code == 0 and stream_out.split() == ar_out.split()
+    # a target passed as the drafter is refused with a message
+    code, _, err = run_cli(["--draft", str(target_dir)] + common, capsys)
+    assert code == EXIT_USAGE and "not a DFlash drafter" in err

@@ -1,0 +1,349 @@
+"""GPU tests of the dense-model kernels (runtime/dense_kernels.py) against the numpy backend, the float32
+oracle, on fresh random data with odd sizes. Every output buffer is poisoned (NaN bits) before the launch,
+so a kernel that skips an element fails; NaN or inf never passes the comparison."""
+import numpy as np
+import pytest
+
+from runtime.backends.base import causal_visibility, full_visibility
+from runtime.backends.numpy_backend import NumpyBackend
+from runtime.bf16 import from_bf16, round_bf16, to_bf16
+
+pytestmark = pytest.mark.gpu
+
+BF16_RTOL = 2.0 ** -7  # one bf16 rounding of the output is 2^-8 relative; allow two
+
+
+@pytest.fixture(scope="module")
+def dk(cuda_device):
+    import runtime.dense_kernels as dk
+    return dk
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return NumpyBackend()
+
+
+def compare(got, want, what, rtol=BF16_RTOL, atol_frac=1e-2):
+    """|got - want| <= rtol |want| + atol_frac * max|want|, elementwise; shapes must match; NaN/inf fail."""
+    got = np.asarray(got, dtype=np.float32)
+    want = np.asarray(want, dtype=np.float32)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(want).all(), f"{what}: reference not finite"
+    bad_nan = ~np.isfinite(got)
+    scale = float(np.abs(want).max()) or 1.0
+    err = np.abs(got - want)
+    bad = bad_nan | (err > rtol * np.abs(want) + atol_frac * scale)
+    if bad.any():
+        idx = np.argwhere(bad)[:5]
+        rows = ", ".join(f"{tuple(i)}: got {got[tuple(i)]:.6g} want {want[tuple(i)]:.6g}" for i in idx)
+        raise AssertionError(f"{what}: {int(bad.sum())}/{bad.size} mismatches (max err {err.max():.3g}, "
+                             f"scale {scale:.3g}); first: {rows}")
+
+
+def dev_bf16(host_f32):
+    from runtime.cuda import to_device
+    return to_device(to_bf16(host_f32))
+
+
+def poisoned(shape, dtype=np.uint16):
+    from runtime.cuda import empty
+    return empty(shape, dtype).fill_bytes(0xFF)  # bf16 NaN, int32 -1, float32 NaN
+
+
+def down_f32(a):
+    return from_bf16(a.download())
+
+
+# ---------------------------------------------------------------- linear
+@pytest.mark.parametrize("M,N,K,kw", [
+    (1, 111, 64, {}), (1, 989, 1000, {}), (3, 4096, 512, {}), (16, 576, 576, {}), (17, 1536, 576, {}),
+    (37, 333, 264, {}), (64, 1000, 2048, {}), (111, 989, 136, {}), (300, 200, 136, {}),
+    (8, 777, 4096, {"splits": 1}), (8, 777, 4096, {"splits": 7}), (64, 512, 640, {"splits": 1}),
+    (1, 300, 3000, {"stages": 2}), (33, 700, 4096, {"stages": 2}),
+    (5, 989, 1000, {"kernel": "chunked"}), (64, 1000, 2048, {"kernel": "chunked", "rt": 2}),
+    (64, 256, 4096, {"kernel": "chunked", "splits": 32}),
+])
+def test_linear(dk, ref, M, N, K, kw):
+    rng = np.random.default_rng(M * 7919 + N * 31 + K)
+    x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
+    w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
+    want = ref.linear(x, w)
+    out = poisoned((M, N))
+    dk.linear(dev_bf16(x), dev_bf16(w), out, **kw)
+    compare(down_f32(out), want, f"linear M={M} N={N} K={K} {kw}")
+    # again into a fresh poison: the split-K tickets must have reset themselves
+    out.fill_bytes(0xFF)
+    dk.linear(dev_bf16(x), dev_bf16(w), out, **kw)
+    compare(down_f32(out), want, f"linear (second launch) M={M} N={N} K={K} {kw}")
+
+
+def test_linear_residual_and_strided_input(dk, ref):
+    rng = np.random.default_rng(5)
+    M, N, K, ld = 13, 640, 384, 400
+    x_wide = round_bf16(rng.standard_normal((M, ld), dtype=np.float32))
+    w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
+    r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
+    want = ref.linear(x_wide[:, :K], w) + r
+    out = poisoned((M, N))
+    xd = dev_bf16(x_wide)
+    dk.linear(xd.view(0, (M, K)), dev_bf16(w), out, residual=dev_bf16(r), ldx=ld, splits=3)
+    compare(down_f32(out), want, "linear + residual, strided x")
+
+
+def test_linear_rejects_bad_shapes(dk):
+    from runtime.cuda import empty
+    with pytest.raises(ValueError, match="K = 12"):
+        dk.linear(empty((2, 12), np.uint16), empty((8, 12), np.uint16), empty((2, 8), np.uint16))
+    with pytest.raises(ValueError, match="does not match"):
+        dk.linear(empty((2, 16), np.uint16), empty((8, 24), np.uint16), empty((2, 8), np.uint16))
+
+
+# ---------------------------------------------------------------- norms, rope, elementwise
+@pytest.mark.parametrize("rows,H", [(1, 576), (111, 576), (7, 4096), (989, 128), (3, 8192)])
+def test_rmsnorm(dk, ref, rows, H):
+    rng = np.random.default_rng(rows + H)
+    x = round_bf16(rng.standard_normal((rows, H), dtype=np.float32) * 3)
+    r = round_bf16(rng.standard_normal((rows, H), dtype=np.float32))
+    w = round_bf16(1 + 0.1 * rng.standard_normal(H, dtype=np.float32))
+    out = poisoned((rows, H))
+    dk.rmsnorm(dev_bf16(x), dev_bf16(w), out, 1e-6)
+    compare(down_f32(out), ref.rmsnorm(x, w, 1e-6), f"rmsnorm {rows}x{H}")
+    # fused residual add: h = bf16(x + r) is the new residual stream
+    h = round_bf16(x + r)
+    out.fill_bytes(0xFF)
+    res_out = poisoned((rows, H))
+    dk.rmsnorm(dev_bf16(x), dev_bf16(w), out, 1e-6, residual=dev_bf16(r), residual_out=res_out)
+    compare(down_f32(res_out), h, "residual_out", rtol=0, atol_frac=0)
+    compare(down_f32(out), ref.rmsnorm(h, w, 1e-6), f"add+rmsnorm {rows}x{H}")
+
+
+def _inv_freq(D, theta=1e6, yarn_factor=None):
+    inv = 1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)
+    if yarn_factor:  # a YaRN-like ramp: any per-frequency scaling goes through the same table
+        ramp = np.clip(np.linspace(-0.5, 1.5, D // 2), 0, 1)
+        inv = inv / yarn_factor * (1 - ramp) + inv * ramp
+    return inv.astype(np.float32)
+
+
+@pytest.mark.parametrize("D,interleaved,qk_norm,yarn", [(128, False, True, None), (64, False, False, None),
+                                                        (128, True, False, 40.0), (64, True, True, 4.0)])
+def test_rope(dk, ref, D, interleaved, qk_norm, yarn):
+    from runtime.cuda import to_device
+    rng = np.random.default_rng(D + 3 * interleaved + qk_norm)
+    T, Hn, extra = 37, 5, 3  # x is a slice of a wider fused buffer (token stride (Hn + extra) * D)
+    ld = (Hn + extra) * D
+    x = round_bf16(rng.standard_normal((T, ld), dtype=np.float32))
+    pos = rng.integers(0, 40000, T).astype(np.int32)
+    inv = _inv_freq(D, yarn_factor=yarn)
+    scaling = 1.0 + 0.1 * np.log(yarn) if yarn else 1.0
+    nw = round_bf16(1 + 0.2 * rng.standard_normal(D, dtype=np.float32)) if qk_norm else None
+    xs = x[:, :Hn * D].reshape(T, Hn, D)
+    if qk_norm:
+        xs = round_bf16(ref.rmsnorm(xs, nw, 1e-6))  # HF rounds the normed q/k to bf16 before RoPE
+    want = ref.rope(xs, pos, inv, scaling, interleaved)
+    # write into a "cache" [cap, Hn, D] at slot 11: rope is also the kv_write
+    cache = poisoned((64, Hn, D))
+    xd = dev_bf16(x)
+    dk.rope(xd.view(0, (T, Hn, D)), to_device(pos), to_device(inv), cache.view(11 * Hn * D, (T, Hn, D)),
+            n_heads=Hn, head_dim=D, attention_scaling=scaling, interleaved=interleaved,
+            norm_weight=dev_bf16(nw) if qk_norm else None, ldx=ld)
+    got = down_f32(cache)
+    compare(got[11:11 + T], want, f"rope D={D} interleaved={interleaved} qk_norm={qk_norm}")
+    assert np.isnan(got[:11]).all() and np.isnan(got[11 + T:]).all(), "rope wrote outside its slots"
+
+
+def test_swiglu_add_embedding(dk, ref):
+    from runtime.cuda import to_device
+    rng = np.random.default_rng(9)
+    T, I = 111, 1536
+    gu = round_bf16(rng.standard_normal((T, 2 * I), dtype=np.float32) * 2)
+    out = poisoned((T, I))
+    gud = dev_bf16(gu)
+    dk.swiglu(gud, gud.view(I, (T, I)), out, T=T, I=I, ldg=2 * I, ldu=2 * I)
+    compare(down_f32(out), ref.swiglu(gu[:, :I], gu[:, I:]), "swiglu (fused gate_up halves)")
+
+    a = round_bf16(rng.standard_normal((T, 576), dtype=np.float32))
+    b = round_bf16(rng.standard_normal((T, 576), dtype=np.float32))
+    out = poisoned((T, 576))
+    dk.add(dev_bf16(a), dev_bf16(b), out)
+    compare(down_f32(out), ref.add(a, b), "add")
+
+    V, H = 989, 576
+    table = round_bf16(rng.standard_normal((V, H), dtype=np.float32))
+    ids = rng.integers(0, V, 37).astype(np.int32)
+    out = poisoned((37, H))
+    dk.embedding(dev_bf16(table), to_device(ids), out)
+    compare(down_f32(out), ref.embedding(table, ids), "embedding", rtol=0, atol_frac=0)
+
+
+# ---------------------------------------------------------------- attention
+def _tree_visibility(n_nodes, rng):
+    """Ancestor bitmask of a random tree (parent < child), as runtime.tree builds it."""
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n_nodes)]
+    words = -(-n_nodes // 32)
+    vis = np.zeros((n_nodes, words), np.uint32)
+    for i in range(n_nodes):
+        j = i
+        while j >= 0:
+            vis[i, j // 32] |= np.uint32(1 << (j % 32))
+            j = parents[j]
+    return vis
+
+
+@pytest.mark.parametrize("case", [
+    dict(T=1, prefix=1000, Hq=8, Hkv=2, D=128, mask="tree"),             # decode
+    dict(T=1, prefix=5000, Hq=32, Hkv=8, D=128, mask="tree", splits=1),  # decode without KV split
+    dict(T=3, prefix=700, Hq=8, Hkv=2, D=128, mask="tree"),               # 12 rows: warps split keys
+    dict(T=4, prefix=190, Hq=12, Hkv=3, D=64, mask="causal", splits=1),   # 16 rows: warps split keys
+    dict(T=5, prefix=190, Hq=12, Hkv=3, D=64, mask="tree", splits=2),     # 20 rows: warps split rows
+    dict(T=17, prefix=300, Hq=9, Hkv=3, D=64, mask="tree"),               # small tree, SmolLM2 heads
+    dict(T=65, prefix=0, Hq=4, Hkv=4, D=128, mask="causal"),              # prefill
+    dict(T=111, prefix=77, Hq=9, Hkv=3, D=64, mask="causal", splits=3),
+    dict(T=33, prefix=129, Hq=8, Hkv=1, D=128, mask="full"),              # DFlash block
+    dict(T=257, prefix=2000, Hq=32, Hkv=8, D=128, mask="tree", device_prefix=True),
+])
+def test_attention(dk, ref, case):
+    from runtime.cuda import to_device
+    rng = np.random.default_rng(case["T"] * 1000 + case["prefix"])
+    T, P, Hq, Hkv, D = case["T"], case["prefix"], case["Hq"], case["Hkv"], case["D"]
+    cap = P + T + 5
+    q = round_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32))
+    k = round_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32))
+    v = round_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32))
+    vis = {"tree": lambda: _tree_visibility(T, rng), "causal": lambda: causal_visibility(T),
+           "full": lambda: full_visibility(T)}[case["mask"]]()
+    scale = 1.0 / np.sqrt(D)
+    want = ref.attention(q, k, v, P, vis, scale)
+    out = poisoned((T, Hq, D))
+    n_prefix = to_device(np.array([P], np.int32)) if case.get("device_prefix") else P
+    dk.attention(dev_bf16(q), dev_bf16(k), dev_bf16(v), n_prefix, to_device(vis), scale, out,
+                 max_keys=cap, splits=case.get("splits"))
+    compare(down_f32(out), want, f"attention {case}", rtol=2 * BF16_RTOL, atol_frac=2e-2)
+
+
+# ---------------------------------------------------------------- sampling, KV commit
+def _exact_topk(logits, k):
+    """log_softmax top-k with ties broken by lower id, over the full row (the kernel's contract)."""
+    m = logits.max(axis=-1, keepdims=True)
+    logp = logits - m - np.log(np.sum(np.exp(logits - m), axis=-1, keepdims=True))
+    ids = np.stack([np.lexsort((np.arange(row.size), -row))[:k] for row in logits]).astype(np.int32)
+    return np.take_along_axis(logp, ids, axis=-1), ids
+
+
+@pytest.mark.parametrize("L,V,k", [(15, 49152, 64), (15, 49152, 1024), (3, 989, 989), (7, 151936, 512),
+                                   (2, 1000, 1)])
+def test_log_softmax_topk(dk, ref, L, V, k):
+    rng = np.random.default_rng(V + k)
+    logits = round_bf16(rng.standard_normal((L, V), dtype=np.float32) * 4)  # bf16: many exact ties
+    logits[0, 5:9] = logits[0].max()  # a tie at the very top
+    want_lp, want_ids = _exact_topk(logits, k)
+    ref_lp, _ = ref.log_softmax_topk(logits, k)
+    np.testing.assert_allclose(want_lp, ref_lp, rtol=0, atol=1e-5)  # our exact reference agrees with the oracle
+    lp, ids = poisoned((L, k), np.float32), poisoned((L, k), np.int32)
+    ld = -(-V // 8) * 8
+    padded = np.full((L, ld), -30.0, np.float32)
+    padded[:, :V] = logits
+    dk.log_softmax_topk(dev_bf16(padded), k, lp, ids, V=V)
+    np.testing.assert_array_equal(ids.download(), want_ids, err_msg=f"topk ids L={L} V={V} k={k}")
+    compare(lp.download(), want_lp, "topk logp", rtol=1e-5, atol_frac=1e-5)
+
+
+def test_argmax_and_sample(dk, ref):
+    from runtime.cuda import to_device
+    rng = np.random.default_rng(11)
+    rows, V = 111, 989
+    logits = round_bf16(rng.standard_normal((rows, V), dtype=np.float32) * 3)
+    logits[3, [10, 500]] = 50.0  # tie: lowest index wins
+    out = poisoned((rows,), np.int32)
+    ld = 992
+    padded = np.zeros((rows, ld), np.float32)
+    padded[:, :V] = logits
+    lg = dev_bf16(padded)
+    dk.argmax(lg, out, V=V)
+    np.testing.assert_array_equal(out.download(), ref.argmax(logits))
+
+    for temperature in (0.7, 1.3):
+        u = rng.random(rows).astype(np.float32)
+        out.fill_bytes(0xFF)
+        dk.sample(lg, temperature, to_device(u), out, V=V)
+        got = out.download()
+        z = logits.astype(np.float64) / temperature
+        p = np.exp(z - z.max(axis=-1, keepdims=True))
+        cdf = np.cumsum(p, axis=-1) / p.sum(axis=-1, keepdims=True)
+        assert ((got >= 0) & (got < V)).all(), got
+        lo = np.where(got > 0, cdf[np.arange(rows), np.maximum(got - 1, 0)], 0.0)
+        hi = cdf[np.arange(rows), got]
+        ok = (lo <= u + 1e-5) & (u <= hi + 1e-5)  # u falls in the chosen token's CDF interval
+        assert ok.all(), f"sample T={temperature}: rows {np.flatnonzero(~ok)[:5]}"
+        exact = ref.sample(logits, temperature, u)
+        assert (got == exact).mean() > 0.97, "sample disagrees with the oracle beyond rounding at CDF edges"
+
+
+def test_kv_compact(dk, ref):
+    from runtime.cuda import to_device
+    rng = np.random.default_rng(13)
+    cap, Hkv, D, n_layers = 300, 2, 128, 3
+    hosts = [to_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32)) for _ in range(2 * n_layers)]
+    caches = [to_device(h) for h in hosts]
+    planes = dk.KVPlanes(caches)
+    start = 201
+    src = start + np.array([0, 2, 3, 7, 8, 30], np.int64)  # accepted nodes: overlapping moves
+    dk.kv_compact(planes, src, start)
+    for h, c in zip(hosts, caches):
+        want = h.copy()
+        ref.kv_compact(want, src, start)
+        np.testing.assert_array_equal(c.download(), want)
+    # graph path: device slots + meta
+    slots = to_device(np.array([start + 0, start + 1, start + 5, 0, 0], np.int32))
+    meta = to_device(np.array([start, 3], np.int32))
+    before = [c.download() for c in caches]
+    dk.kv_compact(planes, slots, meta=meta)
+    for b, c in zip(before, caches):
+        want = b.copy()
+        ref.kv_compact(want, [start, start + 1, start + 5], start)
+        np.testing.assert_array_equal(c.download(), want)
+
+
+def test_graph_replay_with_new_prefix_and_inputs(dk, ref):
+    """Captured once, replayed with new buffer contents: attention reads n_prefix from the device and the
+    split-K linear's tickets reset themselves, so every replay is right."""
+    from runtime.cuda import Stream, capture, to_device
+    rng = np.random.default_rng(17)
+    T, Hq, Hkv, D, cap = 9, 8, 2, 128, 3000
+    k = round_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32))
+    v = round_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32))
+    vis = _tree_visibility(T, rng)
+    qd, kd, vd, visd = poisoned((T, Hq, D)), dev_bf16(k), dev_bf16(v), to_device(vis)
+    n_prefix = to_device(np.array([100], np.int32))
+    out = poisoned((T, Hq, D))
+    M, N, K = 9, 1000, 2048
+    xd, wd, yd = poisoned((M, K)), poisoned((N, K)), poisoned((M, N))
+    stream = Stream()
+
+    def record():
+        dk.attention(qd, kd, vd, n_prefix, visd, D ** -0.5, out, T=T, max_keys=cap, splits=5, stream=stream)
+        dk.linear(xd, wd, yd, splits=4, stream=stream)
+
+    for a in (qd, xd, wd):
+        a.fill_bytes(0, stream=stream)
+    record()  # eager: load modules and size the workspace outside the capture
+    stream.synchronize()
+    with capture(stream) as g:
+        record()
+    graph = g.instantiate()
+    for prefix in (1500, 37, 2900):
+        q = round_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32))
+        x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
+        w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
+        qd.upload(to_bf16(q))
+        xd.upload(to_bf16(x))
+        wd.upload(to_bf16(w))
+        n_prefix.upload(np.array([prefix], np.int32))
+        out.fill_bytes(0xFF, stream=stream)
+        yd.fill_bytes(0xFF, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+        compare(down_f32(out), ref.attention(q, k, v, prefix, vis, D ** -0.5), f"graph attention prefix={prefix}",
+                rtol=2 * BF16_RTOL, atol_frac=2e-2)
+        compare(down_f32(yd), ref.linear(x, w), f"graph linear replay (prefix={prefix})")

@@ -1,0 +1,160 @@
+"""NVRTC builds (no GPU needed): every registered family compiles for every arch with the instruction it
+needs, and the on-disk kernel cache hits, invalidates and repairs itself as it should."""
+import os
+import re
+import textwrap
+
+import pytest
+
+from cutlass_kernels.registry import FAMILIES, KernelFamily
+from runtime.cuda import CompileError, CudaError, compile_all, compile_family, nvrtc
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Every (family, arch) pair, from the shared cache (cold in CI: built in parallel with progress)."""
+    return compile_all(archs=nvrtc.ARCHS)
+
+
+def test_every_family_compiles_for_every_arch(built):
+    for name, fam in FAMILIES.items():
+        for arch in fam.archs:
+            mod = built[(name, arch)]
+            assert mod.cubin[:4] == b"\x7fELF", f"{name} sm_{arch}: not a CUBIN"
+            assert set(mod.lowered) == set(fam.entries), f"{name} sm_{arch}: entries {mod.lowered}"
+            assert all(mod.lowered.values()), f"{name} sm_{arch}: empty lowered name"
+            # the PTX target line proves NVRTC built for the arch we asked (sm_90a, not sm_90)
+            assert re.search(rf"^\.target sm_{arch}\b", mod.ptx, re.M), f"{name}: wrong .target"
+
+
+def test_required_instructions_in_ptx(built):
+    checked = 0
+    for name, fam in FAMILIES.items():
+        for arch, pattern in (fam.required_ptx or {}).items():
+            assert re.search(pattern, built[(name, arch)].ptx), \
+                f"{name} sm_{arch}: PTX lacks /{pattern}/ (a wrong-arch atom compiles to a trap)"
+            checked += 1
+    assert checked >= 4  # at least the mma_smoke family on all four archs
+
+
+def test_ptx_check_tells_archs_apart(built):
+    """The check can fail: each arch's MMA instruction is absent from the other archs' smoke kernel."""
+    smoke = FAMILIES["mma_smoke"].required_ptx
+    for arch in ("90a", "100a", "120a"):
+        for other in ("90a", "100a", "120a"):
+            found = re.search(smoke[other], built[("mma_smoke", arch)].ptx) is not None
+            assert found == (arch == other), (arch, other)
+
+
+def test_required_instructions_in_sass(built):
+    if nvrtc.find_disassembler() is None:
+        pytest.skip("no nvdisasm/cuobjdump (PATH, /usr/local/cuda/bin, nvidia wheels); the PTX check ran instead")
+    checked = 0
+    for name, fam in FAMILIES.items():
+        for arch, pattern in (fam.required_sass or {}).items():
+            sass = built[(name, arch)].sass()
+            assert re.search(pattern, sass), f"{name} sm_{arch}: SASS lacks /{pattern}/"
+            checked += 1
+    assert checked >= 4
+    assert not re.search(FAMILIES["mma_smoke"].required_sass["90a"], built[("mma_smoke", "120a")].sass())
+
+
+# ---------------------------------------------------------------- cache behaviour, on a tiny family
+SOURCE = textwrap.dedent("""\
+    #include "probe_header.cuh"
+    extern "C" __global__ void scale_kernel(float* x, int n) {
+      int i = blockIdx.x * blockDim.x + threadIdx.x;
+      if (i < n) x[i] *= PROBE_FACTOR;
+    }
+    template <int N> __global__ void fill_kernel(int* x) { x[threadIdx.x] = N; }
+    """)
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("DDTREE_KERNEL_CACHE_REQUIRE", raising=False)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "probe.cu").write_text(SOURCE)
+    (src / "probe_header.cuh").write_text("#define PROBE_FACTOR 2.0f\n")
+    fam = KernelFamily("probe", str(src / "probe.cu"), ("scale_kernel", "fill_kernel<7>"))
+    return fam, src
+
+
+def test_second_build_is_a_cache_hit(tiny, capsys):
+    fam, _ = tiny
+    first = compile_family(fam, "90a")
+    assert not first.from_cache
+    assert "compiling probe for sm_90a" in capsys.readouterr().err  # progress on a cold cache
+    second = compile_family(fam, "90a")
+    assert second.from_cache and second.cubin == first.cubin and second.key == first.key
+    assert second.lowered["scale_kernel"] == "scale_kernel"
+    assert second.lowered["fill_kernel<7>"].startswith("_Z")  # a mangled template instance
+    assert compile_family(fam, "100a").key != first.key  # arch is in the key
+
+
+def test_header_change_invalidates(tiny):
+    fam, src = tiny
+    first = compile_family(fam, "90a")
+    (src / "probe_header.cuh").write_text("#define PROBE_FACTOR 3.0f\n")
+    os.utime(src / "probe_header.cuh", ns=(1, 1))  # a new mtime even on coarse clocks: the memo re-reads
+    second = compile_family(fam, "90a")
+    assert not second.from_cache and second.key != first.key
+    assert "0f40400000" in second.ptx.lower() or "3.0" in second.ptx  # the new constant is in the code
+
+
+def test_option_change_invalidates(tiny):
+    fam, _ = tiny
+    first = compile_family(fam, "90a")
+    other = KernelFamily(fam.name, fam.source, fam.entries, options=("-DUNUSED_FLAG=1",))
+    assert compile_family(other, "90a").key != first.key
+
+
+def test_corrupted_cache_file_is_rebuilt(tiny):
+    fam, _ = tiny
+    first = compile_family(fam, "90a")
+    path = first.path
+    with open(path, "r+b") as f:  # flip bytes in the middle of the cubin
+        f.seek(len(first.cubin) // 2)
+        f.write(b"\x00garbage\x00")
+    again = compile_family(fam, "90a")
+    assert not again.from_cache and again.cubin == first.cubin
+    with open(path, "wb"):  # truncated to nothing
+        pass
+    assert compile_family(fam, "90a").cubin == first.cubin
+    assert compile_family(fam, "90a").from_cache
+
+
+def test_require_switch_makes_a_miss_fatal(tiny, monkeypatch):
+    fam, _ = tiny
+    monkeypatch.setenv("DDTREE_KERNEL_CACHE_REQUIRE", "1")
+    with pytest.raises(CudaError, match="DDTREE_KERNEL_CACHE_REQUIRE"):
+        compile_family(fam, "90a")
+
+
+def test_compile_error_carries_the_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_KERNEL_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "bad.cu").write_text('extern "C" __global__ void bad_kernel(int* x) { x[0] = undeclared; }\n')
+    with pytest.raises(CompileError) as e:
+        compile_family(KernelFamily("bad", str(tmp_path / "bad.cu"), ("bad_kernel",)), "90a")
+    assert "undeclared" in e.value.log and e.value.arch == "90a" and e.value.family == "bad"
+
+
+def test_arch_resolution(monkeypatch):
+    monkeypatch.setenv("DDTREE_CUDA_ARCH", "sm_100a")
+    assert nvrtc.resolve_arch(None) == "100a"
+    assert nvrtc.resolve_arch("120a") == "120a"
+    with pytest.raises(ValueError, match="unsupported CUDA arch"):
+        nvrtc.resolve_arch("80")
+
+
+def test_compile_all_tries_every_kernel_then_reports_failures(tmp_path, monkeypatch):
+    from cutlass_kernels import registry
+    monkeypatch.setenv("DDTREE_KERNEL_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "bad.cu").write_text('extern "C" __global__ void bad_kernel() { nope(); }\n')
+    monkeypatch.setitem(registry.FAMILIES, "bad", KernelFamily("bad", str(tmp_path / "bad.cu"), ("bad_kernel",)))
+    built = compile_all(["bad", "runtime_probe"], ["90a"], jobs=1, errors="skip", progress=False)
+    assert list(built) == [("runtime_probe", "90a")] and list(built.failed) == [("bad", "90a")]
+    with pytest.raises(CompileError, match="1 kernel builds failed"):
+        compile_all(["bad", "runtime_probe"], ["90a"], jobs=1, progress=False)

@@ -1,0 +1,324 @@
+"""Kimi K2.x kernels: INT4 repack (CPU), a CPU emulation of the MoE kernel's fragment math, and GPU tests of
+routing, the INT4 MoE layer and MLA attention against the float32 numpy references (skip without a GPU)."""
+import numpy as np
+import pytest
+
+from loader.int4 import pack_int4, unpack_int4
+from runtime import kimi_reference as ref
+from runtime.bf16 import from_bf16, round_bf16, to_bf16
+from runtime.kimi_kernels import repack_int4_experts, unrepack_int4_experts
+
+
+def random_int4(rng, n, k, scale=0.02):
+    codes = rng.integers(-8, 8, size=(n, k), dtype=np.int8)
+    wp = pack_int4(codes)
+    ws = to_bf16(rng.uniform(0.5, 1.5, size=(n, k // 32)).astype(np.float32) * scale)
+    return wp, ws
+
+
+def assert_close(got, want, rtol=2e-2, what=""):
+    got = np.asarray(got, np.float32)
+    want = np.asarray(want, np.float32)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{what}: non-finite values in the output"
+    err = np.abs(got - want)
+    tol = rtol * (np.abs(want) + np.abs(want).mean() + 1e-6)
+    bad = np.argwhere(err > tol)
+    assert bad.size == 0, (f"{what}: {len(bad)} of {got.size} mismatches, first at {bad[:5].tolist()}: got "
+                           f"{got[tuple(bad[0])]}, want {want[tuple(bad[0])]}; max rel err "
+                           f"{(err / (np.abs(want) + 1e-6)).max():.3g}")
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+
+
+@pytest.mark.parametrize("n,k", [(16, 512), (48, 1024), (32, 2048)])
+def test_repack_round_trip(n, k):
+    rng = np.random.default_rng(n + k)
+    wp, ws = random_int4(rng, n, k)
+    packed, scales = repack_int4_experts(wp, ws, (n, k))
+    assert packed.shape == (n // 16, k // 64, 32, 4) and packed.dtype == np.uint32
+    assert scales.shape == (n // 16, k // 512, 16, 8, 2) and scales.dtype == np.uint16
+    assert packed.nbytes == wp.nbytes and scales.nbytes == ws.nbytes   # nothing stored twice
+    wp2, ws2 = unrepack_int4_experts(packed, scales, (n, k))
+    np.testing.assert_array_equal(wp2, wp)
+    np.testing.assert_array_equal(ws2, ws)
+
+
+def test_repack_stacked_and_errors():
+    rng = np.random.default_rng(0)
+    pairs = [random_int4(rng, 32, 512) for _ in range(3)]
+    packed, scales = repack_int4_experts(np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs]),
+                                         (32, 512))
+    assert packed.shape == (3, 2, 8, 32, 4) and scales.shape == (3, 2, 1, 16, 8, 2)
+    one = repack_int4_experts(*pairs[1], (32, 512))
+    np.testing.assert_array_equal(packed[1], one[0])
+    with pytest.raises(ValueError, match="K % 512"):
+        repack_int4_experts(*random_int4(rng, 16, 256), (16, 256))
+
+
+def emulate_kernel_gemv(packed, scales, x, n, k):
+    """What one lane sequence of moe_w4a16_kernel computes for a single token, in numpy: decode each lane's
+    16-byte word into mma A fragments, gather the lane's B fragments with the permuted K order, and apply
+    the m16n8k16 semantics. Checks the layout contract independently of the GPU."""
+    y = np.zeros(n, np.float32)
+    sc = from_bf16(scales).reshape(scales.shape)
+    for rb in range(n // 16):
+        for u in range(k // 64):
+            for s in range(4):
+                A = np.zeros((16, 16), np.float32)   # [row, logical k]
+                B = np.zeros(16, np.float32)         # [logical k] of token 0 (lanes g = 0)
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    word = int(packed[rb, u, lane, s])
+                    s_row = sc[rb, u // 8, 2 * g + (t >> 1), u % 8]          # (row g, row g+8)
+                    vals = []
+                    for reg in range(4):
+                        lo = (word >> (4 * reg)) & 0xF
+                        hi = (word >> (4 * reg + 16)) & 0xF
+                        r = reg & 1
+                        vals += [(lo - 8) * s_row[r], (hi - 8) * s_row[r]]
+                    vals = round_bf16(np.array(vals, np.float32))     # the kernel's bf16 multiply
+                    A[g, 2 * t], A[g, 2 * t + 1] = vals[0], vals[1]
+                    A[g + 8, 2 * t], A[g + 8, 2 * t + 1] = vals[2], vals[3]
+                    A[g, 2 * t + 8], A[g, 2 * t + 9] = vals[4], vals[5]
+                    A[g + 8, 2 * t + 8], A[g + 8, 2 * t + 9] = vals[6], vals[7]
+                    if g == 0:
+                        base = 64 * u + 16 * t + 4 * s
+                        B[2 * t], B[2 * t + 1] = x[base], x[base + 1]
+                        B[2 * t + 8], B[2 * t + 9] = x[base + 2], x[base + 3]
+                y[16 * rb:16 * rb + 16] += A @ B
+    return y
+
+
+def test_layout_matches_mma_fragment_math():
+    rng = np.random.default_rng(7)
+    n, k = 32, 512
+    wp, ws = random_int4(rng, n, k)
+    packed, scales = repack_int4_experts(wp, ws, (n, k))
+    x = round_bf16(rng.standard_normal(k).astype(np.float32))
+    want = unpack_int4(wp, ws, (n, k)) @ x
+    got = emulate_kernel_gemv(packed, scales, x, n, k)
+    assert_close(got, want, rtol=1e-2, what="emulated kernel GEMV")
+
+
+def test_route_reference_matches_plain_topk_and_groups():
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((5, 64)).astype(np.float32)
+    bias = (rng.standard_normal(64) * 0.1).astype(np.float32)
+    ids, w = ref.route(logits, bias, topk=4, routed_scaling_factor=2.5)
+    choice = ref.sigmoid(logits) + bias
+    np.testing.assert_array_equal(ids, np.argsort(-choice, axis=1, kind="stable")[:, :4])
+    np.testing.assert_allclose(w.sum(axis=1), 2.5, rtol=1e-5)
+    ids_g, _ = ref.route(logits, bias, topk=4, n_group=8, topk_group=2)
+    assert all(len(set(row // 8)) <= 2 for row in ids_g)        # experts from at most topk_group groups
+    counts, offsets, sorted_token, pos = ref.group_by_expert(ids, 64)
+    assert counts.sum() == ids.size
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            p = pos[t, j]
+            assert sorted_token[p] == t and offsets[ids[t, j]] <= p < offsets[ids[t, j]] + counts[ids[t, j]]
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+def make_moe(rng, E, hidden, inter):
+    """Random INT4 experts: (numpy dequantized gate, up, down float32, MoeWeights on the device)."""
+    from runtime.kimi_kernels import MoeWeights
+    mats = {}
+    dense = {}
+    for name, (n, k) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+        pairs = [random_int4(rng, n, k, scale=0.5 / np.sqrt(k)) for _ in range(E)]
+        wp = np.stack([p[0] for p in pairs])
+        ws = np.stack([p[1] for p in pairs])
+        mats[name] = repack_int4_experts(wp, ws, (n, k))
+        dense[name] = np.stack([unpack_int4(p[0], p[1], (n, k)) for p in pairs])
+    return dense, MoeWeights.upload(mats["gate"], mats["up"], mats["down"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,topk,n_group,topk_group", [(1, 384, 8, 1, 1), (37, 384, 8, 1, 1),
+                                                         (256, 384, 8, 1, 1), (19, 256, 8, 8, 4),
+                                                         (1025, 384, 8, 1, 1)])
+def test_routing_matches_reference(cuda_device, T, E, topk, n_group, topk_group):
+    rng = np.random.default_rng(T + E)
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    layer = _routing_layer(E, T, bias, topk, n_group, topk_group)
+    layer.logits.upload(logits)
+    for a in (layer.topk_ids, layer.topk_w, layer.slot_expert, layer.sorted_token, layer.assign_pos):
+        a.fill_bytes(0xFF)
+    layer.forward(stages=("route",))
+    ids_ref, w_ref = ref.route(logits, bias, topk, n_group, topk_group)
+    np.testing.assert_array_equal(layer.topk_ids.download(), ids_ref)
+    assert_close(layer.topk_w.download(), w_ref, rtol=1e-5, what="routing weights")
+    counts, offsets, sorted_token, pos = ref.group_by_expert(ids_ref, E)
+    np.testing.assert_array_equal(layer.expert_count.download(), counts)
+    np.testing.assert_array_equal(layer.sorted_token.download(), sorted_token)
+    np.testing.assert_array_equal(layer.assign_pos.download(), pos)
+    se, so, sc = layer.slot_expert.download(), layer.slot_offset.download(), layer.slot_count.download()
+    active = np.flatnonzero(counts)
+    order = sorted(active, key=lambda e: (-counts[e], e))
+    np.testing.assert_array_equal(se[:len(order)], order)
+    assert (se[len(order):] == -1).all()
+    np.testing.assert_array_equal(so[:len(order)], offsets[order])
+    np.testing.assert_array_equal(sc[:len(order)], counts[order])
+
+
+def _routing_layer(E, T, bias, topk, n_group, topk_group):
+    """MoeLayer whose GEMMs are never run: expert weights are zero-size placeholders of the right shapes."""
+    from runtime import cuda
+    from runtime.kimi_kernels import MoeWeights, MoeLayer
+    hidden, inter = 512, 512
+    gq = cuda.empty((E, inter // 16, hidden // 64, 32, 4), np.uint32)
+    gs = cuda.empty((E, inter // 16, hidden // 512, 16, 8, 2), np.uint16)
+    dq = cuda.empty((E, hidden // 16, inter // 64, 32, 4), np.uint32)
+    ds = cuda.empty((E, hidden // 16, inter // 512, 16, 8, 2), np.uint16)
+    w = MoeWeights(E, hidden, inter, gq, gs, gq, gs, dq, ds)
+    return MoeLayer(w, T, bias, topk=topk, n_group=n_group, topk_group=topk_group)
+
+
+MOE_CASES = [
+    # (T, E, hidden, inter, variants or None)
+    (1, 16, 512, 512, None),
+    (5, 16, 1024, 512, None),
+    (33, 8, 1024, 512, None),
+    (200, 8, 512, 512, None),   # many tokens per expert: several token chunks
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,hidden,inter,variants", MOE_CASES)
+def test_moe_layer_small(cuda_device, T, E, hidden, inter, variants):
+    _check_moe(T, E, hidden, inter, variants, topk=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry_gu,entry_dn", [
+    ("moe_w4a16_kernel<0, 2, 4, 2, 1>", "moe_w4a16_kernel<1, 2, 4, 2, 1>"),
+    ("moe_w4a16_kernel<0, 4, 4, 1, 1>", "moe_w4a16_kernel<1, 4, 4, 1, 1>"),
+    ("moe_w4a16_kernel<0, 2, 4, 1, 4>", "moe_w4a16_kernel<1, 2, 4, 1, 4>"),
+    ("moe_w4a16_kernel<0, 4, 2, 1, 2>", "moe_w4a16_kernel<1, 4, 2, 1, 2>"),
+])
+def test_moe_layer_variants(cuda_device, entry_gu, entry_dn):
+    _check_moe(45, 8, 1024, 1024, (entry_gu, entry_dn), topk=4)
+
+
+@pytest.mark.gpu
+def test_moe_layer_real_shape_subset(cuda_device):
+    """Kimi K2 shapes (7168 -> 2048) on 10 experts, top-8, with a shared-expert term."""
+    _check_moe(9, 10, 7168, 2048, None, topk=8, shared=True)
+
+
+def _check_moe(T, E, hidden, inter, variants, topk, shared=False):
+    from runtime import cuda
+    from runtime.kimi_kernels import MoeLayer
+    rng = np.random.default_rng(T * 1000 + E + hidden)
+    dense, w = make_moe(rng, E, hidden, inter)
+    x = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32))
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    sh = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32)) if shared else None
+    sh_dev = cuda.to_device(to_bf16(sh)) if shared else None
+    layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, variants=variants)
+    layer.x.upload(to_bf16(x))
+    layer.logits.upload(logits)
+    for a in (layer.h, layer.down_out, layer.y):
+        a.fill_bytes(0xFF)      # NaN poison
+    layer.forward()
+    ids, wts = ref.route(logits, bias, topk)
+    want = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], sh)
+    assert_close(from_bf16(layer.y.download()), want, rtol=2e-2, what=f"MoE T={T} E={E} {layer.variants}")
+
+
+@pytest.mark.gpu
+def test_moe_graph_replay(cuda_device):
+    from runtime import cuda
+    from runtime.kimi_kernels import MoeLayer
+    rng = np.random.default_rng(11)
+    dense, w = make_moe(rng, 8, 512, 512)
+    layer = MoeLayer(w, 6, np.zeros(8, np.float32), topk=4)
+    stream = cuda.Stream()
+    with cuda.capture(stream) as g:
+        layer.forward(stream)
+    graph = g.instantiate()
+    for trial in range(2):   # new inputs each time: the graph reads the buffers' contents
+        x = round_bf16(rng.standard_normal((6, 512)).astype(np.float32))
+        logits = rng.standard_normal((6, 8)).astype(np.float32)
+        layer.x.upload(to_bf16(x))
+        layer.logits.upload(logits)
+        layer.y.fill_bytes(0xFF)
+        graph.launch(stream)
+        stream.synchronize()
+        ids, wts = ref.route(logits, np.zeros(8, np.float32), 4)
+        want = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"])
+        assert_close(from_bf16(layer.y.download()), want, what=f"graph replay {trial}")
+
+
+def random_tree_mask(rng, n):
+    """Visibility rows of a random tree over n nodes (node 0 the root, parent index < child index)."""
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    words = (n + 31) // 32
+    mask = np.zeros((n, words), np.uint32)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j // 32] |= np.uint32(1 << (j % 32))
+            j = parents[j]
+    return mask
+
+
+MLA_CASES = [
+    # (Tq, H, prefix, tree?, splits)
+    (1, 64, 100, True, None),
+    (17, 64, 300, True, None),
+    (65, 8, 1000, True, None),
+    (40, 8, 77, False, None),      # prefill (causal)
+    (33, 64, 2048, True, 1),       # single split: direct bf16 output
+    (128, 16, 4000, True, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tq,heads,prefix,tree,splits", MLA_CASES)
+def test_mla_attention(cuda_device, tq, heads, prefix, tree, splits):
+    from runtime import cuda
+    from runtime.kimi_kernels import MlaAttention
+    rng = np.random.default_rng(tq * 7 + prefix)
+    kv = round_bf16(rng.standard_normal((prefix + tq, 576)).astype(np.float32))
+    q = round_bf16(rng.standard_normal((tq, heads, 576)).astype(np.float32))
+    mask = random_tree_mask(rng, tq) if tree else None
+    scale = 1.0 / np.sqrt(192.0)
+    kv_dev = cuda.to_device(to_bf16(kv))
+    mask_dev = cuda.to_device(mask) if tree else None
+    attn = MlaAttention(tq, heads, kv_dev, prefix, scale, mask=mask_dev, splits=splits)
+    attn.q.upload(to_bf16(q))
+    attn.out.fill_bytes(0xFF)
+    attn.forward()
+    want = ref.mla_attention(q, kv, prefix, scale, mask)
+    assert_close(from_bf16(attn.out.download()), want, rtol=3e-2, what=f"MLA tq={tq} H={heads} prefix={prefix}")
+
+
+@pytest.mark.gpu
+def test_mla_head_gemm(cuda_device):
+    from runtime import cuda
+    from runtime.kimi_kernels import mla_head_gemm
+    rng = np.random.default_rng(5)
+    T, H = 3, 8
+    kvb = round_bf16(rng.standard_normal((H * 256, 512)).astype(np.float32) * 0.05)   # kv_b_proj [H*(128+128), 512]
+    q_nope = round_bf16(rng.standard_normal((T, H, 192)).astype(np.float32))          # nope 128 + rope 64
+    o_lat = round_bf16(rng.standard_normal((T, H, 512)).astype(np.float32))
+    w_dev = cuda.to_device(to_bf16(kvb))
+    qn_dev, ol_dev = cuda.to_device(to_bf16(q_nope)), cuda.to_device(to_bf16(o_lat))
+    q_lat = cuda.empty((T, H, 576), np.uint16).fill_bytes(0xFF)
+    out = cuda.empty((T, H, 128), np.uint16).fill_bytes(0xFF)
+    mla_head_gemm(qn_dev, w_dev, q_lat, T, H, 512, 128, 192, 576, 256 * 512, 1, 512)
+    mla_head_gemm(ol_dev, w_dev.view(128 * 512, (H * 256 - 128, 512)), out, T, H, 128, 512, 512, 128,
+                  256 * 512, 512, 1)
+    wk = kvb.reshape(H, 256, 512)[:, :128]           # W_UK [H, 128, 512]
+    wv = kvb.reshape(H, 256, 512)[:, 128:]           # W_UV [H, 128, 512]
+    want_q = np.einsum("thd,hdc->thc", q_nope[:, :, :128], wk)
+    want_o = np.einsum("thc,hdc->thd", o_lat, wv)
+    assert_close(from_bf16(q_lat.download())[:, :, :512], want_q, what="absorb")
+    assert_close(from_bf16(out.download()), want_o, what="W_UV")

@@ -1,0 +1,194 @@
+"""Dense-model kernel benchmark on the GPU: bf16 linear at SmolLM2-135M and Qwen3-8B shapes vs the streaming
+read bandwidth measured in the same run, tree-verify attention vs a one-token decode of the same prefix,
+and the per-round sampling kernels.
+
+    python tools/bench_dense.py [--quick] [--linear-only | --attention-only]
+
+Timing: each measurement is a CUDA graph of `reps` launches (the engine replays graphs too), replayed and
+timed with events; the time per launch is the median replay / reps. Weights and KV caches rotate through
+enough copies (> 4x the 60 MB L2) that every launch streams from HBM, as successive layers do in a model.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+
+from runtime import dense_kernels as dk
+from runtime.bf16 import to_bf16
+from runtime.cuda import Stream, bench, capture, empty, get_device, get_kernel, to_device
+
+ROTATE_BYTES = 256 << 20  # > 4x L2: every launch reads from HBM
+
+LINEAR_SHAPES = [  # (model, name, N, K)
+    ("SmolLM2-135M", "qkv", 960, 576), ("SmolLM2-135M", "o", 576, 576),
+    ("SmolLM2-135M", "gate_up", 3072, 576), ("SmolLM2-135M", "down", 576, 1536),
+    ("SmolLM2-135M", "lm_head", 49152, 576),
+    ("Qwen3-8B", "qkv", 6144, 4096), ("Qwen3-8B", "o", 4096, 4096),
+    ("Qwen3-8B", "gate_up", 24576, 4096), ("Qwen3-8B", "up", 12288, 4096), ("Qwen3-8B", "down", 4096, 12288),
+    ("Qwen3-8B", "lm_head", 151936, 4096),
+]
+
+
+def graph_time_us(launch_one, reps: int, stream, iters: int = 10) -> float:
+    """Median microseconds per launch of a graph holding `reps` calls of launch_one(i, stream)."""
+    for i in range(reps):  # eager warm-up: modules loaded, workspaces sized, outside the capture
+        launch_one(i, stream)
+    stream.synchronize()
+    with capture(stream) as cap:
+        for i in range(reps):
+            launch_one(i, stream)
+    g = cap.instantiate()
+    ms = bench(lambda: g.launch(stream), warmup=3, iters=iters, stream=stream)
+    return ms * 1e3 / reps
+
+
+def read_bandwidth(stream) -> float:
+    """Streaming-read bandwidth (bytes/s) of runtime_probe's read_sum_kernel over 2 GiB, best config."""
+    n_bytes = 2 << 30
+    buf = empty((n_bytes // 16, 4), np.uint32)
+    buf.fill_bytes(0x5A)
+    sink = empty((4,), np.uint32)
+    kern = get_kernel("runtime_probe", "read_sum_kernel")
+    dev = get_device()
+    best = 0.0
+    for blocks_per_sm, threads in ((4, 512), (8, 256), (16, 256), (2, 1024)):
+        grid = dev.sm_count * blocks_per_sm
+        us = graph_time_us(lambda i, s: kern.launch(grid, threads, [buf, np.int64(n_bytes // 16), sink], stream=s),
+                           reps=4, stream=stream)
+        best = max(best, n_bytes / (us * 1e-6))
+    return best
+
+
+def bench_linear(stream, read_bw, ms_list, quick):
+    rng = np.random.default_rng(0)
+    rows = []
+    print(f"\n## bf16 linear (W streamed from HBM; % = of the {read_bw / 1e12:.2f} TB/s read measured above)")
+    print("| model | op | N x K | M | variant | us | W GB/s | % read | % same-size read | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    shapes = LINEAR_SHAPES if not quick else [s for s in LINEAR_SHAPES if s[1] in ("o", "gate_up", "down")]
+    for model, name, N, K in shapes:
+        w_bytes = N * K * 2
+        copies = max(1, math.ceil(ROTATE_BYTES / w_bytes))
+        # random bf16 rows, tiled: generating 600M fresh normals for the 151936-row lm_head takes too long
+        block = to_bf16(rng.standard_normal((min(N, 1024), K), dtype=np.float32) * 0.02)
+        wb = np.resize(block, (N, K))
+        weights = [to_device(wb) for _ in range(min(copies, 64))]
+        copies = len(weights)
+        # the streaming-read kernel over the same bytes and copies: what a launch of this size can reach
+        probe = get_kernel("runtime_probe", "read_sum_kernel")
+        sink = empty((4,), np.uint32)
+        n_vec = w_bytes // 16
+        same_us = graph_time_us(lambda i, s: probe.launch(4 * get_device().sm_count, 512,
+                                                          [weights[i % copies], np.int64(n_vec), sink], stream=s),
+                                reps=max(copies, 8), stream=stream)
+        print(f"| {model} | {name} | {N}x{K} | - | streaming read of W | {same_us:.2f} | "
+              f"{w_bytes / same_us / 1e3:.0f} | {100 * w_bytes / (same_us * 1e-6) / read_bw:.1f} | 100 | - |")
+        for M in ms_list:
+            x = to_device(to_bf16(rng.standard_normal((M, K), dtype=np.float32)))
+            out = empty((M, N), np.uint16)
+            variants = [("auto", {})]
+            if M <= 64 and model == "Qwen3-8B":
+                variants += [("chunked", {"kernel": "chunked"}), ("xres", {"kernel": "xres"})]
+                if M in (1, 64):
+                    variants += [("xres stages=2", {"kernel": "xres", "stages": 2})]
+            for vname, kw in variants:
+                try:
+                    plan = dk.linear_plan(M, N, K, get_device().sm_count, kw.get("splits"), kw.get("kernel", "auto"),
+                                          kw.get("stages", 4))
+                except ValueError as e:
+                    print(f"| {model} | {name} | {N}x{K} | {M} | {vname} | n/a: {e} |||||")
+                    continue
+                us = graph_time_us(lambda i, s: dk.linear(x, weights[i % copies], out, stream=s, **kw),
+                                   reps=max(copies, 8), stream=stream)
+                bw = w_bytes / (us * 1e-6)
+                tflops = 2 * M * N * K / (us * 1e-6) / 1e12
+                kind = "xres" if "xres" in plan[0] else "chunked"
+                print(f"| {model} | {name} | {N}x{K} | {M} | {vname}: {kind} grid {plan[1]} | {us:.2f} | "
+                      f"{bw / 1e9:.0f} | {100 * bw / read_bw:.1f} | {100 * same_us / us:.1f} | {tflops:.1f} |",
+                      flush=True)
+                rows.append((model, name, N, K, M, vname, us, bw / read_bw))
+        del weights
+    return rows
+
+
+def bench_attention(stream, quick):
+    from runtime.backends.base import causal_visibility
+    rng = np.random.default_rng(1)
+    Hq, Hkv, D = 32, 8, 128  # Qwen3-8B
+    print("\n## tree-verify attention, Qwen3-8B heads (32 q / 8 kv, d 128); one layer; ratio vs T=1 decode")
+    print("| prefix | budget | T | splits | us | x decode | KV GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    budgets = [0, 16, 32, 64, 128, 256, 512, 1024] if not quick else [0, 16, 64, 256, 1024]
+    for prefix in (1024, 8192, 32768):
+        cap = prefix + 1025 + 64
+        kv_bytes = 2 * cap * Hkv * D * 2
+        copies = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
+        kv = []
+        for _ in range(copies):
+            k = empty((cap, Hkv, D), np.uint16)
+            v = empty((cap, Hkv, D), np.uint16)
+            k.upload(to_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32)))
+            v.upload(to_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32)))
+            kv.append((k, v))
+        n_prefix = to_device(np.array([prefix], np.int32))
+        base_us = None
+        for budget in budgets:
+            T = budget + 1
+            q = to_device(to_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32)))
+            vis = to_device(causal_visibility(T))  # a chain: the densest tree mask
+            out = empty((T, Hq, D), np.uint16)
+            splits = dk.attention_splits(T, Hq, Hkv, prefix + T, get_device().sm_count, D)
+            us = graph_time_us(lambda i, s: dk.attention(q, kv[i % copies][0], kv[i % copies][1], n_prefix, vis,
+                                                         D ** -0.5, out, T=T, max_keys=prefix + T, stream=s),
+                               reps=max(copies, 4), stream=stream)
+            if base_us is None:
+                base_us = us
+            gbs = 2 * (prefix + T) * Hkv * D * 2 / (us * 1e-6) / 1e9
+            print(f"| {prefix} | {budget} | {T} | {splits} | {us:.2f} | {us / base_us:.2f} | {gbs:.0f} |", flush=True)
+        del kv
+
+
+def bench_sampling(stream):
+    rng = np.random.default_rng(2)
+    print("\n## per-round sampling kernels")
+    print("| kernel | rows x vocab | k | us |")
+    print("|---|---|---|---|")
+    for V in (49152, 151936):
+        for L, k in ((15, 64), (15, 1024)):
+            logits = to_device(to_bf16(rng.standard_normal((L, V), dtype=np.float32) * 3))
+            lp, ids = empty((L, k), np.float32), empty((L, k), np.int32)
+            us = graph_time_us(lambda i, s: dk.log_softmax_topk(logits, k, lp, ids, stream=s), reps=8, stream=stream)
+            print(f"| log_softmax_topk | {L} x {V} | {k} | {us:.2f} |", flush=True)
+        for rows in (65, 1025):
+            logits = to_device(to_bf16(rng.standard_normal((rows, V), dtype=np.float32) * 3))
+            out = empty((rows,), np.int32)
+            us = graph_time_us(lambda i, s: dk.argmax(logits, out, stream=s), reps=8, stream=stream)
+            print(f"| argmax | {rows} x {V} | - | {us:.2f} |", flush=True)
+            u = to_device(rng.random(rows).astype(np.float32))
+            us = graph_time_us(lambda i, s: dk.sample(logits, 0.8, u, out, stream=s), reps=8, stream=stream)
+            print(f"| sample (T=0.8) | {rows} x {V} | - | {us:.2f} |", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and budgets")
+    ap.add_argument("--linear-only", action="store_true")
+    ap.add_argument("--attention-only", action="store_true")
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256])
+    args = ap.parse_args()
+    dev = get_device()
+    print(f"# {dev}  (sm_{dev.arch}, {dev.sm_count} SMs)")
+    stream = Stream()
+    if not args.attention_only:
+        read_bw = read_bandwidth(stream)
+        print(f"streaming read: {read_bw / 1e12:.3f} TB/s (runtime_probe read_sum_kernel, 2 GiB, best config)")
+        bench_linear(stream, read_bw, args.m, args.quick)
+    if not args.linear_only:
+        bench_attention(stream, args.quick)
+        bench_sampling(stream)
+
+
+if __name__ == "__main__":
+    main()

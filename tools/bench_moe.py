@@ -1,0 +1,197 @@
+"""Benchmark the INT4 W4A16 MoE layer at Kimi K2.x size (384 experts x [7168 -> 2x2048 -> 7168], top-8, g32).
+
+Prints, per token count T and routing (uniform / skewed): distinct experts, their bytes (packed + scales),
+the graph-replayed layer time, per-stage times, the GEMM bandwidth as a fraction of the read bandwidth
+measured in the same run, every kernel variant of the registry table, and a torch bf16 per-expert loop
+(the alternative a user has) as a ratio. Weights are random bytes in the kernel layout (any bytes are valid
+INT4 codes); scales are random positive bf16 of the checkpoint's magnitude.
+
+    python -m tools.bench_moe [--tokens 1,2,4,...] [--experts 384] [--no-torch] [--no-variants]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from cutlass_kernels.registry import MOE_GEMM_VARIANTS
+from runtime import cuda
+from runtime.bf16 import to_bf16
+from runtime.kimi_kernels import MoeLayer, MoeWeights, variant_params
+
+
+def measure_read_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Bytes/s of the runtime's streaming read kernel over a buffer far larger than L2."""
+    buf = cuda.empty((nbytes // 16, 4), np.uint32)
+    buf.fill_bytes(0x5A)
+    sink = cuda.empty((1,), np.uint32)
+    k = cuda.get_kernel("runtime_probe", "read_sum_kernel")
+    dev = cuda.get_device()
+    launch = k.prepare((dev.sm_count * 8,), (512,), [buf, np.int64(nbytes // 16), sink])
+    ms = cuda.bench(launch, warmup=3, iters=20)
+    return nbytes / (ms * 1e-3)
+
+
+def random_fill(arr, rng, kind: str):
+    """Fill a device array with random packed words ('q') or bf16 scales ('s') from a reused host block."""
+    flat = arr.view(0, (arr.size,))
+    block = (rng.integers(0, 1 << 32, size=1 << 24, dtype=np.uint32).astype(arr.dtype) if kind == "q"
+             else to_bf16(rng.uniform(0.5, 1.5, size=1 << 24).astype(np.float32) * 0.004))
+    for off in range(0, arr.size, block.size):
+        n = min(block.size, arr.size - off)
+        flat.view(off, (n,)).upload(block[:n])
+
+
+def make_weights(E: int, hidden: int, inter: int, rng) -> MoeWeights:
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    arrays = []
+    for name in ("gate", "up", "down"):
+        n, k = shapes[name]
+        q = cuda.empty((E, n // 16, k // 64, 32, 4), np.uint32)
+        s = cuda.empty((E, n // 16, k // 512, 16, 8, 2), np.uint16)
+        random_fill(q, rng, "q")
+        random_fill(s, rng, "s")
+        arrays += [q, s]
+    return MoeWeights(E, hidden, inter, *arrays)
+
+
+def routing_logits(rng, T: int, E: int, kind: str) -> np.ndarray:
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    if kind == "skewed":   # Zipf-like popularity: a few experts take a large share of the tokens
+        pop = -np.log1p(np.arange(E, dtype=np.float32))
+        logits += pop[rng.permutation(E)][None, :]
+    return logits
+
+
+class TorchLoop:
+    """bf16 per-expert loop in torch (gate+up fused weight, down weight), token lists prepared outside."""
+
+    def __init__(self, E, hidden, inter):
+        import torch
+        self.torch = torch
+        self.w1 = torch.empty((E, 2 * inter, hidden), dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)
+        self.w2 = torch.empty((E, hidden, inter), dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)
+        self.inter = inter
+
+    def time_ms(self, x_np, ids, w, iters=5):
+        torch = self.torch
+        T = x_np.shape[0]
+        x = torch.randn((T, self.w1.shape[2]), dtype=torch.bfloat16, device="cuda")
+        ids_t = torch.as_tensor(ids.astype(np.int64), device="cuda")
+        w_t = torch.as_tensor(w, device="cuda")
+        experts = np.unique(ids)
+        plan = []
+        for e in experts:
+            tok, j = np.nonzero(ids == e)
+            plan.append((int(e), torch.as_tensor(tok, device="cuda"), w_t[torch.as_tensor(tok, device="cuda"),
+                                                                          torch.as_tensor(j, device="cuda")]))
+
+        def run():
+            y = torch.zeros((T, x.shape[1]), dtype=torch.float32, device="cuda")
+            for e, tok, we in plan:
+                xe = x[tok]
+                gu = xe @ self.w1[e].T
+                h = torch.nn.functional.silu(gu[:, :self.inter]) * gu[:, self.inter:]
+                y.index_add_(0, tok, (h @ self.w2[e].T).float() * we[:, None])
+            return y
+
+        for _ in range(2):
+            run()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters, len(experts) * 3 * self.inter * x.shape[1] * 2
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--routing", default="uniform,skewed")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-variants", action="store_true")
+    args = ap.parse_args(argv)
+    dev = cuda.require_device()
+    print(f"device: {dev.name}, sm_{dev.arch}, {dev.sm_count} SMs", flush=True)
+    bw = measure_read_bandwidth()
+    print(f"measured read bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
+    rng = np.random.default_rng(0)
+    t0 = time.time()
+    weights = make_weights(args.experts, args.hidden, args.inter, rng)
+    per_expert = weights.bytes_per_expert
+    print(f"weights: {args.experts} experts x {per_expert / 1e6:.2f} MB = {args.experts * per_expert / 1e9:.2f} GB "
+          f"(packed + scales), filled in {time.time() - t0:.1f} s", flush=True)
+    torch_loop = None
+    if not args.no_torch:
+        try:
+            torch_loop = TorchLoop(args.experts, args.hidden, args.inter)
+        except Exception as e:   # no torch on this machine, or no memory for the bf16 copy
+            print(f"torch loop skipped: {type(e).__name__}: {e}")
+    stream = cuda.Stream()
+    rows = []
+    for kind in args.routing.split(","):
+        for T in (int(v) for v in args.tokens.split(",")):
+            layer = MoeLayer(weights, T, np.zeros(args.experts, np.float32))
+            x = rng.standard_normal((T, args.hidden)).astype(np.float32)
+            layer.x.upload(to_bf16(x))
+            logits = routing_logits(rng, T, args.experts, kind)
+            layer.logits.upload(logits)
+            layer.forward(stream)
+            stream.synchronize()
+            counts = layer.expert_count.download()
+            distinct = int((counts > 0).sum())
+            nbytes = distinct * per_expert
+            with cuda.capture(stream) as g:
+                layer.forward(stream)
+            graph = g.instantiate()
+            t_graph = cuda.bench(lambda: graph.launch(stream), iters=args.iters, stream=stream)
+            st = {name: cuda.bench(lambda name=name: layer.forward(stream, stages=(name,)), iters=args.iters,
+                                   stream=stream) for name in ("route", "gate_up", "down", "combine")}
+            gemm = st["gate_up"] + st["down"]
+            line = (f"{kind:8s} T={T:4d} experts={distinct:3d} max/expert={counts.max():4d} "
+                    f"bytes={nbytes / 1e9:6.3f} GB | graph {t_graph * 1e3:8.1f} us "
+                    f"({nbytes / (t_graph * 1e-3) / bw * 100:5.1f}% BW) | gemms {gemm * 1e3:8.1f} us "
+                    f"({nbytes / (gemm * 1e-3) / bw * 100:5.1f}% BW) | route {st['route'] * 1e3:.1f} "
+                    f"gate_up {st['gate_up'] * 1e3:.1f} down {st['down'] * 1e3:.1f} combine {st['combine'] * 1e3:.1f} us "
+                    f"[{layer.variants[0][16:]}, {layer.variants[1][16:]}]")
+            if torch_loop is not None:
+                ids = layer.topk_ids.download()
+                wts = layer.topk_w.download()
+                t_torch, torch_bytes = torch_loop.time_ms(x, ids, wts)
+                line += (f" | torch bf16 loop {t_torch * 1e3:.0f} us ({torch_bytes / (t_torch * 1e-3) / 1e12:.2f} "
+                         f"TB/s), ours {t_torch / t_graph:.1f}x faster")
+            print(line, flush=True)
+            if not args.no_variants:
+                gu_bytes = distinct * (weights.gate_q.nbytes + weights.gate_s.nbytes + weights.up_q.nbytes +
+                                       weights.up_s.nbytes) / args.experts
+                dn_bytes = distinct * (weights.down_q.nbytes + weights.down_s.nbytes) / args.experts
+                parts = []
+                for entry in MOE_GEMM_VARIANTS:
+                    mode = variant_params(entry)[0]
+                    w = weights
+                    launch = (layer._gemm_launch(entry, layer.x, w.hidden, w.gate_q, w.gate_s, w.up_q, w.up_s,
+                                                 w.inter, w.hidden, layer.h) if mode == 0 else
+                              layer._gemm_launch(entry, layer.h, w.inter, w.down_q, w.down_s, w.down_q, w.down_s,
+                                                 w.hidden, w.inter, layer.down_out))
+                    ms = cuda.bench(lambda: launch(stream), iters=args.iters, stream=stream)
+                    frac = (gu_bytes if mode == 0 else dn_bytes) / (ms * 1e-3) / bw
+                    parts.append(f"{entry[16:]} {ms * 1e3:.1f}us {frac * 100:.0f}%")
+                print("    variants: " + "; ".join(parts), flush=True)
+            rows.append((kind, T, distinct, nbytes, t_graph, gemm))
+    print("\nsummary (graph replay of the whole layer: routing + gate_up + down + combine)")
+    print(f"{'routing':8s} {'T':>4s} {'experts':>7s} {'GB':>7s} {'us':>8s} {'TB/s':>6s} {'%BW':>6s} {'gemm %BW':>8s}")
+    for kind, T, distinct, nbytes, t_graph, gemm in rows:
+        print(f"{kind:8s} {T:4d} {distinct:7d} {nbytes / 1e9:7.3f} {t_graph * 1e3:8.1f} "
+              f"{nbytes / (t_graph * 1e-3) / 1e12:6.2f} {nbytes / (t_graph * 1e-3) / bw * 100:6.1f} "
+              f"{nbytes / (gemm * 1e-3) / bw * 100:8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# GPU check, run on the GPU machine through the device tool, from the repo root:
+#   . tools/device_env.sh && bash tools/gpu_check.sh [TEST PATHS...]   (default: tests/)
+# Warms the kernel cache for the device arch (parallel NVRTC), runs every GPU test of the suite, the kernel
+# build test (its SASS check uses the image's nvdisasm), then the benchmarks. Everything is appended to
+# $OUT/gpu_check.log (the device tool brings back at most 8 files: keep one log, plus one JSON per bench).
+# Exit status: non-zero when any step failed; every step runs regardless.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+export DDTREE_KERNEL_CACHE=${DDTREE_KERNEL_CACHE:-/tmp/ddtree-kernels} PYTHONUNBUFFERED=1
+failed=()
+tests=("${@:-tests/}")
+STEP_TIMEOUT=${STEP_TIMEOUT:-600}  # seconds per step, so one hung step cannot eat the whole run
+
+step() {  # step NAME COMMAND...: run, tee into the log, remember failures
+  local name=$1; shift
+  echo "=== [$name] $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "=== [$name] rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+}
+
+step device nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+step warm_cache python3 -c "import os, runtime.cuda as rc; rc.compile_all(jobs=os.cpu_count())"
+step pytest_gpu python3 -m pytest -q -rs -m gpu -p no:cacheprovider "${tests[@]}"
+step bench_runtime python3 tools/bench_runtime.py --json "$OUT/bench_runtime.json"
+step pytest_kernel_build python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernel_build.py
+# Other benchmarks: one `step NAME command` line each, below this one.
+
+if [ ${#failed[@]} -ne 0 ]; then
+  echo "gpu_check: FAILED steps: ${failed[*]}" | tee -a "$LOG"
+  exit 1
+fi
+echo "gpu_check: all steps passed" | tee -a "$LOG"
