@@ -210,6 +210,8 @@ def launch_path(request, monkeypatch):
     """Run a test through each launch path (ctypes into libcuda, and cuda.bindings)."""
     from runtime.cuda import kernel as kmod
     if request.param == "ctypes":
+        monkeypatch.setenv("DDTREE_LAUNCH", "ctypes")
+        monkeypatch.setattr(kmod, "_ctypes_launch", None)
         assert kmod._launcher(), "libcuda.so.1 could not be bound through ctypes"
     else:
         monkeypatch.setattr(kmod, "_ctypes_launch", False)

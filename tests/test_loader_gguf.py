@@ -321,3 +321,14 @@ def test_corrupted_gguf_never_crashes(tmp_path):
         except LoadError:
             outcomes["error"] += 1
     assert outcomes["error"] > 50, outcomes
+
+
+def test_loader_is_torch_free(smol):
+    """Loading the default model and tokenizer imports neither torch, transformers nor the gguf package."""
+    import subprocess
+    import sys
+    code = ("import sys, loader; m = loader.load_gguf(); m.tokenizer.encode('hi'); "
+            "bad = [k for k in ('torch', 'transformers', 'gguf') if k in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -55,6 +55,7 @@ def bandwidth(dev, gib: float):
 
 def launch_overhead():
     from runtime.cuda import kernel as kmod
+    os.environ["DDTREE_LAUNCH"], kmod._ctypes_launch = "ctypes", None  # bind ctypes too, to compare
     k = rc.get_kernel("runtime_probe", "noop_kernel")
     buf = rc.empty((16,), np.uint8)
     s = rc.Stream()
@@ -82,9 +83,11 @@ def launch_overhead():
             f"host time, {n} noop launches; target <= 5")
         row(f"launch overhead, Kernel.launch via {path}",
             f"{timed(lambda: k.launch(1, 32, [buf, np.int32(0)], stream=s)):.2f} us", "packs arguments per call")
-    kmod._ctypes_launch = ct
+    os.environ.pop("DDTREE_LAUNCH")
+    kmod._ctypes_launch = None  # back to the default path
     drv = rc.device.driver()
-    params = k.prepare(1, 32, [buf, np.int32(0)]).params
+    keep = k.prepare(1, 32, [buf, np.int32(0)])  # owns the argument arrays that `params` points into
+    params = keep.params
     f, h = k.function, s.handle
     row("  floor: bare cuda.bindings cuLaunchKernel", f"{timed(lambda: drv.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, h, params, 0)):.2f} us",
         "no checks, same arguments")
@@ -197,7 +200,8 @@ def int4_dequant(read_gbs: float, copy_gbs: float, dev):
     scales = rc.to_device(to_bf16(rng.uniform(0.001, 0.05, (n, k // 32))))
     out = rc.empty((n, k), np.uint16)
     moved = packed.nbytes + scales.nbytes + out.nbytes
-    floor_us = (packed.nbytes + scales.nbytes) / read_gbs / 1e3 + 2 * out.nbytes / copy_gbs / 1e3
+    # copy_gbs counts read + write bytes, so a written byte costs 1/copy_gbs like a copied one
+    floor_us = (packed.nbytes + scales.nbytes) / read_gbs / 1e3 + out.nbytes / copy_gbs / 1e3
     for entry, threads, per in (("int4_to_bf16_kernel<128>", 128, 8), ("int4_to_bf16_kernel<256>", 256, 8),
                                 ("int4_to_bf16_group_kernel<128>", 128, 32)):
         kern = rc.get_kernel("int4_convert", entry)
@@ -211,7 +215,7 @@ def int4_dequant(read_gbs: float, copy_gbs: float, dev):
         ms, bps = best
         row(f"int4->bf16 {entry}", f"{ms * 1e3:.1f} us",
             f"{n}x{k}: {moved / ms / 1e6:,.0f} GB/s r+w; floor {floor_us:.1f} us (reads at read bw, writes at "
-            f"copy bw) = {floor_us / (ms * 1e3):.2f} of it; {bps} blocks/SM")
+            f"copy bw): at {floor_us / (ms * 1e3):.2f} of it; {bps} blocks/SM")
 
 
 def main():

@@ -3,7 +3,8 @@
 A kernel's parameters are passed to cuLaunchKernel as `void**`: an array of addresses, one per argument,
 each pointing at the argument's value. Launch keeps both arrays (values in 8-byte slots, addresses to the
 slots) in numpy, so a launch is one driver call and changing an argument is one store. That call goes
-through ctypes straight into libcuda (DDTREE_LAUNCH=bindings uses cuda.bindings instead).
+through cuda.bindings (3.5 us bare on the H200, vs 4.7 us for ctypes into libcuda: docs/PERF.md);
+DDTREE_LAUNCH=ctypes selects the ctypes path.
 Scalars must be numpy scalars of the kernel's C type (np.int32(n), np.float32(x), np.int64(...)): a bare
 Python int or float is refused because its width would be a guess.
 DDTREE_CUDA_SYNC=1 synchronises and checks after every launch (debugging: errors point at the kernel).
@@ -111,16 +112,16 @@ def _slot_value(arg, i: int) -> np.ndarray:
     return np.frombuffer(_slot_bytes(arg, i), np.uint64).copy()
 
 
-_ctypes_launch = None  # libcuda's cuLaunchKernel through ctypes, bound on first use (None: not loaded yet)
+_ctypes_launch = None  # libcuda's cuLaunchKernel through ctypes, bound on first use (None: not decided yet)
 
 
 def _launcher():
-    """The C entry point used for launches: ctypes straight into libcuda (fewer Python layers than
-    cuda.bindings), unless DDTREE_LAUNCH=bindings or libcuda cannot be opened by name."""
+    """libcuda's cuLaunchKernel bound through ctypes when DDTREE_LAUNCH=ctypes (and libcuda opens by
+    name), else False: launches then go through cuda.bindings, measured faster (docs/PERF.md)."""
     global _ctypes_launch
     if _ctypes_launch is None:
         _ctypes_launch = False
-        if os.environ.get("DDTREE_LAUNCH", "ctypes") == "ctypes":
+        if os.environ.get("DDTREE_LAUNCH", "bindings") == "ctypes":
             try:
                 import ctypes
                 fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
