@@ -4,7 +4,12 @@
 // with 16-byte non-caching loads straight into mma.sync A fragments (CuTe's SM80 16x8x16 bf16 atom, which
 // every target arch runs): W rows are the MMA's M side (16 rows per warp tile), tokens its N side (8 per
 // tile), so M = 1 wastes tensor-core lanes but no bandwidth. The activations (a few KB) go through shared
-// memory (cp.async, double-buffered) and are shared by the 8 warps of a block (128*RT W rows).
+// memory and are shared by the 8 warps of a block (128*RT W rows). Two kernels:
+// - linear_bf16_xres_kernel (M <= 64): the block's whole x slice is loaded once; each warp then streams its
+//   W rows through a register ring with no barrier (the decode path: M <= 8 picks it).
+// - linear_bf16_kernel (any M): x chunks double-buffered with cp.async, two barriers per stage, token tiles
+//   on blockIdx.z (verify buckets above 8 rows and prefill until a GMMA path exists).
+// runtime/dense_kernels.py linear_plan chooses; docs/PERF.md has the measurements behind the choice.
 //
 // K-permutation: the dot product does not care about the order of k, only that A and B agree. In each
 // 64-wide k unit, lane (g = lane/4, t = lane%4) loads the 16 contiguous elements [8t, 8t+8) and

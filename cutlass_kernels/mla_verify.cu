@@ -257,21 +257,40 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
   }
 }
 
-// Merge the KV splits: out[row] = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s. One block per row,
-// 128 threads x 4 columns.
-extern "C" __global__ void mla_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                              int splits, int rows_total, uint16_t* __restrict__ out) {
-  const int row = blockIdx.x;
-  const int col = threadIdx.x * 4;
-  float M = __int_as_float(0xff800000);
-  for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[((long long)s * rows_total + row) * 2]);
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float L = 0.f;
-  for (int s = 0; s < splits; ++s) {
+// Merge the KV splits: out[row] = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s. One block of 128 threads
+// per row: the split weights are computed once into shared memory (splits <= 1024), then each thread sums
+// its 4 columns over the splits with independent loads.
+extern "C" __global__ void __launch_bounds__(128)
+mla_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml, int splits,
+                   int rows_total, uint16_t* __restrict__ out) {
+  __shared__ float wgt[1024];
+  __shared__ float red[2][4];
+  const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float NEG_INF = __int_as_float(0xff800000);
+  float mx = NEG_INF;
+  for (int s = tid; s < splits; s += 128) mx = fmaxf(mx, part_ml[((long long)s * rows_total + row) * 2]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) red[0][warp] = mx;
+  __syncthreads();
+  const float M = fmaxf(fmaxf(red[0][0], red[0][1]), fmaxf(red[0][2], red[0][3]));
+  float lsum = 0.f;
+  for (int s = tid; s < splits; s += 128) {
     const float ms = part_ml[((long long)s * rows_total + row) * 2];
-    if (ms == __int_as_float(0xff800000)) continue;   // nothing visible in this split
-    const float w = exp2f(ms - M);
-    L += w * part_ml[((long long)s * rows_total + row) * 2 + 1];
+    const float w = ms == NEG_INF ? 0.f : exp2f(ms - M);   // a split that saw nothing visible weighs 0
+    wgt[s] = w;
+    lsum += w * part_ml[((long long)s * rows_total + row) * 2 + 1];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
+  if (lane == 0) red[1][warp] = lsum;
+  __syncthreads();
+  const float L = red[1][0] + red[1][1] + red[1][2] + red[1][3];
+  const int col = tid * 4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+  for (int s = 0; s < splits; ++s) {
+    const float w = wgt[s];
     const float4 v = *reinterpret_cast<const float4*>(part_o + ((long long)s * rows_total + row) * mla::DV + col);
     acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
   }

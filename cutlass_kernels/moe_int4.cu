@@ -142,17 +142,103 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
   }
 }
 
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" :: "r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+
+// warp_gemm with the weight stream going through a per-warp shared-memory ring of S steps (cp.async):
+// S-1 steps (4 KB each for RB = 2) stay in flight without holding registers. Every lane reads back only the
+// 16-byte slots it copied itself, so the lane's own cp.async.wait_group is the only synchronisation.
+template <int RB, int NT, int S>
+__device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
+                                                const uint4* const (&sp)[RB], const uint4* const (&xrow)[NT],
+                                                int u0, int u1, int lane, uint4* ring) {
+  constexpr int PER = kStep * RB + RB;   // 16-byte slots per lane per step: weights, then scales
+  const int t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < RB; ++j)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[j][n][c] = 0.f;
+  const int nsteps = (u1 - u0) / kStep;
+  auto issue = [&](int i) {
+    const int u = u0 + i * kStep;
+    uint4* slot = ring + (i % S) * PER * 32 + lane;
+#pragma unroll
+    for (int j = 0; j < RB; ++j) {
+#pragma unroll
+      for (int uu = 0; uu < kStep; ++uu) cp_async16(slot + (j * kStep + uu) * 32, wp[j] + (u + uu) * 32);
+      cp_async16(slot + (kStep * RB + j) * 32, sp[j] + (u / 8) * 32 + ((u / 4) & 1));
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) {
+    if (i < nsteps) issue(i);
+    cp_async_commit();
+  }
+  for (int i = 0; i < nsteps; ++i) {
+    cp_async_wait<S - 2>();   // (S - 1 + i) groups committed: group i has landed
+    const uint4* slot = ring + (i % S) * PER * 32 + lane;
+    const int u = u0 + i * kStep;
+    uint4 sc[RB];
+#pragma unroll
+    for (int j = 0; j < RB; ++j) sc[j] = slot[(kStep * RB + j) * 32];
+#pragma unroll
+    for (int uu = 0; uu < kStep; ++uu) {
+      uint4 xa[NT][2];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        if (xrow[n] != nullptr) {
+          const uint4* p = xrow[n] + (u + uu) * (kUnit / 8) + t * 2;
+          xa[n][0] = ld_cached(p);
+          xa[n][1] = ld_cached(p + 1);
+        } else {
+          xa[n][0] = make_uint4(0, 0, 0, 0);
+          xa[n][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < RB; ++j) {
+        const uint4 w = slot[(j * kStep + uu) * 32];
+        const uint32_t sw = word_of(sc[j], uu);
+        const uint32_t s_lo = __byte_perm(sw, 0, 0x1010);
+        const uint32_t s_hi = __byte_perm(sw, 0, 0x3232);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t q = word_of(w, s);
+          uint32_t a[4];
+          a[0] = dequant_bf16x2(nib_to_bf16x2_biased(q), s_lo);
+          a[1] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 4), s_hi);
+          a[2] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 8), s_lo);
+          a[3] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 12), s_hi);
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+            mma_bf16(acc[j][n], a, word_of(xa[n][s >> 1], 2 * (s & 1)), word_of(xa[n][s >> 1], 2 * (s & 1) + 1));
+        }
+      }
+    }
+    if (i + S - 1 < nsteps) issue(i + S - 1);   // overwrites the slot read in step i - 1 (already consumed)
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+}
 }  // namespace moe_int4
 
 namespace moe_int4 {
 
 // One chunk of up to 8*NT tokens of a slot: stream the block's weights once, reduce the KS partial sums in
 // shared memory, store (MODE 0: h = SiLU(gate) * up as bf16; MODE 1: fp32).
-template <int MODE, int RB, int WN, int KS, int NT>
+template <int MODE, int RB, int WN, int KS, int NT, int S>
 __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int ldx, const uint4* const (&wp)[RB],
                                            const uint4* const (&sp)[RB], int n_rows, int u0, int u1, int rb0,
                                            int c0, int count, int offset, const int* __restrict__ sorted_token,
-                                           void* __restrict__ out, float* red) {
+                                           void* __restrict__ out, float* red, uint4* ring) {
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp % WN, ks = warp / WN;
@@ -166,7 +252,11 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
     xrow[n] = i < count ? reinterpret_cast<const uint4*>(x + (long long)row * ldx) : nullptr;
   }
   float acc[RB][NT][4];
-  warp_gemm<RB, NT>(acc, wp, sp, xrow, u0, u1, lane);
+  if constexpr (S > 0) {
+    warp_gemm_async<RB, NT, (S > 1 ? S : 2)>(acc, wp, sp, xrow, u0, u1, lane, ring);
+  } else {
+    warp_gemm<RB, NT>(acc, wp, sp, xrow, u0, u1, lane);
+  }
 
   if (KS > 1) {
     __syncthreads();   // the previous chunk's readers are done with red[]
@@ -220,7 +310,8 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
 // Block: WN x KS warps; warp (wn, ks) owns RB row blocks (MODE 0: RB/2 of gate and the same RB/2 of up)
 // and the ks-th part of K; the KS partial sums meet in shared memory. The slot's tokens go through in
 // chunks of 8, 16 or 32 (NT = 1, 2, 4 tiles, at most NTMAX), the weights streamed once per chunk.
-template <int MODE, int RB, int WN, int KS, int NTMAX>
+// STAGES = 0: weights prefetched one step ahead in registers; STAGES >= 2: through a cp.async ring.
+template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES>
 __global__ void __launch_bounds__(32 * WN * KS)
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
@@ -260,19 +351,22 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
   const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep;
 
   __shared__ float red[KS > 1 ? (KS - 1) * WN * RB * NTMAX * 4 * 32 : 1];
+  // STAGES > 0: dynamic shared memory holds each warp's weight ring, STAGES x (4 RB + RB) x 32 x 16 bytes.
+  extern __shared__ uint4 moe_ring[];
+  uint4* ring = moe_ring + warp * STAGES * (kStep * RB + RB) * 32;
   for (int c0 = 0; c0 < count;) {   // count is uniform over the block: every warp takes the same branches
     const int rem = count - c0;
     if (NTMAX >= 4 && rem > 16) {
-      gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 4 ? 4 : 1)>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
-                                                         sorted_token, out, red);
+      gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 4 ? 4 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
+                                                         sorted_token, out, red, ring);
       c0 += 32;
     } else if (NTMAX >= 2 && rem > 8) {
-      gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 2 ? 2 : 1)>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
-                                                         sorted_token, out, red);
+      gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 2 ? 2 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
+                                                         sorted_token, out, red, ring);
       c0 += 16;
     } else {
-      gemm_chunk<MODE, RB, WN, KS, 1>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset, sorted_token,
-                                      out, red);
+      gemm_chunk<MODE, RB, WN, KS, 1, STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
+                                              sorted_token, out, red, ring);
       c0 += 8;
     }
   }

@@ -6,7 +6,7 @@
 //   the numpy reference uses. Weights = the sigmoid scores of the chosen experts, divided by their sum
 //   (+1e-20) when norm_topk_prob, times routed_scaling_factor.
 // moe_group_kernel: one block. Counts per expert, expert-major sorted order (offsets by expert id, tokens
-//   in increasing order inside an expert: deterministic), the slot list for the grouped GEMMs (active
+//   in increasing order inside an expert: deterministic, from per-expert token bitmaps), the slot list for the grouped GEMMs (active
 //   experts, most tokens first so the longest blocks start first; unused slots get expert -1), and for
 //   each (token, j) its sorted position for the combine.
 // Everything has a fixed launch shape for a token count, so the MoE layer is graph-capturable.
@@ -107,22 +107,31 @@ extern "C" __global__ void moe_topk_kernel(const float* __restrict__ logits, con
   }
 }
 
-// Single block of 1024 threads. smem: ids[T*topk] + 3 * E ints (dynamic).
+// Single block of 1024 threads. Dynamic smem: ids[T*topk], cnt[E], off[E], bits[E][ceil(T/32)] (ints).
+// The sorted position of (t, e) is off[e] + the number of earlier tokens that chose e: a popcount over e's
+// token bitmap (a token never picks an expert twice), so positions are deterministic without a serial scan.
 extern "C" __global__ void __launch_bounds__(1024)
 moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int num_slots,
                  int* __restrict__ expert_count, int* __restrict__ slot_expert, int* __restrict__ slot_offset,
                  int* __restrict__ slot_count, int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
   extern __shared__ int smem[];
   const int P = T * topk;
+  const int words = (T + 31) / 32;
   int* ids = smem;
   int* cnt = ids + P;
   int* off = cnt + E;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  unsigned* bits = reinterpret_cast<unsigned*>(off + E);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int a = tid; a < P; a += blockDim.x) ids[a] = topk_ids[a];
   for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
+  for (int i = tid; i < E * words; i += blockDim.x) bits[i] = 0u;
   for (int s = tid; s < num_slots; s += blockDim.x) { slot_expert[s] = -1; slot_offset[s] = 0; slot_count[s] = 0; }
   __syncthreads();
-  for (int a = tid; a < P; a += blockDim.x) atomicAdd(&cnt[ids[a]], 1);
+  for (int a = tid; a < P; a += blockDim.x) {
+    const int e = ids[a], t = a / topk;
+    atomicAdd(&cnt[e], 1);
+    atomicOr(&bits[e * words + (t >> 5)], 1u << (t & 31));
+  }
   __syncthreads();
   if (warp == 0) {   // exclusive prefix sum over experts, 32 at a time
     int carry = 0;
@@ -145,6 +154,7 @@ moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int n
     expert_count[e] = c;
     if (c == 0) continue;
     int rank = 0;   // slot order: more tokens first, then lower expert id
+#pragma unroll 16
     for (int f = 0; f < E; ++f) {
       const int cf = cnt[f];
       rank += (cf > c) || (cf == c && f < e);
@@ -153,20 +163,13 @@ moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int n
     slot_offset[rank] = off[e];
     slot_count[rank] = c;
   }
-  // Sorted positions: each warp walks the assignments in order for its experts (ballot + popc ranks).
-  for (int e = warp; e < E; e += nwarps) {
-    if (cnt[e] == 0) continue;
-    int pos = off[e];
-    for (int base = 0; base < P; base += 32) {
-      const int a = base + lane;
-      const bool hit = a < P && ids[a] == e;
-      const unsigned m = __ballot_sync(0xffffffffu, hit);
-      if (hit) {
-        const int p = pos + __popc(m & ((1u << lane) - 1u));
-        sorted_token[p] = a / topk;
-        assign_pos[a] = p;
-      }
-      pos += __popc(m);
-    }
+  for (int a = tid; a < P; a += blockDim.x) {
+    const int e = ids[a], t = a / topk;
+    const unsigned* b = bits + e * words;
+    int r = __popc(b[t >> 5] & ((1u << (t & 31)) - 1u));
+    for (int w = 0; w < (t >> 5); ++w) r += __popc(b[w]);
+    const int p = off[e] + r;
+    sorted_token[p] = t;
+    assign_pos[a] = p;
   }
 }

@@ -9,8 +9,7 @@
 // x 16 rows = 64 rows of one KV head; K/V tiles of 64 slots stream through shared memory (cp.async, two
 // stages); S = Q K^T and O += P V use the SM80 16x8x16 bf16 MMA (ldmatrix for K, ldmatrix.trans for V);
 // online softmax in fp32 in base-2. n_prefix is read from device memory so a captured graph replays at
-// any prefix length. With <= 16 rows (decode) the 4 warps split each key tile instead of the rows.
-// Long prefixes with few rows (decode, small trees) split the slots over blockIdx.z
+// any prefix length. Long prefixes with few rows (decode, small trees) split the slots over blockIdx.z
 // (flash-decoding); the splits write (O/l, log2 sum) partials that attention_combine_kernel merges.
 #include <cuda_bf16.h>
 #include <cuda/std/cstdint>  // NVRTC has no <cstdint>
@@ -87,11 +86,7 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
   const int tile_end = min(n_tiles, tile_begin + per_split);
 
   // This thread's two query rows (g and g+8 of the warp's 16).
-  // Few rows (decode, budgets <= 3 at G = 4): all 4 warps take the same 16 rows and split each key tile,
-  // warp w owning keys [16w, 16w + 16); their softmax states are merged at the end. Otherwise each warp
-  // owns 16 of the block's 64 rows and all 64 keys of a tile.
-  const bool key_split = T * G <= kRowsPerWarp;
-  const int row_base = key_split ? blockIdx.x * kRowsPerWarp : blockIdx.x * kTileRows + warp * kRowsPerWarp;
+  const int row_base = blockIdx.x * kTileRows + warp * kRowsPerWarp;
   int qi[2], head[2];
   bool valid[2];
 #pragma unroll
@@ -153,7 +148,6 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
       for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
         for (int n2 = 0; n2 < 4; ++n2) {
-          if (key_split && n2 != warp) continue;
           uint32_t b[4];  // matrices: keys +0..7 | d lo, keys +0..7 | d hi, keys +8..15 | d lo, d hi
           ldmatrix_x4(b, &ks[buf][n2 * 16 + rr + 8 * (mi >> 1)][kk * 16 + 8 * (mi & 1)]);
           mma(s[2 * n2], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
@@ -169,7 +163,7 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
         for (int c = 0; c < 4; ++c) {
           const int h = c >> 1;
           const int key = key0 + j * 8 + 2 * t + (c & 1);
-          bool vis = key < n_keys && (!key_split || (j >> 1) == warp);
+          bool vis = key < n_keys;
           if (vis && key >= n_prefix) {
             const int nj = key - n_prefix;
             vis = valid[h] && ((visibility[(size_t)qi[h] * vis_words + (nj >> 5)] >> (nj & 31)) & 1u);
@@ -209,7 +203,6 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
       // O += P V: the S accumulators of key n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        if (key_split && kk != warp) continue;
         const uint32_t a0 = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
         const uint32_t a1 = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
         const uint32_t a2 = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
@@ -224,53 +217,6 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
       }
     }
     __syncthreads();  // the buffer is refilled next iteration
-  }
-
-  if (key_split) {
-    // Merge the 4 warps' (max, sum, O) per row through shared memory (the K/V buffers are free now);
-    // warp 0 then holds the merged state and stores it below.
-    float* o_sm = reinterpret_cast<float*>(smem_raw);          // [4 warps][16 rows][D]
-    float* ml_sm = o_sm + 4 * kRowsPerWarp * D;                 // [4 warps][16 rows][max, sum]
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = g + 8 * h;
-      if (t == 0) {
-        ml_sm[(warp * kRowsPerWarp + r) * 2] = row_max[h];
-        ml_sm[(warp * kRowsPerWarp + r) * 2 + 1] = row_sum[h];
-      }
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        o_sm[(warp * kRowsPerWarp + r) * D + j * 8 + 2 * t] = oacc[j][2 * h];
-        o_sm[(warp * kRowsPerWarp + r) * D + j * 8 + 2 * t + 1] = oacc[j][2 * h + 1];
-      }
-    }
-    __syncthreads();
-    if (warp != 0) return;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = g + 8 * h;
-      float m = NEG_INF;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, ml_sm[(w * kRowsPerWarp + r) * 2]);
-      const float base = m == NEG_INF ? 0.f : m;
-      float l = 0.f, scale_w[kWarps];
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        scale_w[w] = exp2f(ml_sm[(w * kRowsPerWarp + r) * 2] - base);
-        l += ml_sm[(w * kRowsPerWarp + r) * 2 + 1] * scale_w[w];
-      }
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float v = 0.f;
-#pragma unroll
-          for (int w = 0; w < kWarps; ++w) v += o_sm[(w * kRowsPerWarp + r) * D + j * 8 + 2 * t + c] * scale_w[w];
-          oacc[j][2 * h + c] = v;
-        }
-      row_max[h] = m;
-      row_sum[h] = l;
-    }
   }
 
   // Epilogue: O / l per row. Splits write fp32 partials and the base-2 log-sum-exp.

@@ -39,7 +39,8 @@ def _i32(v) -> np.int32:
 
 class Workspace:
     """Scratch device memory for split reductions: grows on demand, never shrinks. `tickets` are int32
-    counters the split-K kernel leaves at zero after every launch (allocated zeroed)."""
+    counters the split-K kernel leaves at zero after every launch (allocated zeroed). Kernels on one stream
+    may share a workspace (they run in order); concurrent streams need one each."""
 
     def __init__(self):
         self._scratch: DeviceArray | None = None
@@ -82,7 +83,11 @@ def _scalar_on_device(value, what: str, op: str) -> DeviceArray:
 LINEAR_ROWS_PER_BLOCK = 128      # 8 warps x 16 W rows
 LINEAR_BLOCKS_PER_SM = 2         # 256 threads at <= 128 registers
 XRES_SMEM_CAP = 100 * 1024       # x slice per block, so two blocks fit an SM's 227 KB
-XRES_PARTIALS_CAP = 16 << 20     # split-K partials that stay in L2 (60 MB, shared with the W stream)
+# Fixed cost of one x-resident block (x slice load, epilogue, split-K ticket) in 64-wide units of W time:
+# without it the model split SmolLM2's lm_head (K = 576) into 9 one-unit blocks, measured 2x slower than
+# one split (37.0 vs 18.4 us on the H200).
+XRES_BLOCK_OVERHEAD_UNITS = 2
+XRES_INSTANCES = {(1, 4), (2, 4), (4, 4), (8, 4), (1, 2), (8, 2)}  # (MT, STAGES) built in dense_linear.cu
 _smem_raised: set = set()
 
 
@@ -91,23 +96,23 @@ def _mt(M: int) -> int:
 
 
 def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, kernel: str = "auto",
-                stages: int = 4, rt: int = 1):
-    """How `linear` launches: (entry, grid, block, k_per_split, dynamic smem).
+                stages: int | None = None, rt: int = 1):
+    """How `linear` launches: (entry, grid, k_per_split, dynamic smem bytes); blocks are 256 threads.
 
-    M <= 64 -> the x-resident kernel. Its K split is picked by a small cost model: per-SM bytes of W in
-    the slowest wave (waves are ceil(blocks / (2 * SMs))) plus half the fp32 partial traffic (mostly L2),
-    fewest splits on ties; when the smem cap on its x slice forces partials beyond XRES_PARTIALS_CAP
-    (M = 64 at large N), or M > 64 (prefill), the chunked kernel, token tiles on blockIdx.z."""
+    kernel="auto": M <= 8 -> the x-resident kernel (2-deep W ring), else the chunked kernel (any M; token
+    tiles of 8*MT rows on blockIdx.z). "xres" (M <= 64): its K split comes from a small cost model: per-SM
+    bytes of W in the slowest wave (waves = ceil(blocks / (2 * SMs))) plus half the fp32 partial traffic
+    (mostly L2), with a fixed per-block cost; fewest splits on ties; the x slice must fit XRES_SMEM_CAP.
+    "chunked": K split so that the grid has about 2 blocks per SM."""
+    _need(kernel in ("auto", "xres", "chunked"), "linear", f"kernel {kernel!r}: 'auto', 'xres' or 'chunked'")
     mt = _mt(M)
     row_blocks = -(-N // LINEAR_ROWS_PER_BLOCK)
     if kernel == "auto":
-        if M > 64:
-            kernel = "chunked"
-        else:  # x-resident unless its smem-capped K split would push fp32 partials out of L2
-            plan = linear_plan(M, N, K, sm_count, splits, "xres", stages)
-            if plan[1][1] == 1 or plan[1][1] * M * N * 4 <= XRES_PARTIALS_CAP:
-                return plan
-            kernel = "chunked"
+        # Measured on the H200 (docs/PERF.md): the x-resident kernel with a 2-deep ring is the fastest at
+        # M <= 8 on every Qwen3-8B shape but qkv; from M = 16 the chunked kernel wins on most shapes.
+        if M <= 8:
+            return linear_plan(M, N, K, sm_count, splits, "xres", stages)
+        kernel = "chunked"
     if kernel == "xres":
         _need(M <= 64, "linear", f"the x-resident kernel takes M <= 64, got M = {M}")
         units = -(-K // 64)
@@ -122,7 +127,8 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
                     continue
                 s_eff = -(-units // per)
                 waves = -(-row_blocks * s_eff // slots)
-                cost = waves * LINEAR_BLOCKS_PER_SM * per * LINEAR_ROWS_PER_BLOCK * 128
+                unit_bytes = LINEAR_ROWS_PER_BLOCK * 64 * 2  # one block's W per 64-wide k unit
+                cost = waves * LINEAR_BLOCKS_PER_SM * (per + XRES_BLOCK_OVERHEAD_UNITS) * unit_bytes
                 if s_eff > 1:
                     cost += 0.5 * s_eff * M * N * 8 / sm_count
                 if best is None or cost < best[0] - 1e-9:
@@ -132,6 +138,9 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
         _need(per <= max_units, "linear", f"splits={splits} leaves {per * 64} k per block: x slice over smem cap")
         splits = -(-units // per)
         k_per_split = per * 64
+        stages = stages or (2 if mt in (1, 8) else 4)  # the 2-deep ring measured faster where it exists
+        _need((mt, stages) in XRES_INSTANCES, "linear", f"no x-resident kernel <MT={mt}, STAGES={stages}>; "
+              f"built: {sorted(XRES_INSTANCES)}")
         entry = f"linear_bf16_xres_kernel<{mt}, {stages}>"
         smem = rows * (k_per_split + 32) * 2
         return entry, (row_blocks, splits, 1), k_per_split, smem
@@ -151,8 +160,8 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
 
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None = None, *,
            ldx: int | None = None, ldo: int | None = None, ldr: int | None = None,
-           ws: Workspace | None = None, splits: int | None = None, kernel: str = "auto", stages: int = 4,
-           rt: int = 1, stream=None) -> DeviceArray:
+           ws: Workspace | None = None, splits: int | None = None, kernel: str = "auto",
+           stages: int | None = None, rt: int = 1, stream=None) -> DeviceArray:
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]) in bf16 with fp32 accumulation.
     kernel/splits/stages/rt override the plan (benchmarks and tests)."""
     op = "linear"
@@ -283,13 +292,13 @@ def attention_smem_bytes(head_dim: int) -> int:
     return 2 * 2 * ATTN_TILE_KEYS * (head_dim + 8) * 2  # K and V, two stages, padded rows
 
 
-def attention_splits(T: int, Hq: int, Hkv: int, max_keys: int, sm_count: int, head_dim: int = 128) -> int:
-    """KV splits so that the grid fits in one wave of resident blocks (2 per SM at d128: 208 registers;
-    3 at d64) without spilling into a mostly idle second wave; each split keeps >= 4 key tiles."""
+def attention_splits(T: int, Hq: int, Hkv: int, max_keys: int, sm_count: int) -> int:
+    """KV splits so that the grid has at least ~2 blocks per SM, each split keeping >= 4 key tiles.
+    Rounding the block count up past one resident wave measured faster on the H200 than staying under it
+    (a block of 4 warps is latency-bound, so an SM wants two of them)."""
     blocks = -(-T * (Hq // Hkv) // ATTN_ROWS_PER_BLOCK) * Hkv
     tiles = -(-max_keys // ATTN_TILE_KEYS)
-    slots = (2 if head_dim > 64 else 3) * sm_count
-    return int(max(1, min(slots // blocks, tiles // 4, 64)))
+    return int(max(1, min(-(-2 * sm_count // blocks), tiles // 4, 64)))
 
 
 def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_prefix, visibility: DeviceArray,
@@ -319,7 +328,7 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     n_prefix_dev = _scalar_on_device(n_prefix, "n_prefix", op)
     dev = get_device()
     if splits is None:
-        splits = attention_splits(T, Hq, Hkv, max_keys, dev.sm_count, D)
+        splits = attention_splits(T, Hq, Hkv, max_keys, dev.sm_count)
     G = Hq // Hkv
     grid = (-(-T * G // ATTN_ROWS_PER_BLOCK), Hkv, splits)
     ws = ws or default_workspace()

@@ -31,6 +31,7 @@ class RoundStats:
     committed: int                      # tokens emitted this round (accepted drafts + the bonus)
     tree_size: int                      # nodes verified (incl. root); 1 for an AR step
     times: dict                         # stage -> seconds
+    kv_moved: int = 0                   # KV slots compacted after the walk
 
 
 @dataclass
@@ -55,8 +56,10 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, target, drafter=None):
-        self.target, self.drafter = target, drafter
+    def __init__(self, target, drafter=None, prefill_chunk: int = 512):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.target, self.drafter, self.prefill_chunk = target, drafter, prefill_chunk
         self.backend = target.backend
         self._tree_workspace = None
 
@@ -66,7 +69,7 @@ class Engine:
         b = self.backend
         if temperature <= 0.0:
             return b.to_host(b.argmax(logits)).astype(np.int32)
-        u = rng.random(logits.shape[0], dtype=np.float64).astype(np.float32)
+        u = rng.random(logits.shape[0], dtype=np.float32)          # [0, 1) in float32 (no rounding up to 1)
         return b.to_host(b.sample(logits, temperature, b.from_host(u))).astype(np.int32)
 
     def _taps_concat(self, tapped: dict):
@@ -98,14 +101,17 @@ class Engine:
         taps = self.drafter.target_layer_ids if mode != "ar" else ()
         dcache = self.drafter.new_cache(capacity + block) if mode != "ar" else None
 
-        # prefill
+        # prefill, in chunks: attention scratch stays [chunk, prefix + chunk] however long the prompt
         t0 = time.perf_counter()
-        h, tapped = tgt.forward(cache, b.from_host(prompt), b.from_host(np.arange(p, dtype=np.int32)),
-                                b.from_host(causal_visibility(p)), taps)
-        cache.length = p
-        first = int(self._pick(tgt.logits(h[p - 1:]), temperature, rng)[0])
-        if dcache is not None:
-            self.drafter.add_context(dcache, self._taps_concat(tapped), b.from_host(np.arange(p, dtype=np.int32)))
+        for c0 in range(0, p, self.prefill_chunk):
+            chunk = prompt[c0:c0 + self.prefill_chunk]
+            positions = b.from_host(np.arange(c0, c0 + len(chunk), dtype=np.int32))
+            h, tapped = tgt.forward(cache, b.from_host(chunk), positions, b.from_host(causal_visibility(len(chunk))),
+                                    taps)
+            cache.length += len(chunk)
+            if dcache is not None:
+                self.drafter.add_context(dcache, self._taps_concat(tapped), positions)
+        first = int(self._pick(tgt.logits(h[len(chunk) - 1:]), temperature, rng)[0])
         prefill_s = time.perf_counter() - t0
 
         out = [first]
@@ -190,4 +196,5 @@ class Engine:
         d.add_context(dcache, ctx, b.from_host(start + np.arange(m, dtype=np.int32)))
         times["commit"] = time.perf_counter() - t5
         new = [int(x) for x in tokens[accepted[1:]]] + [int(new_bonus)]
-        return new, RoundStats(committed=len(new), tree_size=len(tokens), times=times)
+        return new, RoundStats(committed=len(new), tree_size=len(tokens), times=times,
+                               kv_moved=m - int(moved[0]) if len(moved) else 0)

@@ -140,19 +140,23 @@ class MoeWeights:
         return cls(e, hidden, inter, *d)
 
 
-# Variant per token-bucket: (gate_up entry, down entry). RB, WN, KS, NTMAX as in the kernel template.
+# Variant per token-bucket: (gate_up entry, down entry); template arguments MODE, RB, WN, KS, NTMAX, STAGES.
 # Chosen from tools/bench_moe.py on the H200 (docs/PERF.md); every entry of the registry table works.
 DEFAULT_VARIANTS = {
-    8: ("moe_w4a16_kernel<0, 2, 4, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1>"),
-    64: ("moe_w4a16_kernel<0, 2, 4, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1>"),
-    256: ("moe_w4a16_kernel<0, 2, 4, 1, 2>", "moe_w4a16_kernel<1, 2, 4, 1, 2>"),
-    1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4>", "moe_w4a16_kernel<1, 2, 4, 1, 4>"),
+    128: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 3>"),
+    1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 3>"),
 }
 
 
 def variant_params(entry: str) -> tuple[int, ...]:
-    """"moe_w4a16_kernel<0, 2, 4, 1, 1>" -> (MODE, RB, WN, KS, NTMAX)."""
+    """"moe_w4a16_kernel<0, 2, 4, 1, 1, 3>" -> (MODE, RB, WN, KS, NTMAX, STAGES)."""
     return tuple(int(v) for v in entry[entry.index("<") + 1:entry.index(">")].split(","))
+
+
+def moe_ring_bytes(entry: str) -> int:
+    """Dynamic shared memory of a variant: each warp's cp.async ring (STAGES x 5 RB x 32 lanes x 16 B)."""
+    _, rb, wn, ks, _, stages = variant_params(entry)
+    return wn * ks * stages * (4 * rb + rb) * 32 * 16
 
 
 def default_variants(tokens: int) -> tuple[str, str]:
@@ -198,7 +202,7 @@ class MoeLayer:
 
         topk_k = cuda.get_kernel("moe_routing", "moe_topk_kernel")
         group_k = cuda.get_kernel("moe_routing", "moe_group_kernel")
-        group_smem = (P + 2 * E) * 4
+        group_smem = (P + 2 * E + E * ((T + 31) // 32)) * 4
         if group_smem > 48 * 1024:
             group_k.set_max_dynamic_smem(group_smem)
         gu_entry, dn_entry = variants or default_variants(T)
@@ -224,14 +228,18 @@ class MoeLayer:
 
     def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out):
         cuda = _cuda()
-        mode, rb, wn, ks, _ = variant_params(entry)
+        mode, rb, wn, ks, _, _ = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
         if n_rows % (16 * rbm * wn) or k % 512:
             raise ValueError(f"{entry}: N={n_rows} must be a multiple of {16 * rbm * wn} and K={k} of 512")
         grid = (n_rows // (16 * rbm * wn), self.num_slots)
-        return cuda.get_kernel("moe_int4", entry).prepare(grid, (32 * wn * ks,), [
+        kernel = cuda.get_kernel("moe_int4", entry)
+        smem = moe_ring_bytes(entry)
+        if smem > 48 * 1024:
+            kernel.set_max_dynamic_smem(smem)
+        return kernel.prepare(grid, (32 * wn * ks,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
-            self.slot_count, self.sorted_token, out])
+            self.slot_count, self.sorted_token, out], smem=smem)
 
     def forward(self, stream=None, stages=None):
         """Launch the layer (or only the named stages: 'route', 'gate_up', 'down', 'combine')."""
@@ -252,7 +260,7 @@ MLA_SMEM = (_MLA_BM * _MLA_LD + 2 * _MLA_BN * _MLA_LD) * 2 + 2 * 4 * 4 * 4 * 32 
 def mla_splits(rows: int, kv_len: int, sm_count: int = 132) -> int:
     """KV splits so that about one wave of blocks runs (one 165 KB block per SM)."""
     tiles = (rows + _MLA_BM - 1) // _MLA_BM
-    return max(1, min((sm_count + tiles - 1) // tiles, (kv_len + 255) // 256))
+    return max(1, min((sm_count + tiles - 1) // tiles, (kv_len + 255) // 256, 1024))
 
 
 class MlaAttention:

@@ -51,6 +51,14 @@ def test_argument_packing():
     assert list(launch.addresses) == [slots, slots + 8, slots + 16]
     launch.set_arg(1, np.int32(9))
     assert launch.values[1:2].view(np.int32)[0] == 9 and launch.addresses[0] == slots
+    # read the arguments back the way the driver does: through the void** at launch.params
+    import ctypes
+    pointers = (ctypes.c_uint64 * 3).from_address(launch.params)
+    assert list(pointers) == [slots, slots + 8, slots + 16]
+    assert ctypes.c_uint64.from_address(pointers[0]).value == 0x7F0000001000
+    assert ctypes.c_int32.from_address(pointers[1]).value == 9
+    assert ctypes.c_float.from_address(pointers[2]).value == 0.25
+    assert Launch(FakeKernel(), 1, 1, []).params == 0  # no arguments: kernelParams NULL
     with pytest.raises(ValueError):
         Launch(FakeKernel(), 0, 128, [])
 

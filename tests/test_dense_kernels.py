@@ -57,10 +57,15 @@ def down_f32(a):
 
 # ---------------------------------------------------------------- linear
 @pytest.mark.parametrize("M,N,K,kw", [
+    # auto: x-resident <1, 2> for M <= 8, chunked <MT, 1> above
     (1, 111, 64, {}), (1, 989, 1000, {}), (3, 4096, 512, {}), (16, 576, 576, {}), (17, 1536, 576, {}),
     (37, 333, 264, {}), (64, 1000, 2048, {}), (111, 989, 136, {}), (300, 200, 136, {}),
     (8, 777, 4096, {"splits": 1}), (8, 777, 4096, {"splits": 7}), (64, 512, 640, {"splits": 1}),
-    (1, 300, 3000, {"stages": 2}), (33, 700, 4096, {"stages": 2}),
+    # every x-resident instance
+    (1, 300, 3000, {"stages": 4}), (16, 989, 1000, {"kernel": "xres"}), (25, 700, 1000, {"kernel": "xres"}),
+    (33, 700, 4096, {"kernel": "xres", "stages": 4}), (64, 1000, 2048, {"kernel": "xres"}),
+    (64, 512, 640, {"kernel": "xres", "splits": 1}),
+    # chunked at small M, its RT=2 tile, heavy split-K
     (5, 989, 1000, {"kernel": "chunked"}), (64, 1000, 2048, {"kernel": "chunked", "rt": 2}),
     (64, 256, 4096, {"kernel": "chunked", "splits": 32}),
 ])

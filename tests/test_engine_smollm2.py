@@ -2,7 +2,6 @@
 - greedy continuation == transformers' LlamaForCausalLM greedy continuation with the same (dequantised)
   weights (transformers' own GGUF path needs `accelerate`, which the test extra does not install);
 - DDTree greedy (random-weight drafter) == AR greedy, token for token, for budgets 1, 4, 16, 64."""
-import numpy as np
 import pytest
 
 from runtime.backends.numpy_backend import NumpyBackend
@@ -44,17 +43,24 @@ def test_greedy_matches_transformers(smollm2, ar_outputs):
         num_key_value_heads=s.num_key_value_heads, head_dim=s.head_dim, rms_norm_eps=s.rms_norm_eps,
         rope_theta=s.rope_theta, max_position_embeddings=s.max_position_embeddings,
         tie_word_embeddings=s.tie_word_embeddings)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
+    from transformers.initialization import no_init_weights
+    with no_init_weights():                                  # every weight is loaded below
+        hf = transformers.LlamaForCausalLM(cfg).eval()
     state = {k: torch.from_numpy(as_f32(v).copy()) for k, v in g.tensors.items()}
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     hf.tie_weights()
-    for p in PROMPTS:
-        ids = torch.tensor([g.tokenizer.encode(p)])
-        with torch.no_grad():
-            out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, ids.shape[1]:].tolist()
-        assert ar_outputs[p] == out, f"{p!r}: ours {ar_outputs[p]} != transformers {out}"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)          # batch-1 decode: thread wake-ups cost more than they save (3x on 2 cores)
+    try:
+        for p in PROMPTS:
+            ids = torch.tensor([g.tokenizer.encode(p)])
+            with torch.no_grad():
+                out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, ids.shape[1]:].tolist()
+            assert ar_outputs[p] == out, f"{p!r}: ours {ar_outputs[p]} != transformers {out}"
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("budget", [1, 4, 16, 64])

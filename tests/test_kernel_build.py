@@ -124,6 +124,9 @@ def test_corrupted_cache_file_is_rebuilt(tiny):
         pass
     assert compile_family(fam, "90a").cubin == first.cubin
     assert compile_family(fam, "90a").from_cache
+    os.remove(first.ptx_path)  # the PTX beside it is part of the entry
+    again = compile_family(fam, "90a")
+    assert not again.from_cache and "scale_kernel" in again.ptx
 
 
 def test_require_switch_makes_a_miss_fatal(tiny, monkeypatch):

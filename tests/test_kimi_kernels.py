@@ -3,6 +3,7 @@ routing, the INT4 MoE layer and MLA attention against the float32 numpy referenc
 import numpy as np
 import pytest
 
+from cutlass_kernels.registry import MOE_GEMM_VARIANTS
 from loader.int4 import pack_int4, unpack_int4
 from runtime import kimi_reference as ref
 from runtime.bf16 import from_bf16, round_bf16, to_bf16
@@ -195,14 +196,10 @@ def test_moe_layer_small(cuda_device, T, E, hidden, inter, variants):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("entry_gu,entry_dn", [
-    ("moe_w4a16_kernel<0, 2, 4, 2, 1>", "moe_w4a16_kernel<1, 2, 4, 2, 1>"),
-    ("moe_w4a16_kernel<0, 4, 4, 1, 1>", "moe_w4a16_kernel<1, 4, 4, 1, 1>"),
-    ("moe_w4a16_kernel<0, 2, 4, 1, 4>", "moe_w4a16_kernel<1, 2, 4, 1, 4>"),
-    ("moe_w4a16_kernel<0, 4, 2, 1, 2>", "moe_w4a16_kernel<1, 4, 2, 1, 2>"),
-])
-def test_moe_layer_variants(cuda_device, entry_gu, entry_dn):
-    _check_moe(45, 8, 1024, 1024, (entry_gu, entry_dn), topk=4)
+@pytest.mark.parametrize("variant", [v.split("<")[1] for v in MOE_GEMM_VARIANTS if v.startswith("moe_w4a16_kernel<0")])
+def test_moe_layer_variants(cuda_device, variant):
+    """Every gate_up/down pair of the registry table, with tokens per expert spanning 1..4 tiles."""
+    _check_moe(45, 8, 1024, 1024, (f"moe_w4a16_kernel<{variant}", f"moe_w4a16_kernel<1{variant[1:]}"), topk=4)
 
 
 @pytest.mark.gpu

@@ -92,11 +92,11 @@ def bench_linear(stream, read_bw, ms_list, quick):
             if M <= 64 and model == "Qwen3-8B":
                 variants += [("chunked", {"kernel": "chunked"}), ("xres", {"kernel": "xres"})]
                 if M in (1, 64):
-                    variants += [("xres stages=2", {"kernel": "xres", "stages": 2})]
+                    variants += [("xres stages=4", {"kernel": "xres", "stages": 4})]
             for vname, kw in variants:
                 try:
                     plan = dk.linear_plan(M, N, K, get_device().sm_count, kw.get("splits"), kw.get("kernel", "auto"),
-                                          kw.get("stages", 4))
+                                          kw.get("stages"))
                 except ValueError as e:
                     print(f"| {model} | {name} | {N}x{K} | {M} | {vname} | n/a: {e} |||||")
                     continue

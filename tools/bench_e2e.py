@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a short poem about the sea."]
 

@@ -6,23 +6,25 @@ measured in the same run, every kernel variant of the registry table, and a torc
 (the alternative a user has) as a ratio. Weights are random bytes in the kernel layout (any bytes are valid
 INT4 codes); scales are random positive bf16 of the checkpoint's magnitude.
 
-    python -m tools.bench_moe [--tokens 1,2,4,...] [--experts 384] [--no-torch] [--no-variants]
+    python -m tools.bench_moe [--tokens 1,2,4,...] [--experts 384] [--no-variants] [--torch-json F]
+    python -m tools.bench_moe --torch-only F     # time the torch loop alone (its own process), write JSON F
+
+The torch loop runs in its own process (torch and the runtime's CUDA wheels in one process clashed on the
+device image); both processes route the same logits (seeded per routing and T), so the ratio compares the
+same work, measured in the same device session.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import numpy as np
 
-from cutlass_kernels.registry import MOE_GEMM_VARIANTS
-from runtime import cuda
-from runtime.bf16 import to_bf16
-from runtime.kimi_kernels import MoeLayer, MoeWeights, variant_params
-
 
 def measure_read_bandwidth(nbytes: int = 4 << 30) -> float:
     """Bytes/s of the runtime's streaming read kernel over a buffer far larger than L2."""
+    from runtime import cuda
     buf = cuda.empty((nbytes // 16, 4), np.uint32)
     buf.fill_bytes(0x5A)
     sink = cuda.empty((1,), np.uint32)
@@ -35,6 +37,7 @@ def measure_read_bandwidth(nbytes: int = 4 << 30) -> float:
 
 def random_fill(arr, rng, kind: str):
     """Fill a device array with random packed words ('q') or bf16 scales ('s') from a reused host block."""
+    from runtime.bf16 import to_bf16
     flat = arr.view(0, (arr.size,))
     block = (rng.integers(0, 1 << 32, size=1 << 24, dtype=np.uint32).astype(arr.dtype) if kind == "q"
              else to_bf16(rng.uniform(0.5, 1.5, size=1 << 24).astype(np.float32) * 0.004))
@@ -43,7 +46,9 @@ def random_fill(arr, rng, kind: str):
         flat.view(off, (n,)).upload(block[:n])
 
 
-def make_weights(E: int, hidden: int, inter: int, rng) -> MoeWeights:
+def make_weights(E: int, hidden: int, inter: int, rng):
+    from runtime import cuda
+    from runtime.kimi_kernels import MoeWeights
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     arrays = []
     for name in ("gate", "up", "down"):
@@ -56,7 +61,8 @@ def make_weights(E: int, hidden: int, inter: int, rng) -> MoeWeights:
     return MoeWeights(E, hidden, inter, *arrays)
 
 
-def routing_logits(rng, T: int, E: int, kind: str) -> np.ndarray:
+def routing_logits(T: int, E: int, kind: str) -> np.ndarray:
+    rng = np.random.default_rng(1000 * T + (kind == "skewed"))
     logits = rng.standard_normal((T, E)).astype(np.float32)
     if kind == "skewed":   # Zipf-like popularity: a few experts take a large share of the tokens
         pop = -np.log1p(np.arange(E, dtype=np.float32))
@@ -74,9 +80,9 @@ class TorchLoop:
         self.w2 = torch.empty((E, hidden, inter), dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)
         self.inter = inter
 
-    def time_ms(self, x_np, ids, w, iters=5):
+    def time_ms(self, ids, w, iters=5):
         torch = self.torch
-        T = x_np.shape[0]
+        T = ids.shape[0]
         x = torch.randn((T, self.w1.shape[2]), dtype=torch.bfloat16, device="cuda")
         ids_t = torch.as_tensor(ids.astype(np.int64), device="cuda")
         w_t = torch.as_tensor(w, device="cuda")
@@ -115,9 +121,16 @@ def main(argv=None):
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--routing", default="uniform,skewed")
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--torch-only", metavar="JSON", help="time only the torch bf16 loop, write results here")
+    ap.add_argument("--torch-json", metavar="JSON", help="torch loop times from a --torch-only run")
     args = ap.parse_args(argv)
+    if args.torch_only:
+        return torch_main(args)
+    from cutlass_kernels.registry import MOE_GEMM_VARIANTS
+    from runtime import cuda
+    from runtime.bf16 import to_bf16
+    from runtime.kimi_kernels import MoeLayer, variant_params
     dev = cuda.require_device()
     print(f"device: {dev.name}, sm_{dev.arch}, {dev.sm_count} SMs", flush=True)
     bw = measure_read_bandwidth()
@@ -128,12 +141,12 @@ def main(argv=None):
     per_expert = weights.bytes_per_expert
     print(f"weights: {args.experts} experts x {per_expert / 1e6:.2f} MB = {args.experts * per_expert / 1e9:.2f} GB "
           f"(packed + scales), filled in {time.time() - t0:.1f} s", flush=True)
-    torch_loop = None
-    if not args.no_torch:
+    torch_times = {}
+    if args.torch_json:
         try:
-            torch_loop = TorchLoop(args.experts, args.hidden, args.inter)
-        except Exception as e:   # no torch on this machine, or no memory for the bf16 copy
-            print(f"torch loop skipped: {type(e).__name__}: {e}")
+            torch_times = json.load(open(args.torch_json))
+        except (OSError, ValueError) as e:
+            print(f"no torch loop times: {e}")
     stream = cuda.Stream()
     rows = []
     for kind in args.routing.split(","):
@@ -141,7 +154,7 @@ def main(argv=None):
             layer = MoeLayer(weights, T, np.zeros(args.experts, np.float32))
             x = rng.standard_normal((T, args.hidden)).astype(np.float32)
             layer.x.upload(to_bf16(x))
-            logits = routing_logits(rng, T, args.experts, kind)
+            logits = routing_logits(T, args.experts, kind)
             layer.logits.upload(logits)
             layer.forward(stream)
             stream.synchronize()
@@ -161,12 +174,10 @@ def main(argv=None):
                     f"({nbytes / (gemm * 1e-3) / bw * 100:5.1f}% BW) | route {st['route'] * 1e3:.1f} "
                     f"gate_up {st['gate_up'] * 1e3:.1f} down {st['down'] * 1e3:.1f} combine {st['combine'] * 1e3:.1f} us "
                     f"[{layer.variants[0][16:]}, {layer.variants[1][16:]}]")
-            if torch_loop is not None:
-                ids = layer.topk_ids.download()
-                wts = layer.topk_w.download()
-                t_torch, torch_bytes = torch_loop.time_ms(x, ids, wts)
-                line += (f" | torch bf16 loop {t_torch * 1e3:.0f} us ({torch_bytes / (t_torch * 1e-3) / 1e12:.2f} "
-                         f"TB/s), ours {t_torch / t_graph:.1f}x faster")
+            tt = torch_times.get(f"{kind}/{T}")
+            if tt is not None:
+                line += (f" | torch bf16 loop {tt[0] * 1e3:.0f} us ({tt[1] / (tt[0] * 1e-3) / 1e12:.2f} TB/s), "
+                         f"ours {tt[0] / t_graph:.1f}x faster")
             print(line, flush=True)
             if not args.no_variants:
                 gu_bytes = distinct * (weights.gate_q.nbytes + weights.gate_s.nbytes + weights.up_q.nbytes +
@@ -184,13 +195,30 @@ def main(argv=None):
                     frac = (gu_bytes if mode == 0 else dn_bytes) / (ms * 1e-3) / bw
                     parts.append(f"{entry[16:]} {ms * 1e3:.1f}us {frac * 100:.0f}%")
                 print("    variants: " + "; ".join(parts), flush=True)
-            rows.append((kind, T, distinct, nbytes, t_graph, gemm))
+            rows.append((kind, T, distinct, nbytes, t_graph, gemm, tt[0] if tt else float("nan")))
     print("\nsummary (graph replay of the whole layer: routing + gate_up + down + combine)")
-    print(f"{'routing':8s} {'T':>4s} {'experts':>7s} {'GB':>7s} {'us':>8s} {'TB/s':>6s} {'%BW':>6s} {'gemm %BW':>8s}")
-    for kind, T, distinct, nbytes, t_graph, gemm in rows:
+    print(f"{'routing':8s} {'T':>4s} {'experts':>7s} {'GB':>7s} {'us':>8s} {'TB/s':>6s} {'%BW':>6s} {'gemm %BW':>8s} "
+          f"{'torch us':>9s} {'speedup':>7s}")
+    for kind, T, distinct, nbytes, t_graph, gemm, t_torch in rows:
         print(f"{kind:8s} {T:4d} {distinct:7d} {nbytes / 1e9:7.3f} {t_graph * 1e3:8.1f} "
               f"{nbytes / (t_graph * 1e-3) / 1e12:6.2f} {nbytes / (t_graph * 1e-3) / bw * 100:6.1f} "
-              f"{nbytes / (gemm * 1e-3) / bw * 100:8.1f}")
+              f"{nbytes / (gemm * 1e-3) / bw * 100:8.1f} {t_torch * 1e3:9.0f} {t_torch / t_graph:7.1f}")
+
+
+def torch_main(args):
+    """The torch bf16 per-expert loop on the same routing as the main run (numpy reference routing)."""
+    from runtime.kimi_reference import route
+    loop = TorchLoop(args.experts, args.hidden, args.inter)
+    out = {}
+    for kind in args.routing.split(","):
+        for T in (int(v) for v in args.tokens.split(",")):
+            ids, w = route(routing_logits(T, args.experts, kind), np.zeros(args.experts, np.float32))
+            ms, nbytes = loop.time_ms(ids, w)
+            out[f"{kind}/{T}"] = (ms, nbytes)
+            print(f"torch bf16 loop {kind:8s} T={T:4d}: {ms * 1e3:9.1f} us, {nbytes / (ms * 1e-3) / 1e12:.2f} TB/s "
+                  f"on its bf16 bytes", flush=True)
+    with open(args.torch_only, "w") as f:
+        json.dump(out, f)
 
 
 if __name__ == "__main__":

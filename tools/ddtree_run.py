@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 EXIT_USAGE, EXIT_BACKEND, EXIT_INTERRUPTED = 2, 3, 130
@@ -84,7 +83,10 @@ def select_backend(name: str):
     if reason is None:
         try:
             from runtime.backends.cuda_backend import CudaBackend
-            return CudaBackend()
+            backend = CudaBackend()
+            if name == "auto":
+                _notice("backend: cuda")
+            return backend
         except ImportError:
             reason = "this build has no CUDA backend yet (runtime.backends.cuda_backend)"
     if name == "cuda":

@@ -71,7 +71,8 @@ class Backend(ABC):
     # ---- ops ----------------------------------------------------------------------------------------------
     @abstractmethod
     def embedding(self, table: Weight, ids: Array) -> Array:
-        """table[ids] -> [T, hidden] float."""
+        """table[ids] -> [T, hidden] float. Also the row gather of activations (`table` an Array): the engine
+        picks the accepted nodes' tap hidden states with it."""
 
     @abstractmethod
     def rmsnorm(self, x: Array, weight: Weight, eps: float) -> Array:

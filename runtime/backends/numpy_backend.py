@@ -4,7 +4,6 @@ once at load); every op is vectorised over tokens and heads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -28,6 +28,8 @@ _kernels: dict[tuple, "Kernel"] = {}
 
 
 def _dim3(d) -> tuple[int, int, int]:
+    if type(d) is int and d >= 1:  # the common case, kept cheap: Kernel.launch calls this twice
+        return (d, 1, 1)
     d = (d,) if isinstance(d, (int, np.integer)) else tuple(d)
     if not 1 <= len(d) <= 3 or any(int(x) < 1 for x in d):
         raise ValueError(f"grid/block dims must be 1..3 positive ints, got {d}")
@@ -142,10 +144,15 @@ class Launch:
         self.kernel, self.grid, self.block, self.smem = kernel, _dim3(grid), _dim3(block), int(smem)
         self.args = list(args)
         n = len(self.args)
-        self._buf = bytearray(b"".join(_slot_bytes(a, i) for i, a in enumerate(self.args)) or bytes(8))
-        self.values = np.frombuffer(self._buf, np.uint64)
-        self.addresses = self.values.ctypes.data + 8 * np.arange(max(n, 1), dtype=np.uint64)
-        self.params = int(self.addresses.ctypes.data) if n else 0
+        # one array: n value slots, then the n addresses of those slots (the void** the driver reads)
+        packed = np.empty(2 * max(n, 1), np.uint64)
+        base = packed.__array_interface__["data"][0]
+        if n:
+            packed[:n] = np.frombuffer(b"".join([_slot_bytes(a, i) for i, a in enumerate(self.args)]), np.uint64)
+            packed[n:] = [base + 8 * i for i in range(n)]
+        self._packed = packed
+        self.values, self.addresses = packed[:n], packed[n:2 * n]
+        self.params = base + 8 * n if n else 0
         self._bind()
 
     def _bind(self):

@@ -41,6 +41,16 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+@lru_cache(maxsize=None)
+def nvrtc_build_id() -> str:
+    """NVRTC major.minor plus the wheel's full version when known (nvrtcVersion has no patch level)."""
+    try:
+        from importlib.metadata import version
+        return f"{nvrtc_version()}/{version('nvidia-cuda-nvrtc')}"
+    except Exception:  # NVRTC from a system toolkit: major.minor is all we can know
+        return nvrtc_version()
+
+
 # ---------------------------------------------------------------- headers
 def _site_dirs():
     return [Path(p) for p in sys.path if p and Path(p).is_dir()]
@@ -209,7 +219,7 @@ def cache_key(family, arch: str) -> str:
     family = _family(family)
     deps, _ = dependency_digest(family.source_path, include_dirs())
     h = hashlib.sha256()
-    for part in (CACHE_FORMAT, nvrtc_version(), arch, deps, *family.entries, "\0",
+    for part in (CACHE_FORMAT, nvrtc_build_id(), arch, deps, *family.entries, "\0",
                  *build_options(family, arch)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
@@ -255,6 +265,8 @@ def _read_cached(cubin_path: Path, meta_path: Path):
     except (OSError, ValueError):
         return None
     if hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256") or cubin[:4] != b"\x7fELF":
+        return None
+    if not cubin_path.with_suffix(".ptx").is_file():  # kept for the instruction checks
         return None
     return cubin, meta
 

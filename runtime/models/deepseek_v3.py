@@ -72,7 +72,7 @@ class DeepseekV3Model:
         self.n_heads = spec.num_attention_heads
         self.dn, self.dr, self.dv, self.r = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.kv_lora_rank
         self.embed_tokens = b.dense_weight(w.get("model.embed_tokens.weight"))
-        self.lm_head = (self.embed_tokens if spec.tie_word_embeddings or not w.has("lm_head.weight")
+        self.lm_head = (self.embed_tokens if spec.tie_word_embeddings
                         else b.dense_weight(w.get("lm_head.weight")))
         self.norm = b.dense_weight(w.get("model.norm.weight"))
         self.layers = [self._load_layer(w, i) for i in range(self.num_layers)]

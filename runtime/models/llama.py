@@ -45,10 +45,8 @@ class LlamaModel:
         self.num_layers = spec.num_hidden_layers
         self.n_heads, self.n_kv, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
         self.embed_tokens = b.dense_weight(w.get("model.embed_tokens.weight"))
-        if spec.tie_word_embeddings or not w.has("lm_head.weight"):
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = b.dense_weight(w.get("lm_head.weight"))
+        self.lm_head = (self.embed_tokens if spec.tie_word_embeddings
+                        else b.dense_weight(w.get("lm_head.weight")))
         self.norm = b.dense_weight(w.get("model.norm.weight"))
         self.layers = []
         for i in range(self.num_layers):
