@@ -137,3 +137,11 @@ register(KernelFamily(
     required_sass={a: r"HMMA" for a in ALL_ARCHS},
     required_ptx={a: _MMA_SYNC_PTX for a in ALL_ARCHS},
 ))
+
+# ---------------------------------------------------------------- CUDA backend / engine (issue 6, engine on CUDA)
+# Row copies with a device-resident destination offset: KV append inside captured graphs, activation concat.
+register(KernelFamily(
+    name="engine_ops",
+    source="engine_ops.cu",
+    entries=("copy_rows_kernel",),
+))

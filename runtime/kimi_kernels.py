@@ -141,10 +141,12 @@ class MoeWeights:
 
 
 # Variant per token-bucket: (gate_up entry, down entry); template arguments MODE, RB, WN, KS, NTMAX, STAGES.
-# Chosen from tools/bench_moe.py on the H200 (docs/PERF.md); every entry of the registry table works.
+# Picked per stage from tools/bench_moe.py on the H200 (docs/PERF.md, Kimi MoE section): the fastest variant
+# under uniform routing for T <= 128, and the 32-token-chunk variants above, which also win on skewed routing.
 DEFAULT_VARIANTS = {
-    128: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 3>"),
-    1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 3>"),
+    16: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 0>", "moe_w4a16_kernel<1, 2, 2, 1, 1, 3>"),
+    128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 2, 1, 1, 3>"),
+    1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 4, 3>"),
 }
 
 

@@ -58,6 +58,19 @@ def test_repack_stacked_and_errors():
         repack_int4_experts(*random_int4(rng, 16, 256), (16, 256))
 
 
+def test_loader_hook_uses_this_layout(tmp_path):
+    """loader.int4.repack_int4_for_kernel runs the repacker this module registers, and caches it."""
+    from loader.int4 import repack_int4_for_kernel
+    rng = np.random.default_rng(1)
+    wp, ws = random_int4(rng, 32, 1024)
+    out = repack_int4_for_kernel(wp, ws, (32, 1024), cache_dir=tmp_path)
+    packed, scales = repack_int4_experts(wp, ws, (32, 1024))
+    np.testing.assert_array_equal(out["packed"], packed)
+    np.testing.assert_array_equal(out["scales"], scales)
+    again = repack_int4_for_kernel(wp, ws, (32, 1024), cache_dir=tmp_path)   # from the disk cache
+    np.testing.assert_array_equal(np.asarray(again["packed"]), packed)
+
+
 def emulate_kernel_gemv(packed, scales, x, n, k):
     """What one lane sequence of moe_w4a16_kernel computes for a single token, in numpy: decode each lane's
     16-byte word into mma A fragments, gather the lane's B fragments with the permuted K order, and apply
