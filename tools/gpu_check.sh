@@ -30,6 +30,11 @@ step pytest_gpu python3 -m pytest -q -rs -m gpu -p no:cacheprovider "${tests[@]}
 step bench_runtime python3 tools/bench_runtime.py --json "$OUT/bench_runtime.json"
 step pytest_kernel_build python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernel_build.py
 # Other benchmarks: one `step NAME command` line each, below this one.
+step bench_tree python3 tools/bench_tree.py
+step bench_dense python3 tools/bench_dense.py --quick
+step bench_moe python3 tools/bench_moe.py --no-variants
+step bench_mla python3 tools/bench_mla.py
+step bench_load python3 tools/bench_load.py --size-gb 4
 
 if [ ${#failed[@]} -ne 0 ]; then
   echo "gpu_check: FAILED steps: ${failed[*]}" | tee -a "$LOG"
