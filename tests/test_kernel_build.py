@@ -1,5 +1,7 @@
 """NVRTC builds (no GPU needed): every registered family compiles for every arch with the instruction it
 needs, and the on-disk kernel cache hits, invalidates and repairs itself as it should."""
+import hashlib
+import json
 import os
 import re
 import textwrap
@@ -129,6 +131,16 @@ def test_corrupted_cache_file_is_rebuilt(tiny):
     assert not again.from_cache and "scale_kernel" in again.ptx
 
 
+def test_damaged_metadata_is_rebuilt(tiny):
+    fam, _ = tiny
+    first = compile_family(fam, "90a")
+    meta = first.path[: -len(".cubin")] + ".json"
+    with open(meta, "w") as f:  # valid JSON and a matching cubin hash, but no lowered names
+        f.write(json.dumps({"cubin_sha256": hashlib.sha256(first.cubin).hexdigest()}))
+    again = compile_family(fam, "90a")
+    assert not again.from_cache and again.lowered == first.lowered
+
+
 def test_require_switch_makes_a_miss_fatal(tiny, monkeypatch):
     fam, _ = tiny
     monkeypatch.setenv("DDTREE_KERNEL_CACHE_REQUIRE", "1")
@@ -161,3 +173,13 @@ def test_compile_all_tries_every_kernel_then_reports_failures(tmp_path, monkeypa
     assert list(built) == [("runtime_probe", "90a")] and list(built.failed) == [("bad", "90a")]
     with pytest.raises(CompileError, match="1 kernel builds failed"):
         compile_all(["bad", "runtime_probe"], ["90a"], jobs=1, progress=False)
+
+
+def test_compile_leaves_interned_bytes_alone(tmp_path, monkeypatch):
+    """NVRTC writes its log/CUBIN/PTX into the buffers we hand it: they must be fresh mutable buffers. Writing
+    into b" " * 1 (CPython's cached one-byte object) once turned every b" " of the process into b"\\0"."""
+    monkeypatch.setenv("DDTREE_KERNEL_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "ok.cu").write_text('extern "C" __global__ void ok_kernel(int* x) { x[0] = 1; }\n')
+    compile_family(KernelFamily("ok", str(tmp_path / "ok.cu"), ("ok_kernel",)), "90a")
+    space = bytes([32])
+    assert b" " == space and b" " * 3 == space * 3

@@ -235,19 +235,23 @@ def nvrtc_compile(source: str, name: str, entries, options, family: str = "?", a
         opts = [o.encode() for o in options]
         result = nv.nvrtcCompileProgram(prog, len(opts), opts)
         size = check(nv.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        buf = b" " * size
+        # Fresh mutable buffers: NVRTC writes into them. (b" " * 1 is CPython's cached one-byte object, and
+        # writing a NUL into it once turned every b" " in the process into b"\0".)
+        buf = bytearray(size)
         check(nv.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-        log = buf.rstrip(b"\0 ").decode(errors="replace")
+        log = bytes(buf).rstrip(b"\0 ").decode(errors="replace")
         if int(result[0]) != 0:
             raise CompileError(family, arch, log or str(result[0]))
         size = check(nv.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         if size == 0:
             raise CompileError(family, arch, "NVRTC produced no CUBIN (is the arch an sm_ target?)")
-        cubin = b" " * size
+        cubin = bytearray(size)
         check(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        cubin = bytes(cubin)
         size = check(nv.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-        ptx = b" " * size
+        ptx = bytearray(size)
         check(nv.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+        ptx = bytes(ptx)
         lowered = {}
         for e in entries:
             low = check(nv.nvrtcGetLoweredName(prog, e.encode()), "nvrtcGetLoweredName")
@@ -263,6 +267,8 @@ def _read_cached(cubin_path: Path, meta_path: Path):
         meta = json.loads(meta_path.read_text())
         cubin = cubin_path.read_bytes()
     except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or not isinstance(meta.get("lowered"), dict):  # damaged metadata: rebuild
         return None
     if hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256") or cubin[:4] != b"\x7fELF":
         return None
