@@ -304,7 +304,7 @@ def _open_index(index_path: Path) -> Checkpoint:
     for f in files.values():
         for name in f.infos:
             if name not in where:
-                raise LoadError(f"shard holds a tensor the index does not list", f.path, name)
+                raise LoadError("shard holds a tensor the index does not list", f.path, name)
     return Checkpoint(list(files.values()), index_path.parent, where)
 
 

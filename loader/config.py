@@ -108,9 +108,16 @@ def _rope_scaling(c: _Cfg) -> RopeScaling:
         raise LoadError(f"unsupported rope_scaling type {kind!r}", c.path, "rope_scaling")
     r = _Cfg(rs, c.path)
     base = RopeScaling()
+    # YaRN and llama3 scale relative to the original context. As in transformers, YaRN's defaults to the
+    # model's max_position_embeddings and llama3 must name it (a 0 would end in a math domain error).
+    original = r.int("original_max_position_embeddings", 0)
+    if kind == "yarn" and not original:
+        original = c.int("max_position_embeddings", 0)
+    if kind in ("yarn", "llama3") and original <= 0:
+        raise LoadError(f"{kind} rope scaling needs original_max_position_embeddings", c.path, "rope_scaling")
     return RopeScaling(
         type=kind, factor=r.float("factor", 1.0),
-        original_max_position_embeddings=r.int("original_max_position_embeddings", 0),
+        original_max_position_embeddings=original,
         beta_fast=r.float("beta_fast", base.beta_fast), beta_slow=r.float("beta_slow", base.beta_slow),
         mscale=r.float("mscale", base.mscale), mscale_all_dim=r.float("mscale_all_dim", base.mscale_all_dim),
         low_freq_factor=r.float("low_freq_factor", base.low_freq_factor),
@@ -133,14 +140,33 @@ def _eos(c: _Cfg) -> tuple[int, ...]:
     return tuple(e) if isinstance(e, list) else (int(e),)
 
 
+def _positive(c: _Cfg, *keys: str):
+    """Sizes that divide or count must be >= 1: a 0 would surface later as a ZeroDivisionError or an empty model."""
+    for key in keys:
+        if key in c.d and c.d[key] is not None and c.int(key) < 1:
+            raise LoadError(f"config key {key!r} must be a positive integer, got {c.d[key]!r}", c.path, key)
+
+
+def _heads(c: _Cfg) -> tuple[int, int]:
+    """(num_attention_heads, num_key_value_heads), the query heads a whole number of groups per KV head."""
+    heads = c.int("num_attention_heads")
+    kv = c.int("num_key_value_heads", heads)
+    if heads % kv:
+        raise LoadError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}", c.path,
+                        "num_key_value_heads")
+    return heads, kv
+
+
 def _llama(c: _Cfg, arch: str) -> LlamaSpec:
-    hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
+    _positive(c, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim")
+    hidden, (heads, kv) = c.int("hidden_size"), _heads(c)
     if hidden % heads and "head_dim" not in c.d:
         raise LoadError(f"hidden_size {hidden} not divisible by num_attention_heads {heads}", c.path, "head_dim")
     return LlamaSpec(
         architecture=arch, vocab_size=c.int("vocab_size"), hidden_size=hidden,
         intermediate_size=c.int("intermediate_size"), num_hidden_layers=c.int("num_hidden_layers"),
-        num_attention_heads=heads, num_key_value_heads=c.int("num_key_value_heads", heads),
+        num_attention_heads=heads, num_key_value_heads=kv,
         head_dim=c.int("head_dim", hidden // heads), rms_norm_eps=c.float("rms_norm_eps", 1e-6),
         rope_theta=_rope_theta(c), max_position_embeddings=c.int("max_position_embeddings", 2048),
         tie_word_embeddings=c.bool("tie_word_embeddings", False), qk_norm=arch == "Qwen3ForCausalLM",
@@ -177,6 +203,9 @@ def _quant(c: _Cfg) -> QuantSpec | None:
 
 
 def _deepseek(c: _Cfg, arch: str) -> DeepseekV3Spec:
+    _positive(c, "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim",
+              "n_routed_experts", "num_experts_per_tok", "moe_layer_freq", "n_group", "topk_group")
     spec = DeepseekV3Spec(
         architecture=arch, vocab_size=c.int("vocab_size"), hidden_size=c.int("hidden_size"),
         intermediate_size=c.int("intermediate_size"), moe_intermediate_size=c.int("moe_intermediate_size"),
@@ -203,6 +232,9 @@ def _deepseek(c: _Cfg, arch: str) -> DeepseekV3Spec:
     if spec.n_routed_experts % spec.n_group:
         raise LoadError(f"n_routed_experts {spec.n_routed_experts} not divisible by n_group {spec.n_group}",
                         c.path, "n_group")
+    if spec.topk_group > spec.n_group or spec.num_experts_per_tok > spec.n_routed_experts:
+        raise LoadError(f"topk_group {spec.topk_group} > n_group {spec.n_group} or num_experts_per_tok "
+                        f"{spec.num_experts_per_tok} > n_routed_experts {spec.n_routed_experts}", c.path, "topk_group")
     return spec
 
 
@@ -230,7 +262,9 @@ def _dflash(c: _Cfg, arch: str) -> DFlashSpec:
     if not isinstance(mask, int):
         raise LoadError(f"dflash_config.mask_token_id should be an int, got {mask!r}", c.path,
                         "dflash_config.mask_token_id")
-    hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
+    _positive(c, "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "block_size", "num_target_layers")
+    hidden, (heads, kv) = c.int("hidden_size"), _heads(c)
     n_target = c.int("num_target_layers")
     if any(i < 0 or i >= n_target for i in ids):
         raise LoadError(f"target_layer_ids {ids} out of range for num_target_layers {n_target}", c.path,
@@ -238,7 +272,7 @@ def _dflash(c: _Cfg, arch: str) -> DFlashSpec:
     return DFlashSpec(
         architecture=arch, hidden_size=hidden, intermediate_size=c.int("intermediate_size"),
         num_hidden_layers=c.int("num_hidden_layers"), num_attention_heads=heads,
-        num_key_value_heads=c.int("num_key_value_heads", heads), head_dim=c.int("head_dim", hidden // heads),
+        num_key_value_heads=kv, head_dim=c.int("head_dim", hidden // heads),
         rms_norm_eps=c.float("rms_norm_eps", 1e-6), rope_theta=_rope_theta(c),
         max_position_embeddings=c.int("max_position_embeddings", 4096), block_size=c.int("block_size"),
         num_target_layers=n_target, target_layer_ids=tuple(ids), mask_token_id=mask,

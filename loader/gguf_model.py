@@ -11,6 +11,7 @@ the weights equal the HF checkpoint's.
 from __future__ import annotations
 
 import importlib.util
+import math
 import mmap
 import os
 import warnings
@@ -129,7 +130,7 @@ class GGUFTensor:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.dims, dtype=np.int64))
+        return math.prod(self.dims)   # Python ints: a damaged file's dims cannot wrap around
 
 
 class GGUFFile:
@@ -177,7 +178,7 @@ class GGUFFile:
         data_start = -(-self._pos // align) * align
         self.tensors: list[GGUFTensor] = []
         for name, dims, t, off in infos:
-            n = int(np.prod(dims, dtype=np.int64))
+            n = math.prod(dims)   # exact (np.prod in int64 would wrap on huge damaged dims and pass the check)
             per_block, block_bytes = _BLOCK_BYTES.get(t, (1, 0))
             if n % per_block:
                 raise LoadError(f"{n} elements is not a whole number of {per_block}-element blocks", self.path,

@@ -46,6 +46,8 @@ def check_int4(weight_packed: np.ndarray, weight_scale: np.ndarray, weight_shape
         raise LoadError(f"weight_shape {(n, k)}: K must be a positive multiple of 8", path, name)
     if weight_packed.dtype not in (np.int32, np.uint32):
         raise LoadError(f"weight_packed should be int32, got {weight_packed.dtype}", path, name)
+    if weight_scale.dtype != np.uint16 and weight_scale.dtype.kind != "f":
+        raise LoadError(f"weight_scale should be bf16 bits (uint16) or floats, got {weight_scale.dtype}", path, name)
     if tuple(weight_packed.shape) != (n, k // 8):
         raise LoadError(f"weight_packed shape {tuple(weight_packed.shape)} disagrees with weight_shape {(n, k)} "
                         f"(expected {(n, k // 8)})", path, name)
@@ -65,11 +67,12 @@ def unpack_int4_codes(weight_packed: np.ndarray, k: int) -> np.ndarray:
 
 
 def unpack_int4(weight_packed: np.ndarray, weight_scale: np.ndarray, weight_shape,
-                group_size: int = GROUP_SIZE, scale_dtype: str = "BF16") -> np.ndarray:
-    """Reference dequant -> float32 [N, K]. weight_scale: bf16 uint16 bits (scale_dtype 'BF16') or floats."""
+                group_size: int = GROUP_SIZE) -> np.ndarray:
+    """Reference dequant -> float32 [N, K]. weight_scale: bf16 bits (uint16, as a checkpoint stores them) or
+    float values (a converted f16/f32 scale); its dtype says which, so a float scale is never read as bits."""
     n, k = check_int4(weight_packed, weight_scale, weight_shape, group_size)
     codes = unpack_int4_codes(weight_packed, k).astype(np.float32)
-    scale = from_bf16(weight_scale).reshape(weight_scale.shape) if scale_dtype == "BF16" \
+    scale = from_bf16(weight_scale).reshape(weight_scale.shape) if weight_scale.dtype == np.uint16 \
         else np.asarray(weight_scale, np.float32)
     scale_full = np.repeat(scale, group_size, axis=1)[:, :k]
     return codes * scale_full
@@ -95,7 +98,9 @@ def pack_int4(codes: np.ndarray) -> np.ndarray:
 
 def is_quantized(quant: QuantSpec | None, module: str, module_type: str = "Linear") -> bool:
     """True if `module` (e.g. 'model.layers.3.mlp.experts.7.up_proj') of class `module_type` is quantized.
-    ignore entries are exact module names or 're:' patterns matched against the whole name."""
+    targets: a class name, an exact module name or a 're:' pattern matching the whole name. ignore: exact module
+    names or 're:' patterns matched from the start of the name (re.match, as compressed-tensors does; the
+    Kimi patterns end in '.*' anyway)."""
     if quant is None:
         return False
     if not any(t == module_type or t == module or (t.startswith("re:") and re.fullmatch(t[3:], module))

@@ -37,23 +37,28 @@ def _linear(out: dict, module: str, n: int, k: int, quantized: bool = False, gro
         out[f"{module}.bias"] = Expected((n,))
 
 
+def _decoder_layer(out: dict, p: str, s: LlamaSpec | DFlashSpec, qk_norm: bool, bias: bool = False):
+    """One llama/Qwen decoder layer under prefix p: attention (q/k/v/o, optional q/k norm), SwiGLU MLP, norms."""
+    h, hd, nh, nkv = s.hidden_size, s.head_dim, s.num_attention_heads, s.num_key_value_heads
+    _linear(out, f"{p}.self_attn.q_proj", nh * hd, h, bias=bias)
+    _linear(out, f"{p}.self_attn.k_proj", nkv * hd, h, bias=bias)
+    _linear(out, f"{p}.self_attn.v_proj", nkv * hd, h, bias=bias)
+    _linear(out, f"{p}.self_attn.o_proj", h, nh * hd)
+    if qk_norm:
+        out[f"{p}.self_attn.q_norm.weight"] = Expected((hd,))
+        out[f"{p}.self_attn.k_norm.weight"] = Expected((hd,))
+    _linear(out, f"{p}.mlp.gate_proj", s.intermediate_size, h)
+    _linear(out, f"{p}.mlp.up_proj", s.intermediate_size, h)
+    _linear(out, f"{p}.mlp.down_proj", h, s.intermediate_size)
+    out[f"{p}.input_layernorm.weight"] = Expected((h,))
+    out[f"{p}.post_attention_layernorm.weight"] = Expected((h,))
+
+
 def _llama(s: LlamaSpec) -> dict[str, Expected]:
-    h, hd = s.hidden_size, s.head_dim
+    h = s.hidden_size
     out = {"model.embed_tokens.weight": Expected((s.vocab_size, h)), "model.norm.weight": Expected((h,))}
     for i in range(s.num_hidden_layers):
-        p = f"model.layers.{i}"
-        _linear(out, f"{p}.self_attn.q_proj", s.num_attention_heads * hd, h, bias=s.attention_bias)
-        _linear(out, f"{p}.self_attn.k_proj", s.num_key_value_heads * hd, h, bias=s.attention_bias)
-        _linear(out, f"{p}.self_attn.v_proj", s.num_key_value_heads * hd, h, bias=s.attention_bias)
-        _linear(out, f"{p}.self_attn.o_proj", h, s.num_attention_heads * hd)
-        if s.qk_norm:
-            out[f"{p}.self_attn.q_norm.weight"] = Expected((hd,))
-            out[f"{p}.self_attn.k_norm.weight"] = Expected((hd,))
-        _linear(out, f"{p}.mlp.gate_proj", s.intermediate_size, h)
-        _linear(out, f"{p}.mlp.up_proj", s.intermediate_size, h)
-        _linear(out, f"{p}.mlp.down_proj", h, s.intermediate_size)
-        out[f"{p}.input_layernorm.weight"] = Expected((h,))
-        out[f"{p}.post_attention_layernorm.weight"] = Expected((h,))
+        _decoder_layer(out, f"model.layers.{i}", s, qk_norm=s.qk_norm, bias=s.attention_bias)
     # Tied models may still ship lm_head.weight (a copy); untied ones must.
     out["lm_head.weight"] = Expected((s.vocab_size, h), optional=s.tie_word_embeddings)
     return out
@@ -110,22 +115,11 @@ def _deepseek(s: DeepseekV3Spec) -> dict[str, Expected]:
 
 
 def _dflash(s: DFlashSpec) -> dict[str, Expected]:
-    h, hd = s.hidden_size, s.head_dim
+    h = s.hidden_size
     out = {"fc.weight": Expected((h, len(s.target_layer_ids) * h)), "hidden_norm.weight": Expected((h,)),
            "norm.weight": Expected((h,))}
     for i in range(s.num_hidden_layers):
-        p = f"layers.{i}"
-        _linear(out, f"{p}.self_attn.q_proj", s.num_attention_heads * hd, h)
-        _linear(out, f"{p}.self_attn.k_proj", s.num_key_value_heads * hd, h)
-        _linear(out, f"{p}.self_attn.v_proj", s.num_key_value_heads * hd, h)
-        _linear(out, f"{p}.self_attn.o_proj", h, s.num_attention_heads * hd)
-        out[f"{p}.self_attn.q_norm.weight"] = Expected((hd,))
-        out[f"{p}.self_attn.k_norm.weight"] = Expected((hd,))
-        _linear(out, f"{p}.mlp.gate_proj", s.intermediate_size, h)
-        _linear(out, f"{p}.mlp.up_proj", s.intermediate_size, h)
-        _linear(out, f"{p}.mlp.down_proj", h, s.intermediate_size)
-        out[f"{p}.input_layernorm.weight"] = Expected((h,))
-        out[f"{p}.post_attention_layernorm.weight"] = Expected((h,))
+        _decoder_layer(out, f"layers.{i}", s, qk_norm=True)   # Qwen3-style layers, unprefixed names
     return out
 
 

@@ -96,6 +96,8 @@ def upload_arrays_to(dsts: Sequence, srcs: Sequence[np.ndarray], progress: bool 
     from runtime.cuda.device import driver
     from runtime.cuda.stream import stream_handle
 
+    if len(dsts) != len(srcs):
+        raise ValueError(f"{len(dsts)} destinations for {len(srcs)} source arrays")
     flats = []
     for d, s in zip(dsts, srcs):
         s = np.asarray(s)

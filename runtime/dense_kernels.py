@@ -37,6 +37,14 @@ def _i32(v) -> np.int32:
     return np.int32(int(v))
 
 
+def _host_values_allowed(op: str, what: str):
+    """Host values are uploaded into a temporary buffer that is freed when the call returns: fine eagerly, a
+    dangling pointer inside a captured graph. So refuse them while any capture is active."""
+    from runtime.cuda import graph
+    _need(not graph._active, op, f"{what} given as a host value while a CUDA graph is being captured; pass an "
+          f"int32 device array (the graph would read a freed temporary)")
+
+
 class Workspace:
     """Scratch device memory for split reductions: grows on demand, never shrinks. `tickets` are int32
     counters the split-K kernel leaves at zero after every launch (allocated zeroed). Kernels on one stream
@@ -71,8 +79,9 @@ def default_workspace() -> Workspace:
 def _scalar_on_device(value, what: str, op: str) -> DeviceArray:
     """An int32 device scalar/vector from a DeviceArray (used as is) or host values (uploaded)."""
     if isinstance(value, DeviceArray):
-        _need(value.dtype == np.int32, op, f"{what} must be int32 on the device")
+        _need(value.dtype == np.int32, op, f"{what} must be int32 on the device, got {value.dtype}")
         return value
+    _host_values_allowed(op, what)
     host = np.ascontiguousarray(np.atleast_1d(np.asarray(value, dtype=np.int64)).astype(np.int32))
     dev = empty(host.shape, np.int32)
     dev.upload(host)
@@ -169,16 +178,21 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
         _bf16(a, op, n)
     _need(len(w.shape) == 2, op, f"w must be [N, K], got {w.shape}")
     N, K = w.shape
+    _need(len(x.shape) == 2, op, f"x must be [M, K = {K}], got {x.shape}")
     M = x.shape[0]
     _need(x.shape[-1] == K, op, f"x {x.shape} does not match w {w.shape} (K = {K})")
+    _need(M >= 1 and N >= 1, op, f"empty product: M = {M}, N = {N}")
     _need(K % 8 == 0, op, f"K = {K} must be a multiple of 8 (16-byte weight loads)")
-    _need(out.shape[0] == M and out.shape[-1] == N, op, f"out {out.shape}, want [{M}, {N}]")
+    _need(out.shape[0] == M and out.shape[-1] == N, op, f"out {out.shape}, want [M, N] = [{M}, {N}]")
     ldx, ldo = ldx or K, ldo or N
-    _need(ldx % 8 == 0, op, f"ldx = {ldx} must be a multiple of 8")
+    _need(ldx % 8 == 0 and ldx >= K, op, f"ldx = {ldx} must be a multiple of 8 and >= K = {K}")
+    _need(ldo >= N, op, f"ldo = {ldo} must be >= N = {N}")
     if residual is not None:
         _bf16(residual, op, "residual")
-        _need(residual.shape[0] == M and residual.shape[-1] == N, op, f"residual {residual.shape}")
+        _need(residual.shape[0] == M and residual.shape[-1] == N, op,
+              f"residual {residual.shape}, want [M, N] = [{M}, {N}]")
         ldr = ldr or N
+        _need(ldr >= N, op, f"ldr = {ldr} must be >= N = {N}")
     dev = get_device()
     entry, grid, k_per_split, smem = linear_plan(M, N, K, dev.sm_count, splits, kernel, stages, rt)
     ws = ws or default_workspace()
@@ -204,9 +218,11 @@ def embedding(table: DeviceArray, ids: DeviceArray, out: DeviceArray, *, stream=
     op = "embedding"
     _bf16(table, op, "table")
     _bf16(out, op, "out")
+    _need(len(table.shape) == 2, op, f"table must be [V, H], got {table.shape}")
     V, H = table.shape
     T = ids.size
-    _need(ids.dtype == np.int32, op, "ids must be int32")
+    _need(ids.dtype == np.int32, op, f"ids must be int32, got {ids.dtype}")
+    _need(T >= 1, op, "no ids")
     _need(out.shape == (T, H), op, f"out {out.shape}, want {(T, H)}")
     _need(H % 8 == 0, op, f"hidden {H} must be a multiple of 8")
     get_kernel("norm_rope", "embedding_kernel").launch(
@@ -223,9 +239,17 @@ def rmsnorm(x: DeviceArray, weight: DeviceArray, out: DeviceArray, eps: float, *
     for a, n in ((x, "x"), (weight, "weight"), (out, "out")):
         _bf16(a, op, n)
     H = weight.size
-    rows = x.size // x.shape[-1]
-    _need(x.shape[-1] == H and out.shape[-1] == H, op, f"x {x.shape}, weight {weight.shape}, out {out.shape}")
+    _need(x.shape[-1] == H and out.shape[-1] == H, op,
+          f"x {x.shape}, weight {weight.shape}, out {out.shape}: rows must have the weight's length {H}")
+    rows = x.size // H
+    _need(rows >= 1 and out.size // H == rows, op, f"x {x.shape} and out {out.shape} must hold the same rows")
     _need(H % 8 == 0 and H <= 8192, op, f"row length {H} must be a multiple of 8 and <= 8192")
+    _need(residual_out is None or residual is not None, op,
+          "residual_out without residual would never be written (it receives h = x + residual)")
+    for a, n in ((residual, "residual"), (residual_out, "residual_out")):
+        if a is not None:
+            _bf16(a, op, n)
+            _need(a.shape[-1] == H and a.size // H == rows, op, f"{n} {a.shape}, want {rows} rows of {H}")
     threads = max(32, -(-(H // 8) // 32) * 32)
     get_kernel("norm_rope", "rmsnorm_kernel").launch(
         rows, threads,
@@ -250,6 +274,12 @@ def rope(x: DeviceArray, positions: DeviceArray, inv_freq: DeviceArray, out: Dev
     _need(positions.dtype == np.int32, op, "positions must be int32")
     _need(inv_freq.dtype == np.float32 and inv_freq.size == D // 2, op, f"inv_freq must be float32 [{D // 2}]")
     T = positions.size
+    for a, n in ((x, "x"), (out, "out")):
+        _need(len(a.shape) >= 2 and a.shape[0] == T and math.prod(a.shape[1:]) == n_heads * D, op,
+              f"{n} {a.shape}, want [T, n_heads, head_dim] = [{T}, {n_heads}, {D}] (T = positions.size)")
+    if norm_weight is not None:
+        _bf16(norm_weight, op, "norm_weight")
+        _need(norm_weight.size == D, op, f"norm_weight has {norm_weight.size} elements, want head_dim = {D}")
     items = T * n_heads
     warps = 4
     get_kernel("norm_rope", "rope_kernel").launch(
@@ -265,9 +295,13 @@ def swiglu(gate: DeviceArray, up: DeviceArray, out: DeviceArray, *, T: int | Non
            ldg: int | None = None, ldu: int | None = None, ldo: int | None = None, stream=None) -> DeviceArray:
     """out = silu(gate) * up over [T, I]; gate/up may be the halves of one [T, 2I] buffer (pass ld*)."""
     op = "swiglu"
+    for a, n in ((gate, "gate"), (up, "up"), (out, "out")):
+        _bf16(a, op, n)
     T = T if T is not None else out.shape[0]
     I = I if I is not None else out.shape[-1]
     _need(I % 8 == 0, op, f"I = {I} must be a multiple of 8")
+    if ldo is None:
+        _need(out.size == T * I, op, f"out {out.shape}, want [T, I] = [{T}, {I}]")
     blocks = min(-(-T * I // 8 // 256), 4 * get_device().sm_count * 8)
     get_kernel("norm_rope", "swiglu_kernel").launch(
         max(blocks, 1), 256, [gate, _i32(ldg or I), up, _i32(ldu or I), out, _i32(ldo or I), _i32(T), _i32(I)],
@@ -277,7 +311,10 @@ def swiglu(gate: DeviceArray, up: DeviceArray, out: DeviceArray, *, T: int | Non
 
 def add(a: DeviceArray, b: DeviceArray, out: DeviceArray, *, stream=None) -> DeviceArray:
     op = "add"
-    _need(a.size == b.size == out.size and a.size % 8 == 0, op, f"sizes {a.size}, {b.size}, {out.size}")
+    for x, n in ((a, "a"), (b, "b"), (out, "out")):
+        _bf16(x, op, n)
+    _need(a.size == b.size == out.size and a.size % 8 == 0, op,
+          f"sizes {a.size}, {b.size}, {out.size} must be equal and a multiple of 8")
     blocks = min(-(-a.size // 8 // 256), 8 * get_device().sm_count)
     get_kernel("norm_rope", "add_kernel").launch(max(blocks, 1), 256, [a, b, out, np.int64(a.size)], stream=stream)
     return out
@@ -312,8 +349,13 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     op = "attention"
     for a, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (out, "out")):
         _bf16(a, op, n)
+    _need(len(q.shape) == 3, op, f"q must be [T, Hq, D], got {q.shape}")
+    _need(len(k_cache.shape) >= 3, op, f"k_cache must be [capacity, Hkv, D], got {k_cache.shape}")
     T = T if T is not None else q.shape[0]
     Hq, D = q.shape[-2], q.shape[-1]
+    _need(1 <= T <= q.shape[0], op, f"T = {T} must be in 1..{q.shape[0]} (q {q.shape})")
+    _need(out.shape[0] >= T and math.prod(out.shape[1:]) == Hq * D, op, f"out {out.shape}, want [T, Hq, D] = "
+          f"[{T}, {Hq}, {D}]")
     cap, Hkv, Dk = k_cache.shape[-3:]
     _need(Dk == D and v_cache.shape[-1] == D, op, f"head dims q {D}, k {Dk}, v {v_cache.shape[-1]} must agree")
     _need(D in (64, 128), op, f"head_dim {D}: kernels exist for 64 and 128")
@@ -325,6 +367,7 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
         _need(0 <= int(n_prefix) and int(n_prefix) + T <= cap, op, f"n_prefix {n_prefix} + T {T} > capacity {cap}")
         max_keys = int(n_prefix) + T
     _need(max_keys is not None, op, "pass max_keys with a device n_prefix")
+    _need(T <= max_keys <= cap, op, f"max_keys = {max_keys} must be in T..capacity = {T}..{cap}")
     n_prefix_dev = _scalar_on_device(n_prefix, "n_prefix", op)
     dev = get_device()
     if splits is None:
@@ -357,10 +400,13 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
 # ---------------------------------------------------------------- sampling, KV commit
 def _logits_checks(logits: DeviceArray, op: str, V: int | None, ld: int | None):
     _bf16(logits, op, "logits")
+    _need(len(logits.shape) == 2, op, f"logits must be [rows, V], got {logits.shape}")
     rows = logits.shape[0]
     V = V or logits.shape[-1]
     ld = ld or logits.shape[-1]
+    _need(rows >= 1 and V >= 1, op, f"logits {logits.shape}: no rows or no vocabulary")
     _need(ld % 8 == 0, op, f"row stride {ld} must be a multiple of 8 (16-byte loads)")
+    _need(V <= ld, op, f"V = {V} is more than the row stride {ld}")
     return rows, V, ld
 
 
@@ -408,6 +454,8 @@ class KVPlanes:
 
     def __init__(self, caches: list[DeviceArray]):
         _need(len(caches) > 0, "kv_compact", "no cache planes")
+        _need(all(c.shape[0] > 0 and getattr(c, "contiguous", True) for c in caches), "kv_compact",
+              "cache planes must be non-empty and contiguous (rows of one plane are moved as whole rows)")
         row_bytes = {c.nbytes // c.shape[0] for c in caches}
         _need(len(row_bytes) == 1, "kv_compact", f"planes have different row sizes {sorted(row_bytes)}")
         self.row_bytes = row_bytes.pop()
@@ -428,12 +476,19 @@ def kv_compact(planes: KVPlanes, src_slots, dst_start=None, *, meta: DeviceArray
     if meta is None:
         host = np.asarray(src_slots, dtype=np.int64)
         _need(dst_start is not None, op, "dst_start is required without meta")
-        _need(np.all(host >= int(dst_start) + np.arange(host.size)), op,
-              "src_slots[i] must be >= dst_start + i (ascending accepted nodes after the prefix)")
+        _need(host.ndim == 1, op, f"src_slots must be 1-D, got shape {host.shape}")
+        _need(np.all(host >= int(dst_start) + np.arange(host.size)) and np.all(np.diff(host) > 0), op,
+              "src_slots must be strictly ascending with src_slots[i] >= dst_start + i (the accepted nodes after "
+              "the prefix)")
         _need(host.size == 0 or (host.max() < planes.capacity and int(dst_start) + host.size <= planes.capacity),
               op, f"slots exceed the cache capacity {planes.capacity}")
         meta = _scalar_on_device([int(dst_start), host.size], "meta", op)
         src_slots = _scalar_on_device(host if host.size else [0], "src_slots", op)
+    else:
+        _need(isinstance(meta, DeviceArray) and meta.dtype == np.int32 and meta.size >= 2, op,
+              "meta must be an int32 device array [2] = (dst_start, m)")
+        _need(isinstance(src_slots, DeviceArray) and src_slots.dtype == np.int32, op,
+              "with meta, src_slots must be an int32 device array")
     vecs = planes.row_bytes // 16
     threads = min(256, max(32, vecs))
     get_kernel("sampling", "kv_compact_kernel").launch(

@@ -91,6 +91,11 @@ class Engine:
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         if prompt.ndim != 1 or len(prompt) == 0:
             raise ValueError("prompt_ids must be a non-empty 1-D token list")
+        if getattr(self.backend, "graphs", False):   # CUDA backend: graph-captured rounds (runtime/cuda_engine.py)
+            from runtime.cuda_engine import graph_decoder
+            return graph_decoder(self).generate(prompt, mode=mode, max_new_tokens=max_new_tokens,
+                                                temperature=temperature, seed=seed, stop_token_ids=stop_token_ids,
+                                                budget=budget, on_tokens=on_tokens)
         b, tgt = self.backend, self.target
         stops = set(int(t) for t in stop_token_ids)
         rng = np.random.default_rng(seed)

@@ -42,6 +42,12 @@ def repack_int4_experts(weight_packed: np.ndarray, weight_scale: np.ndarray, wei
     n, k = (int(v) for v in np.asarray(weight_shape).ravel()[-2:])
     wp = np.asarray(weight_packed)
     ws = np.asarray(weight_scale)
+    if wp.dtype not in (np.int32, np.uint32) or ws.dtype != np.uint16:
+        raise ValueError(f"weight_packed must be int32 and weight_scale bf16 bits (uint16), got {wp.dtype} and "
+                         f"{ws.dtype}")
+    if wp.ndim != ws.ndim or wp.ndim not in (2, 3) or (wp.ndim == 3 and wp.shape[0] != ws.shape[0]):
+        raise ValueError(f"weight_packed {wp.shape} and weight_scale {ws.shape}: want [N, K/8] and [N, K/32], "
+                         f"or both stacked over the same experts")
     if wp.ndim == 3:
         outs = [repack_int4_experts(wp[e], ws[e], (n, k)) for e in range(wp.shape[0])]
         return np.stack([o[0] for o in outs]), np.stack([o[1] for o in outs])
@@ -132,10 +138,17 @@ class MoeWeights:
     def upload(cls, gate, up, down):
         """gate/up/down: (packed, scales) numpy pairs from repack_int4_experts, stacked over experts."""
         cuda = _cuda()
+        for name, (q, sc) in (("gate", gate), ("up", up), ("down", down)):
+            if q.ndim != 5 or q.dtype != np.uint32 or sc.ndim != 6 or sc.dtype != np.uint16:
+                raise ValueError(f"{name}: want stacked repack_int4_experts output (uint32 [E, N/16, K/64, 32, 4], "
+                                 f"uint16 [E, N/16, K/512, 16, 8, 2]), got {q.dtype} {q.shape}, {sc.dtype} {sc.shape}")
         e = gate[0].shape[0]
         inter, hidden = gate[0].shape[1] * 16, gate[0].shape[2] * 64
-        if down[0].shape[1] * 16 != hidden or down[0].shape[2] * 64 != inter:
-            raise ValueError(f"down {down[0].shape} does not match gate {gate[0].shape}")
+        if up[0].shape != gate[0].shape or up[1].shape != gate[1].shape:
+            raise ValueError(f"up {up[0].shape} does not match gate {gate[0].shape}")
+        if down[0].shape[0] != e or down[0].shape[1] * 16 != hidden or down[0].shape[2] * 64 != inter:
+            raise ValueError(f"down {down[0].shape} does not match gate {gate[0].shape}: want "
+                             f"[E={e}, hidden/16={hidden // 16}, inter/64={inter // 64}, 32, 4]")
         d = [cuda.to_device(np.ascontiguousarray(a)) for pair in (gate, up, down) for a in pair]
         return cls(e, hidden, inter, *d)
 
@@ -181,8 +194,15 @@ class MoeLayer:
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
-        if not 1 <= topk <= 16 or E > 512 or (n_group > 1 and (E % n_group or n_group > 32)):
-            raise ValueError(f"unsupported routing: E={E}, topk={topk}, n_group={n_group}")
+        if (not 1 <= topk <= min(16, E) or E > 512 or T < 1 or n_group < 1
+                or (n_group > 1 and (E % n_group or n_group > 32)) or not 1 <= topk_group <= n_group):
+            raise ValueError(f"unsupported routing: T={T}, E={E}, topk={topk} (1..min(16, E)), n_group={n_group} "
+                             f"(divides E, <= 32), topk_group={topk_group} (1..n_group)")
+        if np.asarray(bias).size != E:
+            raise ValueError(f"bias has {np.asarray(bias).size} entries, want E = {E}")
+        if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
+            raise ValueError(f"shared expert output must be bf16 [T, hidden] = [{T}, {w.hidden}], got "
+                             f"{shared.dtype} {shared.shape}")
         self.T, self.E, self.topk = T, E, topk
         P = T * topk
         self.num_slots = min(E, P)
@@ -269,18 +289,28 @@ class MlaAttention:
     """Absorbed MLA attention for Tq queries x H heads over a [prefix_len + Tq, 576] latent cache, with a
     tree mask (uint32 [Tq, W], bit j of row i: node j visible to query i) or causal (mask None: prefill).
     Buffers: .q bf16 [Tq, H, 576] (absorbed latent query + rope query), .out bf16 [Tq, H, 512]. The cache and
-    mask are caller buffers. Shapes are fixed (a graph bucket); prefix_len can be patched via set_prefix()."""
+    mask are caller buffers. Shapes and prefix_len are fixed at construction (a graph bucket): a new prefix
+    length needs a new MlaAttention (the KV split is sized from it)."""
 
     def __init__(self, tq: int, heads: int, kv, prefix_len: int, softmax_scale: float, mask=None,
                  splits: int | None = None):
         cuda = _cuda()
         self.tq, self.heads = int(tq), int(heads)
-        if 64 % self.heads and self.heads % 64:
+        if self.heads < 1 or (64 % self.heads and self.heads % 64):
             raise ValueError(f"heads={heads}: must divide 64 or be a multiple of it")
         rows = self.tq * self.heads
         kv_len = prefix_len + self.tq
-        if kv.shape[0] < kv_len or kv.shape[-1] != MLA_D:
-            raise ValueError(f"kv cache {kv.shape} too small for prefix {prefix_len} + {tq} nodes")
+        if prefix_len < 0 or self.tq < 1:
+            raise ValueError(f"prefix_len = {prefix_len} must be >= 0 and tq = {tq} >= 1")
+        if (kv.dtype != np.uint16 or len(kv.shape) < 2 or kv.shape[0] < kv_len
+                or math.prod(kv.shape[1:]) != MLA_D):
+            raise ValueError(f"kv cache {kv.dtype} {kv.shape}: want bf16 [>= prefix {prefix_len} + {tq} nodes, "
+                             f"{MLA_D}] (or [.., 1, {MLA_D}])")
+        need_words = (self.tq + 31) // 32
+        if mask is not None and (mask.dtype != np.uint32 or len(mask.shape) != 2 or mask.shape[0] < self.tq
+                                 or mask.shape[1] < need_words):
+            raise ValueError(f"mask {mask.dtype} {mask.shape}: want uint32 [tq, ceil(tq/32)] = "
+                             f"[{self.tq}, {need_words}]")
         dev = cuda.get_device()
         self.splits = splits or mla_splits(rows, kv_len, dev.sm_count)
         split_len = math.ceil(kv_len / self.splits / _MLA_BN) * _MLA_BN
@@ -314,6 +344,11 @@ def mla_head_gemm(x, w, y, tokens: int, heads: int, n: int, k: int, ldx: int, ld
     cuda = _cuda()
     if n % 8:
         raise ValueError(f"N={n} must be a multiple of 8")
+    for a, name in ((x, "x"), (w, "w"), (y, "y")):
+        if a.dtype != np.uint16:
+            raise ValueError(f"mla_head_gemm: {name} must be bf16 (uint16 bits), got {a.dtype}")
+    if min(tokens, heads, n, k) < 1:
+        raise ValueError(f"mla_head_gemm: tokens={tokens}, heads={heads}, n={n}, k={k} must be >= 1")
     warps = tokens * heads * (n // 8)
     cuda.get_kernel("mla_verify", "mla_head_gemm_kernel").launch(((warps + 7) // 8,), (256,), [
         x, w, y, I32(tokens), I32(heads), I32(n), I32(k), I32(ldx), I32(ldy), np.int64(w_sh), I32(w_sn),

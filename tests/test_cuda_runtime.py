@@ -6,6 +6,7 @@ import runtime.cuda as rc
 from runtime.bf16 import from_bf16, to_bf16
 from runtime.cuda import memory as rcmem
 from runtime.cuda.kernel import Launch, _slot_value
+from runtime.testing import assert_close
 
 
 # ---------------------------------------------------------------- CPU: no GPU needed
@@ -94,6 +95,43 @@ def test_arena_first_fit_alignment_and_oom(fake_arena):
     assert v.ptr == b.ptr + 40 and v.shape == (5,)
     with pytest.raises(ValueError, match="overruns"):
         b.view(999, (5,))
+    with pytest.raises(ValueError, match="non-negative"):
+        fake_arena.alloc("neg", (4, -1), np.float32)
+    fake_arena.close()
+    with pytest.raises(ValueError, match="closed"):  # its memory is gone: no dangling buffers
+        fake_arena.alloc("late", (4,), np.uint8)
+
+
+def test_arena_random_alloc_free_keeps_buffers_disjoint(fake_arena):
+    """Random allocations (sizes, alignments, zero-size) and frees: every live buffer aligned, inside the arena,
+    disjoint from the others; freed space is reused; `used` is exact."""
+    rng = np.random.default_rng(7)
+    live = {}
+    for step in range(3000):
+        if live and rng.random() < 0.4:
+            name = list(live)[int(rng.integers(len(live)))]
+            fake_arena.free(name)
+            del live[name]
+            continue
+        n, align = int(rng.integers(0, 5000)), 1 << int(rng.integers(0, 12))
+        try:
+            live[f"b{step}"] = (fake_arena.alloc(f"b{step}", (n,), np.uint8, align=align), align)
+        except rc.OutOfMemoryError:
+            assert fake_arena.used + n > fake_arena.capacity // 4, "out of memory with most of the arena free"
+    spans = sorted((a.ptr, a.ptr + a.nbytes) for a, _ in live.values())
+    assert all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+    base = 0x100000
+    assert all(a.ptr % al == 0 and base <= a.ptr and a.ptr + a.nbytes <= base + fake_arena.capacity
+               for a, al in live.values())
+    assert fake_arena.used == sum(a.nbytes for a, _ in live.values())
+    for name in list(live):
+        fake_arena.free(name)
+    assert fake_arena.used == 0 and fake_arena.alloc("all", (fake_arena.capacity,), np.uint8).ptr == base
+
+
+def test_empty_rejects_negative_sizes():
+    with pytest.raises(ValueError, match="non-negative"):  # checked before any driver call
+        rc.empty((3, -2), np.float32)
 
 
 def test_bucket_for():
@@ -235,7 +273,7 @@ def test_launch_prepared_and_kernel_errors(cuda_device, launch_path):
     launch()
     launch.set_arg(2, np.float32(-3.0))
     launch()
-    np.testing.assert_allclose(x.download(), (x0 * 2 + 1) * 2 - 3, rtol=1e-6)
+    assert_close(x.download(), (x0 * 2 + 1) * 2 - 3, "prepared launch, then set_arg", rtol=1e-6)
     with pytest.raises(KeyError, match="no entry"):
         rc.get_kernel("runtime_probe", "missing_kernel")
     assert k.attribute("NUM_REGS") > 0
@@ -262,14 +300,14 @@ def test_graph_capture_replay_and_update(cuda_device, launch_path):
     assert ge.num_kernels == 2
     ge.launch(s)
     s.synchronize()
-    np.testing.assert_allclose(a.download(), a0 * 2 + 5, rtol=1e-6)
+    assert_close(a.download(), a0 * 2 + 5, "graph replay", rtol=1e-6)
     # re-point the first kernel at buffer b and change the second one's scalar: no re-capture
     ge.update_kernel_args(0, {0: b})
     ge.update_kernel_args(1, {2: np.float32(-1.0)})
     ge.launch(s)
     s.synchronize()
-    np.testing.assert_allclose(b.download(), b0 * 2, rtol=1e-6)  # kernel 0 now works on b
-    np.testing.assert_allclose(a.download(), a0 * 2 + 5 - 1, rtol=1e-6)  # kernel 1 still on a, new b
+    assert_close(b.download(), b0 * 2, "updated kernel 0", rtol=1e-6)  # kernel 0 now works on b
+    assert_close(a.download(), a0 * 2 + 5 - 1, "updated kernel 1", rtol=1e-6)  # kernel 1 still on a, new b
 
 
 @gpu

@@ -236,6 +236,17 @@ def test_unsupported_version(tmp_path, version):
     _bad(p, f"unsupported GGUF version {version}")
 
 
+def test_tensor_dims_whose_product_wraps_int64(tmp_path):
+    """Five dims of 2^13 elements: 2^65 wraps to 0 in int64, which would pass as an empty tensor."""
+    name = b"token_embd.weight"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + struct.pack("<Q", len(name)) + name
+    head += struct.pack("<I", 5) + struct.pack("<5Q", *[1 << 13] * 5) + struct.pack("<IQ", 0, 0)
+    p = tmp_path / "wrap.gguf"
+    p.write_bytes(head + b"\0" * (-len(head) % 32) + b"\0" * 4096)
+    with pytest.raises(LoadError, match="runs past the end"):
+        loader.gguf_model.read_gguf(p)
+
+
 def test_truncated(tmp_path):
     p = tmp_path / "x.gguf"
     _write_tiny_gguf(p, [Q.Q8_0])

@@ -44,6 +44,18 @@ def test_matches_compressed_tensors_unpack_with_torch():
     assert np.array_equal(int4.unpack_int4(packed, scale, shape), want.numpy())
 
 
+def test_scale_dtype_decides_bits_or_values():
+    """A float scale (a checkpoint converted to f16/f32) is used as values, never read as bf16 bits."""
+    rng = np.random.default_rng(3)
+    packed, scale, shape, _ = random_int4(rng, 4, 64)
+    want = int4.unpack_int4(packed, scale, shape)
+    as_float = from_bf16(scale).reshape(scale.shape)
+    assert np.array_equal(int4.unpack_int4(packed, as_float, shape), want)
+    assert np.array_equal(int4.unpack_int4(packed, as_float.astype(np.float16), shape), want)
+    with pytest.raises(LoadError, match="weight_scale should be bf16 bits"):
+        int4.unpack_int4(packed, scale.astype(np.int32), shape)
+
+
 def test_pack_rejects_out_of_range():
     with pytest.raises(ValueError):
         int4.pack_int4(np.full((1, 8), 8))

@@ -104,6 +104,12 @@ def test_dflash_default_tap_layers():
     assert load_config(cfg).target_layer_ids == (18,)
 
 
+def test_yarn_original_context_defaults_to_the_model_context():
+    cfg = copy.deepcopy(TINY_KIMI_CONFIG)
+    del cfg["rope_scaling"]["original_max_position_embeddings"]     # transformers then uses max_position_embeddings
+    assert load_config(cfg).rope_scaling.original_max_position_embeddings == cfg["max_position_embeddings"]
+
+
 def test_config_from_dir_and_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
     assert load_config(tmp_path) == load_config(tmp_path / "config.json") == load_config(TINY_LLAMA_CONFIG)
@@ -115,6 +121,9 @@ def test_config_from_dir_and_file(tmp_path):
     ({"hidden_size": "32"}, "should be an integer"),
     ({"num_hidden_layers": None}, "lacks required key 'num_hidden_layers'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "unsupported rope_scaling"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs original_max_position_embeddings"),
+    ({"num_attention_heads": 0}, "'num_attention_heads' must be a positive integer"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
 ])
 def test_bad_llama_config(tmp_path, change, match):
     cfg = {**TINY_LLAMA_CONFIG, **change}
@@ -130,6 +139,8 @@ def test_bad_llama_config(tmp_path, change, match):
     (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=8), "need int4"),
     (lambda c: c.update(topk_method="bogus"), "unsupported topk_method"),
     (lambda c: c.update(n_group=3), "not divisible by n_group"),
+    (lambda c: c.update(n_group=0), "'n_group' must be a positive integer"),
+    (lambda c: c.update(topk_group=4), "topk_group 4 > n_group 2"),
 ])
 def test_bad_kimi_config(edit, match):
     cfg = copy.deepcopy(TINY_KIMI_CONFIG)

@@ -10,6 +10,7 @@ from runtime.backends.base import causal_visibility, full_visibility, unpack_vis
 from runtime.backends.numpy_backend import NumpyBackend
 from runtime.models import build_model
 from runtime.models.dflash import DFlashDrafter, random_checkpoint
+from runtime.testing import assert_close, random_parents, tree_depths, tree_visibility
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -83,11 +84,8 @@ def forward_logits(model, ids, positions=None, visibility=None, cache=None):
     return model.logits(h)
 
 
-def assert_close(ours, ref, rtol, what):
-    assert ours.shape == ref.shape, f"{what}: shape {ours.shape} != {ref.shape}"
-    assert np.isfinite(ours).all(), f"{what}: non-finite values"
-    err = np.abs(ours - ref).max() / max(np.abs(ref).max(), 1e-30)
-    assert err <= rtol, f"{what}: rel. error {err:.3g} > {rtol}"
+# Model outputs against their references: every element within TOL x the largest reference value.
+TOL = 1e-4
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "deepseek"])
@@ -96,7 +94,7 @@ def test_forward_matches_transformers(kind, tmp_path):
     ids = np.random.default_rng(1).integers(0, VOCAB, 37)
     with torch.no_grad():
         ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
-    assert_close(forward_logits(ours, ids), ref, 1e-4, f"{kind} logits vs transformers")
+    assert_close(forward_logits(ours, ids), ref, f"{kind} logits vs transformers", rtol=0, atol=TOL)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "deepseek"])
@@ -110,22 +108,13 @@ def test_prefill_then_decode_matches_forward(kind, tmp_path):
     for i in range(10, 24):
         got.append(forward_logits(ours, ids[i:i + 1], cache=cache))
         cache.length += 1
-    assert_close(np.concatenate(got), full, 1e-4, f"{kind} prefill + decode vs forward")
+    assert_close(np.concatenate(got), full, f"{kind} prefill + decode vs forward", rtol=0, atol=TOL)
 
 
 def _random_tree(rng, n, vocab):
-    """parents (parent index < node index), tokens and the ancestor visibility bitmask of a random tree."""
-    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
-    depths = np.zeros(n, np.int32)
-    dense = np.zeros((n, ((n + 31) // 32) * 32), bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            dense[i, j] = True
-            j = parents[j]
-        depths[i] = dense[i].sum() - 1
-    vis = np.packbits(dense, axis=1, bitorder="little").view("<u4").astype(np.uint32)
-    return parents, depths, rng.integers(0, vocab, n).astype(np.int32), vis
+    """parents (parent index < node index), depths, tokens and the ancestor visibility bitmask of a random tree."""
+    parents = random_parents(rng, n)
+    return parents, tree_depths(parents), rng.integers(0, vocab, n).astype(np.int32), tree_visibility(parents)
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek"])
@@ -142,7 +131,7 @@ def test_tree_verify_matches_path_forward(kind, tmp_path):
     for node in [0, 1, 5, 17, 39]:
         path = np.nonzero(dense[node])[0]                  # ancestors in index order = root-to-node order
         ref = forward_logits(ours, np.concatenate([prefix, tokens[path]]))[-1]
-        assert_close(tree_logits[node], ref, 1e-4, f"{kind} tree node {node}")
+        assert_close(tree_logits[node], ref, f"{kind} tree node {node}", rtol=0, atol=TOL)
 
 
 def test_visibility_helpers():
@@ -163,7 +152,7 @@ def test_drafter_context_is_incremental(tmp_path):
     b = d.new_cache(64)
     d.add_context(b, ctx[:4], np.arange(4, dtype=np.int32))
     d.add_context(b, ctx[4:], np.arange(4, 9, dtype=np.int32))
-    assert_close(d.draft(b, emb, pos), d.draft(a, emb, pos), 1e-5, "incremental drafter context")
+    assert_close(d.draft(b, emb, pos), d.draft(a, emb, pos), "incremental drafter context", rtol=0, atol=1e-5)
 
 
 def test_deepseek_int4_experts_match_transformers(tmp_path):
@@ -202,7 +191,7 @@ def test_deepseek_int4_experts_match_transformers(tmp_path):
     ids = np.random.default_rng(5).integers(0, VOCAB, 29)
     with torch.no_grad():
         ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
-    assert_close(forward_logits(ours, ids), ref, 1e-4, "deepseek INT4 experts vs transformers")
+    assert_close(forward_logits(ours, ids), ref, "deepseek INT4 experts vs transformers", rtol=0, atol=TOL)
 
 
 def _torch_dflash(cfg, w, ctx, noise, positions):
@@ -254,4 +243,4 @@ def test_drafter_matches_torch_transcription(tmp_path):
     cache = drafter.new_cache(64)
     drafter.add_context(cache, ctx, positions[:13])
     ours = drafter.draft(cache, noise, positions[13:])
-    assert_close(ours, _torch_dflash(cfg, w, ctx, noise, positions), 1e-4, "drafter vs torch transcription")
+    assert_close(ours, _torch_dflash(cfg, w, ctx, noise, positions), "drafter vs torch transcription", rtol=0, atol=TOL)

@@ -52,7 +52,6 @@ def matching_targets(rng, tree, vocab, p_match=0.7):
 def test_matches_reference_random_small():
     rng = np.random.default_rng(1234)
     workspace = DraftTree(64)  # reused across shapes: stale rows from bigger trees must never leak
-    cases = 0
     for case in range(3000):
         L = int(rng.integers(1, 7))
         K = int(rng.integers(1, 9))
@@ -70,8 +69,6 @@ def test_matches_reference_random_small():
         ref_accepted, ref_bonus = walk_ref(ref["tokens"], ref["parents"], target)
         np.testing.assert_array_equal(accepted, ref_accepted)
         assert accepted.dtype == np.int32 and bonus == ref_bonus
-        cases += 1
-    assert cases == 3000
 
 
 @pytest.mark.parametrize("L,K", [(1, 1), (1, 9), (9, 1), (3, 3)])

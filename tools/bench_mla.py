@@ -17,6 +17,7 @@ import numpy as np
 from runtime import cuda
 from runtime.bf16 import to_bf16
 from runtime.kimi_kernels import MLA_D, MlaAttention
+from runtime.testing import random_tree_visibility
 from tools.bench_moe import measure_read_bandwidth
 
 
@@ -40,16 +41,8 @@ def bf16_matmul_rate() -> float:
 
 
 def chain_mask(n: int) -> np.ndarray:
-    """A tree of n nodes with random parents (parent < child)."""
-    rng = np.random.default_rng(n)
-    parents = [-1] + [int(rng.integers(max(0, i - 8), i)) for i in range(1, n)]
-    mask = np.zeros((n, (n + 31) // 32), np.uint32)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j // 32] |= np.uint32(1 << (j % 32))
-            j = parents[j]
-    return mask
+    """A tree of n nodes with random parents among the 8 nodes before each (deep, like a real draft tree)."""
+    return random_tree_visibility(np.random.default_rng(n), n, window=8)
 
 
 def main(argv=None):

@@ -124,6 +124,8 @@ def load_target(model_arg, backend):
         raise CliError(f"cannot load model: {e}") from None
     except KeyError as e:                       # a tensor the model needs is not in the checkpoint
         raise CliError(f"cannot load model {path}: {e.args[0]}") from None
+    except NotImplementedError as e:            # e.g. an MLA/MoE model on the CUDA backend (llama family only)
+        raise CliError(f"cannot run {path.name} on the {backend.name} backend: {e}", EXIT_BACKEND) from None
     if isinstance(spec, loader.DFlashSpec):
         raise CliError(f"{path} is a DFlash drafter; pass it with --draft and give the target with --model")
     stops = tuple(dict.fromkeys(tuple(tok.eos_token_ids) + tuple(spec.eos_token_id)))

@@ -35,6 +35,12 @@ step bench_dense python3 tools/bench_dense.py --quick
 step bench_moe python3 tools/bench_moe.py --no-variants
 step bench_mla python3 tools/bench_mla.py
 step bench_load python3 tools/bench_load.py --size-gb 4
+# Engine on CUDA (issue 6): graph-captured AR / DDTree on SmolLM2-135M (the GGUF at DDTREE_SMOLLM2_GGUF),
+# host us/round, graph replay times, HF transformers generate as the peer when torch CUDA is there.
+# Without the GGUF on the machine: random weights of SmolLM2-135M's shape (same timings, no real text).
+e2e_model=(--random smollm2-135m)
+[ -n "${DDTREE_SMOLLM2_GGUF:-}" ] && e2e_model=(--model "$DDTREE_SMOLLM2_GGUF")
+step bench_e2e_cuda python3 -m tools.bench_e2e --backend cuda --budgets 16,64,256 --max-new-tokens 128 --hf "${e2e_model[@]}"
 
 if [ ${#failed[@]} -ne 0 ]; then
   echo "gpu_check: FAILED steps: ${failed[*]}" | tee -a "$LOG"

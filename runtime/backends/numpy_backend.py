@@ -167,14 +167,18 @@ class NumpyBackend(Backend):
         logits = np.asarray(logits, dtype=np.float32)
         m = logits.max(axis=-1, keepdims=True)
         logp = logits - m - np.log(np.sum(np.exp(logits - m), axis=-1, keepdims=True))
-        if k < logits.shape[-1]:
-            part = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
-        else:
-            part = np.broadcast_to(np.arange(logits.shape[-1]), logp.shape)
-        vals = np.take_along_axis(logp, part, axis=-1)
-        order = np.lexsort((part, -vals), axis=-1)                 # value descending, then id ascending
-        ids = np.take_along_axis(part, order, axis=-1)
-        return np.take_along_axis(vals, order, axis=-1).astype(np.float32), ids.astype(np.int32)
+        rows, v = logp.shape
+        if not 1 <= k <= v:
+            raise ValueError(f"log_softmax_topk: k = {k} must be in 1..V = {v}")
+        # Candidates: every entry >= the k-th largest value. argpartition alone would keep an arbitrary
+        # subset of the entries tied with the k-th; taking all of them, then sorting by (value desc, id asc),
+        # keeps the lower ids as the contract says.
+        kth = -np.partition(-logp, k - 1, axis=-1)[:, k - 1:k]
+        ids = np.empty((rows, k), np.int64)
+        for r in range(rows):
+            cand = np.flatnonzero(logp[r] >= kth[r])
+            ids[r] = cand[np.lexsort((cand, -logp[r, cand]))[:k]]
+        return np.take_along_axis(logp, ids, axis=-1).astype(np.float32), ids.astype(np.int32)
 
     def argmax(self, logits):
         return np.argmax(logits, axis=-1).astype(np.int32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from .stream import default_stream, stream_handle
 _SYNC_EVERY_LAUNCH = os.environ.get("DDTREE_CUDA_SYNC") == "1"
 _modules: dict[tuple, object] = {}  # (family, arch, device ordinal) -> (CUmodule, CompiledModule)
 _kernels: dict[tuple, "Kernel"] = {}
+# Held while a miss is filled, so two threads asking for the same kernel load (and compile) it once instead of
+# each loading a module and one of them leaking it. Hits read the dicts without it.
+_cache_lock = threading.RLock()
 
 
 def _dim3(d) -> tuple[int, int, int]:
@@ -43,9 +47,12 @@ def load_module(family: str, arch: str | None = None):
     key = (family, arch, dev.ordinal)
     hit = _modules.get(key)
     if hit is None:
-        compiled = compile_family(family, arch)
-        module = check(driver().cuModuleLoadData(compiled.cubin), f"cuModuleLoadData({family}, sm_{arch})")
-        hit = _modules[key] = (module, compiled)
+        with _cache_lock:
+            hit = _modules.get(key)  # another thread may have loaded it while we waited
+            if hit is None:
+                compiled = compile_family(family, arch)
+                module = check(driver().cuModuleLoadData(compiled.cubin), f"cuModuleLoadData({family}, sm_{arch})")
+                hit = _modules[key] = (module, compiled)
     return hit
 
 
@@ -83,13 +90,16 @@ def get_kernel(family: str, entry: str, arch: str | None = None) -> Kernel:
     key = (family, entry, arch, dev.ordinal)
     k = _kernels.get(key)
     if k is None:
-        module, compiled = load_module(family, arch)
-        if entry not in compiled.lowered:
-            raise KeyError(f"kernel family {family!r} has no entry {entry!r}; entries: "
-                           f"{', '.join(compiled.lowered)}")
-        fn = check(driver().cuModuleGetFunction(module, compiled.lowered[entry].encode()),
-                   f"cuModuleGetFunction({family}:{entry})")
-        k = _kernels[key] = Kernel(family, entry, fn, arch)
+        with _cache_lock:
+            k = _kernels.get(key)
+            if k is None:
+                module, compiled = load_module(family, arch)
+                if entry not in compiled.lowered:
+                    raise KeyError(f"kernel family {family!r} has no entry {entry!r}; entries: "
+                                   f"{', '.join(compiled.lowered)}")
+                fn = check(driver().cuModuleGetFunction(module, compiled.lowered[entry].encode()),
+                           f"cuModuleGetFunction({family}:{entry})")
+                k = _kernels[key] = Kernel(family, entry, fn, arch)
     return k
 
 
@@ -130,8 +140,10 @@ def _launcher():
                 fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
                 fn.restype = ctypes.c_int
                 _ctypes_launch = fn
-            except (OSError, AttributeError):
-                pass
+            except (OSError, AttributeError) as e:
+                import warnings
+                warnings.warn(f"DDTREE_LAUNCH=ctypes: cannot bind libcuda.so.1 ({e}); launching through "
+                              "cuda.bindings instead", stacklevel=3)
     return _ctypes_launch
 
 

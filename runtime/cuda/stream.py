@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import threading
 
 from .device import driver, get_device
 from .errors import check
@@ -36,13 +37,17 @@ class Stream:
 
 
 _default: Stream | None = None
+_default_lock = threading.Lock()
 
 
 def default_stream() -> Stream:
-    """One process-wide stream the runtime uses when a call gets stream=None."""
+    """One process-wide stream the runtime uses when a call gets stream=None (created once, even when two
+    threads ask first: work queued on one stream and waited for on another would be read too early)."""
     global _default
     if _default is None:
-        _default = Stream()
+        with _default_lock:
+            if _default is None:
+                _default = Stream()
     return _default
 
 

@@ -85,7 +85,7 @@ class DFlashDrafter:
         b, s = self.backend, self.spec
         x = block_embeds
         t, start = x.shape[0], cache.length
-        hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
+        hq, d = self.n_heads * self.head_dim, self.head_dim
         for i, L in enumerate(self.layers):
             h = b.rmsnorm(x, L.input_norm, s.rms_norm_eps)
             q = b.rmsnorm(b.linear(h, L.q).reshape(t, self.n_heads, d), L.q_norm, s.rms_norm_eps)

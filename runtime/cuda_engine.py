@@ -1,0 +1,409 @@
+"""Graph-captured decoding on the CUDA backend: what runtime.engine.Engine.generate runs when its backend is a
+CudaBackend with graphs on. Same results as the generic loop (greedy DDTree == AR), but each stage is one
+CUDA graph replay and the host only moves a few small arrays per round.
+
+Graphs (captured once per decoder, on first use, before the timed decode loop):
+  ar[T]             one-token forward at the device prefix, lm_head, argmax (or sample at temperature T)
+  verify[b, T]      target forward over a padded tree of b + 1 slots (bucket b in 16..1024), lm_head, pick,
+                    the tap layers' hidden states concatenated (the drafter's next context)
+  draft[b, k, T]    commit of the previous round (KV compaction of the accepted nodes; their tap hidden
+                    states, gathered from verify[b, T]'s output, appended to the drafter's context), then the
+                    drafter block, lm_head on rows 1.., per-row log-softmax top-k
+Every per-round value lives in one int32 device block (`_State`) with a pinned host mirror: the prefix
+length, the draft block, the commit plan, each bucket's tree (tokens, positions, visibility, uniforms).
+A round is: fill + upload the head of the block, replay draft, read the top-k (one D2H), build_tree, fill +
+upload the bucket's tree, replay verify, read the target tokens (one D2H), walk. No allocation, no capture.
+
+Padded tree slots hold token 0 at position start and see only themselves; no real node sees them, and the
+KV they write lands past the committed prefix, where the next round overwrites it. The drafter's context
+append is padded to block rows the same way: rows past the accepted count are overwritten by the block.
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+
+from runtime.backends.base import causal_visibility
+from runtime.backends.cuda_backend import CudaArray, Meter, Region
+from runtime.cuda import PinnedBuffer, bench, bucket_for, capture, check
+from runtime.cuda.device import driver
+from runtime import dense_kernels as dk
+
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def graph_decoder(engine) -> "GraphDecoder":
+    """The engine's decoder (made on first use, reused across generate calls so graphs are captured once)."""
+    dec = getattr(engine, "_graph_decoder", None)
+    if dec is None:
+        dec = engine._graph_decoder = GraphDecoder(engine.target, engine.drafter, engine.prefill_chunk)
+    return dec
+
+
+class _State:
+    """int32 device block of per-round inputs + its pinned host mirror. Layout (int32 words):
+    start | ar_id ar_pos ar_u | meta = (ctx_start, m) | compact_src, ctx_rows, ctx_pos, draft_ids, draft_pos
+    (block each) | per bucket: ids, pos, uniforms [T], visibility [T, W] (T = bucket + 1)."""
+
+    def __init__(self, backend, block: int, mask_token: int):
+        self.b, self.block = backend, block
+        names = [("start", 1), ("ar_id", 1), ("ar_pos", 1), ("ar_u", 1), ("meta", 2)]
+        names += [(n, block) for n in ("compact_src", "ctx_rows", "ctx_pos", "draft_ids", "draft_pos")]
+        self.slots: dict = {}
+        off = 0
+        for n, size in names:
+            self.slots[n] = (off, size)
+            off += size
+        self.head_words = off
+        for bkt in BUCKETS:
+            t, w = bkt + 1, (bkt + 1 + 31) // 32
+            for n, size in (("ids", t), ("pos", t), ("u", t), ("vis", t * w)):
+                self.slots[(n, bkt)] = (off, size)
+                off += size
+        self.words = off
+        self.pinned = PinnedBuffer(4 * off)
+        self._views: dict = {}
+        self.host = self.pinned.array(np.int32, (off,))
+        self.host[:] = 0
+        self.dev = backend.empty((off,), np.int32)
+        self.h("draft_ids")[1:] = mask_token
+        self.upload(0, off)
+        backend.stream.synchronize()
+
+    def h(self, name, dtype=np.int32) -> np.ndarray:
+        """The host view of a slot (made once: the round loop fills these every round)."""
+        v = self._views.get((name, dtype))
+        if v is None:
+            off, size = self.slots[name]
+            v = self._views[(name, dtype)] = self.host[off:off + size].view(dtype)
+        return v
+
+    def d(self, name, shape=None, dtype=np.int32) -> CudaArray:
+        off, size = self.slots[name]
+        return CudaArray(self.dev.ptr + 4 * off, shape or (size,), dtype, owner=self.dev.owner)
+
+    def upload(self, lo: int, hi: int):
+        check(driver().cuMemcpyHtoDAsync(self.dev.ptr + 4 * lo, self.pinned.ptr + 4 * lo, 4 * (hi - lo),
+                                         self.b.stream.handle), "cuMemcpyHtoDAsync")
+
+    def bucket_range(self, bkt) -> tuple[int, int]:
+        return self.slots[("ids", bkt)][0], sum(self.slots[("vis", bkt)])
+
+
+class _Graph:
+    """An instantiated graph, the activations region it replays into, its outputs and their pinned read-back:
+    the read-back outputs are neighbours in the region, so one pinned buffer mirrors the span they cover and
+    one copy reads them all (`read`), or the first rows of the first one (`read(rows=...)`)."""
+
+    def __init__(self, exec_, region, ws, outputs: dict, readback: tuple = ()):
+        self.exec, self.region, self.ws, self.out = exec_, region, ws, outputs
+        self.host = {}
+        if readback:
+            arrays = [outputs[n] for n in readback]
+            self.lo = min(a.ptr for a in arrays)
+            span = max(a.ptr + a.nbytes for a in arrays) - self.lo
+            self._pinned = PinnedBuffer(span)
+            raw = self._pinned.array(np.uint8)
+            for n, a in zip(readback, arrays):
+                off = a.ptr - self.lo
+                self.host[n] = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+            self.span, self.first = span, arrays[0]
+
+    def read(self, stream, rows=None):
+        """Queue the D2H of every read-back output (or of the first `rows` rows of the first one)."""
+        if rows is None:
+            src, n = self.lo, self.span
+        else:
+            src, n = self.first.ptr, rows * (self.first.nbytes // self.first.shape[0])
+        check(driver().cuMemcpyDtoHAsync(self._pinned.ptr + (src - self.lo), src, n, stream.handle),
+              "cuMemcpyDtoHAsync")
+
+
+class GraphDecoder:
+    def __init__(self, target, drafter=None, prefill_chunk: int = 512):
+        self.target, self.drafter, self.prefill_chunk = target, drafter, prefill_chunk
+        self.b = target.backend
+        self.capacity = 0
+        self.graphs: dict = {}
+        self.block = drafter.block_size if drafter is not None else 1
+        self.state = _State(self.b, self.block, drafter.mask_token_id if drafter is not None else 0)
+        self._tree = None
+        self._pad_vis: dict = {}
+        self._block_range = np.arange(self.block, dtype=np.int32)
+
+    # ---- buffers and graphs -------------------------------------------------------------------------------
+    def _ensure_capacity(self, need: int):
+        if need <= self.capacity:
+            return
+        self.graphs.clear()                     # they point at the old caches
+        self.capacity = max(2048, -(-need // 1024) * 1024)
+        self.tcache = self.target.new_cache(self.capacity)
+        self.planes = dk.KVPlanes([*self.tcache.k, *self.tcache.v])
+        if self.drafter is not None:
+            self.dcache = self.drafter.new_cache(self.capacity + 2 * self.block)
+
+    def _capture(self, key, fn, readback=()):
+        """Run fn once for real (loads kernels, sizes scratch, measures the activations), then capture it."""
+        g = self.graphs.get(key)
+        if g is not None:
+            return g
+        b = self.b
+        ws, meter = dk.Workspace(), Meter()
+        with b.recording(meter, ws):
+            fn()
+        b.stream.synchronize()
+        region = Region(meter.nbytes)
+        gc.collect()            # a standalone buffer freed inside the capture would be a cuMemFree there
+        gc.disable()
+        try:
+            with b.recording(region, ws):
+                with capture(b.stream) as cap:
+                    out = fn()
+        finally:
+            gc.enable()
+        g = self.graphs[key] = _Graph(cap.instantiate(), region, ws, out, readback)
+        return g
+
+    def _pick(self, logits, temperature, uniforms):
+        b = self.b
+        return b.argmax(logits) if temperature <= 0 else b.sample(logits, temperature, uniforms)
+
+    def _ar_graph(self, temperature):
+        if ("ar", temperature) in self.graphs:
+            return self.graphs[("ar", temperature)]
+        S, b, tgt = self.state, self.b, self.target
+        vis1 = b.from_host(causal_visibility(1))
+
+        def fn():
+            with b.bind_start(self.tcache.k + self.tcache.v, S.d("start")):
+                self.tcache.length = 0
+                h, _ = tgt.forward(self.tcache, S.d("ar_id"), S.d("ar_pos"), vis1)
+            return {"tokens": self._pick(tgt.logits(h), temperature, S.d("ar_u", dtype=np.float32)), "vis": vis1}
+        return self._capture(("ar", temperature), fn, readback=("tokens",))
+
+    def _verify_graph(self, bkt, temperature):
+        S, b, tgt, d = self.state, self.b, self.target, self.drafter
+        t, w = bkt + 1, (bkt + 1 + 31) // 32
+
+        def fn():
+            with b.bind_start(self.tcache.k + self.tcache.v, S.d("start")):
+                self.tcache.length = 0
+                h, tapped = tgt.forward(self.tcache, S.d(("ids", bkt)), S.d(("pos", bkt)),
+                                        S.d(("vis", bkt), (t, w), np.uint32), d.target_layer_ids)
+            tokens = self._pick(tgt.logits(h), temperature, S.d(("u", bkt), dtype=np.float32))
+            taps = [tapped[i] for i in d.target_layer_ids]
+            return {"tokens": tokens, "taps": b.materialize(b.concat(taps) if len(taps) > 1 else taps[0])}
+        return self._capture(("verify", bkt, temperature), fn, readback=("tokens",))
+
+    def _draft_graph(self, bkt, k, temperature):
+        S, b, tgt, d = self.state, self.b, self.target, self.drafter
+        taps = self._verify_graph(bkt, temperature).out["taps"]
+        dkv = self.dcache.k + self.dcache.v
+
+        def fn():
+            dk.kv_compact(self.planes, S.d("compact_src"), meta=S.d("meta"), stream=b.stream)
+            ctx = b.embedding(taps, S.d("ctx_rows"))
+            with b.bind_start(dkv, S.d("meta", (1,))):               # context goes at ctx_start = meta[0]
+                self.dcache.length = 0
+                d.add_context(self.dcache, ctx, S.d("ctx_pos"))
+            with b.bind_start(dkv, S.d("start")):
+                self.dcache.length = 0
+                dh = d.draft(self.dcache, tgt.embed(S.d("draft_ids")), S.d("draft_pos"))
+            logp, ids = b.log_softmax_topk(tgt.logits(dh[1:]), k)
+            return {"logp": logp, "ids": ids}
+        return self._capture(("draft", bkt, k, temperature), fn, readback=("logp", "ids"))
+
+    # ---- decoding -----------------------------------------------------------------------------------------
+    def prepare(self, prompt_len: int, mode: str, max_new_tokens: int, budget: int, temperature: float):
+        """Caches sized and every graph this generate call needs captured. Returns (bucket, k, n)."""
+        bkt = k = n = 0
+        if mode == "ddtree":
+            k = min(budget, self.target.vocab_size, 1024)
+            n = min(budget, (self.block - 1) * k)
+        elif mode == "chain":
+            k, n = 1, self.block - 1                # best-first with top-1 rows is the argmax chain
+        if mode != "ar":
+            bkt = bucket_for(n, BUCKETS)
+        self._ensure_capacity(prompt_len + max_new_tokens + max(bkt + 1, self.block) + 2)
+        S = self.state
+        S.h("start")[0] = 0
+        S.h("meta")[:] = 0
+        S.upload(0, S.head_words)
+        if mode == "ar":
+            self._ar_graph(temperature)
+        else:
+            self._verify_graph(bkt, temperature)
+            self._draft_graph(bkt, k, temperature)
+        return bkt, k, n
+
+    def generate(self, prompt, *, mode, max_new_tokens, temperature, seed, stop_token_ids, budget, on_tokens):
+        from runtime.engine import GenerationResult
+        b, tgt, d = self.b, self.target, self.drafter
+        stops = set(int(t) for t in stop_token_ids)
+        rng = np.random.default_rng(seed)
+        p = len(prompt)
+        bkt, k, n = self.prepare(p, mode, max_new_tokens, budget, temperature)
+
+        # prefill: eager ops through the model code (variable length; not graph material)
+        t0 = time.perf_counter()
+        self.tcache.length = 0
+        if d is not None:
+            self.dcache.length = 0
+        for c0 in range(0, p, self.prefill_chunk):
+            chunk = prompt[c0:c0 + self.prefill_chunk]
+            positions = b.from_host(np.arange(c0, c0 + len(chunk), dtype=np.int32))
+            h, tapped = tgt.forward(self.tcache, b.from_host(chunk), positions,
+                                    b.from_host(causal_visibility(len(chunk))), d.target_layer_ids if d else ())
+            self.tcache.length += len(chunk)
+            if d is not None:
+                taps = [tapped[i] for i in d.target_layer_ids]
+                d.add_context(self.dcache, b.concat(taps) if len(taps) > 1 else taps[0], positions)
+        logits = tgt.logits(h[len(chunk) - 1:])
+        if temperature <= 0:
+            first = int(b.to_host(b.argmax(logits))[0])
+        else:
+            first = int(b.to_host(b.sample(logits, temperature, b.from_host(rng.random(1, dtype=np.float32))))[0])
+        prefill_s = time.perf_counter() - t0
+
+        self.start, self.commit = p, (p, np.zeros(1, np.int32)[:0])     # nothing to commit before round 1
+        out = [first]
+        if on_tokens:
+            on_tokens([first])
+        rounds: list = []
+        stop_reason = "stop_token" if first in stops else ""
+        t_decode = time.perf_counter()
+        while not stop_reason and len(out) < max_new_tokens:
+            if mode == "ar":
+                new, stats = self._ar_step(out[-1], temperature, rng)
+            else:
+                new, stats = self._spec_round(out[-1], bkt, k, n, temperature, rng)
+            new = new[:max_new_tokens - len(out)]
+            for i, tok in enumerate(new):
+                if tok in stops:
+                    new = new[:i + 1]
+                    stop_reason = "stop_token"
+                    break
+            out.extend(new)
+            stats.committed = len(new)
+            rounds.append(stats)
+            if on_tokens:
+                on_tokens(list(new))
+        b.stream.synchronize()
+        return GenerationResult(tokens=out, stop_reason=stop_reason or "max_new_tokens", prefill_s=prefill_s,
+                                decode_s=time.perf_counter() - t_decode, rounds=rounds)
+
+    def _wait(self):
+        t = time.perf_counter()
+        self.b.stream.synchronize()
+        return time.perf_counter() - t
+
+    def _ar_step(self, last: int, temperature, rng):
+        from runtime.engine import RoundStats
+        S, g = self.state, self.graphs[("ar", temperature)]
+        t0 = time.perf_counter()
+        if self.start + 1 > self.capacity:
+            raise ValueError(f"KV cache overflow: {self.start} + 1 > capacity {self.capacity}")
+        S.h("start")[0] = self.start
+        S.h("ar_id")[0] = last
+        S.h("ar_pos")[0] = self.start
+        if temperature > 0:
+            S.h("ar_u", np.float32)[0] = rng.random(1, dtype=np.float32)[0]
+        S.upload(0, 4)
+        g.exec.launch(self.b.stream)
+        g.read(self.b.stream)
+        wait = self._wait()
+        tok = int(g.host["tokens"][0])
+        self.start += 1
+        total = time.perf_counter() - t0
+        return [tok], RoundStats(committed=1, tree_size=1, times={"verify": total, "host": total - wait})
+
+    def _spec_round(self, bonus: int, bkt: int, k: int, n: int, temperature, rng):
+        from runtime.accept import walk
+        from runtime.engine import RoundStats
+        from runtime.tree import DraftTree, build_tree
+        S, b, B = self.state, self.b, self.block
+        g_draft, g_verify = self.graphs[("draft", bkt, k, temperature)], self.graphs[("verify", bkt, temperature)]
+        times, waits = {}, 0.0
+        start = self.start
+        if start + bkt + 1 > self.capacity or start + B > self.capacity:
+            raise ValueError(f"KV cache overflow at prefix {start} (capacity {self.capacity})")
+
+        # draft: last round's commit + this round's block
+        t = time.perf_counter()
+        ctx_start, accepted = self.commit
+        m = len(accepted)
+        S.h("start")[0] = start
+        S.h("meta")[:] = (ctx_start, m)
+        S.h("compact_src")[:m] = ctx_start + accepted
+        rows = S.h("ctx_rows")
+        rows[:m] = accepted
+        rows[m:] = 0
+        np.add(self._block_range, ctx_start, out=S.h("ctx_pos"))
+        S.h("draft_ids")[0] = bonus
+        np.add(self._block_range, start, out=S.h("draft_pos"))
+        S.upload(0, S.head_words)
+        g_draft.exec.launch(b.stream)
+        g_draft.read(b.stream)
+        waits += self._wait()
+        times["draft"] = (t2 := time.perf_counter()) - t
+
+        # tree, written into the bucket's slots (padded slots: token 0 at `start`, seeing only themselves)
+        if self._tree is None or self._tree.capacity < n:
+            self._tree = DraftTree(max(n, BUCKETS[-1]))
+        tree = build_tree(g_draft.host["logp"], g_draft.host["ids"], n, bonus, out=self._tree)
+        nodes, T, W = tree.n + 1, bkt + 1, (bkt + 1 + 31) // 32
+        ids, pos = S.h(("ids", bkt)), S.h(("pos", bkt))
+        ids[:nodes] = tree.tokens
+        ids[nodes:] = 0
+        pos[:nodes] = start + tree.depths
+        pos[nodes:] = start
+        vis = S.h(("vis", bkt), np.uint32).reshape(T, W)
+        tv = tree.visibility
+        vis[:nodes, :tv.shape[1]] = tv
+        vis[:nodes, tv.shape[1]:] = 0
+        if nodes < T:
+            vis[nodes:] = self._pad_rows(bkt)[nodes:]
+        if temperature > 0:
+            S.h(("u", bkt), np.float32)[:nodes] = rng.random(nodes, dtype=np.float32)
+        times["tree"] = (t3 := time.perf_counter()) - t2
+
+        # verify
+        S.upload(*S.bucket_range(bkt))
+        g_verify.exec.launch(b.stream)
+        g_verify.read(b.stream, rows=nodes)
+        waits += self._wait()
+        times["verify"] = (t4 := time.perf_counter()) - t3
+
+        accepted, new_bonus = walk(tree, g_verify.host["tokens"][:nodes])
+        m = len(accepted)
+        self.commit = (start, accepted.astype(np.int32))         # applied by the next draft replay
+        self.start = start + m
+        new = [int(x) for x in tree.tokens[accepted[1:]]] + [int(new_bonus)]
+        times["walk"] = (t5 := time.perf_counter()) - t4
+        times["host"] = (t5 - t) - waits
+        moved = np.nonzero(accepted != np.arange(m))[0]
+        return new, RoundStats(committed=len(new), tree_size=nodes, times=times,
+                               kv_moved=m - int(moved[0]) if len(moved) else 0)
+
+    def _pad_rows(self, bkt) -> np.ndarray:
+        """Visibility rows of padded slots: slot i sees only itself."""
+        rows = self._pad_vis.get(bkt)
+        if rows is None:
+            T = bkt + 1
+            rows = np.zeros((T, (T + 31) // 32), np.uint32)
+            i = np.arange(T)
+            rows[i, i // 32] = (np.uint32(1) << (i % 32).astype(np.uint32))
+            self._pad_vis[bkt] = rows
+        return rows
+
+    # ---- measurement --------------------------------------------------------------------------------------
+    def replay_ms(self, iters: int = 20) -> dict:
+        """Median replay time of every captured graph (GPU time between events), in ms. Replays run on the
+        current state, so call it after a generate (the next generate re-prefills)."""
+        out = {}
+        for key, g in self.graphs.items():
+            name = "/".join(str(x) for x in key)
+            out[name] = bench(lambda: g.exec.launch(self.b.stream), warmup=3, iters=iters, stream=self.b.stream)
+        return out

@@ -1,0 +1,90 @@
+"""Helpers shared by the kernel tests and the benchmarks (no GPU needed to import): random draft trees as
+visibility bitmasks, and the one numpy compare helper every kernel test uses (DESIGN.md: shape, dtype, then a
+tolerance scaled to the dtype, printing the first mismatches; NaN and inf never pass)."""
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.bf16 import from_bf16
+
+# ---------------------------------------------------------------- random trees
+
+
+def random_parents(rng: np.random.Generator, n: int, window: int | None = None) -> np.ndarray:
+    """Parents of a random tree over n nodes: node 0 is the root (-1), node i's parent is drawn uniformly from
+    [0, i) (or from the `window` nodes just before i, which makes deeper trees). int64 [n]."""
+    parents = [-1] + [int(rng.integers(0 if window is None else max(0, i - window), i)) for i in range(1, n)]
+    return np.array(parents, np.int64)
+
+
+def tree_visibility(parents) -> np.ndarray:
+    """The ancestor bitmask of a tree given by its parents (parent index < node index), as runtime.tree builds
+    it: uint32 [n, ceil(n/32)], bit j of row i set iff node j is node i or one of its ancestors."""
+    parents = np.asarray(parents)
+    n = parents.size
+    vis = np.zeros((n, (n + 31) // 32), np.uint32)
+    for i in range(n):
+        p = int(parents[i])
+        if p >= i:
+            raise ValueError(f"parents[{i}] = {p}: a parent must come before its child")
+        if p >= 0:
+            vis[i] = vis[p]
+        vis[i, i // 32] |= np.uint32(1 << (i % 32))
+    return vis
+
+
+def tree_depths(parents) -> np.ndarray:
+    """Depth of every node (root 0), int32 [n]."""
+    parents = np.asarray(parents)
+    depths = np.zeros(parents.size, np.int32)
+    for i in range(1, parents.size):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def random_tree_visibility(rng: np.random.Generator, n: int, window: int | None = None) -> np.ndarray:
+    """tree_visibility(random_parents(rng, n, window))."""
+    return tree_visibility(random_parents(rng, n, window))
+
+
+# ---------------------------------------------------------------- the compare helper
+
+# Default relative tolerance per output dtype: one bf16 rounding of the output is 2^-8 relative, allow two.
+RTOL = {"bf16": 2.0 ** -7, "fp32": 1e-5}
+_STORAGE = {"bf16": np.dtype(np.uint16), "fp32": np.dtype(np.float32)}
+
+
+def assert_close(got, want, what: str = "", *, dtype: str = "fp32", rtol: float | None = None,
+                 atol: float = 0.0, scale: str | None = "max", show: int = 5):
+    """Assert got == want within tolerance, elementwise:
+
+        |got - want| <= rtol * |want| + atol * S,   S = max|want| (scale="max"), mean|want| ("mean"), 1 (None)
+
+    In order: the shapes must match; `got` must be stored as `dtype` ("bf16": uint16 bit patterns, as a
+    DeviceArray download gives them, converted exactly; "fp32": float32); `want` must be finite; every
+    non-finite value in `got` fails, whatever the tolerance. rtol defaults to RTOL[dtype]. The message gives
+    the mismatch count, the largest error and the first `show` mismatches with their values."""
+    if dtype not in _STORAGE:
+        raise ValueError(f"dtype {dtype!r}: one of {', '.join(_STORAGE)}")
+    if scale not in ("max", "mean", None):
+        raise ValueError(f"scale {scale!r}: 'max', 'mean' or None")
+    got, want = np.asarray(got), np.asarray(want)
+    where = f"{what}: " if what else ""
+    assert got.shape == want.shape, f"{where}shape {got.shape} != expected {want.shape}"
+    assert got.dtype == _STORAGE[dtype], f"{where}dtype {got.dtype}, expected {dtype} ({_STORAGE[dtype]})"
+    got = (from_bf16(got).reshape(got.shape) if dtype == "bf16" else got).astype(np.float64)
+    want = want.astype(np.float64)
+    assert np.isfinite(want).all(), f"{where}the reference itself is not finite"
+    rtol = RTOL[dtype] if rtol is None else rtol
+    mag = np.abs(want)
+    s = 1.0 if scale is None or want.size == 0 else float(mag.max() if scale == "max" else mag.mean())
+    err = np.abs(got - want)
+    bad = ~np.isfinite(got) | ~(err <= rtol * mag + atol * s)    # written so that a NaN error is bad
+    if bad.any():
+        idx = np.argwhere(bad)[:show]
+        first = ", ".join(f"{tuple(int(v) for v in i)}: got {got[tuple(i)]:.6g} want {want[tuple(i)]:.6g}"
+                          for i in idx)
+        nonfinite = int((~np.isfinite(got)).sum())
+        raise AssertionError(f"{where}{int(bad.sum())} of {bad.size} elements differ ({nonfinite} not finite; rtol "
+                             f"{rtol:g}, atol {atol:g} x {scale or 'abs'} {s:.3g}; largest finite error "
+                             f"{np.max(np.where(np.isfinite(err), err, 0)):.3g}); first: {first}")

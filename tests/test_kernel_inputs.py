@@ -1,0 +1,168 @@
+"""Bad input to the kernel entry points (runtime/dense_kernels.py, runtime/kimi_kernels.py) is refused with an
+error naming the op and the sizes, before any device call: so these run without a GPU, on DeviceArrays that
+point nowhere (nothing reads them)."""
+import numpy as np
+import pytest
+
+from runtime import dense_kernels as dk
+from runtime import kimi_kernels as kk
+from runtime.cuda import DeviceArray
+
+BF16 = np.uint16
+
+
+class _NoDevice:
+    """Stands in for runtime.cuda here: any use means a check let bad input through to the device."""
+
+    def __getattr__(self, name):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"bad input reached runtime.cuda.{name}")
+        return refuse
+
+
+@pytest.fixture(autouse=True)
+def no_device(monkeypatch):
+    """Even on a GPU machine nothing here may reach the device (the arrays point nowhere)."""
+    guard = _NoDevice()
+    for name in ("get_device", "get_kernel", "empty"):
+        monkeypatch.setattr(dk, name, getattr(guard, name))
+    monkeypatch.setattr(kk, "_cuda", lambda: guard)
+
+
+def fake(shape, dtype=BF16):
+    return DeviceArray(0x10000, shape, dtype)
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((fake((4, 64)), fake((8, 64)), fake((4, 8), np.float32)), {}, "out must be bf16"),
+    ((fake((64,)), fake((8, 64)), fake((64, 8))), {}, r"x must be \[M, K = 64\]"),
+    ((fake((4, 32)), fake((8, 64)), fake((4, 8))), {}, "does not match"),
+    ((fake((4, 64)), fake((8, 64)), fake((4, 9))), {}, r"want \[M, N\] = \[4, 8\]"),
+    ((fake((4, 64)), fake((8, 64)), fake((4, 8))), {"ldx": 40}, "ldx = 40 must be a multiple of 8 and >= K = 64"),
+    ((fake((4, 64)), fake((8, 64)), fake((4, 8)), fake((4, 7))), {}, "residual"),
+    ((fake((0, 64)), fake((8, 64)), fake((0, 8))), {}, "empty product: M = 0"),
+])
+def test_linear(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dk.linear(*args, **kwargs)
+
+
+def test_norms_and_elementwise():
+    with pytest.raises(ValueError, match="same rows"):
+        dk.rmsnorm(fake((4, 64)), fake((64,)), fake((3, 64)), 1e-6)
+    with pytest.raises(ValueError, match="residual_out without residual"):
+        dk.rmsnorm(fake((4, 64)), fake((64,)), fake((4, 64)), 1e-6, residual_out=fake((4, 64)))
+    with pytest.raises(ValueError, match="residual must be bf16"):
+        dk.rmsnorm(fake((4, 64)), fake((64,)), fake((4, 64)), 1e-6, residual=fake((4, 64), np.float32),
+                   residual_out=fake((4, 64)))
+    with pytest.raises(ValueError, match=r"want \[T, n_heads, head_dim\] = \[5, 2, 64\]"):
+        dk.rope(fake((5, 3, 64)), fake((5,), np.int32), fake((32,), np.float32), fake((5, 2, 64)), n_heads=2,
+                head_dim=64)
+    with pytest.raises(ValueError, match="norm_weight has 32 elements"):
+        dk.rope(fake((5, 2, 64)), fake((5,), np.int32), fake((32,), np.float32), fake((5, 2, 64)), n_heads=2,
+                head_dim=64, norm_weight=fake((32,)))
+    with pytest.raises(ValueError, match="gate must be bf16"):
+        dk.swiglu(fake((3, 16), np.float32), fake((3, 16)), fake((3, 16)))
+    with pytest.raises(ValueError, match=r"out \(3, 8\), want \[T, I\] = \[3, 16\]"):
+        dk.swiglu(fake((3, 16)), fake((3, 16)), fake((3, 8)), T=3, I=16)
+    with pytest.raises(ValueError, match="must be equal"):
+        dk.add(fake((3, 16)), fake((3, 16)), fake((3, 8)))
+    with pytest.raises(ValueError, match="ids must be int32"):
+        dk.embedding(fake((10, 16)), fake((3,), np.int64), fake((3, 16)))
+    with pytest.raises(ValueError, match=r"table must be \[V, H\]"):
+        dk.embedding(fake((160,)), fake((3,), np.int32), fake((3, 16)))
+
+
+def test_attention():
+    q, k, v, vis = fake((3, 8, 128)), fake((100, 2, 128)), fake((100, 2, 128)), fake((3, 1), np.uint32)
+    with pytest.raises(ValueError, match="n_prefix 98 \\+ T 3 > capacity 100"):
+        dk.attention(q, k, v, 98, vis, 0.1, fake((3, 8, 128)))
+    with pytest.raises(ValueError, match=r"want \[T, Hq, D\] = \[3, 8, 128\]"):
+        dk.attention(q, k, v, 5, vis, 0.1, fake((3, 8, 64)))
+    with pytest.raises(ValueError, match="max_keys = 200 must be in"):
+        dk.attention(q, k, v, fake((1,), np.int32), vis, 0.1, fake((3, 8, 128)), max_keys=200)
+    with pytest.raises(ValueError, match="pass max_keys"):
+        dk.attention(q, k, v, fake((1,), np.int32), vis, 0.1, fake((3, 8, 128)))
+    with pytest.raises(ValueError, match="visibility must be uint32"):
+        dk.attention(q, k, v, 5, fake((3, 1), np.int32), 0.1, fake((3, 8, 128)))
+    with pytest.raises(ValueError, match="n_prefix must be int32"):
+        dk.attention(q, k, v, fake((1,), np.int64), vis, 0.1, fake((3, 8, 128)), max_keys=50)
+
+
+def test_host_values_refused_while_capturing(monkeypatch):
+    from runtime.cuda import graph
+    monkeypatch.setitem(graph._active, 12345, object())   # as if a capture were running on some stream
+    with pytest.raises(ValueError, match="being captured"):
+        dk.attention(fake((3, 8, 128)), fake((100, 2, 128)), fake((100, 2, 128)), 5, fake((3, 1), np.uint32),
+                     0.1, fake((3, 8, 128)))
+
+
+def test_sampling_and_kv_compact():
+    with pytest.raises(ValueError, match="V = 1000 is more than the row stride 992"):
+        dk.argmax(fake((4, 992)), fake((4,), np.int32), V=1000)
+    with pytest.raises(ValueError, match=r"k = 2000 must be in 1..min\(1024"):
+        dk.log_softmax_topk(fake((4, 4096)), 2000, fake((4, 2000), np.float32), fake((4, 2000), np.int32))
+    with pytest.raises(ValueError, match="temperature"):
+        dk.sample(fake((4, 64)), 0.0, fake((4,), np.float32), fake((4,), np.int32))
+    with pytest.raises(ValueError, match="different row sizes"):
+        dk.KVPlanes([fake((10, 2, 64)), fake((10, 1, 64))])
+    planes = dk.KVPlanes.__new__(dk.KVPlanes)
+    planes.row_bytes, planes.capacity, planes.count = 256, 64, 1
+    with pytest.raises(ValueError, match="strictly ascending"):
+        dk.kv_compact(planes, [12, 11], 10)
+    with pytest.raises(ValueError, match="capacity 64"):
+        dk.kv_compact(planes, [10, 64], 10)
+    with pytest.raises(ValueError, match="meta must be an int32 device array"):
+        dk.kv_compact(planes, fake((8,), np.int32), meta=np.array([10, 2], np.int32))
+
+
+def test_kimi_entry_points():
+    rng = np.random.default_rng(0)
+    wp = rng.integers(0, 2**31, (16, 64), dtype=np.int64).astype(np.int32)
+    ws = rng.integers(0, 2**16, (16, 16), dtype=np.int64).astype(np.uint16)
+    with pytest.raises(ValueError, match="bf16 bits"):
+        kk.repack_int4_experts(wp, ws.astype(np.float32), (16, 512))
+    with pytest.raises(ValueError, match="stacked over the same experts"):
+        kk.repack_int4_experts(wp[None], ws, (16, 512))
+    with pytest.raises(ValueError, match="weight_scale"):
+        kk.repack_int4_experts(wp, ws[:, :8], (16, 512))
+    packed, scales = kk.repack_int4_experts(wp[None], ws[None], (16, 512))
+    with pytest.raises(ValueError, match="up .* does not match gate"):
+        kk.MoeWeights.upload((packed, scales), (packed[:, :, :4], scales), (packed, scales))
+    with pytest.raises(ValueError, match="stacked repack_int4_experts output"):
+        kk.MoeWeights.upload((packed[0], scales[0]), (packed, scales), (packed, scales))
+    w = kk.MoeWeights(8, 512, 512, *(fake((1,)) for _ in range(6)))
+    with pytest.raises(ValueError, match="topk=9"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=9)
+    with pytest.raises(ValueError, match="bias has 7 entries"):
+        kk.MoeLayer(w, 4, np.zeros(7, np.float32), topk=4)
+    with pytest.raises(ValueError, match="shared expert output"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, shared=fake((4, 256)))
+    kv = fake((100, 576))
+    with pytest.raises(ValueError, match="kv cache"):
+        kk.MlaAttention(8, 8, kv, 95, 0.1)
+    with pytest.raises(ValueError, match=r"mask uint32 \(8, 1\)|want uint32"):
+        kk.MlaAttention(40, 8, kv, 10, 0.1, mask=fake((40, 1), np.uint32))
+    with pytest.raises(ValueError, match="heads=0"):
+        kk.MlaAttention(8, 0, kv, 10, 0.1)
+    with pytest.raises(ValueError, match="y must be bf16"):
+        kk.mla_head_gemm(fake((3, 8, 192)), fake((2048, 512)), fake((3, 8, 576), np.float32), 3, 8, 512, 128, 192,
+                         576, 256 * 512, 1, 512)
+
+
+def test_valid_input_passes_the_checks():
+    """The control: well-formed calls get past every check and reach the (guarded) device layer."""
+    calls = [
+        lambda: dk.linear(fake((4, 64)), fake((8, 64)), fake((4, 8)), fake((4, 8))),
+        lambda: dk.rmsnorm(fake((4, 64)), fake((64,)), fake((4, 64)), 1e-6, residual=fake((4, 64)),
+                           residual_out=fake((4, 64))),
+        lambda: dk.attention(fake((3, 8, 128)), fake((100, 2, 128)), fake((100, 2, 128)), fake((1,), np.int32),
+                             fake((3, 1), np.uint32), 0.1, fake((3, 8, 128)), max_keys=100),
+        lambda: dk.argmax(fake((4, 992)), fake((4,), np.int32), V=989),
+        lambda: kk.MlaAttention(40, 8, fake((100, 576)), 10, 0.1, mask=fake((40, 2), np.uint32)),
+        lambda: kk.MoeLayer(kk.MoeWeights(8, 512, 512, *(fake((1,)) for _ in range(6))), 4,
+                            np.zeros(8, np.float32), topk=4),
+    ]
+    for call in calls:
+        with pytest.raises(AssertionError, match="bad input reached runtime.cuda"):
+            call()
