@@ -60,11 +60,12 @@ extern "C" __global__ void embedding_kernel(const __nv_bfloat16* __restrict__ ta
 // One block per row, one 16-byte vector per thread (H <= 8 * blockDim.x <= 8192, H % 8 == 0).
 // h = x (+ residual), rounded to bf16 (that is the residual stream the next layer reads);
 // residual_out = h if given; out = h / sqrt(mean(h^2) + eps) * weight.
-extern "C" __global__ void rmsnorm_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
-                                          const __nv_bfloat16* __restrict__ residual, int ldr,
+// x, residual and residual_out may be one buffer (in-place residual stream): no __restrict__ on them.
+extern "C" __global__ void rmsnorm_kernel(const __nv_bfloat16* x, int ldx,
+                                          const __nv_bfloat16* residual, int ldr,
                                           const __nv_bfloat16* __restrict__ weight,
                                           __nv_bfloat16* __restrict__ out, int ldo,
-                                          __nv_bfloat16* __restrict__ residual_out, int ldro,
+                                          __nv_bfloat16* residual_out, int ldro,
                                           int H, float eps) {
   const int row = blockIdx.x;
   const int i = threadIdx.x;

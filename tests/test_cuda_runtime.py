@@ -129,6 +129,33 @@ def test_arena_random_alloc_free_keeps_buffers_disjoint(fake_arena):
     assert fake_arena.used == 0 and fake_arena.alloc("all", (fake_arena.capacity,), np.uint8).ptr == base
 
 
+def test_pinned_view_keeps_its_buffer_alive(monkeypatch):
+    """A numpy view of pinned memory outliving the PinnedBuffer object must not read freed memory."""
+    import ctypes
+    import gc
+
+    freed, keep = [], []
+
+    class Driver:
+        def cuMemHostAlloc(self, n, flags):
+            keep.append(ctypes.create_string_buffer(n))   # host stand-in for page-locked memory
+            return (0, ctypes.addressof(keep[-1]))
+
+        def cuMemFreeHost(self, ptr):
+            freed.append(ptr)
+            return (0,)
+
+    monkeypatch.setattr(rcmem, "driver", lambda: Driver())
+    monkeypatch.setattr(rcmem, "get_device", lambda: None)
+    view = rcmem.PinnedBuffer(64).array(np.float32, (4, 4))
+    gc.collect()
+    assert not freed
+    view[:] = 1.0
+    del view
+    gc.collect()
+    assert len(freed) == 1
+
+
 def test_empty_rejects_negative_sizes():
     with pytest.raises(ValueError, match="non-negative"):  # checked before any driver call
         rc.empty((3, -2), np.float32)

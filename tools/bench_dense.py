@@ -139,7 +139,7 @@ def bench_attention(stream, quick):
             q = to_device(to_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32)))
             vis = to_device(causal_visibility(T))  # a chain: the densest tree mask
             out = empty((T, Hq, D), np.uint16)
-            splits = dk.attention_splits(T, Hq, Hkv, prefix + T, get_device().sm_count, D)
+            splits = dk.attention_splits(T, Hq, Hkv, prefix + T, get_device().sm_count)
             us = graph_time_us(lambda i, s: dk.attention(q, kv[i % copies][0], kv[i % copies][1], n_prefix, vis,
                                                          D ** -0.5, out, T=T, max_keys=prefix + T, stream=s),
                                reps=max(copies, 4), stream=stream)

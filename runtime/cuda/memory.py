@@ -276,13 +276,15 @@ class PinnedBuffer:
         self._finalizer = weakref.finalize(self, lambda p: driver().cuMemFreeHost(p), self.ptr)
 
     def array(self, dtype=np.uint8, shape=None) -> np.ndarray:
-        """A numpy view of the buffer (valid while this PinnedBuffer lives)."""
+        """A numpy view of the buffer. The view keeps this PinnedBuffer alive (until close(), which frees the
+        memory regardless), so a view that outlives its last named reference never reads freed memory."""
         dtype = np.dtype(dtype)
         count = self.nbytes // dtype.itemsize if shape is None else math.prod(
             shape if isinstance(shape, (tuple, list)) else (shape,))
         if count * dtype.itemsize > self.nbytes:
             raise ValueError(f"pinned buffer of {self.nbytes} bytes cannot hold {count} x {dtype}")
         raw = (ctypes.c_char * self.nbytes).from_address(self.ptr)
+        raw._owner = self  # numpy's view holds `raw`, and `raw` holds the owner of the memory
         arr = np.frombuffer(raw, dtype=dtype, count=count)
         return arr.reshape(shape) if shape is not None else arr
 
