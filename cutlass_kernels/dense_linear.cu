@@ -31,6 +31,12 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kXPad = 32;  // 64 B row pad of the x tile: rows g and g+1 land in different bank halves
+// Outputs per thread in one pass of the split-K reduce (1: one at a time, as before; any value gives the
+// same bits, only the speed differs). Override with -DLINEAR_REDUCE_ILP=1 in the registry's options.
+#ifndef LINEAR_REDUCE_ILP
+#define LINEAR_REDUCE_ILP 4
+#endif
+constexpr int kReduceIlp = LINEAR_REDUCE_ILP;
 
 __device__ __forceinline__ uint4 load_stream(const void* p) {
   // W is read once: do not allocate it in L1 (the x tile and partials use it).
@@ -102,22 +108,52 @@ __device__ __forceinline__ void store_or_reduce(const float (&acc)[RT][MT][4], _
   __syncthreads();
   if (!last_flag) return;
   __threadfence();
+  // Each thread sums kReduceIlp outputs at once (elements i0 + e*kThreads: still coalesced per e) and the
+  // split loop is unrolled, so up to 4*kReduceIlp independent L2 loads are in flight instead of one: the
+  // serial version was a chain of latencies, ~10 us per linear at 64 rows x 5 splits. Every output is
+  // still summed as 0 + split 0 + split 1 + ... (+ residual), so results are bit-identical.
   constexpr int kTileN = 128 * RT;
-  for (int i = threadIdx.x; i < kRows * kTileN; i += kThreads) {
-    const int m = m0 + i / kTileN, n = n_block + i % kTileN;
-    if (m >= M || n >= N) continue;
-    float v = 0.f;
-    for (int s = 0; s < (int)gridDim.y; ++s) v += __ldcg(ws + ((size_t)s * M + m) * N + n);
-    if (residual) v += __bfloat162float(residual[(size_t)m * ldr + n]);
-    out[(size_t)m * ldo + n] = __float2bfloat16(v);
+  constexpr int kElems = kRows * kTileN;  // 1024 * MT * RT: a multiple of kReduceIlp * kThreads
+  static_assert(kElems % (kReduceIlp * kThreads) == 0, "reduce tiling");
+  const int splits = gridDim.y;
+  for (int i0 = threadIdx.x; i0 < kElems; i0 += kReduceIlp * kThreads) {
+    size_t off[kReduceIlp];
+    bool ok[kReduceIlp];
+    float v[kReduceIlp];
+#pragma unroll
+    for (int e = 0; e < kReduceIlp; ++e) {
+      const int i = i0 + e * kThreads;
+      const int m = m0 + i / kTileN, n = n_block + i % kTileN;
+      ok[e] = m < M && n < N;
+      off[e] = ok[e] ? (size_t)m * N + n : 0;
+      v[e] = 0.f;
+    }
+#pragma unroll 4
+    for (int s = 0; s < splits; ++s) {
+      const float* part = ws + (size_t)s * M * N;
+#pragma unroll
+      for (int e = 0; e < kReduceIlp; ++e)
+        if (ok[e]) v[e] += __ldcg(part + off[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < kReduceIlp; ++e) {
+      if (!ok[e]) continue;
+      const int i = i0 + e * kThreads;
+      const int m = m0 + i / kTileN, n = n_block + i % kTileN;
+      float r = v[e];
+      if (residual) r += __bfloat162float(residual[(size_t)m * ldr + n]);
+      out[(size_t)m * ldo + n] = __float2bfloat16(r);
+    }
   }
   if (threadIdx.x == 0) *ticket = 0;  // ready for the next launch (graph replay)
 }
 
 // MT: token tiles of 8 per block (block covers 8*MT rows of x; blockIdx.z walks further token tiles).
 // RT: 16-row W tiles per warp. A pipeline stage is 128/RT k (32 registers of W per thread per stage).
+// MT = 9 asks for two blocks per SM (128 registers, no spills; 154 and one block without the hint); the 0
+// for the others emits no hint, exactly as before.
 template <int MT, int RT>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, MT == 9 ? 2 : 0)
 linear_bf16_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                    const __nv_bfloat16* __restrict__ w,  // [N, K] row-major, K % 8 == 0
                    __nv_bfloat16* __restrict__ out, int ldo,
@@ -315,8 +351,9 @@ linear_bf16_xres_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 }
 
 // The curated instantiations. linear_bf16_kernel: token tiles of 8..64 rows, any M through blockIdx.z (RT=2
-// halves shared-memory B traffic per W byte at 64 rows). linear_bf16_xres_kernel: the M <= 64 path, a
-// 4-deep W ring (2-deep variants for the benchmark).
+// halves shared-memory B traffic per W byte at 64 rows); 72 rows for M = 65..72, the verify of budget 64
+// (root + 64 nodes), which 64-row tiles would split into a full tile plus a one-row tile that re-reads W.
+// linear_bf16_xres_kernel: the M <= 64 path, a 4-deep W ring (2-deep variants for the benchmark).
 template __global__ void linear_bf16_kernel<1, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*,
     __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
 template __global__ void linear_bf16_kernel<2, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*,
@@ -324,6 +361,8 @@ template __global__ void linear_bf16_kernel<2, 1>(const __nv_bfloat16*, int, con
 template __global__ void linear_bf16_kernel<4, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*,
     __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
 template __global__ void linear_bf16_kernel<8, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*,
+    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
+template __global__ void linear_bf16_kernel<9, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*,
     __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
 template __global__ void linear_bf16_kernel<8, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*,
     __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);

@@ -4,6 +4,7 @@ the instruction). Each kernel owner registers its families in its own section be
 `register(KernelFamily(...))` call per family."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,17 +72,29 @@ register(KernelFamily(
 # Both MMA families use the SM80 bf16 atom (mma.sync m16n8k16), which every target arch runs natively.
 _MMA_BF16_PTX = {a: r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32" for a in ALL_ARCHS}
 _MMA_BF16_SASS = {"90a": r"HMMA\.16816\.F32\.BF16", "120a": r"HMMA\.16816\.F32\.BF16"}
+
+
+def _linear_reduce_ilp() -> int:
+    """Outputs per thread per pass of the split-K reduce in dense_linear.cu (same bits for any value);
+    DDTREE_LINEAR_REDUCE_ILP=1 selects the one-at-a-time loop of before, for A/B timing."""
+    v = os.environ.get("DDTREE_LINEAR_REDUCE_ILP", "4")
+    if v not in ("1", "2", "4"):
+        raise ValueError(f"DDTREE_LINEAR_REDUCE_ILP={v!r}: use 1, 2 or 4")
+    return int(v)
+
+
 # bf16 weight-streaming linear: xres <MT, STAGES> for M <= 64 (x slice resident in smem, W register ring),
 # the chunked kernel <MT, RT> for any M (blockIdx.z walks token tiles of 8*MT rows).
 register(KernelFamily(
     name="dense_linear",
     source="dense_linear.cu",
     entries=("linear_bf16_kernel<1, 1>", "linear_bf16_kernel<2, 1>", "linear_bf16_kernel<4, 1>",
-             "linear_bf16_kernel<8, 1>", "linear_bf16_kernel<8, 2>",
+             "linear_bf16_kernel<8, 1>", "linear_bf16_kernel<9, 1>", "linear_bf16_kernel<8, 2>",
              "linear_bf16_xres_kernel<1, 4>", "linear_bf16_xres_kernel<2, 4>", "linear_bf16_xres_kernel<4, 4>",
              "linear_bf16_xres_kernel<8, 4>", "linear_bf16_xres_kernel<1, 2>", "linear_bf16_xres_kernel<8, 2>"),
     required_ptx=_MMA_BF16_PTX,
     required_sass=_MMA_BF16_SASS,
+    options=(f"-DLINEAR_REDUCE_ILP={_linear_reduce_ilp()}",),
 ))
 # Embedding gather, RMSNorm (+ residual add), RoPE (+ per-head q/k norm), SwiGLU, add.
 register(KernelFamily(

@@ -229,6 +229,7 @@ extern "C" __global__ void argmax_kernel(const uint16_t* __restrict__ logits, in
   const uint16_t* row = logits + (size_t)blockIdx.x * ld;
   uint32_t best_key = 0;
   int best_idx = 0x7FFFFFFF;
+#pragma unroll 4  // several 16-byte loads in flight per thread (a one-row AR argmax is a chain of 24 otherwise)
   for (int base = 8 * threadIdx.x; base < V; base += 8 * blockDim.x) {
     uint16_t u[8];
     const int n = load8(row, base, V, u);

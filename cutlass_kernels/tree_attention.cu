@@ -251,9 +251,12 @@ attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict
   const int qi = qh / Hq, head = qh % Hq;
   const size_t stride = (size_t)T * Hq;
   float m = NEG_INF;
+  // Loops unrolled so several splits' L2 loads are in flight (not a chain of latencies); same order, same bits.
+#pragma unroll 4
   for (int s = 0; s < splits; ++s) m = fmaxf(m, ws_lse[s * stride + qh]);
   float num = 0.f, den = 0.f;
   if (m != NEG_INF) {
+#pragma unroll 4
     for (int s = 0; s < splits; ++s) {
       const float lse = ws_lse[s * stride + qh];
       if (lse == NEG_INF) continue;

@@ -25,11 +25,13 @@ import time
 
 import numpy as np
 
+from runtime.accept import walk
 from runtime.backends.base import causal_visibility
 from runtime.backends.cuda_backend import CudaArray, Meter, Region
 from runtime.cuda import PinnedBuffer, bench, bucket_for, capture, check
 from runtime.cuda.device import driver
 from runtime import dense_kernels as dk
+from runtime.tree import DraftTree, build_tree
 
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 
@@ -92,6 +94,24 @@ class _State:
         return self.slots[("ids", bkt)][0], sum(self.slots[("vis", bkt)])
 
 
+class _BucketSlots:
+    """One bucket's host slots in the state block, as views made once (the round loop only fills them), and
+    the word range one upload covers. Padded slots (from the tree's node count on) are rewritten only when the
+    tree does not fill the bucket."""
+
+    def __init__(self, S: _State, bkt: int):
+        self.T, self.W = bkt + 1, (bkt + 1 + 31) // 32
+        self.ids, self.pos = S.h(("ids", bkt)), S.h(("pos", bkt))
+        self.u = S.h(("u", bkt), np.float32)
+        self.vis = S.h(("vis", bkt), np.uint32).reshape(self.T, self.W)
+        self.lo, self.hi = S.bucket_range(bkt)
+        # visibility rows of padded slots: slot i sees only itself
+        T = self.T
+        self.pad_vis = np.zeros((T, self.W), np.uint32)
+        i = np.arange(T)
+        self.pad_vis[i, i // 32] = (np.uint32(1) << (i % 32).astype(np.uint32))
+
+
 class _Graph:
     """An instantiated graph, the activations region it replays into, its outputs and their pinned read-back:
     the read-back outputs are neighbours in the region, so one pinned buffer mirrors the span they cover and
@@ -130,14 +150,27 @@ class GraphDecoder:
         self.block = drafter.block_size if drafter is not None else 1
         self.state = _State(self.b, self.block, drafter.mask_token_id if drafter is not None else 0)
         self._tree = None
-        self._pad_vis: dict = {}
+        self._slots: dict = {}                  # bucket -> _BucketSlots
+        self._round_ctx: dict = {}              # (bucket, k, temperature) -> graphs and views of a round
         self._block_range = np.arange(self.block, dtype=np.int32)
+        S = self.state
+        # head views of the state block, filled every round
+        self._h_start, self._h_meta = S.h("start"), S.h("meta")
+        self._h_compact, self._h_ctx_rows, self._h_ctx_pos = S.h("compact_src"), S.h("ctx_rows"), S.h("ctx_pos")
+        self._h_draft_ids, self._h_draft_pos = S.h("draft_ids"), S.h("draft_pos")
+        self._prev_m = self.block               # ctx_rows past the accepted count are kept at zero
+        if [S.slots[n][0] for n in ("start", "ar_id", "ar_pos", "ar_u")] != [0, 1, 2, 3]:
+            raise RuntimeError("state block layout: the AR step expects start, ar_id, ar_pos, ar_u in words 0..3")
+        self._h_ar, self._h_ar_u = S.host[:4], S.h("ar_u", np.float32)
+        from runtime.engine import RoundStats       # (runtime.engine imports this module lazily)
+        self._RoundStats = RoundStats
 
     # ---- buffers and graphs -------------------------------------------------------------------------------
     def _ensure_capacity(self, need: int):
         if need <= self.capacity:
             return
         self.graphs.clear()                     # they point at the old caches
+        self._round_ctx.clear()                 # (it holds graphs)
         self.capacity = max(2048, -(-need // 1024) * 1024)
         self.tcache = self.target.new_cache(self.capacity)
         self.planes = dk.KVPlanes([*self.tcache.k, *self.tcache.v])
@@ -300,16 +333,17 @@ class GraphDecoder:
         return time.perf_counter() - t
 
     def _ar_step(self, last: int, temperature, rng):
-        from runtime.engine import RoundStats
+        RoundStats = self._RoundStats
         S, g = self.state, self.graphs[("ar", temperature)]
         t0 = time.perf_counter()
         if self.start + 1 > self.capacity:
             raise ValueError(f"KV cache overflow: {self.start} + 1 > capacity {self.capacity}")
-        S.h("start")[0] = self.start
-        S.h("ar_id")[0] = last
-        S.h("ar_pos")[0] = self.start
+        head = self._h_ar                       # start | ar_id ar_pos ar_u
+        head[0] = self.start
+        head[1] = last
+        head[2] = self.start
         if temperature > 0:
-            S.h("ar_u", np.float32)[0] = rng.random(1, dtype=np.float32)[0]
+            self._h_ar_u[0] = rng.random(1, dtype=np.float32)[0]
         S.upload(0, 4)
         g.exec.launch(self.b.stream)
         g.read(self.b.stream)
@@ -319,12 +353,24 @@ class GraphDecoder:
         total = time.perf_counter() - t0
         return [tok], RoundStats(committed=1, tree_size=1, times={"verify": total, "host": total - wait})
 
+    def _round(self, bkt: int, k: int, temperature):
+        """The graphs and host views one round uses (looked up once per generate configuration)."""
+        key = (bkt, k, temperature)
+        ctx = self._round_ctx.get(key)
+        if ctx is None:
+            g_draft, g_verify = self.graphs[("draft", bkt, k, temperature)], self.graphs[("verify", bkt, temperature)]
+            slots = self._slots.get(bkt)
+            if slots is None:
+                slots = self._slots[bkt] = _BucketSlots(self.state, bkt)
+            ctx = self._round_ctx[key] = (g_draft, g_verify, slots, g_draft.host["logp"], g_draft.host["ids"],
+                                          g_verify.host["tokens"])
+        return ctx
+
     def _spec_round(self, bonus: int, bkt: int, k: int, n: int, temperature, rng):
-        from runtime.accept import walk
-        from runtime.engine import RoundStats
-        from runtime.tree import DraftTree, build_tree
+        RoundStats = self._RoundStats
         S, b, B = self.state, self.b, self.block
-        g_draft, g_verify = self.graphs[("draft", bkt, k, temperature)], self.graphs[("verify", bkt, temperature)]
+        stream = b.stream
+        g_draft, g_verify, slots, top_logp, top_ids, target_tokens = self._round(bkt, k, temperature)
         times, waits = {}, 0.0
         start = self.start
         if start + bkt + 1 > self.capacity or start + B > self.capacity:
@@ -334,69 +380,69 @@ class GraphDecoder:
         t = time.perf_counter()
         ctx_start, accepted = self.commit
         m = len(accepted)
-        S.h("start")[0] = start
-        S.h("meta")[:] = (ctx_start, m)
-        S.h("compact_src")[:m] = ctx_start + accepted
-        rows = S.h("ctx_rows")
-        rows[:m] = accepted
-        rows[m:] = 0
-        np.add(self._block_range, ctx_start, out=S.h("ctx_pos"))
-        S.h("draft_ids")[0] = bonus
-        np.add(self._block_range, start, out=S.h("draft_pos"))
+        self._h_start[0] = start
+        meta = self._h_meta
+        meta[0] = ctx_start
+        meta[1] = m
+        rows = self._h_ctx_rows
+        if m:
+            np.add(accepted, ctx_start, out=self._h_compact[:m])
+            rows[:m] = accepted
+        if self._prev_m > m:
+            rows[m:self._prev_m] = 0
+        self._prev_m = m
+        np.add(self._block_range, ctx_start, out=self._h_ctx_pos)
+        self._h_draft_ids[0] = bonus
+        np.add(self._block_range, start, out=self._h_draft_pos)
         S.upload(0, S.head_words)
-        g_draft.exec.launch(b.stream)
-        g_draft.read(b.stream)
+        g_draft.exec.launch(stream)
+        g_draft.read(stream)
         waits += self._wait()
         times["draft"] = (t2 := time.perf_counter()) - t
 
         # tree, written into the bucket's slots (padded slots: token 0 at `start`, seeing only themselves)
         if self._tree is None or self._tree.capacity < n:
             self._tree = DraftTree(max(n, BUCKETS[-1]))
-        tree = build_tree(g_draft.host["logp"], g_draft.host["ids"], n, bonus, out=self._tree)
-        nodes, T, W = tree.n + 1, bkt + 1, (bkt + 1 + 31) // 32
-        ids, pos = S.h(("ids", bkt)), S.h(("pos", bkt))
-        ids[:nodes] = tree.tokens
-        ids[nodes:] = 0
-        pos[:nodes] = start + tree.depths
-        pos[nodes:] = start
-        vis = S.h(("vis", bkt), np.uint32).reshape(T, W)
+        tree = build_tree(top_logp, top_ids, n, bonus, out=self._tree)
+        nodes, T = tree.n + 1, slots.T
         tv = tree.visibility
-        vis[:nodes, :tv.shape[1]] = tv
-        vis[:nodes, tv.shape[1]:] = 0
-        if nodes < T:
-            vis[nodes:] = self._pad_rows(bkt)[nodes:]
+        tw = tv.shape[1]
+        if nodes == T and tw == slots.W:            # the tree fills the bucket (budget == bucket)
+            slots.ids[:] = tree.tokens
+            np.add(tree.depths, start, out=slots.pos)
+            slots.vis[:] = tv
+        else:
+            slots.ids[:nodes] = tree.tokens
+            np.add(tree.depths, start, out=slots.pos[:nodes])
+            vis = slots.vis
+            vis[:nodes, :tw] = tv
+            vis[:nodes, tw:] = 0
+            if nodes < T:
+                slots.ids[nodes:] = 0
+                slots.pos[nodes:] = start
+                vis[nodes:] = slots.pad_vis[nodes:]
         if temperature > 0:
-            S.h(("u", bkt), np.float32)[:nodes] = rng.random(nodes, dtype=np.float32)
+            slots.u[:nodes] = rng.random(nodes, dtype=np.float32)
         times["tree"] = (t3 := time.perf_counter()) - t2
 
         # verify
-        S.upload(*S.bucket_range(bkt))
-        g_verify.exec.launch(b.stream)
-        g_verify.read(b.stream, rows=nodes)
+        S.upload(slots.lo, slots.hi)
+        g_verify.exec.launch(stream)
+        g_verify.read(stream, rows=nodes)
         waits += self._wait()
         times["verify"] = (t4 := time.perf_counter()) - t3
 
-        accepted, new_bonus = walk(tree, g_verify.host["tokens"][:nodes])
+        accepted, new_bonus = walk(tree, target_tokens if nodes == T else target_tokens[:nodes])
         m = len(accepted)
-        self.commit = (start, accepted.astype(np.int32))         # applied by the next draft replay
+        self.commit = (start, accepted)          # walk returns a fresh int32 array; applied by the next draft
         self.start = start + m
-        new = [int(x) for x in tree.tokens[accepted[1:]]] + [int(new_bonus)]
+        acc = accepted.tolist()
+        new = tree.tokens[accepted[1:]].tolist() if m > 1 else []
+        new.append(int(new_bonus))
         times["walk"] = (t5 := time.perf_counter()) - t4
         times["host"] = (t5 - t) - waits
-        moved = np.nonzero(accepted != np.arange(m))[0]
-        return new, RoundStats(committed=len(new), tree_size=nodes, times=times,
-                               kv_moved=m - int(moved[0]) if len(moved) else 0)
-
-    def _pad_rows(self, bkt) -> np.ndarray:
-        """Visibility rows of padded slots: slot i sees only itself."""
-        rows = self._pad_vis.get(bkt)
-        if rows is None:
-            T = bkt + 1
-            rows = np.zeros((T, (T + 31) // 32), np.uint32)
-            i = np.arange(T)
-            rows[i, i // 32] = (np.uint32(1) << (i % 32).astype(np.uint32))
-            self._pad_vis[bkt] = rows
-        return rows
+        first_moved = next((i for i, a in enumerate(acc) if a != i), m)     # accepted[i] == i: KV already there
+        return new, RoundStats(committed=len(new), tree_size=nodes, times=times, kv_moved=m - first_moved)
 
     # ---- measurement --------------------------------------------------------------------------------------
     def replay_ms(self, iters: int = 20) -> dict:

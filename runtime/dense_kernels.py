@@ -15,6 +15,7 @@ Conventions:
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -100,7 +101,15 @@ XRES_INSTANCES = {(1, 4), (2, 4), (4, 4), (8, 4), (1, 2), (8, 2)}  # (MT, STAGES
 _smem_raised: set = set()
 
 
+# DDTREE_LINEAR_72_ROWS=0: M = 65..72 back on 64-row tiles (two token tiles), for A/B timing
+LINEAR_72_ROW_TILE = os.environ.get("DDTREE_LINEAR_72_ROWS", "1") != "0"
+
+
 def _mt(M: int) -> int:
+    """Token tile (8*MT rows). 65..72 rows (a budget-64 verify: root + 64 nodes) get one 72-row tile
+    instead of 64 + a 1-row tile that would re-read W and redo a whole tile's MMAs (chunked kernel only)."""
+    if 64 < M <= 72 and LINEAR_72_ROW_TILE:
+        return 9
     return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
 
 
@@ -154,6 +163,8 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
         smem = rows * (k_per_split + 32) * 2
         return entry, (row_blocks, splits, 1), k_per_split, smem
     # chunked kernel (any M)
+    if rt == 2 and mt == 9:
+        mt = 8                                  # RT=2 exists only for the 64-row tile
     _need(rt == 1 or mt == 8, "linear", "rt=2 exists only for the 64-row token tile")
     entry = f"linear_bf16_kernel<{mt}, {rt}>"
     row_blocks = -(-N // (LINEAR_ROWS_PER_BLOCK * rt))

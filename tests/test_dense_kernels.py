@@ -49,6 +49,8 @@ def poisoned(shape, dtype=np.uint16):
     # chunked at small M, its RT=2 tile, heavy split-K
     (5, 989, 1000, {"kernel": "chunked"}), (64, 1000, 2048, {"kernel": "chunked", "rt": 2}),
     (64, 256, 4096, {"kernel": "chunked", "splits": 32}),
+    # the 72-row tile (M = 65..72: a budget-64 verify) with and without split-K, odd split counts
+    (65, 960, 576, {}), (72, 989, 1000, {"splits": 7}), (65, 576, 1536, {"splits": 1}), (69, 3072, 576, {}),
 ])
 def test_linear(dk, ref, M, N, K, kw):
     rng = np.random.default_rng(M * 7919 + N * 31 + K)
@@ -174,6 +176,7 @@ def test_swiglu_add_embedding(dk, ref):
     dict(T=4, prefix=190, Hq=12, Hkv=3, D=64, mask="causal", splits=1),   # 16 rows: warps split keys
     dict(T=5, prefix=190, Hq=12, Hkv=3, D=64, mask="tree", splits=2),     # 20 rows: warps split rows
     dict(T=17, prefix=300, Hq=9, Hkv=3, D=64, mask="tree"),               # small tree, SmolLM2 heads
+    dict(T=65, prefix=300, Hq=9, Hkv=3, D=64, mask="tree", splits=11),    # budget-64 verify; idle splits
     dict(T=65, prefix=0, Hq=4, Hkv=4, D=128, mask="causal"),              # prefill
     dict(T=111, prefix=77, Hq=9, Hkv=3, D=64, mask="causal", splits=3),
     dict(T=33, prefix=129, Hq=8, Hkv=1, D=128, mask="full"),              # DFlash block
@@ -224,6 +227,22 @@ def test_log_softmax_topk(dk, ref, L, V, k):
     dk.log_softmax_topk(dev_bf16(padded), k, lp, ids, V=V)
     np.testing.assert_array_equal(ids.download(), want_ids, err_msg=f"topk ids L={L} V={V} k={k}")
     assert_close(lp.download(), want_lp, "topk logp", rtol=1e-5, atol=1e-5)
+
+
+def test_argmax_large_vocab(dk, ref):
+    """Many 16-byte loads per thread (SmolLM2's 49152 and a ragged tail), ties across threads and iterations."""
+    rng = np.random.default_rng(12)
+    rows, V, ld = 5, 49157, 49160
+    logits = round_bf16(rng.standard_normal((rows, V), dtype=np.float32) * 3)
+    logits[0, [40000, 7, 30000]] = 60.0     # tie: lowest index (7) wins
+    logits[1, V - 1] = 60.0                 # max in the ragged tail
+    logits[2, [2048 * 8 + 3, 2048 * 8 + 2]] = 60.0
+    padded = np.zeros((rows, ld), np.float32)
+    padded[:, :V] = logits
+    out = poisoned((rows,), np.int32)
+    dk.argmax(dev_bf16(padded), out, V=V)
+    np.testing.assert_array_equal(out.download(), ref.argmax(logits))
+    assert out.download()[:3].tolist() == [7, V - 1, 2048 * 8 + 2]
 
 
 def test_argmax_and_sample(dk, ref):

@@ -166,3 +166,20 @@ def test_valid_input_passes_the_checks():
     for call in calls:
         with pytest.raises(AssertionError, match="bad input reached runtime.cuda"):
             call()
+
+
+def test_linear_plan_token_tiles():
+    """Every plan names a built instance; 65..72 rows (a budget-64 verify) take one 72-row tile, not 64 + 1."""
+    from cutlass_kernels.registry import FAMILIES
+    built = set(FAMILIES["dense_linear"].entries)
+    for M in (1, 8, 9, 16, 17, 33, 64, 65, 72, 73, 129, 300):
+        for N, K in ((960, 576), (49152, 576), (576, 1536), (4096, 4096)):
+            entry, grid, k_per_split, _ = dk.linear_plan(M, N, K, 132)
+            assert entry in built, (M, N, K, entry)
+            rows = 8 * int(entry.split("<")[1].split(",")[0])
+            assert grid[2] == -(-M // rows) and (M <= 8 or rows * (grid[2] - 1) < M), (M, entry, grid)
+            assert k_per_split * grid[1] >= K
+    assert dk.linear_plan(65, 960, 576, 132)[0] == "linear_bf16_kernel<9, 1>"
+    assert dk.linear_plan(65, 960, 576, 132)[1][2] == 1
+    assert dk.linear_plan(73, 960, 576, 132)[0] == "linear_bf16_kernel<8, 1>"
+    assert dk.linear_plan(65, 1000, 2048, 132, rt=2)[0] == "linear_bf16_kernel<8, 2>"
