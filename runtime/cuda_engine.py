@@ -272,7 +272,7 @@ class GraphDecoder:
         return bkt, k, n
 
     def generate(self, prompt, *, mode, max_new_tokens, temperature, seed, stop_token_ids, budget, on_tokens):
-        from runtime.engine import GenerationResult
+        from runtime.engine import decode_rounds, pick_tokens, prefill
         b, tgt, d = self.b, self.target, self.drafter
         stops = set(int(t) for t in stop_token_ids)
         rng = np.random.default_rng(seed)
@@ -284,48 +284,17 @@ class GraphDecoder:
         self.tcache.length = 0
         if d is not None:
             self.dcache.length = 0
-        for c0 in range(0, p, self.prefill_chunk):
-            chunk = prompt[c0:c0 + self.prefill_chunk]
-            positions = b.from_host(np.arange(c0, c0 + len(chunk), dtype=np.int32))
-            h, tapped = tgt.forward(self.tcache, b.from_host(chunk), positions,
-                                    b.from_host(causal_visibility(len(chunk))), d.target_layer_ids if d else ())
-            self.tcache.length += len(chunk)
-            if d is not None:
-                taps = [tapped[i] for i in d.target_layer_ids]
-                d.add_context(self.dcache, b.concat(taps) if len(taps) > 1 else taps[0], positions)
-        logits = tgt.logits(h[len(chunk) - 1:])
-        if temperature <= 0:
-            first = int(b.to_host(b.argmax(logits))[0])
-        else:
-            first = int(b.to_host(b.sample(logits, temperature, b.from_host(rng.random(1, dtype=np.float32))))[0])
+        h_last = prefill(b, tgt, self.tcache, prompt, self.prefill_chunk, d, self.dcache if d is not None else None)
+        first = int(pick_tokens(b, tgt.logits(h_last), temperature, rng)[0])
         prefill_s = time.perf_counter() - t0
 
         self.start, self.commit = p, (p, np.zeros(1, np.int32)[:0])     # nothing to commit before round 1
-        out = [first]
-        if on_tokens:
-            on_tokens([first])
-        rounds: list = []
-        stop_reason = "stop_token" if first in stops else ""
-        t_decode = time.perf_counter()
-        while not stop_reason and len(out) < max_new_tokens:
-            if mode == "ar":
-                new, stats = self._ar_step(out[-1], temperature, rng)
-            else:
-                new, stats = self._spec_round(out[-1], bkt, k, n, temperature, rng)
-            new = new[:max_new_tokens - len(out)]
-            for i, tok in enumerate(new):
-                if tok in stops:
-                    new = new[:i + 1]
-                    stop_reason = "stop_token"
-                    break
-            out.extend(new)
-            stats.committed = len(new)
-            rounds.append(stats)
-            if on_tokens:
-                on_tokens(list(new))
-        b.stream.synchronize()
-        return GenerationResult(tokens=out, stop_reason=stop_reason or "max_new_tokens", prefill_s=prefill_s,
-                                decode_s=time.perf_counter() - t_decode, rounds=rounds)
+        if mode == "ar":
+            step = lambda last: self._ar_step(last, temperature, rng)
+        else:
+            step = lambda last: self._spec_round(last, bkt, k, n, temperature, rng)
+        return decode_rounds(first, step, max_new_tokens=max_new_tokens, stops=stops, on_tokens=on_tokens,
+                             prefill_s=prefill_s, sync=b.stream.synchronize)
 
     def _wait(self):
         t = time.perf_counter()

@@ -55,6 +55,67 @@ class GenerationResult:
         return out
 
 
+def pick_tokens(backend, logits, temperature: float, rng) -> np.ndarray:
+    """The target's token per row: argmax at T=0, else a seeded sample of softmax(logits / T)."""
+    b = backend
+    if temperature <= 0.0:
+        return b.to_host(b.argmax(logits)).astype(np.int32)
+    u = rng.random(logits.shape[0], dtype=np.float32)          # [0, 1) in float32 (no rounding up to 1)
+    return b.to_host(b.sample(logits, temperature, b.from_host(u))).astype(np.int32)
+
+
+def concat_taps(backend, tapped: dict, layer_ids):
+    """The drafter's context input: the target's hidden states at the tap layers, concatenated per row."""
+    return backend.concat([tapped[i] for i in layer_ids]) if len(layer_ids) > 1 else tapped[layer_ids[0]]
+
+
+def prefill(backend, target, cache, prompt, chunk_size: int, drafter=None, dcache=None):
+    """Chunked prefill of `prompt` into `cache` (and, with `dcache`, the drafter's context from the target's
+    tap layers); returns the hidden state of the last prompt position. In chunks so the attention scratch
+    stays [chunk, prefix + chunk] however long the prompt."""
+    b = backend
+    taps = drafter.target_layer_ids if dcache is not None else ()
+    for c0 in range(0, len(prompt), chunk_size):
+        chunk = prompt[c0:c0 + chunk_size]
+        positions = b.from_host(np.arange(c0, c0 + len(chunk), dtype=np.int32))
+        h, tapped = target.forward(cache, b.from_host(chunk), positions, b.from_host(causal_visibility(len(chunk))),
+                                   taps)
+        cache.length += len(chunk)
+        if dcache is not None:
+            drafter.add_context(dcache, concat_taps(b, tapped, taps), positions)
+    return h[len(chunk) - 1:]
+
+
+def decode_rounds(first: int, step: Callable, *, max_new_tokens: int, stops: set, on_tokens, prefill_s: float,
+                  sync: Optional[Callable] = None) -> GenerationResult:
+    """The decode loop every decoder shares: `step(last_token) -> (new tokens, RoundStats)` once per round;
+    the output is cut at max_new_tokens and just after the first stop token. `sync` waits for queued device
+    work before the decode time is read."""
+    out = [first]
+    if on_tokens:
+        on_tokens([first])
+    rounds: list = []
+    stop_reason = "stop_token" if first in stops else ""
+    t_decode = time.perf_counter()
+    while not stop_reason and len(out) < max_new_tokens:
+        new, stats = step(out[-1])
+        new = new[:max_new_tokens - len(out)]
+        for i, tok in enumerate(new):
+            if tok in stops:
+                new = new[:i + 1]
+                stop_reason = "stop_token"
+                break
+        out.extend(new)
+        stats.committed = len(new)          # what was emitted after max_new_tokens / stop truncation
+        rounds.append(stats)
+        if on_tokens:
+            on_tokens(list(new))
+    if sync is not None:
+        sync()
+    return GenerationResult(tokens=out, stop_reason=stop_reason or "max_new_tokens", prefill_s=prefill_s,
+                            decode_s=time.perf_counter() - t_decode, rounds=rounds)
+
+
 class Engine:
     def __init__(self, target, drafter=None, prefill_chunk: int = 512):
         if prefill_chunk < 1:
@@ -65,16 +126,10 @@ class Engine:
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _pick(self, logits, temperature: float, rng) -> np.ndarray:
-        """The target's token per row: argmax at T=0, else a seeded sample of softmax(logits / T)."""
-        b = self.backend
-        if temperature <= 0.0:
-            return b.to_host(b.argmax(logits)).astype(np.int32)
-        u = rng.random(logits.shape[0], dtype=np.float32)          # [0, 1) in float32 (no rounding up to 1)
-        return b.to_host(b.sample(logits, temperature, b.from_host(u))).astype(np.int32)
+        return pick_tokens(self.backend, logits, temperature, rng)
 
     def _taps_concat(self, tapped: dict):
-        ids = self.drafter.target_layer_ids
-        return self.backend.concat([tapped[i] for i in ids]) if len(ids) > 1 else tapped[ids[0]]
+        return concat_taps(self.backend, tapped, self.drafter.target_layer_ids)
 
     # ---- public -------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], *, mode: str = "ar", max_new_tokens: int = 64,
@@ -103,46 +158,19 @@ class Engine:
         block = self.drafter.block_size if self.drafter is not None else 1
         capacity = p + max_new_tokens + max(budget, block) + 2
         cache = tgt.new_cache(capacity)
-        taps = self.drafter.target_layer_ids if mode != "ar" else ()
         dcache = self.drafter.new_cache(capacity + block) if mode != "ar" else None
 
-        # prefill, in chunks: attention scratch stays [chunk, prefix + chunk] however long the prompt
         t0 = time.perf_counter()
-        for c0 in range(0, p, self.prefill_chunk):
-            chunk = prompt[c0:c0 + self.prefill_chunk]
-            positions = b.from_host(np.arange(c0, c0 + len(chunk), dtype=np.int32))
-            h, tapped = tgt.forward(cache, b.from_host(chunk), positions, b.from_host(causal_visibility(len(chunk))),
-                                    taps)
-            cache.length += len(chunk)
-            if dcache is not None:
-                self.drafter.add_context(dcache, self._taps_concat(tapped), positions)
-        first = int(self._pick(tgt.logits(h[len(chunk) - 1:]), temperature, rng)[0])
+        h_last = prefill(b, tgt, cache, prompt, self.prefill_chunk, self.drafter, dcache)
+        first = int(self._pick(tgt.logits(h_last), temperature, rng)[0])
         prefill_s = time.perf_counter() - t0
 
-        out = [first]
-        if on_tokens:
-            on_tokens([first])
-        rounds: list = []
-        stop_reason = "stop_token" if first in stops else ""
-        t_decode = time.perf_counter()
-        while not stop_reason and len(out) < max_new_tokens:
-            if mode == "ar":
-                new, stats = self._ar_step(cache, out[-1], temperature, rng)
-            else:
-                new, stats = self._spec_round(cache, dcache, out[-1], mode, budget, temperature, rng)
-            new = new[:max_new_tokens - len(out)]
-            for i, tok in enumerate(new):
-                if tok in stops:
-                    new = new[:i + 1]
-                    stop_reason = "stop_token"
-                    break
-            out.extend(new)
-            stats.committed = len(new)          # what was emitted after max_new_tokens / stop truncation
-            rounds.append(stats)
-            if on_tokens:
-                on_tokens(list(new))
-        return GenerationResult(tokens=out, stop_reason=stop_reason or "max_new_tokens", prefill_s=prefill_s,
-                                decode_s=time.perf_counter() - t_decode, rounds=rounds)
+        if mode == "ar":
+            step = lambda last: self._ar_step(cache, last, temperature, rng)
+        else:
+            step = lambda last: self._spec_round(cache, dcache, last, mode, budget, temperature, rng)
+        return decode_rounds(first, step, max_new_tokens=max_new_tokens, stops=stops, on_tokens=on_tokens,
+                             prefill_s=prefill_s)
 
     def _ar_step(self, cache, last: int, temperature, rng):
         b, tgt = self.backend, self.target

@@ -33,23 +33,10 @@ def ar_outputs(smollm2):
 
 def test_greedy_matches_transformers(smollm2, ar_outputs):
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from runtime.models.common import as_f32
+    pytest.importorskip("transformers")
+    from tools.hf_reference import llama_from_gguf
     g, model = smollm2
-    s = g.spec
-    cfg = transformers.LlamaConfig(
-        vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
-        num_key_value_heads=s.num_key_value_heads, head_dim=s.head_dim, rms_norm_eps=s.rms_norm_eps,
-        rope_theta=s.rope_theta, max_position_embeddings=s.max_position_embeddings,
-        tie_word_embeddings=s.tie_word_embeddings)
-    from transformers.initialization import no_init_weights
-    with no_init_weights():                                  # every weight is loaded below
-        hf = transformers.LlamaForCausalLM(cfg).eval()
-    state = {k: torch.from_numpy(as_f32(v).copy()) for k, v in g.tensors.items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    hf.tie_weights()
+    hf = llama_from_gguf(g)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)          # batch-1 decode: thread wake-ups cost more than they save (3x on 2 cores)
     try:

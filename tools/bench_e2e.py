@@ -204,22 +204,12 @@ def hf_generate_tps(model_arg, tok, prompt, new_tokens):
     import time
     from pathlib import Path
     import loader
-    from runtime.models.common import as_f32
     path = Path(model_arg) if model_arg else loader.default_model_path()
     if path.is_dir():
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16)
     else:
-        g = loader.load_gguf(path)
-        s = g.spec
-        cfg = transformers.LlamaConfig(
-            vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-            num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
-            num_key_value_heads=s.num_key_value_heads, head_dim=s.head_dim, rms_norm_eps=s.rms_norm_eps,
-            rope_theta=s.rope_theta, max_position_embeddings=s.max_position_embeddings,
-            tie_word_embeddings=s.tie_word_embeddings)
-        hf = transformers.LlamaForCausalLM(cfg)
-        hf.load_state_dict({k: torch.from_numpy(as_f32(v).copy()) for k, v in g.tensors.items()}, strict=False)
-        hf.tie_weights()
+        from tools.hf_reference import llama_from_gguf
+        hf = llama_from_gguf(loader.load_gguf(path))
     hf = hf.to("cuda", torch.bfloat16).eval()
     ids = torch.tensor([tok.encode(prompt)], device="cuda")
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=new_tokens)
