@@ -25,6 +25,12 @@
 using cuda::std::uint16_t;
 using cuda::std::uint32_t;
 #include <cute/arch/mma_sm80.hpp>
+#include "device_common.cuh"
+#include "linear_splitk.cuh"
+using ddtree::cp_async16;
+using ddtree::cp_async_commit;
+using ddtree::cp_async_wait;
+using ddtree::load_stream;
 
 namespace {
 
@@ -38,22 +44,24 @@ constexpr int kXPad = 32;  // 64 B row pad of the x tile: rows g and g+1 land in
 #endif
 constexpr int kReduceIlp = LINEAR_REDUCE_ILP;
 
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-  // W is read once: do not allocate it in L1 (the x tile and partials use it).
+constexpr int kXPlain = 0, kXRmsNorm = 1, kXSwiGLU = 2;  // linear_bf16_xres_kernel's XMODE
+
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __bfloat1622float2(h[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
   return v;
 }
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  int n = valid ? 16 : 0;  // src-size 0 -> zero fill (tails in M and K)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 __device__ __forceinline__ uint32_t pick(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is a compile-time constant after unrolling
@@ -70,7 +78,6 @@ __device__ __forceinline__ void store_or_reduce(const float (&acc)[RT][MT][4], _
                                                 float* __restrict__ ws, int* __restrict__ tickets, int M, int N,
                                                 int m0, int n_block, int n_warp, int g, int t) {
   constexpr int kRows = 8 * MT;
-  __shared__ int last_flag;
   if (gridDim.y == 1) {
 #pragma unroll
     for (int r = 0; r < RT; ++r)
@@ -101,51 +108,9 @@ __device__ __forceinline__ void store_or_reduce(const float (&acc)[RT][MT][4], _
         const int m = m0 + 8 * j + 2 * t + (c & 1);
         if (n < N && m < M) __stcg(ws + ((size_t)split * M + m) * N + n, acc[r][j][c]);
       }
-  __threadfence();
-  __syncthreads();
-  int* ticket = tickets + blockIdx.z * gridDim.x + blockIdx.x;
-  if (threadIdx.x == 0) last_flag = atomicAdd(ticket, 1) == (int)gridDim.y - 1;
-  __syncthreads();
-  if (!last_flag) return;
-  __threadfence();
-  // Each thread sums kReduceIlp outputs at once (elements i0 + e*kThreads: still coalesced per e) and the
-  // split loop is unrolled, so up to 4*kReduceIlp independent L2 loads are in flight instead of one: the
-  // serial version was a chain of latencies, ~10 us per linear at 64 rows x 5 splits. Every output is
-  // still summed as 0 + split 0 + split 1 + ... (+ residual), so results are bit-identical.
-  constexpr int kTileN = 128 * RT;
-  constexpr int kElems = kRows * kTileN;  // 1024 * MT * RT: a multiple of kReduceIlp * kThreads
-  static_assert(kElems % (kReduceIlp * kThreads) == 0, "reduce tiling");
-  const int splits = gridDim.y;
-  for (int i0 = threadIdx.x; i0 < kElems; i0 += kReduceIlp * kThreads) {
-    size_t off[kReduceIlp];
-    bool ok[kReduceIlp];
-    float v[kReduceIlp];
-#pragma unroll
-    for (int e = 0; e < kReduceIlp; ++e) {
-      const int i = i0 + e * kThreads;
-      const int m = m0 + i / kTileN, n = n_block + i % kTileN;
-      ok[e] = m < M && n < N;
-      off[e] = ok[e] ? (size_t)m * N + n : 0;
-      v[e] = 0.f;
-    }
-#pragma unroll 4
-    for (int s = 0; s < splits; ++s) {
-      const float* part = ws + (size_t)s * M * N;
-#pragma unroll
-      for (int e = 0; e < kReduceIlp; ++e)
-        if (ok[e]) v[e] += __ldcg(part + off[e]);
-    }
-#pragma unroll
-    for (int e = 0; e < kReduceIlp; ++e) {
-      if (!ok[e]) continue;
-      const int i = i0 + e * kThreads;
-      const int m = m0 + i / kTileN, n = n_block + i % kTileN;
-      float r = v[e];
-      if (residual) r += __bfloat162float(residual[(size_t)m * ldr + n]);
-      out[(size_t)m * ldo + n] = __float2bfloat16(r);
-    }
-  }
-  if (threadIdx.x == 0) *ticket = 0;  // ready for the next launch (graph replay)
+  ddtree::splitk_finish<kRows, 128 * RT, kThreads, kReduceIlp>(out, ldo, residual, ldr, ws,
+                                                               tickets + blockIdx.z * gridDim.x + blockIdx.x,
+                                                               M, N, m0, n_block);
 }
 
 // MT: token tiles of 8 per block (block covers 8*MT rows of x; blockIdx.z walks further token tiles).
@@ -239,10 +204,10 @@ linear_bf16_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   };
 
   // Two-stage pipeline, unrolled by two so the W register buffers ping-pong without copies.
-  if (n_chunks > 0) {
-    load_w(0, wa);
-    load_x(0, 0);
-  }
+  if (n_chunks > 0) load_w(0, wa);  // weights: before the wait (programmatic dependent launch)
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  if (n_chunks > 0) load_x(0, 0);
   for (int c = 0; c < n_chunks; c += 2) {
     if (c + 1 < n_chunks) { load_w(c + 1, wb); load_x(c + 1, 1); cp_async_wait<1>(); }
     else cp_async_wait<0>();
@@ -260,13 +225,129 @@ linear_bf16_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   store_or_reduce<MT, RT>(acc, out, ldo, residual, ldr, ws, tickets, M, N, m0, n_block, n_warp, g, t);
 }
 
+// The x tile of a decode-size linear into shared memory: rows m0..m0+kRows-1 (zeros past M), columns
+// k_begin..k_begin+width-1 (zeros past k_end), row stride xs_ld; XMODE says how x is made (see
+// linear_bf16_xres_kernel). Ends with a block barrier. The rmsnorm weights come prefetched (NormWeights).
+template <int XMODE>
+struct NormWeights {  // this thread's 16-byte vector of the rmsnorm weight (only XMODE == kXRmsNorm holds one)
+  float v[XMODE == kXRmsNorm ? 8 : 1];
+  __device__ __forceinline__ void prefetch(const __nv_bfloat16* __restrict__ norm_w, int K) {
+    if constexpr (XMODE == kXRmsNorm) {
+      if ((int)threadIdx.x < K / 8) unpack8(ddtree::load_stream(norm_w + 8 * threadIdx.x), v);
+    }
+  }
+};
+
+template <int kRows, int XMODE>
+__device__ __forceinline__ void load_x_tile(__nv_bfloat16* xs, int xs_ld,
+                                            const __nv_bfloat16* __restrict__ x, int ldx,
+                                            const __nv_bfloat16* __restrict__ x2, int ldx2,
+                                            const NormWeights<XMODE>& nw, float eps,
+                                            __nv_bfloat16* __restrict__ sum_out, int ldsum, int M, int K, int m0,
+                                            int k_begin, int k_end, int width) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int vecs_per_row = width / 8;
+  if constexpr (XMODE == kXPlain) {
+    for (int i = threadIdx.x; i < kRows * vecs_per_row; i += kThreads) {
+      const int row = i / vecs_per_row, col = (i % vecs_per_row) * 8;
+      const int m = m0 + row, k = k_begin + col;
+      const bool ok = m < M && k < k_end;
+      cp_async16(xs + row * xs_ld + col, ok ? (const void*)(x + (size_t)m * ldx + k) : (const void*)x, ok);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+  } else if constexpr (XMODE == kXSwiGLU) {
+    for (int i = threadIdx.x; i < kRows * vecs_per_row; i += kThreads) {
+      const int row = i / vecs_per_row, col = (i % vecs_per_row) * 8;
+      const int m = m0 + row, k = k_begin + col;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (m < M && k < k_end) {
+        float gf[8], uf[8];
+        unpack8(*reinterpret_cast<const uint4*>(x + (size_t)m * ldx + k), gf);
+        unpack8(*reinterpret_cast<const uint4*>(x2 + (size_t)m * ldx2 + k), uf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) gf[j] = gf[j] / (1.f + __expf(-gf[j])) * uf[j];
+        v = pack8(gf);
+      }
+      *reinterpret_cast<uint4*>(xs + row * xs_ld + col) = v;
+    }
+  } else {  // kXRmsNorm: every block normalises whole rows (K <= 8 * kThreads), keeps its k slice
+    __shared__ float partial[kRows][kWarps];
+    const int vec = threadIdx.x;  // this thread's 16-byte vector of each row
+    const bool active = vec < K / 8;
+    const int rows = min(kRows, M - m0);
+    uint4 hv[kRows];  // each row's h as bf16 (exact: x is bf16 and the residual sum is rounded to bf16)
+#pragma unroll
+    for (int row = 0; row < kRows; ++row) {
+      const int m = m0 + row;
+      hv[row] = make_uint4(0, 0, 0, 0);
+      if (row >= rows) continue;
+      float h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (active) {
+        hv[row] = *reinterpret_cast<const uint4*>(x + (size_t)m * ldx + 8 * vec);
+        unpack8(hv[row], h);
+        if (x2) {
+          float r[8];
+          unpack8(*reinterpret_cast<const uint4*>(x2 + (size_t)m * ldx2 + 8 * vec), r);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) h[j] += r[j];
+          hv[row] = pack8(h);
+          unpack8(hv[row], h);  // the rounded value, as stored
+          if (sum_out) *reinterpret_cast<uint4*>(sum_out + (size_t)m * ldsum + 8 * vec) = hv[row];
+        }
+      }
+      float ss = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ss += h[j] * h[j];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) partial[row][warp] = ss;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int row = 0; row < kRows; ++row) {
+      if (row >= rows) break;
+      // the cross-warp sum of rmsnorm_kernel's block_sum: a butterfly over lanes holding the warp partials
+      float v = lane < kWarps ? partial[row][lane] : 0.f;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      const float inv = rsqrtf(v / (float)K + eps);
+      const int col = 8 * vec - k_begin;
+      if (active && col >= 0 && 8 * vec < k_end) {
+        float h[8];
+        unpack8(hv[row], h);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) h[j] = h[j] * inv * nw.v[j];
+        *reinterpret_cast<uint4*>(xs + row * xs_ld + col) = pack8(h);
+      }
+    }
+    // rows past M and the columns past K (the width rounds up to 64) must read as zeros
+    for (int i = threadIdx.x; i < kRows * vecs_per_row; i += kThreads) {
+      const int row = i / vecs_per_row, col = (i % vecs_per_row) * 8;
+      if (row >= rows || k_begin + col >= k_end) *reinterpret_cast<uint4*>(xs + row * xs_ld + col) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  __syncthreads();
+}
+
 // The decode/verify kernel (M <= 64, one token tile): the block's whole x slice [8*MT, k_per_split] is
 // loaded into shared memory once, then each warp streams its 16 W rows through a STAGES-deep register
 // ring of 64-wide k units with no block barrier in the loop, so warps drift freely and keep
 // STAGES * 2 KB of W in flight each. Dynamic smem = 8*MT * (k_per_split + 32) * 2 bytes.
-template <int MT, int STAGES>
+//
+// XMODE fuses the op that produces x into the x load (one launch instead of two, at decode sizes):
+//   kXPlain:   x as given.
+//   kXRmsNorm: x <- rmsnorm(x (+ x2)) * norm_w, exactly as rmsnorm_kernel (norm_rope.cu) computes it (same
+//              rounding and summation order: thread i owns the 16-byte vector i of a row, so K <= 8 * 256).
+//              With x2 the residual sum bf16(x + x2) is formed first and, when sum_out is given, written there
+//              by the blocks with blockIdx.x == blockIdx.y == 0 (the new residual stream).
+//   kXSwiGLU:  x <- silu(x) * x2 elementwise (x = gate, x2 = up), exactly as swiglu_kernel.
+template <int MT, int STAGES, int XMODE>
 __global__ void __launch_bounds__(kThreads, 2)
 linear_bf16_xres_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
+                        const __nv_bfloat16* __restrict__ x2, int ldx2,        // XMODE operands (nullable)
+                        const __nv_bfloat16* __restrict__ norm_w, float eps,
+                        __nv_bfloat16* __restrict__ sum_out, int ldsum,
                         const __nv_bfloat16* __restrict__ w,  // [N, K] row-major, K % 8 == 0
                         __nv_bfloat16* __restrict__ out, int ldo,
                         const __nv_bfloat16* __restrict__ residual, int ldr,  // nullable
@@ -322,20 +403,18 @@ linear_bf16_xres_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     }
   };
 
-  // W first (it has the long latency), then the x slice, one barrier.
+  // W first (it has the long latency, and weights are never written inside a graph: these loads may run
+  // before the previous kernel has finished), then wait for it, then the x slice, one barrier.
 #pragma unroll
   for (int s = 0; s < STAGES; ++s)
     if (s < n_units) load_unit(s, wr[s]);
-  const int vecs_per_row = k_per_split / 8;
-  for (int i = threadIdx.x; i < kRows * vecs_per_row; i += kThreads) {
-    const int row = i / vecs_per_row, col = (i % vecs_per_row) * 8;
-    const int m = blockIdx.z * kRows + row, k = k_begin + col;
-    const bool ok = m < M && k < k_end;
-    cp_async16(xs + row * xs_ld + col, ok ? (const void*)(x + (size_t)m * ldx + k) : (const void*)x, ok);
-  }
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
+  NormWeights<XMODE> nw;
+  nw.prefetch(norm_w, K);
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  load_x_tile<kRows, XMODE>(xs, xs_ld, x, ldx, x2, ldx2, nw, eps,
+                            blockIdx.x == 0 && blockIdx.y == 0 ? sum_out : nullptr, ldsum, M, K,
+                            blockIdx.z * kRows, k_begin, k_end, k_per_split);
 
   for (int u0 = 0; u0 < n_units; u0 += STAGES) {
 #pragma unroll
@@ -348,6 +427,110 @@ linear_bf16_xres_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     }
   }
   store_or_reduce<MT, 1>(acc, out, ldo, residual, ldr, ws, tickets, M, N, blockIdx.z * kRows, n_block, n_warp, g, t);
+}
+
+// The small-matrix decode kernel (M <= 8): no split-K across blocks. A block owns 16 * (8 / KW) W rows over
+// the whole K; its KW warps per 16-row tile take every KW-th 64-wide k unit and sum their accumulators
+// through shared memory in a fixed order. So there is no fp32 workspace, ticket or second pass: what is left
+// of the critical path is the W prefetch (issued before the grid dependency wait), the x tile (L2) and one
+// block reduction. Dynamic smem = 8 * (ceil64(K) + 32) * 2 bytes.
+template <int KW, int STAGES, int XMODE>
+__global__ void __launch_bounds__(kThreads, 2)
+linear_bf16_gemv_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
+                        const __nv_bfloat16* __restrict__ x2, int ldx2,
+                        const __nv_bfloat16* __restrict__ norm_w, float eps,
+                        __nv_bfloat16* __restrict__ sum_out, int ldsum,
+                        const __nv_bfloat16* __restrict__ w,  // [N, K] row-major, K % 8 == 0
+                        __nv_bfloat16* __restrict__ out, int ldo,
+                        const __nv_bfloat16* __restrict__ residual, int ldr,  // nullable
+                        int M, int N, int K) {
+  static_assert(kWarps % KW == 0, "KW divides the block's warps");
+  constexpr int kRows = 8;                    // one token tile
+  constexpr int kRowTiles = kWarps / KW;      // 16-row W tiles per block
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  const int n_units = (K + 63) / 64;
+  const int xs_ld = 64 * n_units + kXPad;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wk = warp % KW, wr_tile = warp / KW;
+  const int n_warp = (blockIdx.x * kRowTiles + wr_tile) * 16;
+  const int my_units = n_units > wk ? (n_units - wk + KW - 1) / KW : 0;  // units wk, wk + KW, ...
+
+  uint4 wr[STAGES][2][2];
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  auto load_unit = [&](int i, uint4 (&dst)[2][2]) {
+    const int u = wk + KW * i;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = n_warp + g + 8 * h;
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int k = 64 * u + 32 * p + 8 * t;
+        dst[h][p] = (n < N && k < K) ? load_stream(w + (size_t)n * K + k) : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  auto compute_unit = [&](const uint4 (&a)[2][2], int i) {
+    const __nv_bfloat16* row = xs + g * xs_ld + 64 * (wk + KW * i) + 8 * t;
+    const uint4 b_lo = *reinterpret_cast<const uint4*>(row);
+    const uint4 b_hi = *reinterpret_cast<const uint4*>(row + 32);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const uint4& b = s < 2 ? b_lo : b_hi;
+      const int lo = (s & 1) * 2;
+      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(
+          acc[0], acc[1], acc[2], acc[3],
+          pick(a[0][s >> 1], lo), pick(a[1][s >> 1], lo), pick(a[0][s >> 1], lo + 1), pick(a[1][s >> 1], lo + 1),
+          pick(b, lo), pick(b, lo + 1), acc[0], acc[1], acc[2], acc[3]);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES; ++s)
+    if (s < my_units) load_unit(s, wr[s]);
+  NormWeights<XMODE> nw;
+  nw.prefetch(norm_w, K);
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  load_x_tile<kRows, XMODE>(xs, xs_ld, x, ldx, x2, ldx2, nw, eps, blockIdx.x == 0 ? sum_out : nullptr, ldsum,
+                            M, K, 0, 0, K, 64 * n_units);
+
+  for (int i0 = 0; i0 < my_units; i0 += STAGES) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      const int i = i0 + s;
+      if (i < my_units) {
+        compute_unit(wr[s], i);
+        if (i + STAGES < my_units) load_unit(i + STAGES, wr[s]);
+      }
+    }
+  }
+
+  // In-block K reduction: warp wk of each row tile leaves its fragment; the wk == 0 warp sums 0..KW-1.
+  if constexpr (KW > 1) {
+    __shared__ float4 red[kWarps][32];
+    red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    __syncthreads();
+    if (wk != 0) return;
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+#pragma unroll
+    for (int j = 0; j < KW; ++j) {
+      const float4 v = red[warp + j][lane];
+      acc[0] += v.x; acc[1] += v.y; acc[2] += v.z; acc[3] += v.w;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int n = n_warp + g + 8 * (c >> 1);
+    const int m = 2 * t + (c & 1);
+    if (n < N && m < M) {
+      float v = acc[c];
+      if (residual) v += __bfloat162float(residual[(size_t)m * ldr + n]);
+      out[(size_t)m * ldo + n] = __float2bfloat16(v);
+    }
+  }
 }
 
 // The curated instantiations. linear_bf16_kernel: token tiles of 8..64 rows, any M through blockIdx.z (RT=2
@@ -366,15 +549,57 @@ template __global__ void linear_bf16_kernel<9, 1>(const __nv_bfloat16*, int, con
     __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
 template __global__ void linear_bf16_kernel<8, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*,
     __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<1, 4>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<2, 4>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<4, 4>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<8, 4>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<1, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<8, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
+template __global__ void linear_bf16_xres_kernel<1, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    float*, int*, int, int, int, int);
+template __global__ void linear_bf16_xres_kernel<2, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    float*, int*, int, int, int, int);
+template __global__ void linear_bf16_xres_kernel<4, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    float*, int*, int, int, int, int);
+template __global__ void linear_bf16_xres_kernel<8, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    float*, int*, int, int, int, int);
+template __global__ void linear_bf16_xres_kernel<1, 2, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    float*, int*, int, int, int, int);
+template __global__ void linear_bf16_xres_kernel<8, 2, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    float*, int*, int, int, int, int);
+template __global__ void linear_bf16_xres_kernel<1, 2, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    float*, int*, int, int, int, int);
+template __global__ void linear_bf16_xres_kernel<1, 2, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    float*, int*, int, int, int, int);
+template __global__ void linear_bf16_gemv_kernel<8, 2, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    int, int, int);
+template __global__ void linear_bf16_gemv_kernel<8, 2, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    int, int, int);
+template __global__ void linear_bf16_gemv_kernel<8, 2, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    int, int, int);
+template __global__ void linear_bf16_gemv_kernel<8, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    int, int, int);
+template __global__ void linear_bf16_gemv_kernel<8, 4, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    int, int, int);
+template __global__ void linear_bf16_gemv_kernel<8, 4, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    int, int, int);
+template __global__ void linear_bf16_gemv_kernel<4, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    int, int, int);
+template __global__ void linear_bf16_gemv_kernel<4, 4, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    int, int, int);
+template __global__ void linear_bf16_gemv_kernel<4, 4, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    int, int, int);
+template __global__ void linear_bf16_gemv_kernel<2, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
+    int, int, int);

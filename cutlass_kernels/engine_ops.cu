@@ -5,10 +5,13 @@
 //   copy (concat of activations, making a strided view contiguous).
 // Rows are row_bytes long (a multiple of 16); strides in bytes (multiples of 16).
 #include <cuda/std/cstdint>  // NVRTC has no <cstdint>
+#include "device_common.cuh"
 
 extern "C" __global__ void copy_rows_kernel(unsigned char* __restrict__ dst, long long ldd_bytes,
                                             const unsigned char* __restrict__ src, long long lds_bytes,
                                             int rows, int row_bytes, int row0, const int* __restrict__ row_offset) {
+  ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
+  ddtree::launch_dependents();
   const int r = blockIdx.y;
   const int v = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows || v >= row_bytes / 16) return;

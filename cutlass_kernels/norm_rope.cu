@@ -7,6 +7,11 @@
 #include <cuda/std/cstdint>  // NVRTC has no <cstdint>
 using cuda::std::uint16_t;
 using cuda::std::uint32_t;
+#include "device_common.cuh"
+using ddtree::grid_dependency_wait;
+
+// Every kernel here waits for the previous kernel (programmatic dependent launch, device_common.cuh)
+// before its first global access: they read only activations.
 
 namespace {
 
@@ -49,6 +54,8 @@ __device__ float block_sum(float v) {
 extern "C" __global__ void embedding_kernel(const __nv_bfloat16* __restrict__ table,
                                             const int* __restrict__ ids, __nv_bfloat16* __restrict__ out,
                                             int H, int V) {
+  grid_dependency_wait();
+  ddtree::launch_dependents();
   const int tok = blockIdx.x;
   const int id = ids[tok];
   const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)id * H);
@@ -67,6 +74,8 @@ extern "C" __global__ void rmsnorm_kernel(const __nv_bfloat16* x, int ldx,
                                           __nv_bfloat16* __restrict__ out, int ldo,
                                           __nv_bfloat16* residual_out, int ldro,
                                           int H, float eps) {
+  grid_dependency_wait();
+  ddtree::launch_dependents();
   const int row = blockIdx.x;
   const int i = threadIdx.x;
   const bool active = i < H / 8;
@@ -96,23 +105,14 @@ extern "C" __global__ void rmsnorm_kernel(const __nv_bfloat16* x, int ldx,
   reinterpret_cast<uint4*>(out + (size_t)row * ldo)[i] = pack8(h);
 }
 
-// RoPE on x [T, Hn, D] (token stride ldx, head stride D) -> out (token stride ldo; may alias x).
-// One warp per (token, head); lane l owns pairs i = l, l+32, ... < D/2.
+// RoPE of one head (one warp, D <= 256): src -> dst (may alias). lane l owns pairs i = l, l+32, ... < D/2.
 // angle = float(pos) * inv_freq[i] in fp32 (as HF), cos/sin * attention_scaling.
 // interleaved = 0: pairs (i, i + D/2). interleaved = 1: pairs (2i, 2i+1), written de-interleaved
 // [evens | odds] like HF DeepSeek. norm_weight (nullable): per-head RMSNorm over D before rotating (Qwen3).
-extern "C" __global__ void rope_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
-                                       __nv_bfloat16* out, int ldo,
-                                       const int* __restrict__ positions, const float* __restrict__ inv_freq,
-                                       float attention_scaling, int interleaved,
-                                       const __nv_bfloat16* __restrict__ norm_weight, float eps,
-                                       int T, int Hn, int D) {
-  const int lane = threadIdx.x & 31;
-  const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (item >= T * Hn) return;
-  const int tok = item / Hn, head = item % Hn;
-  const __nv_bfloat16* src = x + (size_t)tok * ldx + (size_t)head * D;
-  __nv_bfloat16* dst = out + (size_t)tok * ldo + (size_t)head * D;
+__device__ __forceinline__ void rope_head(const __nv_bfloat16* src, __nv_bfloat16* dst, float pos,
+                                          const float* __restrict__ inv_freq, float attention_scaling,
+                                          int interleaved, const __nv_bfloat16* __restrict__ norm_weight,
+                                          float eps, int D, int lane) {
   const int half = D / 2;
   constexpr int kMaxPairs = 4;  // D <= 256
   float a[kMaxPairs], b[kMaxPairs];
@@ -134,8 +134,7 @@ extern "C" __global__ void rope_kernel(const __nv_bfloat16* __restrict__ x, int 
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     inv = rsqrtf(ss / (float)D + eps);
   }
-  const float pos = (float)positions[tok];
-  __syncwarp();  // every lane has read its inputs before any lane writes (out may alias x)
+  __syncwarp();  // every lane has read its inputs before any lane writes (dst may alias src)
 #pragma unroll
   for (int p = 0; p < kMaxPairs; ++p) {
     const int i = lane + 32 * p;
@@ -156,11 +155,70 @@ extern "C" __global__ void rope_kernel(const __nv_bfloat16* __restrict__ x, int 
   }
 }
 
+// RoPE on x [T, Hn, D] (token stride ldx, head stride D) -> out (token stride ldo; may alias x).
+// One warp per (token, head).
+extern "C" __global__ void rope_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
+                                       __nv_bfloat16* out, int ldo,
+                                       const int* __restrict__ positions, const float* __restrict__ inv_freq,
+                                       float attention_scaling, int interleaved,
+                                       const __nv_bfloat16* __restrict__ norm_weight, float eps,
+                                       int T, int Hn, int D) {
+  grid_dependency_wait();
+  ddtree::launch_dependents();
+  const int lane = threadIdx.x & 31;
+  const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (item >= T * Hn) return;
+  const int tok = item / Hn, head = item % Hn;
+  rope_head(x + (size_t)tok * ldx + (size_t)head * D, out + (size_t)tok * ldo + (size_t)head * D,
+            (float)positions[tok], inv_freq, attention_scaling, interleaved, norm_weight, eps, D, lane);
+}
+
+// The attention prologue of a llama layer in one launch: one warp per (token, head) over Hq + 2 * Hkv heads.
+// Heads [0, Hq): RoPE of q (+ q_norm) -> q_out. [Hq, Hq + Hkv): RoPE of k (+ k_norm) -> k_cache row
+// row0 + *row_offset + token. The rest: v copied to v_cache at the same row. row_offset (nullable) is the
+// device prefix length of a captured graph (as in copy_rows_kernel). Head rows are D contiguous elements.
+extern "C" __global__ void rope_qkv_cache_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
+                                                 const __nv_bfloat16* __restrict__ k, int ldk,
+                                                 const __nv_bfloat16* __restrict__ v, int ldv,
+                                                 __nv_bfloat16* __restrict__ q_out, int ldqo,
+                                                 __nv_bfloat16* __restrict__ k_cache, int ldkc,
+                                                 __nv_bfloat16* __restrict__ v_cache, int ldvc,
+                                                 int row0, const int* __restrict__ row_offset,
+                                                 const int* __restrict__ positions,
+                                                 const float* __restrict__ inv_freq, float attention_scaling,
+                                                 int interleaved, const __nv_bfloat16* __restrict__ q_norm,
+                                                 const __nv_bfloat16* __restrict__ k_norm, float eps,
+                                                 int T, int Hq, int Hkv, int D) {
+  grid_dependency_wait();
+  ddtree::launch_dependents();
+  const int lane = threadIdx.x & 31;
+  const int heads = Hq + 2 * Hkv;
+  const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (item >= T * heads) return;
+  const int tok = item / heads, head = item % heads;
+  const long long row = (long long)row0 + (row_offset ? *row_offset : 0) + tok;
+  if (head < Hq) {
+    rope_head(q + (size_t)tok * ldq + (size_t)head * D, q_out + (size_t)tok * ldqo + (size_t)head * D,
+              (float)positions[tok], inv_freq, attention_scaling, interleaved, q_norm, eps, D, lane);
+  } else if (head < Hq + Hkv) {
+    const int h = head - Hq;
+    rope_head(k + (size_t)tok * ldk + (size_t)h * D, k_cache + row * ldkc + (size_t)h * D,
+              (float)positions[tok], inv_freq, attention_scaling, interleaved, k_norm, eps, D, lane);
+  } else {
+    const int h = head - Hq - Hkv;
+    const uint4* src = reinterpret_cast<const uint4*>(v + (size_t)tok * ldv + (size_t)h * D);
+    uint4* dst = reinterpret_cast<uint4*>(v_cache + row * ldvc + (size_t)h * D);
+    for (int i = lane; i < D / 8; i += 32) dst[i] = src[i];
+  }
+}
+
 // out = silu(gate) * up over [T, I] (row strides in elements; gate and up may be the two halves of one
 // fused gate_up output). I % 8 == 0.
 extern "C" __global__ void swiglu_kernel(const __nv_bfloat16* __restrict__ gate, int ldg,
                                          const __nv_bfloat16* __restrict__ up, int ldu,
                                          __nv_bfloat16* __restrict__ out, int ldo, int T, int I) {
+  grid_dependency_wait();
+  ddtree::launch_dependents();
   const int vecs = I / 8;
   const long long n = (long long)T * vecs;
   for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < n;
@@ -178,6 +236,8 @@ extern "C" __global__ void swiglu_kernel(const __nv_bfloat16* __restrict__ gate,
 // out = a + b, contiguous, n % 8 == 0.
 extern "C" __global__ void add_kernel(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
                                       __nv_bfloat16* __restrict__ out, long long n) {
+  grid_dependency_wait();
+  ddtree::launch_dependents();
   for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < n / 8;
        v += (long long)gridDim.x * blockDim.x) {
     float af[8], bf[8];

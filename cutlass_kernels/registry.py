@@ -20,6 +20,10 @@ class KernelFamily:
     options: tuple[str, ...] = ()  # extra NVRTC options (e.g. "-DTILE=64")
     archs: tuple[str, ...] = ALL_ARCHS  # archs this family is built for
     required_ptx: dict | None = None  # {arch: regex} on the PTX, checked when no SASS tool is available
+    # Programmatic dependent launch: every entry calls ddtree::grid_dependency_wait() (device_common.cuh)
+    # before reading what an earlier kernel writes and before any write, so it may be launched with the
+    # programmatic-stream-serialization attribute (it then overlaps the previous kernel's tail).
+    pdl: bool = False
 
     @property
     def source_path(self) -> Path:
@@ -83,24 +87,37 @@ def _linear_reduce_ilp() -> int:
     return int(v)
 
 
-# bf16 weight-streaming linear: xres <MT, STAGES> for M <= 64 (x slice resident in smem, W register ring),
-# the chunked kernel <MT, RT> for any M (blockIdx.z walks token tiles of 8*MT rows).
+# (KW, STAGES, XMODE) of linear_bf16_gemv_kernel (M <= 8, no cross-block split): runtime/dense_kernels.py
+# picks among these.
+GEMV_SHAPES = ((8, 2), (8, 4), (4, 4), (2, 4))
+GEMV_INSTANCES = {(8, 2, 0), (8, 2, 1), (8, 2, 2), (8, 4, 0), (8, 4, 1), (8, 4, 2), (4, 4, 0), (4, 4, 1),
+                  (4, 4, 2), (2, 4, 0)}
+# bf16 weight-streaming linear: xres <MT, STAGES, XMODE> for M <= 64 (x slice resident in smem, W register
+# ring; XMODE 1/2 fuse rmsnorm / swiglu into the x load), the chunked kernel <MT, RT> for any M (blockIdx.z
+# walks token tiles of 8*MT rows). The dense families below all follow the PDL rule (pdl=True).
 register(KernelFamily(
     name="dense_linear",
     source="dense_linear.cu",
     entries=("linear_bf16_kernel<1, 1>", "linear_bf16_kernel<2, 1>", "linear_bf16_kernel<4, 1>",
              "linear_bf16_kernel<8, 1>", "linear_bf16_kernel<9, 1>", "linear_bf16_kernel<8, 2>",
-             "linear_bf16_xres_kernel<1, 4>", "linear_bf16_xres_kernel<2, 4>", "linear_bf16_xres_kernel<4, 4>",
-             "linear_bf16_xres_kernel<8, 4>", "linear_bf16_xres_kernel<1, 2>", "linear_bf16_xres_kernel<8, 2>"),
+             "linear_bf16_xres_kernel<1, 4, 0>", "linear_bf16_xres_kernel<2, 4, 0>",
+             "linear_bf16_xres_kernel<4, 4, 0>", "linear_bf16_xres_kernel<8, 4, 0>",
+             "linear_bf16_xres_kernel<1, 2, 0>", "linear_bf16_xres_kernel<8, 2, 0>",
+             "linear_bf16_xres_kernel<1, 2, 1>", "linear_bf16_xres_kernel<1, 2, 2>",
+             *(f"linear_bf16_gemv_kernel<{kw}, {st}, {xm}>" for kw, st in GEMV_SHAPES for xm in (0, 1, 2)
+               if (kw, st, xm) in GEMV_INSTANCES)),
     required_ptx=_MMA_BF16_PTX,
     required_sass=_MMA_BF16_SASS,
     options=(f"-DLINEAR_REDUCE_ILP={_linear_reduce_ilp()}",),
+    pdl=True,
 ))
 # Embedding gather, RMSNorm (+ residual add), RoPE (+ per-head q/k norm), SwiGLU, add.
 register(KernelFamily(
     name="norm_rope",
     source="norm_rope.cu",
-    entries=("embedding_kernel", "rmsnorm_kernel", "rope_kernel", "swiglu_kernel", "add_kernel"),
+    entries=("embedding_kernel", "rmsnorm_kernel", "rope_kernel", "rope_qkv_cache_kernel", "swiglu_kernel",
+             "add_kernel"),
+    pdl=True,
 ))
 # Prefix + bitmask attention (tree verify, decode, causal prefill, DFlash block); head dims 64 and 128.
 register(KernelFamily(
@@ -110,12 +127,14 @@ register(KernelFamily(
              "attention_combine_kernel<64>", "attention_combine_kernel<128>"),
     required_ptx=_MMA_BF16_PTX,
     required_sass=_MMA_BF16_SASS,
+    pdl=True,
 ))
 # Per-row top-K log-softmax, argmax, inverse-CDF sampling; KV compaction over all cache planes.
 register(KernelFamily(
     name="sampling",
     source="sampling.cu",
     entries=("log_softmax_topk_kernel", "argmax_kernel", "sample_kernel", "kv_compact_kernel"),
+    pdl=True,
 ))
 
 # ---------------------------------------------------------------- Kimi K2.x kernels (issue 7)
@@ -157,4 +176,5 @@ register(KernelFamily(
     name="engine_ops",
     source="engine_ops.cu",
     entries=("copy_rows_kernel",),
+    pdl=True,
 ))

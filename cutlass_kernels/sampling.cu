@@ -13,6 +13,7 @@
 // it shows in the round time.
 #include <cuda_bf16.h>
 #include <cuda/std/cstdint>  // NVRTC has no <cstdint>
+#include "device_common.cuh"
 using cuda::std::uint16_t;
 using cuda::std::uint32_t;
 
@@ -102,6 +103,8 @@ __device__ void select_bin(const int* hist, int k, int* out) {
 extern "C" __global__ void __launch_bounds__(kTopkThreads)
 log_softmax_topk_kernel(const uint16_t* __restrict__ logits, int ld, int V, int K,
                         float* __restrict__ out_logp, int* __restrict__ out_ids) {
+  ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
+  ddtree::launch_dependents();
   __shared__ int hist[256];
   __shared__ int sel[2];
   __shared__ unsigned long long cand[kMaxK];
@@ -224,15 +227,23 @@ log_softmax_topk_kernel(const uint16_t* __restrict__ logits, int ld, int V, int 
   }
 }
 
-// grid rows, block 256: out[row] = first index of the row maximum.
-extern "C" __global__ void argmax_kernel(const uint16_t* __restrict__ logits, int ld, int V, int* __restrict__ out) {
-  const uint16_t* row = logits + (size_t)blockIdx.x * ld;
+// grid (chunks, rows), block 256: out[row] = first index of the row maximum. Block x scans columns
+// [x * chunk, (x + 1) * chunk). With one chunk the block writes out[row]; with several, each block folds its
+// packed (key, ~index) into slots[row] (atomicMax: order-free, so deterministic) and the last block of the row
+// (ticket) writes out[row] and leaves slot and ticket at zero for the next launch (graph replay).
+extern "C" __global__ void argmax_kernel(const uint16_t* __restrict__ logits, int ld, int V, int* __restrict__ out,
+                                         int chunk, unsigned long long* __restrict__ slots, int* __restrict__ tickets) {
+  ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
+  ddtree::launch_dependents();
+  const int r = blockIdx.y;
+  const uint16_t* row = logits + (size_t)r * ld;
+  const int begin = blockIdx.x * chunk, end = min(V, begin + chunk);
   uint32_t best_key = 0;
   int best_idx = 0x7FFFFFFF;
 #pragma unroll 4  // several 16-byte loads in flight per thread (a one-row AR argmax is a chain of 24 otherwise)
-  for (int base = 8 * threadIdx.x; base < V; base += 8 * blockDim.x) {
+  for (int base = begin + 8 * threadIdx.x; base < end; base += 8 * blockDim.x) {
     uint16_t u[8];
-    const int n = load8(row, base, V, u);
+    const int n = load8(row, base, end, u);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (j >= n) break;
@@ -251,16 +262,24 @@ extern "C" __global__ void argmax_kernel(const uint16_t* __restrict__ logits, in
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) partial[warp] = v;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) v = partial[w] > v ? partial[w] : v;
-    out[blockIdx.x] = (int)(0xFFFFFFFFu - (uint32_t)(v & 0xFFFFFFFFu));
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < (int)(blockDim.x >> 5); ++w) v = partial[w] > v ? partial[w] : v;
+  if (gridDim.x > 1) {
+    atomicMax(slots + r, v);
+    __threadfence();
+    if (atomicAdd(tickets + r, 1) != (int)gridDim.x - 1) return;
+    v = atomicExch(slots + r, 0ull);  // every block's max is in (atomics are ordered on the slot)
+    tickets[r] = 0;
   }
+  out[r] = (int)(0xFFFFFFFFu - (uint32_t)(v & 0xFFFFFFFFu));
 }
 
 // grid rows, block 256: the smallest j with cumsum(p)[j] > u * sum(p), p = exp((x - max) / temperature),
 // summed in index order (numpy's searchsorted(cumsum, u * total, side="right")).
 extern "C" __global__ void sample_kernel(const uint16_t* __restrict__ logits, int ld, int V, float inv_temperature,
                                          const float* __restrict__ uniforms, int* __restrict__ out) {
+  ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
+  ddtree::launch_dependents();
   __shared__ float warp_tot[32];
   __shared__ float running;
   __shared__ int found;
@@ -355,6 +374,8 @@ extern "C" __global__ void sample_kernel(const uint16_t* __restrict__ logits, in
 // (Threads in parallel over i would race: with slots [s, s+2, s+3], step 2 writes s+2 while step 1 reads it.)
 extern "C" __global__ void kv_compact_kernel(const unsigned long long* __restrict__ planes, int row_bytes,
                                              const int* __restrict__ src_slots, const int* __restrict__ meta) {
+  ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
+  ddtree::launch_dependents();
   const int col = blockIdx.x * blockDim.x + threadIdx.x;
   if (col >= row_bytes / 16) return;
   unsigned char* base = reinterpret_cast<unsigned char*>(planes[blockIdx.y]);

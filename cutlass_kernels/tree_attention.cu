@@ -16,6 +16,7 @@
 using cuda::std::uint16_t;
 using cuda::std::uint32_t;
 #include <cute/arch/mma_sm80.hpp>
+#include "device_common.cuh"
 
 namespace {
 
@@ -67,6 +68,8 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
                       __nv_bfloat16* __restrict__ o, int ldo,
                       float* __restrict__ ws_o, float* __restrict__ ws_lse,
                       int T, int Hq, int Hkv, float scale_log2) {
+  ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
+  ddtree::launch_dependents();
   constexpr int kLd = D + 8;  // 16 B row pad: the 8 rows of an ldmatrix hit 8 different bank groups
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16(*ks)[kTileKeys][kLd] = reinterpret_cast<__nv_bfloat16(*)[kTileKeys][kLd]>(smem_raw);
@@ -247,6 +250,8 @@ template <int D>
 __global__ void __launch_bounds__(D)
 attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_lse, int splits,
                          __nv_bfloat16* __restrict__ o, int ldo, int T, int Hq) {
+  ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
+  ddtree::launch_dependents();
   const int qh = blockIdx.x;
   const int qi = qh / Hq, head = qh % Hq;
   const size_t stride = (size_t)T * Hq;

@@ -54,6 +54,7 @@ class Workspace:
     def __init__(self):
         self._scratch: DeviceArray | None = None
         self._tickets: DeviceArray | None = None
+        self._slots64: DeviceArray | None = None
 
     def scratch(self, nbytes: int) -> DeviceArray:
         if self._scratch is None or self._scratch.nbytes < nbytes:
@@ -65,6 +66,13 @@ class Workspace:
             self._tickets = empty((max(count, 64),), np.int32)
             self._tickets.fill_bytes(0)
         return self._tickets
+
+    def slots64(self, count: int) -> DeviceArray:
+        """uint64 accumulators that the kernels using them leave at zero (argmax's per-row maxima)."""
+        if self._slots64 is None or self._slots64.size < count:
+            self._slots64 = empty((max(count, 64),), np.uint64)
+            self._slots64.fill_bytes(0)
+        return self._slots64
 
 
 _default_ws: Workspace | None = None
@@ -97,7 +105,40 @@ XRES_SMEM_CAP = 100 * 1024       # x slice per block, so two blocks fit an SM's 
 # without it the model split SmolLM2's lm_head (K = 576) into 9 one-unit blocks, measured 2x slower than
 # one split (37.0 vs 18.4 us on the H200).
 XRES_BLOCK_OVERHEAD_UNITS = 2
-XRES_INSTANCES = {(1, 4), (2, 4), (4, 4), (8, 4), (1, 2), (8, 2)}  # (MT, STAGES) built in dense_linear.cu
+# (MT, STAGES, XMODE) built in dense_linear.cu; XMODE 1/2 fuse rmsnorm / swiglu into the x load (M <= 8)
+XRES_INSTANCES = {(1, 4, 0), (2, 4, 0), (4, 4, 0), (8, 4, 0), (1, 2, 0), (8, 2, 0), (1, 2, 1), (1, 2, 2)}
+PROLOGUES = {"none": 0, "rmsnorm": 1, "swiglu": 2}  # linear(prologue=...) -> XMODE
+FUSED_NORM_MAX_K = 8 * 256       # the fused rmsnorm gives each of the 256 threads one 16-byte vector of a row
+
+
+# DDTREE_LINEAR_GEMV=0: decode-size linears (M <= 8) back on the split-K x-resident kernel, for A/B timing
+LINEAR_GEMV = os.environ.get("DDTREE_LINEAR_GEMV", "1") != "0"
+
+
+def _gemv_fits(M: int, K: int) -> bool:
+    """linear_bf16_gemv_kernel: one 8-row token tile, the whole K of x in shared memory."""
+    return M <= 8 and 8 * (64 * -(-K // 64) + 32) * 2 <= XRES_SMEM_CAP
+
+
+def gemv_plan(M: int, N: int, K: int, kw: int | None = None, stages: int | None = None, xmode: int = 0):
+    """(entry, grid, dynamic smem) of the no-split decode kernel: KW warps share each 16-row W tile's K."""
+    from cutlass_kernels.registry import GEMV_INSTANCES
+    units = -(-K // 64)
+    kw = kw or (8 if units >= 8 else 4)
+    per_warp = -(-units // kw)
+    stages = stages or (2 if per_warp <= 2 and kw == 8 else 4)
+    _need((kw, stages, xmode) in GEMV_INSTANCES, "linear", f"no gemv kernel <KW={kw}, STAGES={stages}, "
+          f"XMODE={xmode}>; built: {sorted(GEMV_INSTANCES)}")
+    rows_per_block = 16 * (8 // kw)
+    smem = 8 * (64 * units + 32) * 2
+    return f"linear_bf16_gemv_kernel<{kw}, {stages}, {xmode}>", (-(-N // rows_per_block), 1, 1), smem
+
+
+def fused_prologue_ok(M: int, K: int, prologue: str) -> bool:
+    """Whether linear(prologue=...) has a kernel for this size (the decode path: M <= 8 rows)."""
+    if prologue == "none":
+        return True
+    return 1 <= M <= 8 and K % 8 == 0 and (prologue != "rmsnorm" or K <= FUSED_NORM_MAX_K)
 _smem_raised: set = set()
 
 
@@ -114,23 +155,34 @@ def _mt(M: int) -> int:
 
 
 def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, kernel: str = "auto",
-                stages: int | None = None, rt: int = 1):
+                stages: int | None = None, rt: int = 1, xmode: int = 0, kw: int | None = None):
     """How `linear` launches: (entry, grid, k_per_split, dynamic smem bytes); blocks are 256 threads.
 
-    kernel="auto": M <= 8 -> the x-resident kernel (2-deep W ring), else the chunked kernel (any M; token
-    tiles of 8*MT rows on blockIdx.z). "xres" (M <= 64): its K split comes from a small cost model: per-SM
+    kernel="auto": M <= 8 -> the gemv kernel when x's whole K fits shared memory (no split across blocks: KW
+    warps of a block share each 16-row W tile's K, see gemv_plan), else the x-resident kernel (2-deep W ring);
+    above 8 rows the chunked kernel (any M; token tiles of 8*MT rows on blockIdx.z). Forcing `splits` keeps the
+    split-K kernels. "xres" (M <= 64): its K split comes from a small cost model: per-SM
     bytes of W in the slowest wave (waves = ceil(blocks / (2 * SMs))) plus half the fp32 partial traffic
     (mostly L2), with a fixed per-block cost; fewest splits on ties; the x slice must fit XRES_SMEM_CAP.
     "chunked": K split so that the grid has about 2 blocks per SM."""
-    _need(kernel in ("auto", "xres", "chunked"), "linear", f"kernel {kernel!r}: 'auto', 'xres' or 'chunked'")
+    _need(kernel in ("auto", "xres", "chunked", "gemv"), "linear",
+          f"kernel {kernel!r}: 'auto', 'gemv', 'xres' or 'chunked'")
+    if kernel == "auto" and LINEAR_GEMV and splits is None and _gemv_fits(M, K):
+        kernel = "gemv"
+    if kernel == "gemv":
+        _need(_gemv_fits(M, K), "linear", f"the gemv kernel takes M <= 8 and K <= {XRES_SMEM_CAP // 16 - 32}")
+        entry, grid, smem = gemv_plan(M, N, K, kw, stages, xmode)
+        return entry, grid, K, smem
     mt = _mt(M)
     row_blocks = -(-N // LINEAR_ROWS_PER_BLOCK)
     if kernel == "auto":
         # Measured on the H200 (docs/PERF.md): the x-resident kernel with a 2-deep ring is the fastest at
         # M <= 8 on every Qwen3-8B shape but qkv; from M = 16 the chunked kernel wins on most shapes.
         if M <= 8:
-            return linear_plan(M, N, K, sm_count, splits, "xres", stages)
+            return linear_plan(M, N, K, sm_count, splits, "xres", stages, xmode=xmode)
         kernel = "chunked"
+    _need(xmode == 0 or (kernel in ("xres", "auto") and M <= 8), "linear",
+          f"a fused prologue needs the x-resident kernel and M <= 8 (M = {M}, kernel {kernel!r})")
     if kernel == "xres":
         _need(M <= 64, "linear", f"the x-resident kernel takes M <= 64, got M = {M}")
         units = -(-K // 64)
@@ -157,9 +209,9 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
         splits = -(-units // per)
         k_per_split = per * 64
         stages = stages or (2 if mt in (1, 8) else 4)  # the 2-deep ring measured faster where it exists
-        _need((mt, stages) in XRES_INSTANCES, "linear", f"no x-resident kernel <MT={mt}, STAGES={stages}>; "
-              f"built: {sorted(XRES_INSTANCES)}")
-        entry = f"linear_bf16_xres_kernel<{mt}, {stages}>"
+        _need((mt, stages, xmode) in XRES_INSTANCES, "linear", f"no x-resident kernel <MT={mt}, "
+              f"STAGES={stages}, XMODE={xmode}>; built: {sorted(XRES_INSTANCES)}")
+        entry = f"linear_bf16_xres_kernel<{mt}, {stages}, {xmode}>"
         smem = rows * (k_per_split + 32) * 2
         return entry, (row_blocks, splits, 1), k_per_split, smem
     # chunked kernel (any M)
@@ -181,10 +233,17 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None = None, *,
            ldx: int | None = None, ldo: int | None = None, ldr: int | None = None,
            ws: Workspace | None = None, splits: int | None = None, kernel: str = "auto",
-           stages: int | None = None, rt: int = 1, stream=None) -> DeviceArray:
+           stages: int | None = None, rt: int = 1, kw: int | None = None, stream=None, prologue: str = "none",
+           x2: DeviceArray | None = None, ldx2: int | None = None, norm_weight: DeviceArray | None = None,
+           eps: float = 1e-6, sum_out: DeviceArray | None = None, ldsum: int | None = None) -> DeviceArray:
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]) in bf16 with fp32 accumulation.
-    kernel/splits/stages/rt override the plan (benchmarks and tests)."""
+    kernel/splits/stages/rt/kw override the plan (benchmarks and tests).
+    prologue fuses the op that makes x into the x load (M <= 8, see fused_prologue_ok):
+      "rmsnorm": x <- rmsnorm(x (+ x2), norm_weight, eps), as `rmsnorm`; with x2, sum_out (optional, not
+                 aliasing x or x2) receives bf16(x + x2), as rmsnorm's residual_out.
+      "swiglu":  x <- silu(x) * x2 (x = gate [M, K], x2 = up [M, K]), as `swiglu`."""
     op = "linear"
+    _need(prologue in PROLOGUES, op, f"prologue {prologue!r}: one of {', '.join(PROLOGUES)}")
     for a, n in ((x, "x"), (w, "w"), (out, "out")):
         _bf16(a, op, n)
     _need(len(w.shape) == 2, op, f"w must be [N, K], got {w.shape}")
@@ -204,8 +263,30 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
               f"residual {residual.shape}, want [M, N] = [{M}, {N}]")
         ldr = ldr or N
         _need(ldr >= N, op, f"ldr = {ldr} must be >= N = {N}")
+    xmode = PROLOGUES[prologue]
+    if xmode:
+        _need(fused_prologue_ok(M, K, prologue), op, f"no fused {prologue} kernel for M = {M}, K = {K}")
+        if x2 is not None or prologue == "swiglu":
+            _need(x2 is not None, op, "prologue 'swiglu' needs x2 (up)")
+            _bf16(x2, op, "x2")
+            _need(len(x2.shape) == 2 and x2.shape[0] == M and x2.shape[1] == K, op,
+                  f"x2 {x2.shape}, want [M, K] = [{M}, {K}]")
+            ldx2 = ldx2 or K
+            _need(ldx2 % 8 == 0 and ldx2 >= K, op, f"ldx2 = {ldx2} must be a multiple of 8 and >= K = {K}")
+        if prologue == "rmsnorm":
+            _need(norm_weight is not None, op, "prologue 'rmsnorm' needs norm_weight")
+            _bf16(norm_weight, op, "norm_weight")
+            _need(norm_weight.size == K, op, f"norm_weight has {norm_weight.size} elements, want K = {K}")
+        if sum_out is not None:
+            _need(prologue == "rmsnorm" and x2 is not None, op, "sum_out needs prologue 'rmsnorm' with x2")
+            _bf16(sum_out, op, "sum_out")
+            _need(sum_out.shape[0] == M and sum_out.shape[-1] == K, op, f"sum_out {sum_out.shape}, want [{M}, {K}]")
+            ldsum = ldsum or K
+            _need(ldsum % 8 == 0 and ldsum >= K, op, f"ldsum = {ldsum} must be a multiple of 8 and >= K = {K}")
+    else:
+        _need(x2 is None and norm_weight is None and sum_out is None, op, "x2/norm_weight/sum_out need a prologue")
     dev = get_device()
-    entry, grid, k_per_split, smem = linear_plan(M, N, K, dev.sm_count, splits, kernel, stages, rt)
+    entry, grid, k_per_split, smem = linear_plan(M, N, K, dev.sm_count, splits, kernel, stages, rt, xmode, kw)
     ws = ws or default_workspace()
     if grid[1] > 1:
         scratch = ws.scratch(grid[1] * M * N * 4)
@@ -213,13 +294,22 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
     else:
         scratch = tickets = out  # unused by the kernel
     kern = get_kernel("dense_linear", entry)
-    if smem > 48 * 1024 and entry not in _smem_raised:
+    if smem and entry not in _smem_raised:  # dynamic + static smem may pass 48 KB: opt in once per kernel
         kern.set_max_dynamic_smem(XRES_SMEM_CAP + 8192)
         _smem_raised.add(entry)
-    kern.launch(grid, 256,
-                [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),
-                 _i32(ldr or 0), scratch, tickets, _i32(M), _i32(N), _i32(K), _i32(k_per_split)],
-                smem=smem, stream=stream)
+    null = np.uint64(0)
+    tail = [w, out, _i32(ldo), residual if residual is not None else null, _i32(ldr or 0), scratch, tickets,
+            _i32(M), _i32(N), _i32(K), _i32(k_per_split)]
+    if "gemv" in entry:
+        tail = [w, out, _i32(ldo), residual if residual is not None else null, _i32(ldr or 0), _i32(M), _i32(N),
+                _i32(K)]
+    if "xres" in entry or "gemv" in entry:
+        head = [x, _i32(ldx), x2 if x2 is not None else null, _i32(ldx2 or 0),
+                norm_weight if norm_weight is not None else null, np.float32(eps),
+                sum_out if sum_out is not None else null, _i32(ldsum or 0)]
+    else:
+        head = [x, _i32(ldx)]
+    kern.launch(grid, 256, head + tail, smem=smem, stream=stream)
     return out
 
 
@@ -300,6 +390,53 @@ def rope(x: DeviceArray, positions: DeviceArray, inv_freq: DeviceArray, out: Dev
          norm_weight if norm_weight is not None else np.uint64(0), np.float32(eps),
          _i32(T), _i32(n_heads), _i32(D)], stream=stream)
     return out
+
+
+def rope_qkv_cache(q: DeviceArray, k: DeviceArray, v: DeviceArray, positions: DeviceArray, inv_freq: DeviceArray,
+                   q_out: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, *, n_heads: int, n_kv_heads: int,
+                   head_dim: int, row0: int = 0, row_offset: DeviceArray | None = None,
+                   attention_scaling: float = 1.0, interleaved: bool = False, q_norm: DeviceArray | None = None,
+                   k_norm: DeviceArray | None = None, eps: float = 1e-6, ldq: int | None = None,
+                   ldk: int | None = None, ldv: int | None = None, ldqo: int | None = None, stream=None):
+    """A llama layer's attention prologue in one launch: q_out = rope(q) and k_cache[r] = rope(k),
+    v_cache[r] = v at rows r = row0 (+ *row_offset) + t, as `rope` (with q_norm / k_norm) and a cache write.
+    q [T, n_heads, D], k and v [T, n_kv_heads, D] (token strides ldq/ldk/ldv); caches [capacity, n_kv_heads, D]
+    contiguous; row_offset: int32 device scalar (a captured graph's prefix length)."""
+    op = "rope_qkv_cache"
+    D, T = head_dim, positions.size
+    for a, n in ((q, "q"), (k, "k"), (v, "v"), (q_out, "q_out"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _bf16(a, op, n)
+    _need(D % 8 == 0 and D <= 256, op, f"head_dim {D} must be a multiple of 8 and <= 256")
+    _need(positions.dtype == np.int32, op, "positions must be int32")
+    _need(inv_freq.dtype == np.float32 and inv_freq.size == D // 2, op, f"inv_freq must be float32 [{D // 2}]")
+    for a, n, h in ((q, "q", n_heads), (q_out, "q_out", n_heads), (k, "k", n_kv_heads), (v, "v", n_kv_heads)):
+        _need(len(a.shape) >= 2 and a.shape[0] == T and math.prod(a.shape[1:]) == h * D, op,
+              f"{n} {a.shape}, want [T = {T}, {h} heads, {D}]")
+    for c, n in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        _need(math.prod(c.shape[1:]) == n_kv_heads * D, op, f"{n} {c.shape}, want [capacity, {n_kv_heads}, {D}]")
+    ldv = ldv or n_kv_heads * D
+    _need(ldv % 8 == 0 and v.ptr % 16 == 0 and v_cache.ptr % 16 == 0, op, "v rows must be 16-byte aligned")
+    if row_offset is None:
+        _need(0 <= row0 and row0 + T <= k_cache.shape[0], op,
+              f"rows {row0}..{row0 + T} outside the cache capacity {k_cache.shape[0]}")
+    else:
+        _need(row_offset.dtype == np.int32, op, "row_offset must be an int32 device scalar")
+    for wt, n in ((q_norm, "q_norm"), (k_norm, "k_norm")):
+        if wt is not None:
+            _bf16(wt, op, n)
+            _need(wt.size == D, op, f"{n} has {wt.size} elements, want head_dim = {D}")
+    null = np.uint64(0)
+    items = T * (n_heads + 2 * n_kv_heads)
+    warps = 4
+    get_kernel("norm_rope", "rope_qkv_cache_kernel").launch(
+        -(-items // warps), 32 * warps,
+        [q, _i32(ldq or n_heads * D), k, _i32(ldk or n_kv_heads * D), v, _i32(ldv),
+         q_out, _i32(ldqo or n_heads * D), k_cache, _i32(n_kv_heads * D), v_cache, _i32(n_kv_heads * D),
+         _i32(row0), row_offset if row_offset is not None else null, positions, inv_freq,
+         np.float32(attention_scaling), _i32(1 if interleaved else 0),
+         q_norm if q_norm is not None else null, k_norm if k_norm is not None else null, np.float32(eps),
+         _i32(T), _i32(n_heads), _i32(n_kv_heads), _i32(D)], stream=stream)
+    return q_out
 
 
 def swiglu(gate: DeviceArray, up: DeviceArray, out: DeviceArray, *, T: int | None = None, I: int | None = None,
@@ -435,13 +572,24 @@ def log_softmax_topk(logits: DeviceArray, k: int, out_logp: DeviceArray, out_ids
     return out_logp, out_ids
 
 
+ARGMAX_CHUNK = 2048          # columns per block (one pass of 256 threads x 8) when a row is split
+ARGMAX_SPLIT_MAX_ROWS = 128  # rows above which argmax runs one block per row
+
+
 def argmax(logits: DeviceArray, out: DeviceArray, *, V: int | None = None, ld: int | None = None,
-           stream=None) -> DeviceArray:
+           ws: Workspace | None = None, stream=None) -> DeviceArray:
     """out[row] = index of the row's largest logit (ties: lowest index); int32 [rows]."""
     op = "argmax"
     rows, V, ld = _logits_checks(logits, op, V, ld)
     _need(out.dtype == np.int32 and out.size >= rows, op, "out must be int32 [rows]")
-    get_kernel("sampling", "argmax_kernel").launch(rows, 256, [logits, _i32(ld), _i32(V), out], stream=stream)
+    # Few rows (decode, verify): split each row over blocks of ARGMAX_CHUNK columns (merged in-kernel);
+    # many rows fill the GPU with one block per row.
+    chunks = -(-V // ARGMAX_CHUNK) if rows <= ARGMAX_SPLIT_MAX_ROWS else 1
+    ws = ws or default_workspace()
+    slots, tickets = (ws.slots64(rows), ws.tickets(rows)) if chunks > 1 else (np.uint64(0), np.uint64(0))
+    get_kernel("sampling", "argmax_kernel").launch(
+        (chunks, rows), 256, [logits, _i32(ld), _i32(V), out, _i32(ARGMAX_CHUNK if chunks > 1 else V), slots,
+                              tickets], stream=stream)
     return out
 
 

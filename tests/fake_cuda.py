@@ -141,12 +141,25 @@ def install(monkeypatch) -> FakeDevice:
     monkeypatch.setattr(dk, "_default_ws", None)
 
     def linear(x, w, out, residual=None, *, ldx=None, ldo=None, ldr=None, ws=None, splits=None, kernel="auto",
-               stages=None, rt=1, stream=None):
+               stages=None, rt=1, stream=None, prologue="none", x2=None, ldx2=None, norm_weight=None, eps=1e-6,
+               sum_out=None, ldsum=None):
         N, K = w.shape
         M = x.shape[0]
         assert x.shape[-1] == K and out.shape[0] == M and out.shape[-1] == N, (x.shape, w.shape, out.shape)
         assert (ldx or K) % 8 == 0 and K % 8 == 0
-        dev.emit(lambda: dev.write(out.ptr, M, N, ldo or N, dev.read(x.ptr, M, K, ldx or K) @ dev.read(w.ptr, N, K, K).T))
+
+        def run():
+            xv = dev.read(x.ptr, M, K, ldx or K)
+            if prologue == "rmsnorm":
+                if x2 is not None:
+                    xv = from_bf16(to_bf16(xv + dev.read(x2.ptr, M, K, ldx2 or K))).reshape(M, K)
+                    if sum_out is not None:
+                        dev.write(sum_out.ptr, M, K, ldsum or K, xv)
+                xv = from_bf16(to_bf16(_ref.rmsnorm(xv, dev.read(norm_weight.ptr, 1, K, K)[0], eps))).reshape(M, K)
+            elif prologue == "swiglu":
+                xv = from_bf16(to_bf16(_ref.swiglu(xv, dev.read(x2.ptr, M, K, ldx2 or K)))).reshape(M, K)
+            dev.write(out.ptr, M, N, ldo or N, xv @ dev.read(w.ptr, N, K, K).T)
+        dev.emit(run)
         return out
 
     def embedding(table, ids, out, *, stream=None):
@@ -190,6 +203,29 @@ def install(monkeypatch) -> FakeDevice:
                       _ref.rope(v, pos, inv, attention_scaling, interleaved).reshape(T, H * D))
         dev.emit(run)
         return out
+
+    def rope_qkv_cache(q, k, v, positions, inv_freq, q_out, k_cache, v_cache, *, n_heads, n_kv_heads, head_dim,
+                       row0=0, row_offset=None, attention_scaling=1.0, interleaved=False, q_norm=None, k_norm=None,
+                       eps=1e-6, ldq=None, ldk=None, ldv=None, ldqo=None, stream=None):
+        T, D = positions.size, head_dim
+        Hk = n_kv_heads
+
+        def run():
+            first = row0 + (dev.scalar(row_offset) if row_offset is not None else 0)
+            pos = dev.view(positions.ptr, (T,), np.int32).copy()
+            inv = dev.view(inv_freq.ptr, (D // 2,), np.float32).copy()
+            for src, ld, H, nw, dst, ldd, r0 in ((q, ldq, n_heads, q_norm, q_out.ptr, ldqo, 0),
+                                                 (k, ldk, Hk, k_norm, k_cache.ptr, Hk * D, first)):
+                t = dev.read(src.ptr, T, H * D, ld or H * D).reshape(T, H, D)
+                if nw is not None:
+                    t = from_bf16(to_bf16(_ref.rmsnorm(t, dev.read(nw.ptr, 1, D, D)[0], eps))).reshape(T, H, D)
+                ldd = ldd or H * D
+                dev.write(dst + r0 * ldd * 2, T, H * D, ldd,
+                          _ref.rope(t, pos, inv, attention_scaling, interleaved).reshape(T, H * D))
+            dev.write(v_cache.ptr + first * Hk * D * 2, T, Hk * D, Hk * D,
+                      dev.read(v.ptr, T, Hk * D, ldv or Hk * D))
+        dev.emit(run)
+        return q_out
 
     def swiglu(gate, up, out, *, T=None, I=None, ldg=None, ldu=None, ldo=None, stream=None):
         T = T if T is not None else out.shape[0]
@@ -241,7 +277,7 @@ def install(monkeypatch) -> FakeDevice:
         dev.emit(run)
         return out_logp, out_ids
 
-    def argmax(logits, out, *, V=None, ld=None, stream=None):
+    def argmax(logits, out, *, V=None, ld=None, ws=None, stream=None):
         rows = logits.shape[0]
         V, ld = V or logits.shape[-1], ld or logits.shape[-1]
         assert ld % 8 == 0
@@ -291,7 +327,8 @@ def install(monkeypatch) -> FakeDevice:
         return run
 
     monkeypatch.setattr(dk, "get_kernel", lambda family, entry, arch=None: NoLaunch())
-    for name, fn in dict(linear=linear, embedding=embedding, rmsnorm=rmsnorm, rope=rope, swiglu=swiglu, add=add,
+    for name, fn in dict(linear=linear, embedding=embedding, rmsnorm=rmsnorm, rope=rope, rope_qkv_cache=rope_qkv_cache,
+                         swiglu=swiglu, add=add,
                          attention=attention, log_softmax_topk=log_softmax_topk, argmax=argmax, sample=sample,
                          kv_compact=kv_compact).items():
         monkeypatch.setattr(dk, name, checked(getattr(dk, name), fn))

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-OPS = ("linear", "embedding", "rmsnorm", "rope", "swiglu", "add", "attention", "argmax", "sample",
+OPS = ("linear", "embedding", "rmsnorm", "rope", "rope_qkv_cache", "swiglu", "add", "attention", "argmax", "sample",
        "log_softmax_topk", "kv_compact")
 
 
@@ -61,9 +61,12 @@ def _label(name, args, kwargs, lin_names, sm_count) -> tuple[str, str]:
     if name == "linear":
         x, w = args[0], args[1]
         M, (N, K) = x.shape[0], w.shape
+        prologue = kwargs.get("prologue", "none")
         entry, grid, kps, _ = dk.linear_plan(M, N, K, sm_count, kwargs.get("splits"), kwargs.get("kernel", "auto"),
-                                             kwargs.get("stages"), kwargs.get("rt", 1))
-        return f"linear {lin_names.get((N, K), f'{N}x{K}')}", f"{entry.replace('linear_bf16_', '')} grid {grid}"
+                                             kwargs.get("stages"), kwargs.get("rt", 1), dk.PROLOGUES[prologue])
+        fused = "" if prologue == "none" else f" (+{prologue})"
+        return (f"linear {lin_names.get((N, K), f'{N}x{K}')}{fused}",
+                f"{entry.replace('linear_bf16_', '')} grid {grid}")
     if name == "rmsnorm":
         return ("rmsnorm+add" if kwargs.get("residual") is not None else "rmsnorm"), ""
     if name == "attention":
@@ -214,9 +217,9 @@ def main(argv=None) -> int:
     fns: dict = {}
     real_capture = ce.GraphDecoder._capture
 
-    def remember(self, key, fn, readback=()):
+    def remember(self, key, fn, *args, **kwargs):
         fns.setdefault(key, fn)
-        return real_capture(self, key, fn, readback)
+        return real_capture(self, key, fn, *args, **kwargs)
     ce.GraphDecoder._capture = remember
     try:
         prompt = [int(x) for x in np.random.default_rng(0).integers(16, min(32000, target.vocab_size), args.prefix)]

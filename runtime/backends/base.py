@@ -110,6 +110,26 @@ class Backend(ABC):
     def kv_write(self, cache: Array, start: int, values: Array) -> None:
         """cache[start:start + T] = values (cache [capacity, ...], values [T, ...])."""
 
+    # ---- fused compositions: defaults run the ops above; a backend may do each in fewer kernels ------------
+    def norm_linear(self, x: Array, weight: Weight, eps: float, w: Weight, bias: Weight | None = None) -> Array:
+        """linear(rmsnorm(x, weight, eps), w, bias)."""
+        return self.linear(self.rmsnorm(x, weight, eps), w, bias)
+
+    def swiglu_linear(self, gate: Array, up: Array, w: Weight) -> Array:
+        """linear(swiglu(gate, up), w)."""
+        return self.linear(self.swiglu(gate, up), w)
+
+    def rope_write_kv(self, q: Array, k: Array, v: Array, positions: Array, inv_freq: Array,
+                      attention_scaling: float, interleaved: bool, k_cache: Array, v_cache: Array,
+                      start: int) -> Array:
+        """RoPE on q [T, Hq, D] and k [T, Hkv, D]; rotated k and v written at cache slots start..start+T-1;
+        returns rotated q. q and k may be the results of a per-head rmsnorm (Qwen3 q_norm/k_norm)."""
+        q = self.rope(q, positions, inv_freq, attention_scaling, interleaved)
+        k = self.rope(k, positions, inv_freq, attention_scaling, interleaved)
+        self.kv_write(k_cache, start, k)
+        self.kv_write(v_cache, start, v)
+        return q
+
     @abstractmethod
     def attention(self, q: Array, k_cache: Array, v_cache: Array, n_prefix: int, visibility: Array,
                   scale: float) -> Array:

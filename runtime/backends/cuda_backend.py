@@ -172,6 +172,8 @@ class CudaBackend(Backend):
         self.device = get_device()
         self.stream = Stream()
         self.graphs = (os.environ.get("DDTREE_CUDA_GRAPHS", "1") != "0") if graphs is None else bool(graphs)
+        # DDTREE_FUSE=0: norm_linear / swiglu_linear / rope_write_kv run as their unfused ops (A/B timing)
+        self.fuse = os.environ.get("DDTREE_FUSE", "1") != "0"
         self.weights = _WeightPool()
         self._eager = _Eager()
         self._eager_ws = dk.Workspace()
@@ -364,6 +366,80 @@ class CudaBackend(Backend):
         dk.linear(x, w, out, ldx=x.ld, ldo=out.ld, ws=self._ws, stream=self.stream)
         return out
 
+    def norm_linear(self, x, weight, eps, w, bias=None):
+        """One launch at decode sizes: the linear's x load does the rmsnorm (and the pending residual add,
+        whose sum it also writes); otherwise rmsnorm then linear."""
+        M, K = x.shape[0], w.shape[1]
+        if (not self.fuse or bias is not None or len(x.shape) != 2
+                or not dk.fused_prologue_ok(M, K, "rmsnorm")):
+            return self.linear(self.rmsnorm(x, weight, eps), w, bias)
+        total = x2 = None
+        if x.pending is not None and x.pending[0] == "add":
+            a, x2 = (self._ready(t) for t in x.pending[1:])
+            total = self._new(a.shape)
+        else:
+            a = self._ready(x)
+        if a.ld % 8 or a.ptr % 16 or (x2 is not None and (x2.ld % 8 or x2.ptr % 16)):
+            return self.linear(self.rmsnorm(x, weight, eps), w, bias)
+        out = self._new((M, w.shape[0]), pad_to=8)
+        dk.linear(a, w, out, ldx=a.ld, ldo=out.ld, ws=self._ws, stream=self.stream, prologue="rmsnorm",
+                  x2=x2, ldx2=x2.ld if x2 is not None else None, norm_weight=weight, eps=eps, sum_out=total)
+        if total is not None:
+            self._adopt(x, total)
+        return out
+
+    def swiglu_linear(self, gate, up, w):
+        """One launch at decode sizes: the linear's x load computes silu(gate) * up."""
+        gate, up = self._ready(gate), self._ready(up)
+        M, K = gate.shape
+        if (not self.fuse or not dk.fused_prologue_ok(M, K, "swiglu") or gate.ld % 8 or up.ld % 8 or gate.ptr % 16
+                or up.ptr % 16):
+            return self.linear(self.swiglu(gate, up), w)
+        out = self._new((M, w.shape[0]), pad_to=8)
+        dk.linear(gate, w, out, ldx=gate.ld, ldo=out.ld, ws=self._ws, stream=self.stream, prologue="swiglu",
+                  x2=up, ldx2=up.ld)
+        return out
+
+    def rope_write_kv(self, q, k, v, positions, inv_freq, attention_scaling, interleaved, k_cache, v_cache,
+                      start):
+        """RoPE of q and k (with their pending per-head norms), k and v into the caches: one launch."""
+        if not self.fuse:
+            return super().rope_write_kv(q, k, v, positions, inv_freq, attention_scaling, interleaved, k_cache,
+                                         v_cache, start)
+        norms, eps = [], 1e-6
+        srcs = []
+        for t in (q, k):
+            if t.pending is not None and t.pending[0] == "norm":
+                src, wt, eps = t.pending[1:]
+                srcs.append(self._ready(src))
+                norms.append(wt)
+            else:
+                srcs.append(self._ready(t))
+                norms.append(None)
+        (q, k), v = srcs, self._ready(v)
+        if (len(q.shape) != 3 or len(k.shape) != 3 or not k_cache.contiguous or not v_cache.contiguous
+                or v.ld % 8 or v.ptr % 16 or q.shape[-1] % 8):
+            return super().rope_write_kv(*(self._renorm(t, n, eps) for t, n in ((q, norms[0]), (k, norms[1]))),
+                                         v, positions, inv_freq, attention_scaling, interleaved, k_cache,
+                                         v_cache, start)
+        T, H, D = q.shape
+        if k_cache.bound_start is not None:
+            row0, offset = 0, k_cache.bound_start
+        else:
+            row0, offset = int(start), None
+        out = self._new((T, H, D))
+        dk.rope_qkv_cache(q, k, v, self._index(positions), self._index(inv_freq, np.float32), out, k_cache, v_cache,
+                          n_heads=H, n_kv_heads=k.shape[1], head_dim=D, row0=row0, row_offset=offset,
+                          attention_scaling=float(attention_scaling), interleaved=bool(interleaved),
+                          q_norm=norms[0], k_norm=norms[1], eps=eps, ldq=q.ld, ldk=k.ld, ldv=v.ld, ldqo=out.ld,
+                          stream=self.stream)
+        return out
+
+    @staticmethod
+    def _renorm(x, weight, eps):
+        """x again as a pending per-head norm (undoing rope_write_kv's unpacking for the fallback)."""
+        return x if weight is None else CudaArray(0, x.shape, BF16, pending=("norm", x, weight, float(eps)))
+
     def add(self, a, b):
         if tuple(a.shape) != tuple(b.shape):
             raise ValueError(f"add: shapes {a.shape} and {b.shape} differ")
@@ -443,7 +519,7 @@ class CudaBackend(Backend):
     def argmax(self, logits):
         logits = self._ready(logits)
         out = self._new((logits.shape[0],), np.int32)
-        dk.argmax(logits, out, V=logits.shape[1], ld=logits.ld, stream=self.stream)
+        dk.argmax(logits, out, V=logits.shape[1], ld=logits.ld, ws=self._ws, stream=self.stream)
         return out
 
     def sample(self, logits, temperature, uniforms):

@@ -8,6 +8,11 @@ DDTREE_LAUNCH=ctypes selects the ctypes path.
 Scalars must be numpy scalars of the kernel's C type (np.int32(n), np.float32(x), np.int64(...)): a bare
 Python int or float is refused because its width would be a guess.
 DDTREE_CUDA_SYNC=1 synchronises and checks after every launch (debugging: errors point at the kernel).
+
+Kernels of a family registered with pdl=True launch through cuLaunchKernelEx with programmatic stream
+serialization (programmatic dependent launch): the kernel may start while the previous one on the stream
+finishes, and waits inside (griddepcontrol.wait) before touching its outputs. Inside a stream capture this
+becomes a programmatic graph edge. DDTREE_PDL=0 launches them plainly (same results, for A/B timing).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from .nvrtc import compile_family, resolve_arch
 from .stream import default_stream, stream_handle
 
 _SYNC_EVERY_LAUNCH = os.environ.get("DDTREE_CUDA_SYNC") == "1"
+_PDL_ENABLED = os.environ.get("DDTREE_PDL", "1") != "0"
 _modules: dict[tuple, object] = {}  # (family, arch, device ordinal) -> (CUmodule, CompiledModule)
 _kernels: dict[tuple, "Kernel"] = {}
 # Held while a miss is filled, so two threads asking for the same kernel load (and compile) it once instead of
@@ -57,8 +63,9 @@ def load_module(family: str, arch: str | None = None):
 
 
 class Kernel:
-    def __init__(self, family: str, entry: str, function, arch: str):
+    def __init__(self, family: str, entry: str, function, arch: str, pdl: bool = False):
         self.family, self.entry, self.function, self.arch = family, entry, function, arch
+        self.pdl = bool(pdl) and _PDL_ENABLED  # launched with programmatic stream serialization
 
     def __repr__(self):
         return f"Kernel({self.family}:{self.entry}, sm_{self.arch})"
@@ -83,6 +90,12 @@ class Kernel:
         Launch(self, grid, block, args, smem)(stream)
 
 
+def _family_pdl(family: str) -> bool:
+    from cutlass_kernels.registry import FAMILIES
+    f = FAMILIES.get(family)
+    return bool(f is not None and f.pdl)
+
+
 def get_kernel(family: str, entry: str, arch: str | None = None) -> Kernel:
     """A kernel of a registered family, its module loaded lazily on the current device."""
     dev = get_device()
@@ -99,7 +112,7 @@ def get_kernel(family: str, entry: str, arch: str | None = None) -> Kernel:
                                    f"{', '.join(compiled.lowered)}")
                 fn = check(driver().cuModuleGetFunction(module, compiled.lowered[entry].encode()),
                            f"cuModuleGetFunction({family}:{entry})")
-                k = _kernels[key] = Kernel(family, entry, fn, arch)
+                k = _kernels[key] = Kernel(family, entry, fn, arch, pdl=_family_pdl(family))
     return k
 
 
@@ -147,6 +160,21 @@ def _launcher():
     return _ctypes_launch
 
 
+def _pdl_config(grid, block, smem):
+    """A CUlaunchConfig with the programmatic-stream-serialization attribute (stream set per launch)."""
+    drv = driver()
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = drv.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+    cfg.sharedMemBytes = smem
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg
+
+
 class Launch:
     """A kernel launch with its argument buffer packed once; calling it is a single driver call.
     `values` holds one 8-byte slot per argument, `addresses` the address of each slot (the void** that
@@ -170,6 +198,11 @@ class Launch:
     def _bind(self):
         """Pre-bind everything but the stream, so a launch is one call with two arguments."""
         g, b, fn = self.grid, self.block, self.kernel.function
+        self._config = None
+        if getattr(self.kernel, "pdl", False):
+            self._config = _pdl_config(g, b, self.smem)
+            self._ctypes = None
+            return
         ct = _launcher() if fn is not None else None
         if ct:
             self._ctypes = functools.partial(ct, int(fn), *g, *b, self.smem)
@@ -185,7 +218,10 @@ class Launch:
     def __call__(self, stream=None):
         if stream is None:
             stream = default_stream()
-        if self._ctypes is not None:
+        if self._config is not None:
+            self._config.hStream = stream_handle(stream)
+            err = driver().cuLaunchKernelEx(self._config, self.kernel.function, self.params, 0)[0]
+        elif self._ctypes is not None:
             ptr = getattr(stream, "ptr", None)
             err = self._ctypes(int(stream) if ptr is None else ptr, self.params, None)
         else:

@@ -89,24 +89,20 @@ class LlamaModel:
         hq, hk, d = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
         tapped = {}
         for i, L in enumerate(self.layers):
-            h = b.rmsnorm(x, L.input_norm, s.rms_norm_eps)
-            qkv = b.linear(h, L.qkv, L.qkv_bias)
+            qkv = b.norm_linear(x, L.input_norm, s.rms_norm_eps, L.qkv, L.qkv_bias)
             q = qkv[:, :hq].reshape(t, self.n_heads, d)
             k = qkv[:, hq:hq + hk].reshape(t, self.n_kv, d)
             v = qkv[:, hq + hk:].reshape(t, self.n_kv, d)
             if s.qk_norm:
                 q = b.rmsnorm(q, L.q_norm, s.rms_norm_eps)
                 k = b.rmsnorm(k, L.k_norm, s.rms_norm_eps)
-            q = b.rope(q, positions, self.inv_freq, self.rope_scaling, False)
-            k = b.rope(k, positions, self.inv_freq, self.rope_scaling, False)
-            b.kv_write(cache.k[i], start, k)
-            b.kv_write(cache.v[i], start, v)
+            q = b.rope_write_kv(q, k, v, positions, self.inv_freq, self.rope_scaling, False, cache.k[i],
+                                cache.v[i], start)
             o = b.attention(q, cache.k[i], cache.v[i], start, visibility, self.scale)
             x = b.add(x, b.linear(o.reshape(t, hq), L.o))
-            h = b.rmsnorm(x, L.post_norm, s.rms_norm_eps)
-            gu = b.linear(h, L.gate_up)
+            gu = b.norm_linear(x, L.post_norm, s.rms_norm_eps, L.gate_up)
             inter = gu.shape[1] // 2
-            x = b.add(x, b.linear(b.swiglu(gu[:, :inter], gu[:, inter:]), L.down))
+            x = b.add(x, b.swiglu_linear(gu[:, :inter], gu[:, inter:], L.down))
             if i in taps:
                 tapped[i] = x
         return b.rmsnorm(x, self.norm, s.rms_norm_eps), tapped

@@ -1,0 +1,35 @@
+// Device helpers shared by the kernel families: streaming loads, cp.async, programmatic dependent launch.
+#pragma once
+#include <cuda/std/cstdint>  // NVRTC has no <cstdint>
+
+namespace ddtree {
+
+// A weight read once: 16 bytes, not allocated in L1 (the activations and partials use it).
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// 16-byte global -> shared copy, bypassing L1; valid = false zero-fills (tails).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid = true) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Programmatic dependent launch (sm_90 and later; every arch we build). A kernel launched with the PDL
+// attribute may start while the previous kernel on the stream still runs; it must call grid_dependency_wait()
+// before it reads anything that kernel writes and before it writes anything (a buffer the previous kernel
+// may still read). Reading weights (never written inside a graph) before the wait is what PDL buys.
+// Without the attribute both are no-ops. Kernels of a family registered with pdl=True must follow this.
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Lets the next kernel on the stream launch now (its blocks then wait in grid_dependency_wait for our
+// completion and memory flush); without it, the next kernel launches as our blocks exit.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+}  // namespace ddtree
