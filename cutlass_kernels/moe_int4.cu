@@ -14,8 +14,20 @@
 //   16 scales with 16-byte loads and no byte is stored twice.
 // * Launch shape is fixed per token bucket: blockIdx.y walks "slots" (the routing kernel's list of active
 //   experts, longest first); empty slots exit at once.
+// * Combine: either moe_combine_kernel, or (y != nullptr) folded into the down GEMM: the last block of each
+//   column tile (atomic ticket over the slots, reset by that block for the next replay) sums the weighted
+//   expert outputs of every token over the tile's columns in pick order j = 0..topk-1, the same fixed order
+//   and the same arithmetic as moe_combine_kernel (same bits, whichever block comes last).
+// * Programmatic dependent launch (family registered pdl=True): gate_up waits for the previous kernel
+//   (routing) before reading anything; down with early != 0 reads its slot (expert, offset, count) through
+//   L2 and fills its weight ring / register prefetch BEFORE the wait, then waits before touching h or
+//   writing. That read of routing output before the wait is safe because routing is two launches back:
+//   down is let in only when every gate_up block has run launch_dependents, which each does after its own
+//   grid_dependency_wait returned, i.e. after routing completed and its writes were flushed (to L2, which
+//   __ldcg reads). Every kernel here calls launch_dependents only after its own wait, keeping that chain.
 #include <cuda_bf16.h>
 #include <cute/arch/mma_sm80.hpp>
+#include "device_common.cuh"
 
 namespace moe_int4 {
 
@@ -62,6 +74,13 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
+// Wait for the previous kernel, then let the next one launch (see the header: this order is what makes the
+// down GEMM's early read of the routing output safe).
+__device__ __forceinline__ void dependency_wait() {
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+}
+
 constexpr int kUnit = 64;        // K columns per 16-byte lane load
 constexpr int kSuper = 512;      // K columns per scale superblock
 constexpr int kStep = 4;         // K units per pipeline step (one 16-byte scale load per row block)
@@ -71,7 +90,7 @@ constexpr int kStep = 4;         // K units per pipeline step (one 16-byte scale
 template <int RB, int NT>
 __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
                                           const uint4* const (&sp)[RB], const uint4* const (&xrow)[NT],
-                                          int u0, int u1, int lane) {
+                                          int u0, int u1, int lane, bool dep_wait) {
   const int t = lane & 3;
 #pragma unroll
   for (int j = 0; j < RB; ++j)
@@ -79,7 +98,10 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[j][n][c] = 0.f;
-  if (u0 >= u1) return;
+  if (u0 >= u1) {
+    if (dep_wait) dependency_wait();
+    return;
+  }
 
   // Software pipeline: the weights and scales of step i+1 are in flight while step i computes.
   uint4 wn[kStep][RB], sn[RB];
@@ -89,6 +111,7 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
     for (int uu = 0; uu < kStep; ++uu) wn[uu][j] = ld_stream(wp[j] + (u0 + uu) * 32);
     sn[j] = ld_cached(sp[j] + (u0 / 8) * 32 + ((u0 / 4) & 1));
   }
+  if (dep_wait) dependency_wait();   // the first weights are in flight; activations only after the wait
   for (int u = u0; u < u1; u += kStep) {
     uint4 wc[kStep][RB], sc[RB];
 #pragma unroll
@@ -142,14 +165,9 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
   }
 }
 
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" :: "r"(d), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+using ddtree::cp_async16;
+using ddtree::cp_async_commit;
+using ddtree::cp_async_wait;
 
 // warp_gemm with the weight stream going through a per-warp shared-memory ring of S steps (cp.async):
 // S-1 steps (4 KB each for RB = 2) stay in flight without holding registers. Every lane reads back only the
@@ -157,7 +175,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 template <int RB, int NT, int S>
 __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
                                                 const uint4* const (&sp)[RB], const uint4* const (&xrow)[NT],
-                                                int u0, int u1, int lane, uint4* ring) {
+                                                int u0, int u1, int lane, uint4* ring, bool dep_wait) {
   constexpr int PER = kStep * RB + RB;   // 16-byte slots per lane per step: weights, then scales
   const int t = lane & 3;
 #pragma unroll
@@ -182,6 +200,7 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
     if (i < nsteps) issue(i);
     cp_async_commit();
   }
+  if (dep_wait) dependency_wait();   // S - 1 weight steps in flight; activations only after the wait
   for (int i = 0; i < nsteps; ++i) {
     cp_async_wait<S - 2>();   // (S - 1 + i) groups committed: group i has landed
     const uint4* slot = ring + (i % S) * PER * 32 + lane;
@@ -238,7 +257,7 @@ template <int MODE, int RB, int WN, int KS, int NT, int S>
 __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int ldx, const uint4* const (&wp)[RB],
                                            const uint4* const (&sp)[RB], int n_rows, int u0, int u1, int rb0,
                                            int c0, int count, int offset, const int* __restrict__ sorted_token,
-                                           void* __restrict__ out, float* red, uint4* ring) {
+                                           void* __restrict__ out, float* red, uint4* ring, bool dep_wait) {
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp % WN, ks = warp / WN;
@@ -253,9 +272,9 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
   }
   float acc[RB][NT][4];
   if constexpr (S > 0) {
-    warp_gemm_async<RB, NT, (S > 1 ? S : 2)>(acc, wp, sp, xrow, u0, u1, lane, ring);
+    warp_gemm_async<RB, NT, (S > 1 ? S : 2)>(acc, wp, sp, xrow, u0, u1, lane, ring, dep_wait);
   } else {
-    warp_gemm<RB, NT>(acc, wp, sp, xrow, u0, u1, lane);
+    warp_gemm<RB, NT>(acc, wp, sp, xrow, u0, u1, lane, dep_wait);
   }
 
   if (KS > 1) {
@@ -304,6 +323,51 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
 
 }  // namespace moe_int4
 
+namespace moe_int4 {
+
+// y[tok, col..col+3] = sum_j topk_w[tok, j] * down_out[assign_pos[tok, j], col..] (+ shared), fp32, j in
+// order, bf16 out. CG: read down_out through L2 (written by other blocks of the running grid). All topk
+// loads are issued before the first add (a loop of dependent L2 round trips cost ~0.6 us per pick).
+constexpr int kMaxTopk = 16;
+template <bool CG>
+__device__ __forceinline__ void combine4(const float* __restrict__ down_out, const float* __restrict__ topk_w,
+                                         const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
+                                         uint16_t* __restrict__ y, int n, int topk, int tok, int col) {
+  float w[kMaxTopk];
+  int pos[kMaxTopk];
+  float4 v[kMaxTopk];
+#pragma unroll
+  for (int j = 0; j < kMaxTopk; ++j)
+    if (j < topk) {
+      w[j] = topk_w[tok * topk + j];
+      pos[j] = assign_pos[tok * topk + j];
+    }
+#pragma unroll
+  for (int j = 0; j < kMaxTopk; ++j)
+    if (j < topk) {
+      const float4* src = reinterpret_cast<const float4*>(down_out + (long long)pos[j] * n + col);
+      v[j] = CG ? __ldcg(src) : *src;
+    }
+  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int j = 0; j < kMaxTopk; ++j)
+    if (j < topk) {
+      s.x += w[j] * v[j].x; s.y += w[j] * v[j].y; s.z += w[j] * v[j].z; s.w += w[j] * v[j].w;
+    }
+  if (shared != nullptr) {
+    const uint2 b = *reinterpret_cast<const uint2*>(shared + (long long)tok * n + col);
+    s.x += __uint_as_float(b.x << 16); s.y += __uint_as_float(b.x & 0xffff0000u);
+    s.z += __uint_as_float(b.y << 16); s.w += __uint_as_float(b.y & 0xffff0000u);
+  }
+  __nv_bfloat162 lo = __floats2bfloat162_rn(s.x, s.y), hi = __floats2bfloat162_rn(s.z, s.w);
+  uint2 o;
+  o.x = *reinterpret_cast<uint32_t*>(&lo);
+  o.y = *reinterpret_cast<uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(y + (long long)tok * n + col) = o;
+}
+
+}  // namespace moe_int4
+
 // One grouped W4A16 GEMM. MODE 0 (gate_up): X rows gathered through sorted_token, weights wq0/ws0 = gate
 // and wq1/ws1 = up, epilogue h = SiLU(gate) * up stored bf16 at the sorted position [P, n_rows].
 // MODE 1 (down): X = h (rows at sorted positions), weights wq0/ws0 = down, fp32 output [P, n_rows].
@@ -311,6 +375,9 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
 // and the ks-th part of K; the KS partial sums meet in shared memory. The slot's tokens go through in
 // chunks of 8, 16 or 32 (NT = 1, 2, 4 tiles, at most NTMAX), the weights streamed once per chunk.
 // STAGES = 0: weights prefetched one step ahead in registers; STAGES >= 2: through a cp.async ring.
+// MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
+// the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
+// tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES>
 __global__ void __launch_bounds__(32 * WN * KS)
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
@@ -319,56 +386,84 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  int n_rows, int k,
                  const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
                  const int* __restrict__ slot_count, const int* __restrict__ sorted_token,
-                 void* __restrict__ out) {
+                 void* __restrict__ out, int early,
+                 const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
+                 const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int* __restrict__ tickets,
+                 int T, int topk) {
   using namespace moe_int4;
   static_assert(MODE == 1 || RB % 2 == 0, "gate_up pairs gate and up row blocks");
   static_assert(NTMAX == 1 || NTMAX == 2 || NTMAX == 4, "token tiles per chunk: 1, 2 or 4");
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;   // row blocks per matrix
+  const bool pre = MODE == 1 && early != 0;      // read the slot and start the weights before the wait
+  if (!pre) dependency_wait();
   const int slot = blockIdx.y;
-  const int expert = slot_expert[slot];
-  if (expert < 0) return;
-  const int count = slot_count[slot];
-  const int offset = slot_offset[slot];
+  const int expert = pre ? __ldcg(slot_expert + slot) : slot_expert[slot];
+  const int count = pre ? __ldcg(slot_count + slot) : slot_count[slot];
+  const int offset = pre ? __ldcg(slot_offset + slot) : slot_offset[slot];
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wn = warp % WN, ks = warp / WN;
-  const int g = lane >> 2, t = lane & 3;
-  const int row_blocks = n_rows / 16, units = k / kUnit, supers = k / kSuper;
-  const int rb0 = (blockIdx.x * WN + wn) * RBM;
+  if (expert >= 0) {   // routing gives every used slot count >= 1
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wn = warp % WN, ks = warp / WN;
+    const int g = lane >> 2, t = lane & 3;
+    const int row_blocks = n_rows / 16, units = k / kUnit, supers = k / kSuper;
+    const int rb0 = (blockIdx.x * WN + wn) * RBM;
 
-  const uint4* wp[RB];
-  const uint4* sp[RB];
+    const uint4* wp[RB];
+    const uint4* sp[RB];
 #pragma unroll
-  for (int j = 0; j < RB; ++j) {
-    const int m = (MODE == 0 && j >= RBM) ? 1 : 0;
-    const int rb = rb0 + (j % RBM);
-    const long long blk = (long long)expert * row_blocks + rb;
-    wp[j] = (m ? wq1 : wq0) + blk * units * 32 + lane;
-    sp[j] = (m ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (t >> 1)) * 2;
-  }
-  // This warp's K range, in whole pipeline steps.
-  const int steps = units / kStep;
-  const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep;
-
-  __shared__ float red[KS > 1 ? (KS - 1) * WN * RB * NTMAX * 4 * 32 : 1];
-  // STAGES > 0: dynamic shared memory holds each warp's weight ring, STAGES x (4 RB + RB) x 32 x 16 bytes.
-  extern __shared__ uint4 moe_ring[];
-  uint4* ring = moe_ring + warp * STAGES * (kStep * RB + RB) * 32;
-  for (int c0 = 0; c0 < count;) {   // count is uniform over the block: every warp takes the same branches
-    const int rem = count - c0;
-    if (NTMAX >= 4 && rem > 16) {
-      gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 4 ? 4 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
-                                                         sorted_token, out, red, ring);
-      c0 += 32;
-    } else if (NTMAX >= 2 && rem > 8) {
-      gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 2 ? 2 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
-                                                         sorted_token, out, red, ring);
-      c0 += 16;
-    } else {
-      gemm_chunk<MODE, RB, WN, KS, 1, STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
-                                              sorted_token, out, red, ring);
-      c0 += 8;
+    for (int j = 0; j < RB; ++j) {
+      const int m = (MODE == 0 && j >= RBM) ? 1 : 0;
+      const int rb = rb0 + (j % RBM);
+      const long long blk = (long long)expert * row_blocks + rb;
+      wp[j] = (m ? wq1 : wq0) + blk * units * 32 + lane;
+      sp[j] = (m ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (t >> 1)) * 2;
     }
+    // This warp's K range, in whole pipeline steps.
+    const int steps = units / kStep;
+    const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep;
+
+    __shared__ float red[KS > 1 ? (KS - 1) * WN * RB * NTMAX * 4 * 32 : 1];
+    // STAGES > 0: dynamic shared memory holds each warp's weight ring, STAGES x (4 RB + RB) x 32 x 16 bytes.
+    extern __shared__ uint4 moe_ring[];
+    uint4* ring = moe_ring + warp * STAGES * (kStep * RB + RB) * 32;
+    bool wait_first = pre;   // the first chunk waits once its first weights are in flight
+    for (int c0 = 0; c0 < count;) {   // count is uniform over the block: every warp takes the same branches
+      const int rem = count - c0;
+      if (NTMAX >= 4 && rem > 16) {
+        gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 4 ? 4 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
+                                                                  offset, sorted_token, out, red, ring, wait_first);
+        c0 += 32;
+      } else if (NTMAX >= 2 && rem > 8) {
+        gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 2 ? 2 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
+                                                                  offset, sorted_token, out, red, ring, wait_first);
+        c0 += 16;
+      } else {
+        gemm_chunk<MODE, RB, WN, KS, 1, STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
+                                                sorted_token, out, red, ring, wait_first);
+        c0 += 8;
+      }
+      wait_first = false;
+    }
+  } else if (pre) {
+    dependency_wait();   // an empty slot still waits before it touches the tickets
+  }
+
+  if constexpr (MODE == 1) {
+    if (y == nullptr) return;
+    // Folded combine: the last block of this column tile (over all slots) writes y for its columns.
+    __shared__ int last_flag;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last_flag = atomicAdd(tickets + blockIdx.x, 1) == (int)gridDim.y - 1;
+    __syncthreads();
+    if (!last_flag) return;
+    __threadfence();
+    constexpr int kCols = 16 * RB * WN, kQuads = kCols / 4;
+    const int col0 = blockIdx.x * kCols;
+    for (int i = threadIdx.x; i < T * kQuads; i += blockDim.x)
+      combine4<true>(reinterpret_cast<const float*>(out), topk_w, assign_pos, shared, y, n_rows, topk,
+                     i / kQuads, col0 + (i % kQuads) * 4);
+    if (threadIdx.x == 0) tickets[blockIdx.x] = 0;   // ready for the next launch (graph replay)
   }
 }
 
@@ -377,24 +472,8 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
 extern "C" __global__ void moe_combine_kernel(const float* __restrict__ down_out, const float* __restrict__ topk_w,
                                               const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
                                               uint16_t* __restrict__ y, int n, int topk) {
+  moe_int4::dependency_wait();
   const int tok = blockIdx.x;
-  for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * 4; col < n; col += gridDim.y * blockDim.x * 4) {
-    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int j = 0; j < topk; ++j) {
-      const float w = topk_w[tok * topk + j];
-      const float4 v = *reinterpret_cast<const float4*>(down_out + (long long)assign_pos[tok * topk + j] * n + col);
-      s.x += w * v.x; s.y += w * v.y; s.z += w * v.z; s.w += w * v.w;
-    }
-    if (shared != nullptr) {
-      const uint2 b = *reinterpret_cast<const uint2*>(shared + (long long)tok * n + col);
-      s.x += __uint_as_float(b.x << 16); s.y += __uint_as_float(b.x & 0xffff0000u);
-      s.z += __uint_as_float(b.y << 16); s.w += __uint_as_float(b.y & 0xffff0000u);
-    }
-    __nv_bfloat162 lo = __floats2bfloat162_rn(s.x, s.y), hi = __floats2bfloat162_rn(s.z, s.w);
-    uint2 o;
-    o.x = *reinterpret_cast<uint32_t*>(&lo);
-    o.y = *reinterpret_cast<uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(y + (long long)tok * n + col) = o;
-  }
+  for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * 4; col < n; col += gridDim.y * blockDim.x * 4)
+    moe_int4::combine4<false>(down_out, topk_w, assign_pos, shared, y, n, topk, tok, col);
 }
-

@@ -9,7 +9,16 @@
 //   in increasing order inside an expert: deterministic, from per-expert token bitmaps), the slot list for the grouped GEMMs (active
 //   experts, most tokens first so the longest blocks start first; unused slots get expert -1), and for
 //   each (token, j) its sorted position for the combine.
+// moe_route_kernel: both in one launch (the one runtime/kimi_kernels.py uses): blocks of 32 warps, each warp
+//   routes up to 2 tokens (same code as moe_topk_kernel), and the last block to finish (an atomic ticket,
+//   reset by that block for the next graph replay) does the grouping (same code as moe_group_kernel). For
+//   T <= 64 that is a single block and no ticket. Results are bit-identical to the two-kernel path.
 // Everything has a fixed launch shape for a token count, so the MoE layer is graph-capturable.
+// Programmatic dependent launch (family registered pdl=True): every entry waits for the previous kernel
+// (ddtree::grid_dependency_wait) before its first read of logits / ids and before any write; only the
+// correction bias (a weight) may be read before. The next kernel is let in at once (launch_dependents):
+// its blocks wait in their own grid_dependency_wait until this grid has finished.
+#include "device_common.cuh"
 
 #define MAX_EXPERTS_PER_LANE 16   // experts <= 512
 #define MAX_TOPK 16
@@ -23,13 +32,12 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
-extern "C" __global__ void moe_topk_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
-                                           int T, int E, int topk, int n_group, int topk_group,
-                                           int norm_topk_prob, float routed_scaling_factor,
-                                           int* __restrict__ topk_ids, float* __restrict__ topk_w) {
+// Routes token `tok` (one warp, all 32 lanes): writes topk_ids / topk_w [tok, 0..topk).
+__device__ __forceinline__ void route_token(const float* __restrict__ logits, const float* __restrict__ bias,
+                                            int tok, int E, int topk, int n_group, int topk_group,
+                                            int norm_topk_prob, float routed_scaling_factor,
+                                            int* __restrict__ topk_ids, float* __restrict__ topk_w) {
   const int lane = threadIdx.x & 31;
-  const int tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (tok >= T) return;
   const float NEG_INF = __int_as_float(0xff800000);
   float score[MAX_EXPERTS_PER_LANE], choice[MAX_EXPERTS_PER_LANE];   // expert e = lane + 32 * i
 #pragma unroll
@@ -107,14 +115,28 @@ extern "C" __global__ void moe_topk_kernel(const float* __restrict__ logits, con
   }
 }
 
+extern "C" __global__ void moe_topk_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                                           int T, int E, int topk, int n_group, int topk_group,
+                                           int norm_topk_prob, float routed_scaling_factor,
+                                           int* __restrict__ topk_ids, float* __restrict__ topk_w) {
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  const int tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (tok >= T) return;
+  route_token(logits, bias, tok, E, topk, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+              topk_ids, topk_w);
+}
+
 // Single block of 1024 threads. Dynamic smem: ids[T*topk], cnt[E], off[E], bits[E][ceil(T/32)] (ints).
 // The sorted position of (t, e) is off[e] + the number of earlier tokens that chose e: a popcount over e's
 // token bitmap (a token never picks an expert twice), so positions are deterministic without a serial scan.
-extern "C" __global__ void __launch_bounds__(1024)
-moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int num_slots,
-                 int* __restrict__ expert_count, int* __restrict__ slot_expert, int* __restrict__ slot_offset,
-                 int* __restrict__ slot_count, int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
-  extern __shared__ int smem[];
+// The grouping, by one whole block (any size; 1024 threads in both kernels). topk_ids is read through L2
+// (__ldcg): in moe_route_kernel other blocks of the same grid wrote it.
+__device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, int T, int topk, int E, int num_slots,
+                                            int* __restrict__ expert_count, int* __restrict__ slot_expert,
+                                            int* __restrict__ slot_offset, int* __restrict__ slot_count,
+                                            int* __restrict__ sorted_token, int* __restrict__ assign_pos,
+                                            int* smem) {
   const int P = T * topk;
   const int words = (T + 31) / 32;
   int* ids = smem;
@@ -122,7 +144,7 @@ moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int n
   int* off = cnt + E;
   unsigned* bits = reinterpret_cast<unsigned*>(off + E);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  for (int a = tid; a < P; a += blockDim.x) ids[a] = topk_ids[a];
+  for (int a = tid; a < P; a += blockDim.x) ids[a] = __ldcg(topk_ids + a);
   for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
   for (int i = tid; i < E * words; i += blockDim.x) bits[i] = 0u;
   for (int s = tid; s < num_slots; s += blockDim.x) { slot_expert[s] = -1; slot_offset[s] = 0; slot_count[s] = 0; }
@@ -172,4 +194,51 @@ moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int n
     sorted_token[p] = t;
     assign_pos[a] = p;
   }
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int num_slots,
+                 int* __restrict__ expert_count, int* __restrict__ slot_expert, int* __restrict__ slot_offset,
+                 int* __restrict__ slot_count, int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
+  extern __shared__ int smem[];
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  group_block(topk_ids, T, topk, E, num_slots, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
+              assign_pos, smem);
+}
+
+// Top-k and grouping in one launch. Grid: ceil(T / (32 * ROUTE_TOKENS_PER_WARP)) blocks of 1024 threads;
+// dynamic smem as moe_group_kernel. ticket: one int, 0 before the first launch; the last block resets it.
+#define ROUTE_TOKENS_PER_WARP 2
+extern "C" __global__ void __launch_bounds__(1024)
+moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int T, int E, int topk,
+                 int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor,
+                 int num_slots, int* __restrict__ topk_ids, float* __restrict__ topk_w,
+                 int* __restrict__ expert_count, int* __restrict__ slot_expert, int* __restrict__ slot_offset,
+                 int* __restrict__ slot_count, int* __restrict__ sorted_token, int* __restrict__ assign_pos,
+                 int* __restrict__ ticket) {
+  extern __shared__ int smem[];
+  __shared__ int last;
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+  for (int i = 0; i < ROUTE_TOKENS_PER_WARP; ++i) {
+    const int tok = (blockIdx.x * ROUTE_TOKENS_PER_WARP + i) * warps + warp;
+    if (tok < T)
+      route_token(logits, bias, tok, E, topk, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                  topk_ids, topk_w);
+  }
+  if (gridDim.x > 1) {   // the last block to get here groups everything
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *ticket = 0;   // ready for the next launch (graph replay)
+  } else {
+    __syncthreads();   // this block's topk_ids stores are visible to the whole block
+  }
+  group_block(topk_ids, T, topk, E, num_slots, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
+              assign_pos, smem);
 }

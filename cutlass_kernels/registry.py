@@ -111,6 +111,25 @@ register(KernelFamily(
     options=(f"-DLINEAR_REDUCE_ILP={_linear_reduce_ilp()}",),
     pdl=True,
 ))
+# Hopper GMMA (wgmma) bf16 linear for the verify buckets and small prefill (M = 9..256), sm_90a only:
+# linear_gmma_kernel<TN, KA, STAGES, RW, CS> (TN tokens per tile = wgmma N, KA 64-k atoms per stage,
+# STAGES cp.async + mbarrier stages, 128*RW W rows per block, CS: K splits reduced in a (1, CS, 1) cluster
+# through distributed shared memory, 1: workspace split-K); the .cu file instantiates the same tuples,
+# runtime/dense_gmma.py plans over them.
+_GMMA_BASE = ((16, 2, 4, 1), (32, 2, 4, 1), (48, 2, 4, 1), (64, 2, 4, 1), (72, 2, 4, 1), (96, 1, 6, 1),
+              (128, 1, 6, 1), (192, 1, 4, 1), (256, 1, 4, 1))
+DENSE_GMMA_INSTANCES = tuple((*c, cs) for c in _GMMA_BASE for cs in (1, 2)) + (
+    (16, 2, 4, 1, 4), (64, 2, 4, 1, 4), (72, 2, 4, 1, 4), (128, 1, 6, 1, 4), (256, 1, 4, 1, 4),
+    (64, 1, 4, 2, 1), (128, 1, 4, 2, 1))
+register(KernelFamily(
+    name="dense_linear_sm90",
+    source="dense_linear_sm90.cu",
+    entries=tuple("linear_gmma_kernel<%d, %d, %d, %d, %d>" % c for c in DENSE_GMMA_INSTANCES),
+    archs=("90a",),
+    pdl=True,
+    required_sass={"90a": r"HGMMA"},
+    required_ptx={"90a": r"wgmma\.mma_async"},
+))
 # Embedding gather, RMSNorm (+ residual add), RoPE (+ per-head q/k norm), SwiGLU, add.
 register(KernelFamily(
     name="norm_rope",
@@ -154,12 +173,15 @@ register(KernelFamily(
     entries=MOE_GEMM_VARIANTS + ("moe_combine_kernel",),
     required_sass={a: r"HMMA" for a in ALL_ARCHS},
     required_ptx={a: _MMA_SYNC_PTX for a in ALL_ARCHS},
+    pdl=True,
 ))
-# noaux_tc top-k routing (sigmoid + correction bias, group-limited) and grouping of tokens by expert.
+# noaux_tc top-k routing (sigmoid + correction bias, group-limited) and grouping of tokens by expert:
+# moe_route_kernel (both in one launch, what the layer uses), the two-kernel pair kept for A/B timing.
 register(KernelFamily(
     name="moe_routing",
     source="moe_routing.cu",
-    entries=("moe_topk_kernel", "moe_group_kernel"),
+    entries=("moe_route_kernel", "moe_topk_kernel", "moe_group_kernel"),
+    pdl=True,
 ))
 # MLA absorbed attention over the 512+64 latent cache (tree mask or causal), split-KV merge, per-head GEMM.
 register(KernelFamily(

@@ -285,6 +285,11 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
             _need(ldsum % 8 == 0 and ldsum >= K, op, f"ldsum = {ldsum} must be a multiple of 8 and >= K = {K}")
     else:
         _need(x2 is None and norm_weight is None and sum_out is None, op, "x2/norm_weight/sum_out need a prologue")
+    if kernel == "auto" and not xmode and 9 <= M <= 256:  # sm_90a GMMA path, DDTREE_LINEAR_GMMA=0: off
+        from runtime import dense_gmma
+        if dense_gmma.gmma_wanted(M, N, K):
+            return dense_gmma.linear_gmma(x, w, out, residual, ldx=ldx, ldo=ldo, ldr=ldr, ws=ws, splits=splits,
+                                          stream=stream)
     dev = get_device()
     entry, grid, k_per_split, smem = linear_plan(M, N, K, dev.sm_count, splits, kernel, stages, rt, xmode, kw)
     ws = ws or default_workspace()

@@ -174,6 +174,26 @@ def moe_ring_bytes(entry: str) -> int:
     return wn * ks * stages * (4 * rb + rb) * 32 * 16
 
 
+# The combine is folded into the down GEMM (last block per column tile sums the tokens' expert outputs) up
+# to this many tokens; above it the separate moe_combine_kernel runs (more parallel for large T). 0: never.
+# The defaults of MoeLayer are the plan measured fastest on the H200 (docs/PERF.md, run 6: the two-kernel
+# routing, separate combine, no PDL); the fused variants stay selectable for A/B timing.
+FUSE_COMBINE_MAX_TOKENS = 0
+ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens
+
+
+def _without_pdl(launch):
+    """Rebind a prepared launch as a plain launch (A/B timing of programmatic dependent launch)."""
+    k = launch.kernel
+    saved = getattr(k, "pdl", False)
+    try:
+        k.pdl = False
+        launch._bind()
+    finally:
+        k.pdl = saved
+    return launch
+
+
 def default_variants(tokens: int) -> tuple[str, str]:
     for bound in sorted(DEFAULT_VARIANTS):
         if tokens <= bound:
@@ -183,14 +203,22 @@ def default_variants(tokens: int) -> tuple[str, str]:
 
 class MoeLayer:
     """The routed MoE of one layer for a fixed token count T (a graph bucket): buffers allocated once,
-    launches packed once. `forward(stream)` runs routing -> gate_up -> down -> combine on the device.
+    launches packed once. `forward(stream)` runs routing -> gate_up -> down (-> combine) on the device.
 
     Inputs (fill before forward): .x bf16 [T, hidden], .logits fp32 [T, E] (router logits), optional
-    shared-expert output bf16 [T, hidden] passed at construction. Output: .y bf16 [T, hidden]."""
+    shared-expert output bf16 [T, hidden] passed at construction. Output: .y bf16 [T, hidden].
+
+    Launch plan (defaults = fastest measured; the switches exist for A/B timing and tests, all give the same
+    bits): fused_routing: one moe_route_kernel instead of moe_topk + moe_group; fuse_combine (default
+    T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
+    moe_combine_kernel; early: the down GEMM starts its weight stream before its dependency wait (PDL);
+    pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter)."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
-                 routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None):
+                 routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
+                 fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
+                 pdl: bool = False):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -221,52 +249,82 @@ class MoeLayer:
         self.down_out = cuda.empty((P, w.hidden), np.float32)
         self.y = cuda.empty((T, w.hidden), np.uint16)
         self.shared = shared
+        self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
+        self.fused_routing = bool(fused_routing)
+        self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
+        self.early = bool(early)
 
-        topk_k = cuda.get_kernel("moe_routing", "moe_topk_kernel")
-        group_k = cuda.get_kernel("moe_routing", "moe_group_kernel")
         group_smem = (P + 2 * E + E * ((T + 31) // 32)) * 4
-        if group_smem > 48 * 1024:
-            group_k.set_max_dynamic_smem(group_smem)
+        route_args = [self.logits, self.bias, I32(T), I32(E), I32(topk), I32(n_group), I32(topk_group),
+                      I32(int(norm_topk_prob)), F32(routed_scaling_factor)]
+        group_outs = [self.expert_count, self.slot_expert, self.slot_offset, self.slot_count, self.sorted_token,
+                      self.assign_pos]
+        if self.fused_routing:
+            route_k = cuda.get_kernel("moe_routing", "moe_route_kernel")
+            if group_smem > 48 * 1024:
+                route_k.set_max_dynamic_smem(group_smem)
+            routing = [route_k.prepare(((T + ROUTE_TOKENS_PER_BLOCK - 1) // ROUTE_TOKENS_PER_BLOCK,), (1024,), [
+                *route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs, self.route_ticket],
+                smem=group_smem)]
+        else:
+            topk_k = cuda.get_kernel("moe_routing", "moe_topk_kernel")
+            group_k = cuda.get_kernel("moe_routing", "moe_group_kernel")
+            if group_smem > 48 * 1024:
+                group_k.set_max_dynamic_smem(group_smem)
+            routing = [
+                topk_k.prepare(((T + 3) // 4,), (128,), [*route_args, self.topk_ids, self.topk_w]),
+                group_k.prepare((1,), (1024,), [self.topk_ids, I32(T), I32(topk), I32(E), I32(self.num_slots),
+                                                *group_outs], smem=group_smem)]
         gu_entry, dn_entry = variants or default_variants(T)
         self.variants = (gu_entry, dn_entry)
-        launches = [
-            topk_k.prepare(((T + 3) // 4,), (128,), [
-                self.logits, self.bias, I32(T), I32(E), I32(topk), I32(n_group), I32(topk_group),
-                I32(int(norm_topk_prob)), F32(routed_scaling_factor), self.topk_ids, self.topk_w]),
-            group_k.prepare((1,), (1024,), [
-                self.topk_ids, I32(T), I32(topk), I32(E), I32(self.num_slots), self.expert_count,
-                self.slot_expert, self.slot_offset, self.slot_count, self.sorted_token, self.assign_pos],
-                smem=group_smem),
-            self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q, w.up_s, w.inter, w.hidden,
-                              self.h),
-            self._gemm_launch(dn_entry, self.h, w.inter, w.down_q, w.down_s, w.down_q, w.down_s, w.hidden,
-                              w.inter, self.down_out),
-            cuda.get_kernel("moe_int4", "moe_combine_kernel").prepare(
+        self.stages = [("route", launch) for launch in routing]
+        self.stages.append(("gate_up", self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q,
+                                                         w.up_s, w.inter, w.hidden, self.h)))
+        self.stages.append(("down", self._gemm_launch(dn_entry, self.h, w.inter, w.down_q, w.down_s, w.down_q,
+                                                      w.down_s, w.hidden, w.inter, self.down_out,
+                                                      early=self.early, combine=self.fuse_combine)))
+        if not self.fuse_combine:
+            self.stages.append(("combine", cuda.get_kernel("moe_int4", "moe_combine_kernel").prepare(
                 (T, (w.hidden // 4 + 255) // 256), (256,), [
                     self.down_out, self.topk_w, self.assign_pos,
-                    shared if shared is not None else np.uint64(0), self.y, I32(w.hidden), I32(topk)]),
-        ]
-        self.launches = launches
+                    shared if shared is not None else np.uint64(0), self.y, I32(w.hidden), I32(topk)])))
+        if not pdl:
+            for _, launch in self.stages:
+                _without_pdl(launch)
+        self.launches = [launch for _, launch in self.stages]
+        cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
-    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out):
+    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False):
+        """One grouped GEMM launch. Down (MODE 1) only: early = start the weights before the PDL wait;
+        combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared)."""
         cuda = _cuda()
         mode, rb, wn, ks, _, _ = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
         if n_rows % (16 * rbm * wn) or k % 512:
             raise ValueError(f"{entry}: N={n_rows} must be a multiple of {16 * rbm * wn} and K={k} of 512")
+        if mode == 0 and (early or combine):
+            raise ValueError(f"{entry}: early start and the folded combine are for the down GEMM only")
         grid = (n_rows // (16 * rbm * wn), self.num_slots)
         kernel = cuda.get_kernel("moe_int4", entry)
         smem = moe_ring_bytes(entry)
         if smem > 48 * 1024:
             kernel.set_max_dynamic_smem(smem)
+        null = np.uint64(0)
+        if combine:
+            tickets = cuda.empty((grid[0],), np.int32).fill_bytes(0)   # self-resetting, one per column tile
+            self._combine_tickets = tickets
+            tail = [self.topk_w, self.assign_pos, self.shared if self.shared is not None else null, self.y, tickets,
+                    I32(self.T), I32(self.topk)]
+        else:
+            tail = [null, null, null, null, null, I32(0), I32(0)]
         return kernel.prepare(grid, (32 * wn * ks,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
-            self.slot_count, self.sorted_token, out], smem=smem)
+            self.slot_count, self.sorted_token, out, I32(int(early)), *tail], smem=smem)
 
     def forward(self, stream=None, stages=None):
-        """Launch the layer (or only the named stages: 'route', 'gate_up', 'down', 'combine')."""
-        names = ("route", "route", "gate_up", "down", "combine")
-        for name, launch in zip(names, self.launches):
+        """Launch the layer (or only the named stages: 'route', 'gate_up', 'down', 'combine'; with the
+        combine folded into down there is no 'combine' stage)."""
+        for name, launch in self.stages:
             if stages is None or name in stages:
                 launch(stream)
 

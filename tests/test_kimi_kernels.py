@@ -173,7 +173,7 @@ def test_routing_matches_reference(cuda_device, T, E, topk, n_group, topk_group)
     np.testing.assert_array_equal(sc[:len(order)], counts[order])
 
 
-def _routing_layer(E, T, bias, topk, n_group, topk_group):
+def _routing_layer(E, T, bias, topk, n_group, topk_group, **plan):
     """MoeLayer whose GEMMs are never run: expert weights are uninitialised buffers of the right shapes."""
     from runtime import cuda
     from runtime.kimi_kernels import MoeWeights, MoeLayer
@@ -183,7 +183,39 @@ def _routing_layer(E, T, bias, topk, n_group, topk_group):
     dq = cuda.empty((E, hidden // 16, inter // 64, 32, 4), np.uint32)
     ds = cuda.empty((E, hidden // 16, inter // 512, 16, 8, 2), np.uint16)
     w = MoeWeights(E, hidden, inter, gq, gs, gq, gs, dq, ds)
-    return MoeLayer(w, T, bias, topk=topk, n_group=n_group, topk_group=topk_group)
+    return MoeLayer(w, T, bias, topk=topk, n_group=n_group, topk_group=topk_group, **plan)
+
+
+ROUTE_OUTPUTS = ("topk_ids", "topk_w", "expert_count", "slot_expert", "slot_offset", "slot_count", "sorted_token",
+                 "assign_pos")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,n_group,topk_group", [(1, 1, 1), (64, 1, 1), (65, 8, 4), (300, 1, 1)])
+def test_fused_routing_same_bits_as_two_kernels(cuda_device, T, n_group, topk_group):
+    """moe_route_kernel (one block at T <= 64, last-block grouping above) against moe_topk + moe_group: every
+    output bit-identical, over three launches with new logits (the grid ticket resets itself)."""
+    E, topk = 384, 8
+    rng = np.random.default_rng(T + 17)
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    bias[9] = bias[5]
+    fused = _routing_layer(E, T, bias, topk, n_group, topk_group, fused_routing=True)
+    two = _routing_layer(E, T, bias, topk, n_group, topk_group, fused_routing=False)
+    assert [n for n, _ in fused.stages].count("route") == 1 and [n for n, _ in two.stages].count("route") == 2
+    for trial in range(3):
+        logits = rng.standard_normal((T, E)).astype(np.float32)
+        if trial == 2:
+            logits[:, 5] = logits[:, 9]   # exact ties in the scores: the lower expert id must win
+        for layer in (fused, two):
+            layer.logits.upload(logits)
+            for name in ROUTE_OUTPUTS:
+                getattr(layer, name).fill_bytes(0xFF)
+            layer.forward(stages=("route",))
+        ids_ref, _ = ref.route(logits, bias, topk, n_group, topk_group)
+        np.testing.assert_array_equal(fused.topk_ids.download(), ids_ref)
+        for name in ROUTE_OUTPUTS:
+            a, b = getattr(fused, name).download(), getattr(two, name).download()
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=f"{name}, launch {trial}")
 
 
 MOE_CASES = [
@@ -234,6 +266,68 @@ def _check_moe(T, E, hidden, inter, variants, topk, shared=False):
     want = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], sh)
     assert_close(layer.y.download(), want, f"MoE T={T} E={E} {layer.variants}", dtype="bf16", rtol=RTOL,
                  atol=RTOL, scale="mean")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,shared", [(1, 16, True), (3, 16, False), (12, 8, True)])
+def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
+    """Every launch plan (fused or two-kernel routing, combine folded into down or separate, early weight
+    start, PDL on or off) gives the same output bits, and matches the float32 reference."""
+    from runtime import cuda
+    from runtime.kimi_kernels import MoeLayer
+    hidden, inter, topk = 1024, 512, 8
+    rng = np.random.default_rng(T * 31 + E)
+    dense, w = make_moe(rng, E, hidden, inter)
+    x = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32))
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    sh = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32)) if shared else None
+    sh_dev = cuda.to_device(to_bf16(sh)) if shared else None
+    plans = [dict(), dict(fused_routing=False, fuse_combine=False, early=False, pdl=False),
+             dict(fuse_combine=True), dict(fuse_combine=False), dict(early=False), dict(pdl=False, fuse_combine=True),
+             dict(fused_routing=True, fuse_combine=True, early=True, pdl=True)]
+    outs = []
+    for plan in plans:
+        layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, **plan)
+        layer.x.upload(to_bf16(x))
+        layer.logits.upload(logits)
+        for a in (layer.h, layer.down_out, layer.y):
+            a.fill_bytes(0xFF)      # NaN poison
+        for _ in range(2):          # twice: the folded combine's tickets reset themselves
+            layer.forward()
+        outs.append(layer.y.download())
+    ids, wts = ref.route(logits, bias, topk)
+    want = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], sh)
+    assert_close(outs[0], want, f"MoE T={T} default plan", dtype="bf16", rtol=RTOL, atol=RTOL, scale="mean")
+    for plan, out in zip(plans[1:], outs[1:]):
+        np.testing.assert_array_equal(out, outs[0], err_msg=f"plan {plan}")
+
+
+@pytest.mark.gpu
+def test_moe_graph_replay_folded_combine(cuda_device):
+    """T = 1 as the decode graph runs it: fused routing, combine in the down GEMM (3 launches), replayed."""
+    from runtime import cuda
+    from runtime.kimi_kernels import MoeLayer
+    rng = np.random.default_rng(12)
+    dense, w = make_moe(rng, 16, 1024, 512)
+    layer = MoeLayer(w, 1, np.zeros(16, np.float32), topk=8)
+    assert [name for name, _ in layer.stages] == ["route", "gate_up", "down"]
+    stream = cuda.Stream()
+    with cuda.capture(stream) as g:
+        layer.forward(stream)
+    graph = g.instantiate()
+    for trial in range(3):
+        x = round_bf16(rng.standard_normal((1, 1024)).astype(np.float32))
+        logits = rng.standard_normal((1, 16)).astype(np.float32)
+        layer.x.upload(to_bf16(x))
+        layer.logits.upload(logits)
+        layer.y.fill_bytes(0xFF)
+        graph.launch(stream)
+        stream.synchronize()
+        ids, wts = ref.route(logits, np.zeros(16, np.float32), 8)
+        want = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"])
+        assert_close(layer.y.download(), want, f"graph replay {trial}", dtype="bf16", rtol=RTOL, atol=RTOL,
+                     scale="mean")
 
 
 @pytest.mark.gpu

@@ -61,13 +61,28 @@ def read_bandwidth(stream) -> float:
     return best
 
 
-def bench_linear(stream, read_bw, ms_list, quick):
+# --gmma: overrides of the GMMA plan timed besides the planned one, per token tile
+GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 4}),
+                     64: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}),
+                     72: ({"cs": 1}, {"cs": 2}, {"cs": 4}),
+                     128: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "stages": 4, "cs": 1}),
+                     256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}
+
+
+def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None):
     rng = np.random.default_rng(0)
     rows = []
     print(f"\n## bf16 linear (W streamed from HBM; % = of the {read_bw / 1e12:.2f} TB/s read measured above)")
     print("| model | op | N x K | M | variant | us | W GB/s | % read | % same-size read | TFLOP/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     shapes = LINEAR_SHAPES if not quick else [s for s in LINEAR_SHAPES if s[1] in ("o", "gate_up", "down")]
+    if ops:  # e.g. --ops Qwen3-8B:qkv o
+        shapes = [s for s in shapes if s[1] in ops or f"{s[0]}:{s[1]}" in ops]
+    if gmma:
+        from runtime import dense_gmma as dg
+        gmma = dg.gmma_available()
+        if not gmma:
+            print("(--gmma: the GMMA kernel is sm_90a only; not timed on this device)")
     for model, name, N, K in shapes:
         w_bytes = N * K * 2
         copies = max(1, math.ceil(ROTATE_BYTES / w_bytes))
@@ -93,19 +108,46 @@ def bench_linear(stream, read_bw, ms_list, quick):
                 variants += [("chunked", {"kernel": "chunked"}), ("xres", {"kernel": "xres"})]
                 if M in (1, 64):
                     variants += [("xres stages=4", {"kernel": "xres", "stages": 4})]
+            if M <= 8 and dk._gemv_fits(M, K):  # the no-split decode kernel (each KW) vs the split-K one
+                if ("xres", {"kernel": "xres"}) not in variants:
+                    variants.append(("xres", {"kernel": "xres"}))
+                variants += [(f"gemv kw={k}", {"kernel": "gemv", "kw": k}) for k in (8, 4, 2)]
+            if gmma and M >= 9 and model == "Qwen3-8B":  # the sm_90a GMMA kernel (runtime/dense_gmma.py)
+                # base: the mma.sync kernel the auto plan picked for M >= 9 before the GMMA hook (chunked)
+                variants = [("mma.sync", {"kernel": "chunked"}), ("gmma", {"gmma": True})] + [
+                    (f"gmma {c}", {"gmma": True, **c}) for c in GMMA_ALTERNATIVES.get(dg.token_tile(M), ())]
+            base_us = None
             for vname, kw in variants:
                 try:
-                    plan = dk.linear_plan(M, N, K, get_device().sm_count, kw.get("splits"), kw.get("kernel", "auto"),
-                                          kw.get("stages"))
+                    if kw.get("gmma"):
+                        gkw = {k: v for k, v in kw.items() if k != "gmma"}
+                        plan = dg.gmma_plan(M, N, K, get_device().sm_count, gkw.get("splits"), gkw.get("tn"),
+                                            gkw.get("ka"), gkw.get("stages"), gkw.get("rw"), gkw.get("cs"))
+                    else:
+                        plan = dk.linear_plan(M, N, K, get_device().sm_count, kw.get("splits"),
+                                              kw.get("kernel", "auto"), kw.get("stages"), kw=kw.get("kw"))
                 except ValueError as e:
                     print(f"| {model} | {name} | {N}x{K} | {M} | {vname} | n/a: {e} |||||")
                     continue
-                us = graph_time_us(lambda i, s: dk.linear(x, weights[i % copies], out, stream=s, **kw),
-                                   reps=max(copies, 8), stream=stream)
+                if not kw.get("gmma") and kw.get("kernel", "auto") == "auto" and M >= 9:
+                    from runtime import dense_gmma as dg
+                    if dg.gmma_wanted(M, N, K):  # linear() hands this shape to the GMMA kernel: show its plan
+                        plan = dg.gmma_plan(M, N, K, get_device().sm_count, kw.get("splits"))
+                        kw = {**kw, "gmma": True}
+                        gkw = {k: v for k, v in kw.items() if k not in ("gmma", "kernel")}
+                if kw.get("gmma"):
+                    us = graph_time_us(lambda i, s: dg.linear_gmma(x, weights[i % copies], out, stream=s, **gkw),
+                                       reps=max(copies, 8), stream=stream)
+                    kind = plan[0].replace("linear_gmma_kernel", "gmma")
+                else:
+                    us = graph_time_us(lambda i, s: dk.linear(x, weights[i % copies], out, stream=s, **kw),
+                                       reps=max(copies, 8), stream=stream)
+                    kind = next(k for k in ("gemv", "xres", "chunked") if k in plan[0] or k == "chunked")
+                base_us = base_us or us  # the first variant: "auto", or with --gmma the mma.sync kernel
                 bw = w_bytes / (us * 1e-6)
                 tflops = 2 * M * N * K / (us * 1e-6) / 1e12
-                kind = "xres" if "xres" in plan[0] else "chunked"
-                print(f"| {model} | {name} | {N}x{K} | {M} | {vname}: {kind} grid {plan[1]} | {us:.2f} | "
+                vs = f" ({base_us / us:.2f}x {variants[0][0]})" if kw.get("gmma") and base_us != us else ""
+                print(f"| {model} | {name} | {N}x{K} | {M} | {vname}: {kind} grid {plan[1]}{vs} | {us:.2f} | "
                       f"{bw / 1e9:.0f} | {100 * bw / read_bw:.1f} | {100 * same_us / us:.1f} | {tflops:.1f} |",
                       flush=True)
                 rows.append((model, name, N, K, M, vname, us, bw / read_bw))
@@ -177,6 +219,8 @@ def main():
     ap.add_argument("--linear-only", action="store_true")
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--gmma", action="store_true", help="also time the sm_90a GMMA linear (M >= 9, Qwen3-8B)")
+    ap.add_argument("--ops", nargs="+", help="linear shapes to time: op names or model:op")
     args = ap.parse_args()
     dev = get_device()
     print(f"# {dev}  (sm_{dev.arch}, {dev.sm_count} SMs)")
@@ -184,7 +228,7 @@ def main():
     if not args.attention_only:
         read_bw = read_bandwidth(stream)
         print(f"streaming read: {read_bw / 1e12:.3f} TB/s (runtime_probe read_sum_kernel, 2 GiB, best config)")
-        bench_linear(stream, read_bw, args.m, args.quick)
+        bench_linear(stream, read_bw, args.m, args.quick, args.gmma, args.ops)
     if not args.linear_only:
         bench_attention(stream, args.quick)
         bench_sampling(stream)

@@ -6,8 +6,13 @@ measured in the same run, every kernel variant of the registry table, and a torc
 (the alternative a user has) as a ratio. Weights are random bytes in the kernel layout (any bytes are valid
 INT4 codes); scales are random positive bf16 of the checkpoint's magnitude.
 
-    python -m tools.bench_moe [--tokens 1,2,4,...] [--experts 384] [--no-variants] [--torch-json F]
+    python -m tools.bench_moe [--tokens 1,2,4,...] [--experts 384] [--no-variants] [--no-plans] [--torch-json F]
     python -m tools.bench_moe --torch-only F     # time the torch loop alone (its own process), write JSON F
+
+Launch plans (unless --no-plans): the whole layer graph-replayed with each MoeLayer plan, in the same run:
+"before" (moe_topk + moe_group, gate_up, down, moe_combine; no PDL), then one change at a time: fused
+routing, combine folded into down, PDL, early weight start in down (= the default plan at small T), and the
+default plan with the combine choice flipped (to place FUSE_COMBINE_MAX_TOKENS).
 
 The torch loop runs in its own process (torch and the runtime's CUDA wheels in one process clashed on the
 device image); both processes route the same logits (seeded per routing and T), so the ratio compares the
@@ -122,6 +127,7 @@ def main(argv=None):
     ap.add_argument("--routing", default="uniform,skewed")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--no-plans", action="store_true", help="skip the launch-plan comparison")
     ap.add_argument("--torch-only", metavar="JSON", help="time only the torch bf16 loop, write results here")
     ap.add_argument("--torch-json", metavar="JSON", help="torch loop times from a --torch-only run")
     args = ap.parse_args(argv)
@@ -149,6 +155,7 @@ def main(argv=None):
             print(f"no torch loop times: {e}")
     stream = cuda.Stream()
     rows = []
+    plan_rows = {}
     for kind in args.routing.split(","):
         for T in (int(v) for v in args.tokens.split(",")):
             layer = MoeLayer(weights, T, np.zeros(args.experts, np.float32))
@@ -161,19 +168,21 @@ def main(argv=None):
             counts = layer.expert_count.download()
             distinct = int((counts > 0).sum())
             nbytes = distinct * per_expert
-            with cuda.capture(stream) as g:
-                layer.forward(stream)
-            graph = g.instantiate()
-            t_graph = cuda.bench(lambda: graph.launch(stream), iters=args.iters, stream=stream)
-            st = {name: cuda.bench(lambda name=name: layer.forward(stream, stages=(name,)), iters=args.iters,
-                                   stream=stream) for name in ("route", "gate_up", "down", "combine")}
+            try:
+                t_graph, stage_times = time_plan(weights, T, args.experts, x, logits, {}, args.iters)
+            except Exception as e:   # report, keep the other token counts
+                print(f"{kind:8s} T={T:4d}: default plan failed ({type(e).__name__}: {e})", flush=True)
+                continue
+            names = [name for name, _ in layer.stages]
+            st = {"route": 0.0, "gate_up": 0.0, "down": 0.0, "combine": 0.0, **dict(stage_times)}
             gemm = st["gate_up"] + st["down"]
             line = (f"{kind:8s} T={T:4d} experts={distinct:3d} max/expert={counts.max():4d} "
                     f"bytes={nbytes / 1e9:6.3f} GB | graph {t_graph * 1e3:8.1f} us "
                     f"({nbytes / (t_graph * 1e-3) / bw * 100:5.1f}% BW) | gemms {gemm * 1e3:8.1f} us "
                     f"({nbytes / (gemm * 1e-3) / bw * 100:5.1f}% BW) | route {st['route'] * 1e3:.1f} "
                     f"gate_up {st['gate_up'] * 1e3:.1f} down {st['down'] * 1e3:.1f} combine {st['combine'] * 1e3:.1f} us "
-                    f"[{layer.variants[0][16:]}, {layer.variants[1][16:]}]")
+                    f"[{layer.variants[0][16:]}, {layer.variants[1][16:]}] {len(names)} launches"
+                    f"{' (combine in down)' if layer.fuse_combine else ''}")
             tt = torch_times.get(f"{kind}/{T}")
             if tt is not None:
                 line += (f" | torch bf16 loop {tt[0] * 1e3:.0f} us ({tt[1] / (tt[0] * 1e-3) / 1e12:.2f} TB/s), "
@@ -195,6 +204,19 @@ def main(argv=None):
                     frac = (gu_bytes if mode == 0 else dn_bytes) / (ms * 1e-3) / bw
                     parts.append(f"{entry[16:]} {ms * 1e3:.1f}us {frac * 100:.0f}%")
                 print("    variants: " + "; ".join(parts), flush=True)
+            if not args.no_plans:
+                parts = []
+                for label, plan in launch_plans(layer.fuse_combine):
+                    try:
+                        ms, stages = time_plan(weights, T, args.experts, x, logits, plan, args.iters)
+                    except Exception as e:   # keep the run going: report and move on
+                        parts.append(f"{label} failed ({type(e).__name__}: {e})")
+                        continue
+                    parts.append(f"{label} {ms * 1e3:.1f}us {nbytes / (ms * 1e-3) / bw * 100:.1f}% "
+                                 f"[{' '.join(f'{n} {v * 1e3:.1f}' for n, v in stages)}]")
+                    plan_rows.setdefault((kind, T), {})[label] = ms
+                print("    plans (graph replay; [each stage alone, graph-replayed]):\n      " + "\n      ".join(parts),
+                      flush=True)
             rows.append((kind, T, distinct, nbytes, t_graph, gemm, tt[0] if tt else float("nan")))
     print("\nsummary (graph replay of the whole layer: routing + gate_up + down + combine)")
     print(f"{'routing':8s} {'T':>4s} {'experts':>7s} {'GB':>7s} {'us':>8s} {'TB/s':>6s} {'%BW':>6s} {'gemm %BW':>8s} "
@@ -203,6 +225,60 @@ def main(argv=None):
         print(f"{kind:8s} {T:4d} {distinct:7d} {nbytes / 1e9:7.3f} {t_graph * 1e3:8.1f} "
               f"{nbytes / (t_graph * 1e-3) / 1e12:6.2f} {nbytes / (t_graph * 1e-3) / bw * 100:6.1f} "
               f"{nbytes / (gemm * 1e-3) / bw * 100:8.1f} {t_torch * 1e3:9.0f} {t_torch / t_graph:7.1f}")
+    if plan_rows:
+        labels = [label for label, _ in launch_plans(True)]
+        print("\nlaunch plans, graph replay us (% read BW)")
+        print(f"{'routing':8s} {'T':>4s} " + " ".join(f"{lb:>16s}" for lb in labels))
+        for kind, T, distinct, nbytes, *_ in rows:
+            vals = plan_rows.get((kind, T), {})
+            print(f"{kind:8s} {T:4d} " + " ".join(
+                f"{vals[lb] * 1e3:8.1f} ({nbytes / (vals[lb] * 1e-3) / bw * 100:4.1f})" if lb in vals else f"{'-':>16s}"
+                for lb in labels))
+
+
+def time_plan(weights, T, E, x, logits, plan, iters):
+    """Graph-replay ms of a MoeLayer built with `plan`, and of each of its stages captured alone (a stage's
+    eager launch time would be the host's launch overhead for the small kernels). Own stream; nothing may be
+    freed while a capture is open (a cuMemFree or cuGraphDestroy there invalidates it): garbage collection
+    is off, and every GraphExec keeps its Capture, so rebinding `g` frees nothing."""
+    import gc
+    from runtime import cuda
+    from runtime.bf16 import to_bf16
+    from runtime.kimi_kernels import MoeLayer
+    layer = MoeLayer(weights, T, np.zeros(E, np.float32), **plan)
+    layer.x.upload(to_bf16(x))
+    layer.logits.upload(logits)
+    stream = cuda.Stream()
+    layer.forward(stream)
+    stream.synchronize()
+    names = list(dict.fromkeys(name for name, _ in layer.stages))
+    gc.collect()
+    gc.disable()
+    try:
+        graphs = []
+        for stages in [None] + [(n,) for n in names]:
+            with cuda.capture(stream) as g:
+                layer.forward(stream, stages=stages)
+            graphs.append(g.instantiate())
+    finally:
+        gc.enable()
+    times = [cuda.bench(lambda ge=ge: ge.launch(stream), iters=iters, stream=stream) for ge in graphs]
+    stream.synchronize()
+    return times[0], list(zip(names, times[1:]))
+
+
+def launch_plans(default_fused_combine: bool):
+    """(label, MoeLayer keyword arguments): the plan before issue 7's launch work, then one change at a time."""
+    before = dict(fused_routing=False, fuse_combine=False, early=False, pdl=False)
+    return [
+        ("before", before),
+        ("+route1", dict(before, fused_routing=True)),
+        ("+foldcomb", dict(before, fused_routing=True, fuse_combine=True)),
+        ("+pdl", dict(fused_routing=True, fuse_combine=True, early=False, pdl=True)),
+        ("+early", dict(fused_routing=True, fuse_combine=True, early=True, pdl=True)),
+        ("flip-comb",
+         dict(fuse_combine=not default_fused_combine)),
+    ]
 
 
 def torch_main(args):

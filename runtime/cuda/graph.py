@@ -12,6 +12,7 @@ from .errors import check
 from .stream import stream_handle
 
 _active: dict[int, "Capture"] = {}  # int(stream handle) -> capture in progress on it
+_deferred: list = []  # (destroy fn, handle) of graphs dropped during a capture, destroyed after it
 
 
 def _note_launch(stream, launch):
@@ -64,6 +65,12 @@ class Capture:
     def __exit__(self, exc_type, exc, tb):
         _active.pop(int(self.handle), None)
         result = driver().cuStreamEndCapture(self.handle)
+        while _deferred and not _active:  # graphs released while the capture ran
+            destroy, handle = _deferred.pop()
+            try:
+                destroy(handle)
+            except Exception:
+                pass
         if exc_type is not None:  # the body failed: end the capture, drop the graph, keep the body's error
             if int(result[0]) == 0 and result[1] is not None:
                 driver().cuGraphDestroy(result[1])
@@ -78,6 +85,9 @@ class Capture:
 
     def __del__(self):
         if getattr(self, "graph", None) is not None:
+            if _active:  # destroying a graph while a stream captures invalidates that capture: defer it
+                _deferred.append((driver().cuGraphDestroy, self.graph))
+                return
             try:
                 driver().cuGraphDestroy(self.graph)
             except Exception:
@@ -124,6 +134,9 @@ class GraphExec:
               "cuGraphExecKernelNodeSetParams")
 
     def __del__(self):
+        if _active:  # not while a stream captures (see Capture.__del__)
+            _deferred.append((driver().cuGraphExecDestroy, self.handle))
+            return
         try:
             driver().cuGraphExecDestroy(self.handle)
         except Exception:

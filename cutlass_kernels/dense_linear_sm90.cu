@@ -1,0 +1,373 @@
+// bf16 linear y[M, N] = x[M, K] @ W[N, K]^T (+ residual) on Hopper GMMA (wgmma), sm_90a only, for the
+// verify buckets and small prefill (M = 9..256; larger M walks token tiles on blockIdx.z).
+//
+// Swap AB: the W tile is wgmma's A operand (64 W rows per consumer warpgroup, M side), the x tile its B
+// operand (N side = tokens, TN a template parameter, a multiple of 8 up to 256). Both operands K-major in
+// shared memory with the 128-byte swizzle; one "k atom" is 64 k (128 bytes of each row: the swizzle width).
+//
+// Block: 256 threads = two warpgroups, 128 W rows. Every thread both loads and computes (no producer warp:
+// the block stays a power-of-two size for ddtree::splitk_finish, and wgmma being asynchronous, the issuing
+// warps are free to issue cp.async while the tensor cores work). Pipeline of STAGES shared-memory stages of
+// KA k atoms each, filled with 16-byte cp.async into the swizzled addresses (no tensor map, so no host
+// state per weight pointer and nothing to rebuild for graph replays), tracked by mbarriers:
+//   full[s]  (256 arrivals): cp.async.mbarrier.arrive.noinc from every thread after its copies of stage s;
+//   empty[s] (256 arrivals): every thread once its warpgroup's wgmma reading stage s has retired.
+// A thread refills a buffer only after empty (both warpgroups done with it), so warps drift by up to one
+// stage and STAGES-1 stages of W are in flight per block.
+//
+// PDL (family registered with pdl=True): the first STAGES-1 stages of W (immutable) are issued before
+// ddtree::grid_dependency_wait(); x, the workspace, the tickets and the output are touched only after it.
+//
+// Epilogue: the accumulators go through shared memory (fp32 [TN][128 + 4]) so the output, the residual and
+// the split-K partials are written/read along n, coalesced. K splits (blockIdx.y), two ways:
+// - CS > 1: the CS splits of a tile form a (1, CS, 1) thread-block cluster; each block stages its partial
+//   tile in its own shared memory and, after a cluster barrier, block `rank` sums slice `rank` of the tile
+//   over all CS blocks through distributed shared memory (in split order: deterministic) and writes bf16.
+//   No workspace, no tickets. Measured faster than the workspace split on every Qwen3-8B shape (H200).
+// - CS = 1 with gridDim.y > 1: fp32 partials ws[split][m][n], then ddtree::splitk_finish (last block of
+//   the tile reduces; one int32 ticket per (token tile, row block), left at zero). Any split count.
+//
+// Measured design choices (H200, tools/bench_dense.py --gmma, docs in runtime/dense_gmma.py): the proxy
+// fence per stage costs nothing measurable; deeper pipelines (7-11 stages of 16 KB) and two blocks per SM
+// were not faster than 3 stages of 32 KB at one block per SM; 256-row blocks (RW = 2) win only where they
+// avoid a split (gate_up at M = 128); clusters of 4 lose to clusters of 2.
+#include <cuda_bf16.h>
+#include <cuda/std/cstdint>  // NVRTC has no <cstdint>
+#include <cuda/std/utility>
+using cuda::std::uint32_t;
+using cuda::std::uint64_t;
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // N = 24, 40, 56, 72, ... (every multiple of 8)
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include "device_common.cuh"
+#include "linear_splitk.cuh"
+
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kRowsW = 128;            // W rows per block (2 warpgroups x 64)
+constexpr int kAtomBytesW = kRowsW * 128;  // one 64-k atom of the W tile: 16 KB
+constexpr int kStagePad = 4;           // fp32 pad of the epilogue staging rows (conflict-free fragment stores)
+
+template <int TN> struct GmmaOp;
+#define DDTREE_GMMA_OP(N)                                                                          \
+  template <> struct GmmaOp<N> {                                                                   \
+    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,       \
+                                                                  cute::SM90::GMMA::Major::K>;     \
+  };
+DDTREE_GMMA_OP(16)
+DDTREE_GMMA_OP(32)
+DDTREE_GMMA_OP(48)
+DDTREE_GMMA_OP(64)
+DDTREE_GMMA_OP(72)
+DDTREE_GMMA_OP(96)
+DDTREE_GMMA_OP(128)
+DDTREE_GMMA_OP(192)
+DDTREE_GMMA_OP(256)
+#undef DDTREE_GMMA_OP
+
+template <class Op, int... I>
+__device__ __forceinline__ void gmma_fma(uint64_t da, uint64_t db, float* acc,
+                                         cuda::std::integer_sequence<int, I...>) {
+  Op::fma(da, db, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
+}
+
+// K-major operand, 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart (SBO), the tile base
+// 1024-byte aligned; advancing k by 16 inside the swizzle atom adds 32 bytes to the start address.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr) {
+  return (uint64_t)((smem_addr & 0x3FFFF) >> 4)   // start address
+         | ((uint64_t)1 << 16)                    // leading byte offset (unused for swizzled K-major)
+         | ((uint64_t)(1024 >> 4) << 32)          // stride byte offset
+         | ((uint64_t)1 << 62);                   // SWIZZLE_128B
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      "WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+// Thread-block cluster helpers (distributed shared memory).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// fp32 at shared offset `addr` (this CTA's address space) of cluster CTA `rank`.
+__device__ __forceinline__ float ld_dsmem(uint32_t addr, uint32_t rank) {
+  uint32_t remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+}  // namespace
+
+// TN: tokens per tile (wgmma N). KA: 64-k atoms per pipeline stage. STAGES: shared-memory stages. RW: 64-row
+// W tiles per warpgroup (block = 128*RW W rows; RW = 2 halves the x traffic per W byte, TN/2*RW accumulators
+// per thread). CS: K splits reduced inside a thread-block cluster of (1, CS, 1) blocks through distributed
+// shared memory (gridDim.y == CS; no workspace, no tickets, sum in split order); CS = 1: gridDim.y splits
+// through the fp32 workspace and ddtree::splitk_finish (any count), or none.
+// Dynamic smem (runtime/dense_gmma.py gmma_smem_bytes): 1024 (alignment) +
+//   max(STAGES * KA * (16384 * RW + TN * 128), TN * (128 + 4) * 4).
+template <int TN, int KA, int STAGES, int RW, int CS>
+__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(kThreads, 1)
+linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
+                   const __nv_bfloat16* __restrict__ w,  // [N, K] row-major, K % 8 == 0
+                   __nv_bfloat16* __restrict__ out, int ldo,
+                   const __nv_bfloat16* __restrict__ residual, int ldr,  // nullable
+                   float* __restrict__ ws, int* __restrict__ tickets,
+                   int M, int N, int K, int k_per_split) {
+  static_assert(TN % 8 == 0 && TN >= 16 && TN <= 256, "wgmma N");
+  static_assert(KA == 1 || KA == 2, "k atoms per stage");
+  static_assert(RW == 1 || RW == 2, "W tiles per warpgroup");
+  constexpr int kRows = kRowsW * RW;              // W rows per block
+  constexpr int kAtomW = kAtomBytesW * RW;        // one 64-k atom of the W tile
+  constexpr int kAtomBytesX = TN * 128;
+  constexpr int kStageW = KA * kAtomW;
+  constexpr int kStageBytes = KA * (kAtomW + kAtomBytesX);
+  constexpr int kStageK = 64 * KA;
+  constexpr int kAcc = TN / 2;  // fp32 accumulators per thread per 64-row tile (64 x TN per warpgroup)
+  constexpr int kWq = 4 * RW;   // W rows per thread per atom (one 16-byte chunk each)
+  using Op = typename GmmaOp<TN>::type;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * STAGES];  // full[0..S), empty[0..S)
+  const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  unsigned char* smem_gen = smem_raw + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)));
+  const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+  auto full_bar = [&](int s) { return bar_base + 8u * s; };
+  auto empty_bar = [&](int s) { return bar_base + 8u * (STAGES + s); };
+
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7;  // warpgroup: W rows [64 RW wg, 64 RW (wg + 1)) of the block
+  const int n0 = blockIdx.x * kRows;
+  const int m0 = blockIdx.z * TN;
+  const int k_begin = blockIdx.y * k_per_split;
+  const int k_end = min(K, k_begin + k_per_split);
+  const int n_stages = (k_end - k_begin + kStageK - 1) / kStageK;
+
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar(s), kThreads);
+      mbar_init(empty_bar(s), kThreads);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // This thread's W chunks: rows tid/8 + 32 q, 16-byte chunk c = tid % 8 of each 128-byte row of every
+  // atom; the swizzle puts chunk c of row r at chunk c ^ (r % 8).
+  const int wc = tid & 7;
+  const __nv_bfloat16* w_row[kWq];
+  uint32_t w_dst[kWq];
+#pragma unroll
+  for (int q = 0; q < kWq; ++q) {
+    const int r = (tid >> 3) + 32 * q;
+    const int n = n0 + r;
+    w_row[q] = n < N ? w + (size_t)n * K + 8 * wc : nullptr;
+    w_dst[q] = r * 128 + ((wc ^ (r & 7)) << 4);
+  }
+  auto load_w = [&](int stage) {
+    const uint32_t buf = smem_base + (stage % STAGES) * kStageBytes;
+    const int k0 = k_begin + stage * kStageK;
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      const bool k_ok = k0 + 64 * a + 8 * wc < k_end;
+#pragma unroll
+      for (int q = 0; q < kWq; ++q) {
+        const bool ok = k_ok && w_row[q] != nullptr;
+        cp_async16_s(buf + a * kAtomW + w_dst[q], ok ? (const void*)(w_row[q] + k0 + 64 * a) : (const void*)w, ok);
+      }
+    }
+  };
+  auto load_x = [&](int stage) {
+    const uint32_t buf = smem_base + (stage % STAGES) * kStageBytes + kStageW;
+    const int k0 = k_begin + stage * kStageK;
+    constexpr int kChunks = KA * TN * 8;
+#pragma unroll
+    for (int i0 = 0; i0 < kChunks; i0 += kThreads) {
+      const int i = i0 + tid;
+      if (kChunks % kThreads == 0 || i < kChunks) {
+        const int a = i / (TN * 8), rem = i % (TN * 8);
+        const int r = rem >> 3, c = rem & 7;
+        const int m = m0 + r, k = k0 + 64 * a + 8 * c;
+        const bool ok = m < M && k < k_end;
+        cp_async16_s(buf + a * kAtomBytesX + r * 128 + ((c ^ (r & 7)) << 4),
+                     ok ? (const void*)(x + (size_t)m * ldx + k) : (const void*)x, ok);
+      }
+    }
+  };
+
+  // Prologue: W of the first STAGES-1 stages before the dependency wait (weights are immutable), then x.
+  constexpr int kPre = STAGES - 1;
+#pragma unroll
+  for (int s = 0; s < kPre; ++s)
+    if (s < n_stages) load_w(s);
+  ddtree::grid_dependency_wait();
+#pragma unroll
+  for (int s = 0; s < kPre; ++s)
+    if (s < n_stages) {
+      load_x(s);
+      mbar_arrive_cp_async(full_bar(s));
+    }
+
+  float acc[RW][kAcc];
+#pragma unroll
+  for (int t = 0; t < RW; ++t)
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) {
+      acc[t][i] = 0.f;
+      cute::warpgroup_fence_operand(acc[t][i]);
+    }
+
+  for (int s = 0; s < n_stages; ++s) {
+    const int b = s % STAGES;
+    mbar_wait(full_bar(b), (s / STAGES) & 1);
+    // cp.async wrote through the generic proxy, wgmma reads through the async proxy (measured free, run 2)
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    const uint32_t wbase = smem_base + b * kStageBytes + wg * (RW * 64 * 128);
+    const uint32_t xbase = smem_base + b * kStageBytes + kStageW;
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      const uint64_t db = sw128_desc(xbase + a * kAtomBytesX);
+#pragma unroll
+      for (int t = 0; t < RW; ++t) {
+        const uint64_t da = sw128_desc(wbase + a * kAtomW + t * (64 * 128));
+#pragma unroll
+        for (int j = 0; j < 4; ++j)  // k16 steps: +32 bytes = +2 in the descriptor's address field
+          gmma_fma<Op>(da + 2 * j, db + 2 * j, acc[t], cuda::std::make_integer_sequence<int, kAcc>{});
+      }
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();  // this warpgroup's MMAs of stage s-1 have retired
+#pragma unroll
+    for (int t = 0; t < RW; ++t)
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[t][i]);
+    if (s >= 1) mbar_arrive(empty_bar((s - 1) % STAGES));
+    // Refill: stage s + STAGES - 1 goes into the buffer stage s - 1 used, once both warpgroups are done.
+    const int t = s + kPre;
+    if (t < n_stages) {
+      if (s >= 1) mbar_wait(empty_bar((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
+      load_w(t);
+      load_x(t);
+      mbar_arrive_cp_async(full_bar(t % STAGES));
+    }
+  }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int t = 0; t < RW; ++t)
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[t][i]);
+  ddtree::launch_dependents();  // the next kernel may start its weight prefetch during our epilogue
+
+  // Epilogue, one pass per 64-row tile t of each warpgroup (so staging is [TN][128 + 4] fp32 whatever RW):
+  // acc[t][4j + 2i + b] is W row 16*warp + lane/4 + 8i of the tile, token 8j + 2*(lane%4) + b; staged at
+  // stg[token][64*wg + row] (row length 132: conflict-free), then written along n (coalesced).
+  constexpr int kLd = kRowsW + kStagePad;
+  float* stg = reinterpret_cast<float*>(smem_gen);
+  const int warp = (tid >> 5) & 3, lane = tid & 31;
+  const int r0 = 64 * wg + 16 * warp + (lane >> 2);
+  const int c0 = 2 * (lane & 3);
+  const bool single = gridDim.y == 1;
+#pragma unroll
+  for (int t = 0; t < RW; ++t) {
+    __syncthreads();  // t = 0: both warpgroups done with the stage buffers; t > 0: previous pass written out
+#pragma unroll
+    for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) stg[(8 * j + c0 + b) * kLd + r0 + 8 * i] = acc[t][4 * j + 2 * i + b];
+    if (CS > 1) {
+      // Every block of the cluster holds its partial tile in stg; block `rank` sums rows slice `rank` of all
+      // CS tiles (remote reads through DSMEM, in split order) and writes bf16 (+ residual).
+      cluster_sync();
+      const uint32_t rank = cluster_ctarank();
+      const uint32_t stg_s = static_cast<uint32_t>(__cvta_generic_to_shared(stg));
+      constexpr int kSlice = TN * kRowsW / CS;
+      for (int i = rank * kSlice + tid; i < (int)(rank + 1) * kSlice; i += kThreads) {
+        const int mm = i / kRowsW, col = i % kRowsW;
+        const int m = m0 + mm, n = n0 + (col >> 6) * (64 * RW) + 64 * t + (col & 63);
+        if (m < M && n < N) {
+          const uint32_t off = stg_s + 4u * (mm * kLd + col);
+          float v = 0.f;
+#pragma unroll
+          for (int q = 0; q < CS; ++q) v += ld_dsmem(off, q);
+          if (residual) v += __bfloat162float(residual[(size_t)m * ldr + n]);
+          out[(size_t)m * ldo + n] = __float2bfloat16(v);
+        }
+      }
+      cluster_sync();  // no block reuses or releases its stg while another may still read it
+      continue;
+    }
+    __syncthreads();
+    for (int i = tid; i < TN * kRowsW; i += kThreads) {
+      const int mm = i / kRowsW, col = i % kRowsW;
+      const int m = m0 + mm, n = n0 + (col >> 6) * (64 * RW) + 64 * t + (col & 63);
+      if (m < M && n < N) {
+        const float v = stg[mm * kLd + col];
+        if (single) {
+          const float r = residual ? __bfloat162float(residual[(size_t)m * ldr + n]) : 0.f;
+          out[(size_t)m * ldo + n] = __float2bfloat16(v + r);
+        } else {
+          __stcg(ws + ((size_t)blockIdx.y * M + m) * N + n, v);
+        }
+      }
+    }
+  }
+  if (CS > 1 || single) return;
+  // Outputs per thread per pass of the reduction: as many as divide the tile evenly, up to 16 (the last
+  // block's reduction is a chain of L2 latencies; more independent loads in flight shorten it).
+  constexpr int kElemsPerThread = TN * kRows / kThreads;
+  constexpr int kIlp = kElemsPerThread % 16 == 0 ? 16 : kElemsPerThread % 12 == 0 ? 12
+                     : kElemsPerThread % 8 == 0 ? 8 : kElemsPerThread % 4 == 0 ? 4 : 1;
+  ddtree::splitk_finish<TN, kRows, kThreads, kIlp>(out, ldo, residual, ldr, ws,
+                                                    tickets + blockIdx.z * gridDim.x + blockIdx.x, M, N, m0, n0);
+}
+
+// Curated instances (cutlass_kernels/registry.py DENSE_GMMA_INSTANCES lists the same): <TN, KA, S, RW, CS>.
+#define DDTREE_GMMA_INSTANCE(TN, KA, S, RW, CS)                                                             \
+  template __global__ void linear_gmma_kernel<TN, KA, S, RW, CS>(const __nv_bfloat16*, int,                  \
+      const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
+#define DDTREE_GMMA_CS(TN, KA, S, RW) DDTREE_GMMA_INSTANCE(TN, KA, S, RW, 1) DDTREE_GMMA_INSTANCE(TN, KA, S, RW, 2)
+DDTREE_GMMA_CS(16, 2, 4, 1)
+DDTREE_GMMA_CS(32, 2, 4, 1)
+DDTREE_GMMA_CS(48, 2, 4, 1)
+DDTREE_GMMA_CS(64, 2, 4, 1)
+DDTREE_GMMA_CS(72, 2, 4, 1)
+DDTREE_GMMA_CS(96, 1, 6, 1)
+DDTREE_GMMA_CS(128, 1, 6, 1)
+DDTREE_GMMA_CS(192, 1, 4, 1)
+DDTREE_GMMA_CS(256, 1, 4, 1)
+// clusters of 4 (measured slower than 2; kept for the benchmark) and 256-row blocks (faster only where they
+// avoid a split: gate_up at M = 128)
+DDTREE_GMMA_INSTANCE(16, 2, 4, 1, 4)
+DDTREE_GMMA_INSTANCE(64, 2, 4, 1, 4)
+DDTREE_GMMA_INSTANCE(72, 2, 4, 1, 4)
+DDTREE_GMMA_INSTANCE(128, 1, 6, 1, 4)
+DDTREE_GMMA_INSTANCE(256, 1, 4, 1, 4)
+DDTREE_GMMA_INSTANCE(64, 1, 4, 2, 1)
+DDTREE_GMMA_INSTANCE(128, 1, 4, 2, 1)
+#undef DDTREE_GMMA_CS
+#undef DDTREE_GMMA_INSTANCE

@@ -1,0 +1,203 @@
+"""Hopper GMMA bf16 linear (cutlass_kernels/dense_linear_sm90.cu, family dense_linear_sm90, sm_90a only):
+out[M, N] = x[M, K] @ w[N, K]^T (+ residual) for the verify buckets and small prefill (M = 9..256; larger M
+walks token tiles on blockIdx.z, re-reading W once per tile).
+
+Launch plan: a block is 256 threads over 128 W rows and TN tokens (the wgmma N), fed by a STAGES-deep
+shared-memory pipeline of KA 64-k atoms per stage. TN is the smallest instance >= M (one token tile up to
+256 rows). K is split over blockIdx.y when the row blocks alone cannot fill the GPU (gmma_plan's cost
+model): either inside a (1, CS, 1) thread-block cluster whose blocks sum their partial tiles through
+distributed shared memory (CS = 2; 4 when forced: no workspace traffic, no tickets), or through
+fp32 partials in a runtime.dense_kernels.Workspace reduced by the last block of each tile
+(ddtree::splitk_finish: one int32 ticket per (token tile, row block), left at zero).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from runtime.cuda import DeviceArray, get_device, get_kernel
+from runtime.dense_kernels import Workspace, _bf16, _i32, _need, default_workspace
+
+from cutlass_kernels.registry import DENSE_GMMA_INSTANCES
+
+FAMILY = "dense_linear_sm90"
+GMMA_ARCHS = ("90a",)
+GMMA_ROWS_PER_BLOCK = 128        # two warpgroups x 64 W rows (x RW)
+GMMA_THREADS = 256
+GMMA_MIN_M, GMMA_MAX_M = 9, 256  # the range runtime.dense_kernels.linear hands to this kernel
+SMEM_PER_SM = 228 * 1024         # H100/H200: 228 KB per SM, 227 KB per block, 1 KB reserved per block
+SMEM_PER_BLOCK_MAX = 227 * 1024
+# Cost model of gmma_plan, fitted to H200 runs of tools/bench_dense.py --gmma (2026-12-02): one block
+# streams W at up to ~45 GB/s and computes at ~3.6 TFLOP/s; all blocks together read at most ~3.9 TB/s; a
+# block costs ~2 us beyond that (ramp, epilogue); a workspace split-K adds ~2.5 us + 0.03 us * M * splits
+# (partials written, the last block's reduction). Cluster splits of 4 measured slower than of 2 everywhere
+# (fewer co-resident clusters?), so the planner uses CS = 2 only (CS = 4 stays available when forced), and
+# workspace splits (3..64) only where two splits would leave two thirds of the SMs idle: on the Qwen3-8B
+# shapes a workspace split of 4 lost to the cluster split of 2 (o: 18.6 vs 15.1 us at M = 64).
+GMMA_SM_BYTES_PER_US = 45e3
+GMMA_SM_FLOP_PER_US = 3.6e6
+GMMA_HBM_BYTES_PER_US = 3.9e6
+GMMA_BLOCK_US = 2.0
+GMMA_CLUSTER_SIZES = (2,)
+GMMA_INSTANCES = frozenset(DENSE_GMMA_INSTANCES)  # (TN, KA, STAGES, RW, CS)
+TOKEN_TILES = tuple(sorted({c[0] for c in DENSE_GMMA_INSTANCES}))
+# default (KA, STAGES, RW) per token tile: one block per SM with 3-5 stages in flight
+_DEFAULT_CONFIG = {16: (2, 4, 1), 32: (2, 4, 1), 48: (2, 4, 1), 64: (2, 4, 1), 72: (2, 4, 1),
+                   96: (1, 6, 1), 128: (1, 6, 1), 192: (1, 4, 1), 256: (1, 4, 1)}
+_smem_raised: set = set()
+
+
+def gmma_smem_bytes(tn: int, ka: int, stages: int, rw: int = 1) -> int:
+    """Dynamic shared memory of linear_gmma_kernel<tn, ka, stages, rw, *>: the stages (W 16 KB * rw + x tn*128
+    bytes per 64-k atom) or the fp32 epilogue staging [tn][132], whichever is larger, plus 1 KB to align."""
+    return 1024 + max(stages * ka * (16384 * rw + tn * 128), tn * (128 + 4) * 4)
+
+
+def gmma_blocks_per_sm(tn: int, ka: int, stages: int, rw: int = 1) -> int:
+    static = 2 * stages * 8 + 16  # mbarriers + splitk_finish's flag
+    return max(1, min(2, SMEM_PER_SM // (gmma_smem_bytes(tn, ka, stages, rw) + static + 1024)))
+
+
+def token_tile(M: int) -> int:
+    for tn in TOKEN_TILES:
+        if M <= tn:
+            return tn
+    return TOKEN_TILES[-1]
+
+
+# runtime.dense_kernels.linear (kernel="auto", no fused prologue) hands these shapes to linear_gmma:
+# DDTREE_LINEAR_GMMA=0 turns that off (A/B timing). N >= 4096 and K >= 1024: the sizes measured faster on
+# the H200 (Qwen3-8B: every projection, M = 16..256); smaller matrices stay on the mma.sync kernels until
+# measured.
+GMMA_ENABLED = os.environ.get("DDTREE_LINEAR_GMMA", "1") != "0"
+GMMA_MIN_N, GMMA_MIN_K = 4096, 1024
+
+
+def gmma_wanted(M: int, N: int, K: int) -> bool:
+    """Whether runtime.dense_kernels.linear should use this kernel for [M, K] x [N, K]^T on this device."""
+    return (GMMA_ENABLED and GMMA_MIN_M <= M <= GMMA_MAX_M and N >= GMMA_MIN_N and K >= GMMA_MIN_K
+            and gmma_available())
+
+
+def gmma_available(arch: str | None = None) -> bool:
+    """True when the current device (or `arch`) runs this family."""
+    if arch is None:
+        arch = get_device().arch
+    return arch in GMMA_ARCHS
+
+
+def _cluster_slots(cs: int, bps: int, sm_count: int) -> int:
+    """Blocks of (1, cs, 1) clusters resident at once: clusters live inside one GPC, so a GPC whose SM count
+    is not a multiple of cs leaves SMs idle (H100/H200: 132 SMs hold 32 clusters of 4, 66 of 2)."""
+    return cs * ((bps * sm_count) // cs - (1 if cs >= 4 else 0))
+
+
+def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, tn: int | None = None,
+              ka: int | None = None, stages: int | None = None, rw: int | None = None, cs: int | None = None):
+    """(entry, grid, k_per_split, dynamic smem bytes) of linear_gmma; blocks are 256 threads.
+
+    The K split: CS > 1 instances split K over a (1, CS, 1) cluster and reduce through distributed shared
+    memory (grid y = CS); CS = 1 splits over grid y through the fp32 workspace (any count), or not at all.
+    Unless forced (splits: a workspace split count; cs: a cluster size), the cost model picks among no split,
+    cluster splits and workspace splits: per-SM bytes of W in the slowest wave, a fixed per-block cost, and
+    for workspace splits the fp32 partials written and read back. tn/ka/stages/rw pick an instance."""
+    op = "linear_gmma"
+    tn = tn or token_tile(M)
+    d_ka, d_st, d_rw = _DEFAULT_CONFIG.get(tn, (1, 4, 1))
+    ka, stages, rw = ka or d_ka, stages or d_st, rw or d_rw
+    _need(splits is None or cs is None or cs == 1 or splits == cs, op,
+          f"splits={splits} with cs={cs}: a cluster split has exactly cs splits")
+    atom_k = 64 * ka
+    units = -(-K // atom_k)  # pipeline stages over the whole K
+    rows = GMMA_ROWS_PER_BLOCK * rw
+    row_blocks = -(-N // rows)
+    z = -(-M // tn)
+    bps = gmma_blocks_per_sm(tn, ka, stages, rw)
+    if cs is None and splits is None:
+        def est_us(c: int, s: int) -> float:
+            per = -(-units // s)
+            blocks = row_blocks * z * s
+            slots = _cluster_slots(c, bps, sm_count) if c > 1 else bps * sm_count
+            waves = -(-blocks // slots)
+            stream = per * atom_k * rows * 2 / GMMA_SM_BYTES_PER_US
+            compute = 2 * rows * tn * per * atom_k / GMMA_SM_FLOP_PER_US
+            t = max(waves * bps * (max(stream, compute) + GMMA_BLOCK_US), z * N * K * 2 / GMMA_HBM_BYTES_PER_US)
+            if c == 1 and s > 1:
+                t += 2.5 + 0.03 * M * s
+            return t
+
+        best = None  # fewest splits unless another is >= 2% faster
+        candidates = [(1, 1)] + [(c, c) for c in GMMA_CLUSTER_SIZES
+                                 if (tn, ka, stages, rw, c) in GMMA_INSTANCES and c <= units]
+        if row_blocks * z * 2 < bps * sm_count // 3:  # workspace splits only where 2 splits leave most SMs idle
+            candidates += [(1, s) for s in range(3, min(units, 64) + 1)]
+        for c, s in candidates:
+            if c == 1 and s > 1 and -(-units // -(-units // s)) != s:
+                continue  # a count that leaves the last split short: another s covers it
+            t = est_us(c, s)
+            if best is None or t < 0.98 * best[0]:
+                best = (t, c, s)
+        _, cs, splits = best
+    elif cs is None:
+        cs = 1
+    elif cs > 1:
+        splits = cs
+    cfg = (tn, ka, stages, rw, cs)
+    _need(cfg in GMMA_INSTANCES, op, f"no instance <TN, KA, STAGES, RW, CS> = <{', '.join(map(str, cfg))}>; "
+          f"built: {sorted(GMMA_INSTANCES)}")
+    if cs > 1:
+        per = -(-units // cs)  # trailing splits may get no k at all (they add zeros)
+    else:
+        per = -(-units // max(1, min(int(splits or 1), units)))
+        splits = -(-units // per)
+    smem = gmma_smem_bytes(tn, ka, stages, rw)
+    _need(smem <= SMEM_PER_BLOCK_MAX, op, f"{cfg} needs {smem} bytes of shared memory")
+    return "linear_gmma_kernel<%d, %d, %d, %d, %d>" % cfg, (row_blocks, splits, z), per * atom_k, smem
+
+
+def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None = None, *,
+                ldx: int | None = None, ldo: int | None = None, ldr: int | None = None,
+                ws: Workspace | None = None, splits: int | None = None, tn: int | None = None,
+                ka: int | None = None, stages: int | None = None, rw: int | None = None,
+                cs: int | None = None, stream=None) -> DeviceArray:
+    """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]), bf16, fp32 accumulation, on sm_90a GMMA.
+    Same contract as runtime.dense_kernels.linear; splits/tn/ka/stages/rw/cs override the plan."""
+    op = "linear_gmma"
+    for a, n in ((x, "x"), (w, "w"), (out, "out")):
+        _bf16(a, op, n)
+    _need(len(w.shape) == 2, op, f"w must be [N, K], got {w.shape}")
+    N, K = w.shape
+    _need(len(x.shape) == 2, op, f"x must be [M, K = {K}], got {x.shape}")
+    M = x.shape[0]
+    _need(x.shape[-1] == K, op, f"x {x.shape} does not match w {w.shape} (K = {K})")
+    _need(M >= 1 and N >= 1, op, f"empty product: M = {M}, N = {N}")
+    _need(K % 8 == 0, op, f"K = {K} must be a multiple of 8 (16-byte copies)")
+    _need(out.shape[0] == M and out.shape[-1] == N, op, f"out {out.shape}, want [M, N] = [{M}, {N}]")
+    ldx, ldo = ldx or K, ldo or N
+    _need(ldx % 8 == 0 and ldx >= K, op, f"ldx = {ldx} must be a multiple of 8 and >= K = {K}")
+    _need(ldo >= N, op, f"ldo = {ldo} must be >= N = {N}")
+    if residual is not None:
+        _bf16(residual, op, "residual")
+        _need(residual.shape[0] == M and residual.shape[-1] == N, op,
+              f"residual {residual.shape}, want [M, N] = [{M}, {N}]")
+        ldr = ldr or N
+        _need(ldr >= N, op, f"ldr = {ldr} must be >= N = {N}")
+    dev = get_device()
+    _need(gmma_available(dev.arch), op, f"the GMMA kernel is built for {GMMA_ARCHS}, this device is sm_{dev.arch}")
+    entry, grid, k_per_split, smem = gmma_plan(M, N, K, dev.sm_count, splits, tn, ka, stages, rw, cs)
+    ws = ws or default_workspace()
+    if grid[1] > 1 and entry.endswith(", 1>"):  # workspace split-K (cluster splits reduce in smem)
+        scratch = ws.scratch(grid[1] * M * N * 4)
+        tickets = ws.tickets(grid[0] * grid[2])
+    else:
+        scratch = tickets = out  # unused by the kernel
+    kern = get_kernel(FAMILY, entry)
+    if (dev.ordinal, entry) not in _smem_raised:  # smem is fixed per instance
+        kern.set_max_dynamic_smem(smem)
+        _smem_raised.add((dev.ordinal, entry))
+    kern.launch(grid, GMMA_THREADS,
+                [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),
+                 _i32(ldr or 0), scratch, tickets, _i32(M), _i32(N), _i32(K), _i32(k_per_split)],
+                smem=smem, stream=stream)
+    return out

@@ -1,0 +1,287 @@
+"""The Hopper GMMA bf16 linear (runtime/dense_gmma.py, cutlass_kernels/dense_linear_sm90.cu).
+
+GPU tests (sm_90a only; skipped elsewhere) against the numpy backend on fresh random data with odd sizes,
+output poisoned with NaN bits before each launch, every instance and forced split counts, launched twice
+(the split-K tickets must reset), residual and strides, a back-to-back chain that exercises the PDL waits,
+and a captured graph replayed with new inputs. CPU tests: the plan, and the family's SASS."""
+import re
+
+import numpy as np
+import pytest
+
+from runtime.backends.numpy_backend import NumpyBackend
+from runtime.bf16 import from_bf16, round_bf16, to_bf16
+from runtime.testing import assert_close
+
+ATOL = 1e-2  # plus the bf16 rtol: as tests/test_dense_kernels.py
+
+
+@pytest.fixture(scope="module")
+def dg(cuda_device):
+    import runtime.dense_gmma as dg
+    if not dg.gmma_available(cuda_device.arch):
+        pytest.skip(f"GMMA kernel is sm_90a only; device is sm_{cuda_device.arch}")
+    return dg
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return NumpyBackend()
+
+
+def dev_bf16(host_f32):
+    from runtime.cuda import to_device
+    return to_device(to_bf16(host_f32))
+
+
+def poisoned(shape, dtype=np.uint16):
+    from runtime.cuda import empty
+    return empty(shape, dtype).fill_bytes(0xFF)  # bf16 NaN, int32 -1
+
+
+def _data(M, N, K, seed):
+    rng = np.random.default_rng(seed)
+    x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
+    w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
+    return rng, x, w
+
+
+# ---------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,kw", [
+    # default plans (token tile = smallest instance >= M), K tails (136, 1000: not multiples of 64/128)
+    (9, 111, 64, {}), (17, 333, 136, {}), (33, 989, 1000, {}), (64, 4096, 4096, {}), (65, 989, 1000, {}),
+    (72, 4096, 1000, {}), (100, 333, 4096, {}), (256, 4096, 136, {}), (256, 989, 4096, {}),
+    # forced split counts: one split, several (uneven), many
+    (9, 989, 4096, {"splits": 1}), (33, 333, 1000, {"splits": 3}), (65, 4096, 136, {"splits": 2}),
+    (72, 111, 4096, {"splits": 1}), (72, 989, 4096, {"splits": 7}), (100, 4096, 1000, {"splits": 1}),
+    (256, 333, 4096, {"splits": 5}), (17, 111, 4096, {"splits": 32}),
+    # more than one token tile (blockIdx.z), one split and several
+    (300, 333, 1000, {}), (300, 989, 136, {"splits": 1}), (300, 989, 1000, {"cs": 2}),
+    # cluster splits: trailing splits without any k (K = 64 is one stage), forced sizes
+    (60, 333, 64, {"cs": 4}), (65, 4096, 136, {"cs": 2}), (13, 989, 4096, {"cs": 4}), (256, 333, 4096, {"cs": 2}),
+    (150, 4096, 1000, {"tn": 64, "ka": 2, "stages": 4, "rw": 1, "cs": 1, "splits": 3}),
+])
+def test_linear_gmma(dg, ref, M, N, K, kw):
+    _, x, w = _data(M, N, K, M * 7919 + N * 31 + K)
+    want = ref.linear(x, w)
+    xd, wd = dev_bf16(x), dev_bf16(w)
+    out = poisoned((M, N))
+    dg.linear_gmma(xd, wd, out, **kw)
+    assert_close(out.download(), want, f"linear_gmma M={M} N={N} K={K} {kw}", dtype="bf16", atol=ATOL)
+    out.fill_bytes(0xFF)  # again: the split-K tickets must have reset themselves
+    dg.linear_gmma(xd, wd, out, **kw)
+    assert_close(out.download(), want, f"linear_gmma (second launch) M={M} N={N} K={K} {kw}", dtype="bf16",
+                 atol=ATOL)
+
+
+def _instances():
+    from cutlass_kernels.registry import DENSE_GMMA_INSTANCES
+    return DENSE_GMMA_INSTANCES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _instances(), ids=lambda c: "<%d,%d,%d,%d,%d>" % c)
+def test_linear_gmma_every_instance(dg, ref, cfg):
+    """Every built instance at an M just over the next smaller tile, odd N and K: workspace instances (CS = 1)
+    with one split and three, cluster instances (CS > 1) plain and with a residual."""
+    tn, rw, cs = cfg[0], cfg[3], cfg[4]
+    M = max(9, tn - 7)
+    N, K = 333 + 128 * rw, 1000
+    rng, x, w = _data(M, N, K, sum(cfg) * 101 + cs)
+    r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
+    want = ref.linear(x, w)
+    xd, wd, rd = dev_bf16(x), dev_bf16(w), dev_bf16(r)
+    kw = dict(zip(("tn", "ka", "stages", "rw", "cs"), cfg))
+    runs = [({"splits": 1}, None), ({"splits": 3}, None)] if cs == 1 else [({}, None), ({}, rd)]
+    for extra, res in runs:
+        out = poisoned((M, N))
+        dg.linear_gmma(xd, wd, out, res, **kw, **extra)
+        assert_close(out.download(), want + (r if res is not None else 0),
+                     f"linear_gmma {cfg} M={M} N={N} K={K} {extra} residual={res is not None}", dtype="bf16",
+                     atol=ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [{"splits": 1}, {"splits": 4}, {"cs": 2}], ids=str)
+def test_linear_gmma_residual_and_strides(dg, ref, kw):
+    """x rows ldx apart, out rows ldo apart (the columns between are never written), residual rows ldr apart."""
+    rng = np.random.default_rng(5 + sum(kw.values()))
+    M, N, K, ldx, ldo, ldr = 37, 989, 1000, 1032, 1000, 1011
+    x_wide = round_bf16(rng.standard_normal((M, ldx), dtype=np.float32))
+    w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
+    r_wide = round_bf16(rng.standard_normal((M, ldr), dtype=np.float32))
+    want = ref.linear(x_wide[:, :K], w) + r_wide[:, :N]
+    xd, rd = dev_bf16(x_wide), dev_bf16(r_wide)
+    out = poisoned((M, ldo))
+    dg.linear_gmma(xd.view(0, (M, K)), dev_bf16(w), out.view(0, (M, N)), rd.view(0, (M, N)),
+                   ldx=ldx, ldo=ldo, ldr=ldr, **kw)
+    got = out.download()
+    assert_close(got[:, :N], want, f"linear_gmma + residual, strided ({kw})", dtype="bf16", atol=ATOL)
+    assert np.all(got[:, N:] == 0xFFFF), "wrote outside [M, N] of the strided output"
+
+
+@pytest.mark.gpu
+def test_linear_gmma_chain_read_after_write(dg, ref):
+    """Back-to-back launches on one stream without a sync (launched with PDL): the second reads what the
+    first writes (y), and writes the buffer the first reads (x): both need the dependency wait."""
+    from runtime.cuda import Stream
+    rng = np.random.default_rng(11)
+    M, N, K = 65, 1536, 2048
+    stream = Stream()
+    for it in range(3):
+        x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
+        w1 = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
+        w2 = round_bf16(rng.standard_normal((K, N), dtype=np.float32) / np.sqrt(N))
+        xd, w1d, w2d = dev_bf16(x), dev_bf16(w1), dev_bf16(w2)
+        y = poisoned((M, N))
+        stream.synchronize()
+        kw1, kw2 = [({"splits": 1}, {"cs": 4}), ({"cs": 2}, {"splits": 2}), ({"splits": 3}, {"splits": 1})][it]
+        dg.linear_gmma(xd, w1d, y, stream=stream, **kw1)  # y = x @ w1^T
+        dg.linear_gmma(y, w2d, xd, stream=stream, **kw2)  # x <- y @ w2^T (overwrites the input)
+        stream.synchronize()
+        y_got = y.download()
+        assert_close(y_got, ref.linear(x, w1), f"chain step 1 (it {it})", dtype="bf16", atol=ATOL)
+        assert_close(xd.download(), ref.linear(from_bf16(y_got), w2), f"chain step 2 (it {it})", dtype="bf16",
+                     atol=ATOL)
+
+
+@pytest.mark.gpu
+def test_linear_gmma_graph_replay(dg, ref):
+    """Captured once, replayed with new inputs: the split-K tickets reset, so every replay is right."""
+    from runtime.cuda import Stream, capture
+    rng = np.random.default_rng(17)
+    M, N, K = 72, 1000, 2048
+    xd, wd, yd, rd = poisoned((M, K)), poisoned((N, K)), poisoned((M, N)), poisoned((M, N))
+    y2 = poisoned((M, N))
+    stream = Stream()
+
+    y3 = poisoned((M, N))
+
+    def record():
+        dg.linear_gmma(xd, wd, yd, splits=4, stream=stream)
+        dg.linear_gmma(xd, wd, y2, rd, splits=1, stream=stream)
+        dg.linear_gmma(xd, wd, y3, rd, cs=4, stream=stream)
+
+    for a in (xd, wd, rd):
+        a.fill_bytes(0, stream=stream)
+    record()  # eager: modules loaded and workspace sized outside the capture
+    stream.synchronize()
+    with capture(stream) as g:
+        record()
+    graph = g.instantiate()
+    for rep in range(3):
+        x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
+        w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
+        r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
+        xd.upload(to_bf16(x))
+        wd.upload(to_bf16(w))
+        rd.upload(to_bf16(r))
+        yd.fill_bytes(0xFF, stream=stream)
+        y2.fill_bytes(0xFF, stream=stream)
+        y3.fill_bytes(0xFF, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+        want = ref.linear(x, w)
+        assert_close(yd.download(), want, f"graph replay {rep} (split-K)", dtype="bf16", atol=ATOL)
+        assert_close(y2.download(), want + r, f"graph replay {rep} (+ residual)", dtype="bf16", atol=ATOL)
+        assert_close(y3.download(), want + r, f"graph replay {rep} (cluster split)", dtype="bf16", atol=ATOL)
+
+
+@pytest.mark.gpu
+def test_dense_linear_hands_verify_sizes_to_gmma(dg, ref, monkeypatch):
+    """runtime.dense_kernels.linear (kernel="auto") routes M = 9..256 with N >= 4096, K >= 1024 here (and
+    the result is right); other sizes, DDTREE_LINEAR_GMMA=0 (GMMA_ENABLED) and explicit kernels stay."""
+    import runtime.dense_kernels as dk
+    calls = []
+    real = dg.linear_gmma
+    monkeypatch.setattr(dg, "linear_gmma", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    for M, N, K, kw, routed in [(65, 4096, 1024, {}, True), (9, 4096, 2048, {}, True), (8, 4096, 1024, {}, False),
+                                (257, 4096, 1024, {}, False), (64, 1000, 1024, {}, False),
+                                (64, 4096, 1024, {"kernel": "chunked"}, False), (64, 4096, 1024, {}, True)]:
+        _, x, w = _data(M, N, K, M + N + K)
+        out = poisoned((M, N))
+        calls.clear()
+        dk.linear(dev_bf16(x), dev_bf16(w), out, **kw)
+        assert bool(calls) == routed, (M, N, K, kw)
+        assert_close(out.download(), ref.linear(x, w), f"dense_kernels.linear M={M} N={N} K={K}", dtype="bf16",
+                     atol=ATOL)
+    monkeypatch.setattr(dg, "GMMA_ENABLED", False)
+    calls.clear()
+    dk.linear(dev_bf16(x), dev_bf16(w), poisoned((M, N)))  # (64, 4096, 1024): routed above when enabled
+    assert not calls
+
+
+@pytest.mark.gpu
+def test_linear_gmma_rejects_bad_shapes(dg):
+    from runtime.cuda import empty
+    with pytest.raises(ValueError, match="K = 12"):
+        dg.linear_gmma(empty((16, 12), np.uint16), empty((8, 12), np.uint16), empty((16, 8), np.uint16))
+    with pytest.raises(ValueError, match="no instance"):
+        dg.linear_gmma(empty((16, 64), np.uint16), empty((8, 64), np.uint16), empty((16, 8), np.uint16), tn=40)
+    with pytest.raises(ValueError, match="cluster split"):
+        dg.linear_gmma(empty((16, 64), np.uint16), empty((8, 64), np.uint16), empty((16, 8), np.uint16), cs=2,
+                       splits=3)
+
+
+# ---------------------------------------------------------------- CPU
+def test_plan_covers_every_shape():
+    from runtime.dense_gmma import GMMA_INSTANCES, SMEM_PER_BLOCK_MAX, gmma_plan, gmma_smem_bytes, token_tile
+    for tn, ka, st, rw, _ in GMMA_INSTANCES:
+        assert gmma_smem_bytes(tn, ka, st, rw) <= SMEM_PER_BLOCK_MAX
+    for M in (9, 16, 17, 33, 64, 65, 72, 100, 129, 256, 300, 1000):
+        for N, K in ((111, 64), (333, 136), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)):
+            entry, grid, kps, smem = gmma_plan(M, N, K, 132)
+            cfg = tuple(map(int, re.findall(r"\d+", entry)))
+            tn, ka, st, rw, cs = cfg
+            assert cfg in GMMA_INSTANCES
+            assert tn == token_tile(M) and tn >= min(M, 256), (M, tn)
+            assert grid[0] * 128 * rw >= N and grid[2] * tn >= M
+            assert kps % (64 * ka) == 0 and grid[1] * kps >= K
+            assert grid[1] == cs if cs > 1 else (grid[1] - 1) * kps < K  # workspace splits: none empty
+            assert smem == gmma_smem_bytes(tn, ka, st, rw)
+
+
+def test_family_builds_for_sm90a_with_hgmma():
+    from cutlass_kernels.registry import FAMILIES
+    from runtime.cuda import compile_family, nvrtc
+    fam = FAMILIES["dense_linear_sm90"]
+    assert fam.archs == ("90a",) and fam.pdl
+    mod = compile_family("dense_linear_sm90", "90a")
+    assert set(mod.lowered) == set(fam.entries)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", mod.ptx)
+    assert "griddepcontrol.wait" in mod.ptx
+    if nvrtc.find_disassembler() is None:
+        pytest.skip("no nvdisasm/cuobjdump: the PTX check ran instead")
+    sass = mod.sass()
+    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", sass)
+    for body in re.split(r"\n\s*\.text\.", sass)[1:]:  # per kernel: at most the ticket pointer spilled once
+        assert len(re.findall(r"\bSTL", body)) <= 1, f"register spills in {body.split(':')[0]}"
+
+
+def test_gmma_wanted_range(monkeypatch):
+    import runtime.dense_gmma as dg
+    monkeypatch.setattr(dg, "gmma_available", lambda arch=None: True)
+    monkeypatch.setattr(dg, "GMMA_ENABLED", True)
+    assert dg.gmma_wanted(9, 4096, 1024) and dg.gmma_wanted(256, 151936, 4096) and dg.gmma_wanted(72, 6144, 4096)
+    assert not dg.gmma_wanted(8, 4096, 4096) and not dg.gmma_wanted(257, 4096, 4096)
+    assert not dg.gmma_wanted(64, 2048, 4096) and not dg.gmma_wanted(64, 4096, 576)
+    monkeypatch.setattr(dg, "gmma_available", lambda arch=None: False)
+    assert not dg.gmma_wanted(64, 4096, 4096)
+    monkeypatch.setattr(dg, "gmma_available", lambda arch=None: True)
+    monkeypatch.setattr(dg, "GMMA_ENABLED", False)
+    assert not dg.gmma_wanted(64, 4096, 4096)
+
+
+def test_plan_picks_the_measured_best_on_qwen3_8b():
+    """The H200 run 3 winners (tools/bench_dense.py --gmma): a cluster split of 2 for qkv, o and down at every
+    M; gate_up unsplit up to M = 72 and split in 2 from 128; lm_head unsplit."""
+    from runtime.dense_gmma import gmma_plan
+    for N, K, want in [(6144, 4096, {m: 2 for m in (16, 64, 72, 128, 256)}),
+                       (4096, 4096, {m: 2 for m in (16, 64, 72, 128, 256)}),
+                       (4096, 12288, {m: 2 for m in (16, 64, 72, 128, 256)}),
+                       (24576, 4096, {16: 1, 64: 1, 72: 1, 128: 2, 256: 2}),
+                       (151936, 4096, {16: 1, 64: 1, 256: 1})]:
+        for M, splits in want.items():
+            entry, grid, _, _ = gmma_plan(M, N, K, 132)
+            assert grid[1] == splits and (splits == 1 or entry.endswith(f", {splits}>")), (N, K, M, entry, grid)
