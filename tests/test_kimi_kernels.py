@@ -305,12 +305,13 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
 
 @pytest.mark.gpu
 def test_moe_graph_replay_folded_combine(cuda_device):
-    """T = 1 as the decode graph runs it: fused routing, combine in the down GEMM (3 launches), replayed."""
+    """T = 1 with the fused options: one routing kernel, combine in the down GEMM (3 launches), replayed."""
     from runtime import cuda
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(12)
     dense, w = make_moe(rng, 16, 1024, 512)
-    layer = MoeLayer(w, 1, np.zeros(16, np.float32), topk=8)
+    layer = MoeLayer(w, 1, np.zeros(16, np.float32), topk=8, fused_routing=True, fuse_combine=True, early=True,
+                     pdl=True)
     assert [name for name, _ in layer.stages] == ["route", "gate_up", "down"]
     stream = cuda.Stream()
     with cuda.capture(stream) as g:
