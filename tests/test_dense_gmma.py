@@ -190,14 +190,14 @@ def test_linear_gmma_graph_replay(dg, ref):
 
 @pytest.mark.gpu
 def test_dense_linear_hands_verify_sizes_to_gmma(dg, ref, monkeypatch):
-    """runtime.dense_kernels.linear (kernel="auto") routes M = 9..256 with N >= 4096, K >= 1024 here (and
-    the result is right); other sizes, DDTREE_LINEAR_GMMA=0 (GMMA_ENABLED) and explicit kernels stay."""
+    """runtime.dense_kernels.linear (kernel="auto") routes M = 9..256 here (and the result is right); other
+    M, DDTREE_LINEAR_GMMA=0 (GMMA_ENABLED) and explicit kernels stay."""
     import runtime.dense_kernels as dk
     calls = []
     real = dg.linear_gmma
     monkeypatch.setattr(dg, "linear_gmma", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     for M, N, K, kw, routed in [(65, 4096, 1024, {}, True), (9, 4096, 2048, {}, True), (8, 4096, 1024, {}, False),
-                                (257, 4096, 1024, {}, False), (64, 1000, 1024, {}, False),
+                                (257, 4096, 1024, {}, False), (64, 1000, 1024, {}, True), (65, 960, 576, {}, True),
                                 (64, 4096, 1024, {"kernel": "chunked"}, False), (64, 4096, 1024, {}, True)]:
         _, x, w = _data(M, N, K, M + N + K)
         out = poisoned((M, N))
@@ -265,7 +265,7 @@ def test_gmma_wanted_range(monkeypatch):
     monkeypatch.setattr(dg, "GMMA_ENABLED", True)
     assert dg.gmma_wanted(9, 4096, 1024) and dg.gmma_wanted(256, 151936, 4096) and dg.gmma_wanted(72, 6144, 4096)
     assert not dg.gmma_wanted(8, 4096, 4096) and not dg.gmma_wanted(257, 4096, 4096)
-    assert not dg.gmma_wanted(64, 2048, 4096) and not dg.gmma_wanted(64, 4096, 576)
+    assert dg.gmma_wanted(65, 960, 576) and dg.gmma_wanted(17, 576, 1536)  # SmolLM2 verify sizes too
     monkeypatch.setattr(dg, "gmma_available", lambda arch=None: False)
     assert not dg.gmma_wanted(64, 4096, 4096)
     monkeypatch.setattr(dg, "gmma_available", lambda arch=None: True)
