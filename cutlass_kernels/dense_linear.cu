@@ -4,11 +4,15 @@
 // with 16-byte non-caching loads straight into mma.sync A fragments (CuTe's SM80 16x8x16 bf16 atom, which
 // every target arch runs): W rows are the MMA's M side (16 rows per warp tile), tokens its N side (8 per
 // tile), so M = 1 wastes tensor-core lanes but no bandwidth. The activations (a few KB) go through shared
-// memory and are shared by the 8 warps of a block (128*RT W rows). Two kernels:
-// - linear_bf16_xres_kernel (M <= 64): the block's whole x slice is loaded once; each warp then streams its
-//   W rows through a register ring with no barrier (the decode path: M <= 8 picks it).
+// memory and are shared by the 8 warps of a block. Three kernels:
+// - linear_bf16_gemv_kernel (M <= 8, x's whole K in smem): no split across blocks; the warps of a block
+//   share each 16-row W tile's K and reduce in shared memory (the decode path).
+// - linear_bf16_xres_kernel (M <= 64): the block's x slice is loaded once; each warp then streams its
+//   W rows through a register ring with no barrier; K split over blocks (decode sizes gemv cannot take).
 // - linear_bf16_kernel (any M): x chunks double-buffered with cp.async, two barriers per stage, token tiles
-//   on blockIdx.z (verify buckets above 8 rows and prefill until a GMMA path exists).
+//   on blockIdx.z (verify and prefill where the GMMA kernel of dense_linear_sm90.cu does not run).
+// Both decode kernels can fuse the op that makes x (rmsnorm, SwiGLU) into the x load (XMODE), and all of
+// them issue their first weight loads before the programmatic-dependent-launch wait.
 // runtime/dense_kernels.py linear_plan chooses; docs/PERF.md has the measurements behind the choice.
 //
 // K-permutation: the dot product does not care about the order of k, only that A and B agree. In each
