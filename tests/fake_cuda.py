@@ -130,13 +130,14 @@ def install(monkeypatch) -> FakeDevice:
     import runtime.cuda.memory as memory
     import runtime.cuda.stream as stream
     import runtime.cuda_engine as ce
+    import runtime.dense_gmma as dg
     import runtime.dense_kernels as dk
 
     dev = FakeDevice()
     drv = dev.driver()
     for mod in (device, memory, stream, ce):
         monkeypatch.setattr(mod, "driver", lambda: drv)
-    for mod in (device, memory, stream, dk, cb):
+    for mod in (device, memory, stream, dk, dg, cb):
         monkeypatch.setattr(mod, "get_device", lambda ordinal=0: dev.device)
     monkeypatch.setattr(stream, "_default", None)
     monkeypatch.setattr(dk, "_default_ws", None)
@@ -328,6 +329,7 @@ def install(monkeypatch) -> FakeDevice:
         return run
 
     monkeypatch.setattr(dk, "get_kernel", lambda family, entry, arch=None: NoLaunch())
+    monkeypatch.setattr(dg, "get_kernel", lambda family, entry, arch=None: NoLaunch())
     for name, fn in dict(linear=linear, embedding=embedding, rmsnorm=rmsnorm, rope=rope, rope_qkv_cache=rope_qkv_cache,
                          swiglu=swiglu, add=add,
                          attention=attention, log_softmax_topk=log_softmax_topk, argmax=argmax, sample=sample,
