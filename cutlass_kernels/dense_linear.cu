@@ -35,6 +35,8 @@ using ddtree::cp_async16;
 using ddtree::cp_async_commit;
 using ddtree::cp_async_wait;
 using ddtree::load_stream;
+using ddtree::pack8;
+using ddtree::unpack8;
 
 namespace {
 
@@ -49,23 +51,6 @@ constexpr int kXPad = 32;  // 64 B row pad of the x tile: rows g and g+1 land in
 constexpr int kReduceIlp = LINEAR_REDUCE_ILP;
 
 constexpr int kXPlain = 0, kXRmsNorm = 1, kXSwiGLU = 2;  // linear_bf16_xres_kernel's XMODE
-
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint4 v;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  return v;
-}
 
 __device__ __forceinline__ uint32_t pick(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is a compile-time constant after unrolling
@@ -536,74 +521,3 @@ linear_bf16_gemv_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     }
   }
 }
-
-// The curated instantiations. linear_bf16_kernel: token tiles of 8..64 rows, any M through blockIdx.z (RT=2
-// halves shared-memory B traffic per W byte at 64 rows); 72 rows for M = 65..72, the verify of budget 64
-// (root + 64 nodes), which 64-row tiles would split into a full tile plus a one-row tile that re-reads W.
-// linear_bf16_xres_kernel: the M <= 64 path, a 4-deep W ring (2-deep variants for the benchmark).
-template __global__ void linear_bf16_kernel<1, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_kernel<2, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_kernel<4, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_kernel<8, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_kernel<9, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_kernel<8, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*,
-    __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<1, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<2, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<4, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<8, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<1, 2, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<8, 2, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<1, 2, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    float*, int*, int, int, int, int);
-template __global__ void linear_bf16_xres_kernel<1, 2, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    float*, int*, int, int, int, int);
-template __global__ void linear_bf16_gemv_kernel<8, 2, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    int, int, int);
-template __global__ void linear_bf16_gemv_kernel<8, 2, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    int, int, int);
-template __global__ void linear_bf16_gemv_kernel<8, 2, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    int, int, int);
-template __global__ void linear_bf16_gemv_kernel<8, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    int, int, int);
-template __global__ void linear_bf16_gemv_kernel<8, 4, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    int, int, int);
-template __global__ void linear_bf16_gemv_kernel<8, 4, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    int, int, int);
-template __global__ void linear_bf16_gemv_kernel<4, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    int, int, int);
-template __global__ void linear_bf16_gemv_kernel<4, 4, 1>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    int, int, int);
-template __global__ void linear_bf16_gemv_kernel<4, 4, 2>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    int, int, int);
-template __global__ void linear_bf16_gemv_kernel<2, 4, 0>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, float, __nv_bfloat16*, int, const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    int, int, int);

@@ -9,28 +9,13 @@ using cuda::std::uint16_t;
 using cuda::std::uint32_t;
 #include "device_common.cuh"
 using ddtree::grid_dependency_wait;
+using ddtree::pack8;
+using ddtree::unpack8;
 
 // Every kernel here waits for the previous kernel (programmatic dependent launch, device_common.cuh)
 // before its first global access: they read only activations.
 
 namespace {
-
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint4 v;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  return v;
-}
 
 // Sum over the block (blockDim.x a multiple of 32, <= 1024). Every thread gets the result.
 __device__ float block_sum(float v) {

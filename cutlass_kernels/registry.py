@@ -94,7 +94,10 @@ GEMV_INSTANCES = {(8, 2, 0), (8, 2, 1), (8, 2, 2), (8, 4, 0), (8, 4, 1), (8, 4, 
                   (4, 4, 2), (2, 4, 0)}
 # bf16 weight-streaming linear: xres <MT, STAGES, XMODE> for M <= 64 (x slice resident in smem, W register
 # ring; XMODE 1/2 fuse rmsnorm / swiglu into the x load), the chunked kernel <MT, RT> for any M (blockIdx.z
-# walks token tiles of 8*MT rows). The dense families below all follow the PDL rule (pdl=True).
+# walks token tiles of 8*MT rows; RT = 2 halves shared-memory B traffic per W byte at 64 rows; MT = 9 is the
+# 72-row tile for M = 65..72, the budget-64 verify, which 64-row tiles would split into a full tile plus a
+# one-row tile that re-reads W). These entries are the instantiations: NVRTC instantiates each name
+# expression, the .cu file lists none. The dense families below all follow the PDL rule (pdl=True).
 register(KernelFamily(
     name="dense_linear",
     source="dense_linear.cu",

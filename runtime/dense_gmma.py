@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from runtime.cuda import DeviceArray, get_device, get_kernel
-from runtime.dense_kernels import Workspace, _bf16, _i32, _need, default_workspace
+from runtime.dense_kernels import Workspace, _i32, _need, default_workspace, linear_checks
 
 from cutlass_kernels.registry import DENSE_GMMA_INSTANCES
 
@@ -163,26 +163,17 @@ def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
                 cs: int | None = None, stream=None) -> DeviceArray:
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]), bf16, fp32 accumulation, on sm_90a GMMA.
     Same contract as runtime.dense_kernels.linear; splits/tn/ka/stages/rw/cs override the plan."""
+    M, N, K, ldx, ldo, ldr = linear_checks("linear_gmma", x, w, out, residual, ldx, ldo, ldr)
+    return launch_gmma(x, w, out, residual, M, N, K, ldx, ldo, ldr, ws=ws, splits=splits, tn=tn, ka=ka,
+                       stages=stages, rw=rw, cs=cs, stream=stream)
+
+
+def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None, M: int, N: int,
+                K: int, ldx: int, ldo: int, ldr: int | None, *, ws: Workspace | None = None,
+                splits: int | None = None, tn: int | None = None, ka: int | None = None,
+                stages: int | None = None, rw: int | None = None, cs: int | None = None, stream=None):
+    """linear_gmma after runtime.dense_kernels.linear_checks (which dense_kernels.linear has already run)."""
     op = "linear_gmma"
-    for a, n in ((x, "x"), (w, "w"), (out, "out")):
-        _bf16(a, op, n)
-    _need(len(w.shape) == 2, op, f"w must be [N, K], got {w.shape}")
-    N, K = w.shape
-    _need(len(x.shape) == 2, op, f"x must be [M, K = {K}], got {x.shape}")
-    M = x.shape[0]
-    _need(x.shape[-1] == K, op, f"x {x.shape} does not match w {w.shape} (K = {K})")
-    _need(M >= 1 and N >= 1, op, f"empty product: M = {M}, N = {N}")
-    _need(K % 8 == 0, op, f"K = {K} must be a multiple of 8 (16-byte copies)")
-    _need(out.shape[0] == M and out.shape[-1] == N, op, f"out {out.shape}, want [M, N] = [{M}, {N}]")
-    ldx, ldo = ldx or K, ldo or N
-    _need(ldx % 8 == 0 and ldx >= K, op, f"ldx = {ldx} must be a multiple of 8 and >= K = {K}")
-    _need(ldo >= N, op, f"ldo = {ldo} must be >= N = {N}")
-    if residual is not None:
-        _bf16(residual, op, "residual")
-        _need(residual.shape[0] == M and residual.shape[-1] == N, op,
-              f"residual {residual.shape}, want [M, N] = [{M}, {N}]")
-        ldr = ldr or N
-        _need(ldr >= N, op, f"ldr = {ldr} must be >= N = {N}")
     dev = get_device()
     _need(gmma_available(dev.arch), op, f"the GMMA kernel is built for {GMMA_ARCHS}, this device is sm_{dev.arch}")
     entry, grid, k_per_split, smem = gmma_plan(M, N, K, dev.sm_count, splits, tn, ka, stages, rw, cs)

@@ -230,20 +230,9 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
     return entry, (row_blocks, splits, z), per * chunk, 0
 
 
-def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None = None, *,
-           ldx: int | None = None, ldo: int | None = None, ldr: int | None = None,
-           ws: Workspace | None = None, splits: int | None = None, kernel: str = "auto",
-           stages: int | None = None, rt: int = 1, kw: int | None = None, stream=None, prologue: str = "none",
-           x2: DeviceArray | None = None, ldx2: int | None = None, norm_weight: DeviceArray | None = None,
-           eps: float = 1e-6, sum_out: DeviceArray | None = None, ldsum: int | None = None) -> DeviceArray:
-    """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]) in bf16 with fp32 accumulation.
-    kernel/splits/stages/rt/kw override the plan (benchmarks and tests).
-    prologue fuses the op that makes x into the x load (M <= 8, see fused_prologue_ok):
-      "rmsnorm": x <- rmsnorm(x (+ x2), norm_weight, eps), as `rmsnorm`; with x2, sum_out (optional, not
-                 aliasing x or x2) receives bf16(x + x2), as rmsnorm's residual_out.
-      "swiglu":  x <- silu(x) * x2 (x = gate [M, K], x2 = up [M, K]), as `swiglu`."""
-    op = "linear"
-    _need(prologue in PROLOGUES, op, f"prologue {prologue!r}: one of {', '.join(PROLOGUES)}")
+def linear_checks(op: str, x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None,
+                  ldx: int | None, ldo: int | None, ldr: int | None):
+    """The input checks of every bf16 linear entry: (M, N, K, ldx, ldo, ldr) with the strides defaulted."""
     for a, n in ((x, "x"), (w, "w"), (out, "out")):
         _bf16(a, op, n)
     _need(len(w.shape) == 2, op, f"w must be [N, K], got {w.shape}")
@@ -263,6 +252,24 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
               f"residual {residual.shape}, want [M, N] = [{M}, {N}]")
         ldr = ldr or N
         _need(ldr >= N, op, f"ldr = {ldr} must be >= N = {N}")
+    return M, N, K, ldx, ldo, ldr
+
+
+def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None = None, *,
+           ldx: int | None = None, ldo: int | None = None, ldr: int | None = None,
+           ws: Workspace | None = None, splits: int | None = None, kernel: str = "auto",
+           stages: int | None = None, rt: int = 1, kw: int | None = None, stream=None, prologue: str = "none",
+           x2: DeviceArray | None = None, ldx2: int | None = None, norm_weight: DeviceArray | None = None,
+           eps: float = 1e-6, sum_out: DeviceArray | None = None, ldsum: int | None = None) -> DeviceArray:
+    """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]) in bf16 with fp32 accumulation.
+    kernel/splits/stages/rt/kw override the plan (benchmarks and tests).
+    prologue fuses the op that makes x into the x load (M <= 8, see fused_prologue_ok):
+      "rmsnorm": x <- rmsnorm(x (+ x2), norm_weight, eps), as `rmsnorm`; with x2, sum_out (optional, not
+                 aliasing x or x2) receives bf16(x + x2), as rmsnorm's residual_out.
+      "swiglu":  x <- silu(x) * x2 (x = gate [M, K], x2 = up [M, K]), as `swiglu`."""
+    op = "linear"
+    _need(prologue in PROLOGUES, op, f"prologue {prologue!r}: one of {', '.join(PROLOGUES)}")
+    M, N, K, ldx, ldo, ldr = linear_checks(op, x, w, out, residual, ldx, ldo, ldr)
     xmode = PROLOGUES[prologue]
     if xmode:
         _need(fused_prologue_ok(M, K, prologue), op, f"no fused {prologue} kernel for M = {M}, K = {K}")
@@ -288,7 +295,7 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
     if kernel == "auto" and not xmode and 9 <= M <= 256:  # sm_90a GMMA path, DDTREE_LINEAR_GMMA=0: off
         from runtime import dense_gmma
         if dense_gmma.gmma_wanted(M, N, K):
-            return dense_gmma.linear_gmma(x, w, out, residual, ldx=ldx, ldo=ldo, ldr=ldr, ws=ws, splits=splits,
+            return dense_gmma.launch_gmma(x, w, out, residual, M, N, K, ldx, ldo, ldr, ws=ws, splits=splits,
                                           stream=stream)
     dev = get_device()
     entry, grid, k_per_split, smem = linear_plan(M, N, K, dev.sm_count, splits, kernel, stages, rt, xmode, kw)

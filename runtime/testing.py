@@ -1,6 +1,7 @@
 """Helpers shared by the kernel tests and the benchmarks (no GPU needed to import): random draft trees as
-visibility bitmasks, and the one numpy compare helper every kernel test uses (DESIGN.md: shape, dtype, then a
-tolerance scaled to the dtype, printing the first mismatches; NaN and inf never pass)."""
+visibility bitmasks, the one numpy compare helper every kernel test uses (DESIGN.md: shape, dtype, then a
+tolerance scaled to the dtype, printing the first mismatches; NaN and inf never pass), and device buffers
+for the GPU tests (bf16 uploads, NaN-poisoned outputs)."""
 from __future__ import annotations
 
 import numpy as np
@@ -88,3 +89,19 @@ def assert_close(got, want, what: str = "", *, dtype: str = "fp32", rtol: float 
         raise AssertionError(f"{where}{int(bad.sum())} of {bad.size} elements differ ({nonfinite} not finite; rtol "
                              f"{rtol:g}, atol {atol:g} x {scale or 'abs'} {s:.3g}; largest finite error "
                              f"{np.max(np.where(np.isfinite(err), err, 0)):.3g}); first: {first}")
+
+
+# ---------------------------------------------------------------- device buffers (GPU tests)
+
+
+def dev_bf16(host_f32):
+    """A float32 host array rounded to bf16 on the device."""
+    from runtime.bf16 import to_bf16
+    from runtime.cuda import to_device
+    return to_device(to_bf16(host_f32))
+
+
+def poisoned(shape, dtype=np.uint16):
+    """An output buffer with every byte 0xFF (bf16 and float32 NaN, int32 -1): a skipped element fails."""
+    from runtime.cuda import empty
+    return empty(shape, dtype).fill_bytes(0xFF)

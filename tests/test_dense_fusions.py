@@ -5,33 +5,11 @@ poisoned with NaN first. Also: programmatic dependent launch inside a captured g
 import numpy as np
 import pytest
 
-from runtime.backends.numpy_backend import NumpyBackend
 from runtime.bf16 import from_bf16, round_bf16, to_bf16
-from runtime.testing import assert_close
+from runtime.testing import assert_close, dev_bf16, poisoned
 
 pytestmark = pytest.mark.gpu
 ATOL = 1e-2
-
-
-@pytest.fixture(scope="module")
-def dk(cuda_device):
-    import runtime.dense_kernels as dk
-    return dk
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return NumpyBackend()
-
-
-def dev_bf16(host_f32):
-    from runtime.cuda import to_device
-    return to_device(to_bf16(host_f32))
-
-
-def poisoned(shape, dtype=np.uint16):
-    from runtime.cuda import empty
-    return empty(shape, dtype).fill_bytes(0xFF)
 
 
 def bits(a):
@@ -135,8 +113,8 @@ def test_rope_qkv_cache(dk, ref, D, Hq, Hkv, T, qk_norm, device_offset):
     v = qkvd.view((Hq + Hkv) * D, (T, Hkv, D))
     posd, invd = to_device(pos), to_device(inv)
     cap, start = 128, 23
-    # unfused: rope q, rope k into the cache, copy v (the cache write through rope's out stride)
-    q_want, kc_want, vc_want = poisoned((T, Hq, D)), poisoned((cap, Hkv, D)), poisoned((cap, Hkv, D))
+    # unfused: rope q, rope k into the cache (the cache write through rope's out stride); v is the input itself
+    q_want, kc_want = poisoned((T, Hq, D)), poisoned((cap, Hkv, D))
     dk.rope(q, posd, invd, q_want, n_heads=Hq, head_dim=D, norm_weight=dev_bf16(qn) if qk_norm else None,
             ldx=width)
     dk.rope(k, posd, invd, kc_want.view(start * Hkv * D, (T, Hkv, D)), n_heads=Hkv, head_dim=D,
@@ -164,7 +142,7 @@ def test_rope_qkv_cache(dk, ref, D, Hq, Hkv, T, qk_norm, device_offset):
 def test_pdl_graph_matches_plain_launches(dk):
     """A chain of PDL kernels (norm-fused linear -> rope/cache -> swiglu-fused linear) captured in a graph and
     replayed gives the bits of the same chain launched one by one, several times over."""
-    from runtime.cuda import capture, get_kernel, to_device
+    from runtime.cuda import capture, get_kernel
     assert get_kernel("dense_linear", "linear_bf16_xres_kernel<1, 2, 1>").pdl == dk_pdl_enabled()
     rng = np.random.default_rng(7)
     K, N1, N2 = 576, 3072, 576

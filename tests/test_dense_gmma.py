@@ -9,9 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from runtime.backends.numpy_backend import NumpyBackend
 from runtime.bf16 import from_bf16, round_bf16, to_bf16
-from runtime.testing import assert_close
+from runtime.testing import assert_close, dev_bf16, poisoned
 
 ATOL = 1e-2  # plus the bf16 rtol: as tests/test_dense_kernels.py
 
@@ -22,21 +21,6 @@ def dg(cuda_device):
     if not dg.gmma_available(cuda_device.arch):
         pytest.skip(f"GMMA kernel is sm_90a only; device is sm_{cuda_device.arch}")
     return dg
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return NumpyBackend()
-
-
-def dev_bf16(host_f32):
-    from runtime.cuda import to_device
-    return to_device(to_bf16(host_f32))
-
-
-def poisoned(shape, dtype=np.uint16):
-    from runtime.cuda import empty
-    return empty(shape, dtype).fill_bytes(0xFF)  # bf16 NaN, int32 -1
 
 
 def _data(M, N, K, seed):

@@ -5,35 +5,13 @@ import numpy as np
 import pytest
 
 from runtime.backends.base import causal_visibility, full_visibility
-from runtime.backends.numpy_backend import NumpyBackend
 from runtime.bf16 import from_bf16, round_bf16, to_bf16
-from runtime.testing import RTOL, assert_close, random_tree_visibility
+from runtime.testing import RTOL, assert_close, dev_bf16, poisoned, random_tree_visibility
 
 pytestmark = pytest.mark.gpu
 
 BF16_RTOL = RTOL["bf16"]  # one bf16 rounding of the output is 2^-8 relative; allow two
 ATOL = 1e-2               # plus 1% of the largest reference value (sums of many bf16 products)
-
-
-@pytest.fixture(scope="module")
-def dk(cuda_device):
-    import runtime.dense_kernels as dk
-    return dk
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return NumpyBackend()
-
-
-def dev_bf16(host_f32):
-    from runtime.cuda import to_device
-    return to_device(to_bf16(host_f32))
-
-
-def poisoned(shape, dtype=np.uint16):
-    from runtime.cuda import empty
-    return empty(shape, dtype).fill_bytes(0xFF)  # bf16 NaN, int32 -1, float32 NaN
 
 
 # ---------------------------------------------------------------- linear

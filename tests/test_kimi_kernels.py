@@ -306,51 +306,41 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
 @pytest.mark.gpu
 def test_moe_graph_replay_folded_combine(cuda_device):
     """T = 1 with the fused options: one routing kernel, combine in the down GEMM (3 launches), replayed."""
-    from runtime import cuda
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(12)
     dense, w = make_moe(rng, 16, 1024, 512)
     layer = MoeLayer(w, 1, np.zeros(16, np.float32), topk=8, fused_routing=True, fuse_combine=True, early=True,
                      pdl=True)
     assert [name for name, _ in layer.stages] == ["route", "gate_up", "down"]
-    stream = cuda.Stream()
-    with cuda.capture(stream) as g:
-        layer.forward(stream)
-    graph = g.instantiate()
-    for trial in range(3):
-        x = round_bf16(rng.standard_normal((1, 1024)).astype(np.float32))
-        logits = rng.standard_normal((1, 16)).astype(np.float32)
-        layer.x.upload(to_bf16(x))
-        layer.logits.upload(logits)
-        layer.y.fill_bytes(0xFF)
-        graph.launch(stream)
-        stream.synchronize()
-        ids, wts = ref.route(logits, np.zeros(16, np.float32), 8)
-        want = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"])
-        assert_close(layer.y.download(), want, f"graph replay {trial}", dtype="bf16", rtol=RTOL, atol=RTOL,
-                     scale="mean")
+    _check_graph_replay(layer, dense, rng, T=1, E=16, hidden=1024, topk=8, trials=3)
 
 
 @pytest.mark.gpu
 def test_moe_graph_replay(cuda_device):
-    from runtime import cuda
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(11)
     dense, w = make_moe(rng, 8, 512, 512)
     layer = MoeLayer(w, 6, np.zeros(8, np.float32), topk=4)
+    _check_graph_replay(layer, dense, rng, T=6, E=8, hidden=512, topk=4, trials=2)
+
+
+def _check_graph_replay(layer, dense, rng, *, T, E, hidden, topk, trials):
+    """Capture layer.forward once, replay it with new inputs each time (the graph reads the buffers'
+    contents), output poisoned before each replay and compared with the float32 reference."""
+    from runtime import cuda
     stream = cuda.Stream()
     with cuda.capture(stream) as g:
         layer.forward(stream)
     graph = g.instantiate()
-    for trial in range(2):   # new inputs each time: the graph reads the buffers' contents
-        x = round_bf16(rng.standard_normal((6, 512)).astype(np.float32))
-        logits = rng.standard_normal((6, 8)).astype(np.float32)
+    for trial in range(trials):
+        x = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32))
+        logits = rng.standard_normal((T, E)).astype(np.float32)
         layer.x.upload(to_bf16(x))
         layer.logits.upload(logits)
         layer.y.fill_bytes(0xFF)
         graph.launch(stream)
         stream.synchronize()
-        ids, wts = ref.route(logits, np.zeros(8, np.float32), 4)
+        ids, wts = ref.route(logits, np.zeros(E, np.float32), topk)
         want = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"])
         assert_close(layer.y.download(), want, f"graph replay {trial}", dtype="bf16", rtol=RTOL, atol=RTOL,
                      scale="mean")
