@@ -112,7 +112,7 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None):
                 if ("xres", {"kernel": "xres"}) not in variants:
                     variants.append(("xres", {"kernel": "xres"}))
                 variants += [(f"gemv kw={k}", {"kernel": "gemv", "kw": k}) for k in (8, 4, 2)]
-            if gmma and M >= 9 and model == "Qwen3-8B":  # the sm_90a GMMA kernel (runtime/dense_gmma.py)
+            if gmma and M >= 9:  # the sm_90a GMMA kernel (runtime/dense_gmma.py), every model's shapes
                 # base: the mma.sync kernel the auto plan picked for M >= 9 before the GMMA hook (chunked)
                 variants = [("mma.sync", {"kernel": "chunked"}), ("gmma", {"gmma": True})] + [
                     (f"gmma {c}", {"gmma": True, **c}) for c in GMMA_ALTERNATIVES.get(dg.token_tile(M), ())]
@@ -219,7 +219,7 @@ def main():
     ap.add_argument("--linear-only", action="store_true")
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--gmma", action="store_true", help="also time the sm_90a GMMA linear (M >= 9, Qwen3-8B)")
+    ap.add_argument("--gmma", action="store_true", help="also time the sm_90a GMMA linear against mma.sync (M >= 9)")
     ap.add_argument("--ops", nargs="+", help="linear shapes to time: op names or model:op")
     args = ap.parse_args()
     dev = get_device()
