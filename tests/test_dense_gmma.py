@@ -178,8 +178,8 @@ def test_dense_linear_hands_verify_sizes_to_gmma(dg, ref, monkeypatch):
     M, DDTREE_LINEAR_GMMA=0 (GMMA_ENABLED) and explicit kernels stay."""
     import runtime.dense_kernels as dk
     calls = []
-    real = dg.linear_gmma
-    monkeypatch.setattr(dg, "linear_gmma", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    real = dg.launch_gmma
+    monkeypatch.setattr(dg, "launch_gmma", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     for M, N, K, kw, routed in [(65, 4096, 1024, {}, True), (9, 4096, 2048, {}, True), (8, 4096, 1024, {}, False),
                                 (257, 4096, 1024, {}, False), (64, 1000, 1024, {}, True), (65, 960, 576, {}, True),
                                 (64, 4096, 1024, {"kernel": "chunked"}, False), (64, 4096, 1024, {}, True)]:
