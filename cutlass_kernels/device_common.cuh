@@ -1,4 +1,5 @@
-// Device helpers shared by the kernel families: streaming loads, cp.async, programmatic dependent launch.
+// Device helpers shared by the kernel families: streaming loads, cp.async, programmatic dependent launch,
+// Philox random numbers.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda/std/cstdint>  // NVRTC has no <cstdint>
@@ -50,5 +51,25 @@ __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepco
 // Lets the next kernel on the stream launch now (its blocks then wait in grid_dependency_wait for our
 // completion and memory flush); without it, the next kernel launches as our blocks exit.
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+// Philox4x32-10 counter-based random numbers (Salmon et al., SC 2011; the Random123 / cuRAND constants).
+// Ten rounds of two 32x32->64 multiplies; the key is bumped by Weyl constants between rounds. Reference and
+// known-answer tests: runtime/philox.py, tests/test_philox.py.
+__device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    if (r) { key.x += 0x9E3779B9u; key.y += 0xBB67AE85u; }
+    const unsigned hi0 = __umulhi(0xD2511F53u, ctr.x), lo0 = 0xD2511F53u * ctr.x;
+    const unsigned hi1 = __umulhi(0xCD9E8D57u, ctr.z), lo1 = 0xCD9E8D57u * ctr.z;
+    ctr = make_uint4(hi1 ^ ctr.y ^ key.x, lo1, hi0 ^ ctr.w ^ key.y, lo0);
+  }
+  return ctr;
+}
+// The sampling uniform of an absolute sequence position (base.py `sample`): counter (position, 0, 0, 0),
+// key = the seed's (lo, hi) words; the first output word's top 24 bits * 2^-24, in [0, 1), exact in float.
+__device__ __forceinline__ float position_uniform(const unsigned* key, int position) {
+  const uint4 w = philox4x32_10(make_uint4((unsigned)position, 0u, 0u, 0u), make_uint2(key[0], key[1]));
+  return (float)(w.x >> 8) * (1.0f / 16777216.0f);
+}
 
 }  // namespace ddtree

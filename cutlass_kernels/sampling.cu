@@ -1,7 +1,8 @@
 // Per-row reductions over the vocabulary and the KV commit of a DDTree round:
 // - log_softmax_topk_kernel: the K largest log-softmax values of each row, sorted, exact (K <= 1024).
 // - argmax_kernel: greedy token per tree node (ties: lowest index).
-// - sample_kernel: inverse-CDF sample of softmax(logits / T) with the caller's uniforms (base.py `sample`).
+// - sample_kernel: inverse-CDF sample of softmax(logits / T), its uniform drawn in-kernel by Philox from the
+//   seed key and the row's sequence position (base.py `sample`).
 // - kv_compact_kernel: move the accepted nodes' KV rows to dst_start.. in every cache plane in one launch.
 // Logits are bf16 [rows, V] with a row stride that is a multiple of 8 (16-byte loads); V itself is any size.
 //
@@ -275,9 +276,12 @@ extern "C" __global__ void argmax_kernel(const uint16_t* __restrict__ logits, in
 }
 
 // grid rows, block 256: the smallest j with cumsum(p)[j] > u * sum(p), p = exp((x - max) / temperature),
-// summed in index order (numpy's searchsorted(cumsum, u * total, side="right")).
+// summed in index order (numpy's searchsorted(cumsum, u * total, side="right")). u = the Philox uniform of
+// (key, positions[row]) (device_common.cuh position_uniform): key uint32 [2] and positions int32 [rows] are
+// read from device memory, so a captured graph samples with whatever seed and positions the state holds.
 extern "C" __global__ void sample_kernel(const uint16_t* __restrict__ logits, int ld, int V, float inv_temperature,
-                                         const float* __restrict__ uniforms, int* __restrict__ out) {
+                                         const int* __restrict__ positions, const unsigned* __restrict__ key,
+                                         int* __restrict__ out) {
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   __shared__ float warp_tot[32];
@@ -301,7 +305,7 @@ extern "C" __global__ void sample_kernel(const uint16_t* __restrict__ logits, in
     }
   }
   block_max_sumexp(m, s);
-  const float target = uniforms[blockIdx.x] * s;
+  const float target = ddtree::position_uniform(key, positions[blockIdx.x]) * s;  // every thread: no broadcast
   if (tid == 0) { running = 0.f; found = 0x7FFFFFFF; }  // atomicMin target
   __syncthreads();
 

@@ -10,7 +10,10 @@ Graphs (captured once per decoder, on first use, before the timed decode loop):
                     states, gathered from verify[b, T]'s output, appended to the drafter's context), then the
                     drafter block, lm_head on rows 1.., per-row log-softmax top-k
 Every per-round value lives in one int32 device block (`_State`) with a pinned host mirror: the prefix
-length, the draft block, the commit plan, each bucket's tree (tokens, positions, visibility, uniforms).
+length, the draft block, the commit plan, each bucket's tree (tokens, positions, visibility), and the
+sampling key (the seed's two words, set once per generate). A sampled token is keyed by its row's position
+(runtime/philox.py): the kernel reads the key and the positions the forward already uses, so nothing
+per-round is added for sampling.
 A round is: fill + upload the head of the block, replay draft, read the top-k (one D2H), build_tree, fill +
 upload the bucket's tree, replay verify, read the target tokens (one D2H), walk. No allocation, no capture.
 
@@ -31,6 +34,7 @@ from runtime.backends.cuda_backend import CudaArray, Meter, Region
 from runtime.cuda import PinnedBuffer, bench, bucket_for, capture, check
 from runtime.cuda.device import driver
 from runtime import dense_kernels as dk
+from runtime.philox import seed_key
 from runtime.tree import DraftTree, build_tree
 
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
@@ -46,12 +50,13 @@ def graph_decoder(engine) -> "GraphDecoder":
 
 class _State:
     """int32 device block of per-round inputs + its pinned host mirror. Layout (int32 words):
-    start | ar_id ar_pos ar_u | meta = (ctx_start, m) | compact_src, ctx_rows, ctx_pos, draft_ids, draft_pos
-    (block each) | per bucket: ids, pos, uniforms [T], visibility [T, W] (T = bucket + 1)."""
+    start | ar_id ar_pos | key (2, the sampling seed as uint32 lo, hi) | meta = (ctx_start, m) | compact_src,
+    ctx_rows, ctx_pos, draft_ids, draft_pos (block each) | per bucket: ids, pos [T], visibility [T, W]
+    (T = bucket + 1)."""
 
     def __init__(self, backend, block: int, mask_token: int):
         self.b, self.block = backend, block
-        names = [("start", 1), ("ar_id", 1), ("ar_pos", 1), ("ar_u", 1), ("meta", 2)]
+        names = [("start", 1), ("ar_id", 1), ("ar_pos", 1), ("key", 2), ("meta", 2)]
         names += [(n, block) for n in ("compact_src", "ctx_rows", "ctx_pos", "draft_ids", "draft_pos")]
         self.slots: dict = {}
         off = 0
@@ -61,7 +66,7 @@ class _State:
         self.head_words = off
         for bkt in BUCKETS:
             t, w = bkt + 1, (bkt + 1 + 31) // 32
-            for n, size in (("ids", t), ("pos", t), ("u", t), ("vis", t * w)):
+            for n, size in (("ids", t), ("pos", t), ("vis", t * w)):
                 self.slots[(n, bkt)] = (off, size)
                 off += size
         self.words = off
@@ -102,7 +107,6 @@ class _BucketSlots:
     def __init__(self, S: _State, bkt: int):
         self.T, self.W = bkt + 1, (bkt + 1 + 31) // 32
         self.ids, self.pos = S.h(("ids", bkt)), S.h(("pos", bkt))
-        self.u = S.h(("u", bkt), np.float32)
         self.vis = S.h(("vis", bkt), np.uint32).reshape(self.T, self.W)
         self.lo, self.hi = S.bucket_range(bkt)
         # visibility rows of padded slots: slot i sees only itself
@@ -159,9 +163,10 @@ class GraphDecoder:
         self._h_compact, self._h_ctx_rows, self._h_ctx_pos = S.h("compact_src"), S.h("ctx_rows"), S.h("ctx_pos")
         self._h_draft_ids, self._h_draft_pos = S.h("draft_ids"), S.h("draft_pos")
         self._prev_m = self.block               # ctx_rows past the accepted count are kept at zero
-        if [S.slots[n][0] for n in ("start", "ar_id", "ar_pos", "ar_u")] != [0, 1, 2, 3]:
-            raise RuntimeError("state block layout: the AR step expects start, ar_id, ar_pos, ar_u in words 0..3")
-        self._h_ar, self._h_ar_u = S.host[:4], S.h("ar_u", np.float32)
+        if [S.slots[n][0] for n in ("start", "ar_id", "ar_pos")] != [0, 1, 2]:
+            raise RuntimeError("state block layout: the AR step expects start, ar_id, ar_pos in words 0..2")
+        self._h_ar = S.host[:3]
+        self._key = S.d("key", dtype=np.uint32)
         from runtime.engine import RoundStats       # (runtime.engine imports this module lazily)
         self._RoundStats = RoundStats
 
@@ -199,9 +204,9 @@ class GraphDecoder:
         g = self.graphs[key] = _Graph(cap.instantiate(), region, ws, out, readback)
         return g
 
-    def _pick(self, logits, temperature, uniforms):
+    def _pick(self, logits, temperature, positions):
         b = self.b
-        return b.argmax(logits) if temperature <= 0 else b.sample(logits, temperature, uniforms)
+        return b.argmax(logits) if temperature <= 0 else b.sample(logits, temperature, positions, self._key)
 
     def _ar_graph(self, temperature):
         if ("ar", temperature) in self.graphs:
@@ -213,7 +218,7 @@ class GraphDecoder:
             with b.bind_start(self.tcache.k + self.tcache.v, S.d("start")):
                 self.tcache.length = 0
                 h, _ = tgt.forward(self.tcache, S.d("ar_id"), S.d("ar_pos"), vis1)
-            return {"tokens": self._pick(tgt.logits(h), temperature, S.d("ar_u", dtype=np.float32)), "vis": vis1}
+            return {"tokens": self._pick(tgt.logits(h), temperature, S.d("ar_pos")), "vis": vis1}
         return self._capture(("ar", temperature), fn, readback=("tokens",))
 
     def _verify_graph(self, bkt, temperature):
@@ -225,7 +230,7 @@ class GraphDecoder:
                 self.tcache.length = 0
                 h, tapped = tgt.forward(self.tcache, S.d(("ids", bkt)), S.d(("pos", bkt)),
                                         S.d(("vis", bkt), (t, w), np.uint32), d.target_layer_ids)
-            tokens = self._pick(tgt.logits(h), temperature, S.d(("u", bkt), dtype=np.float32))
+            tokens = self._pick(tgt.logits(h), temperature, S.d(("pos", bkt)))
             taps = [tapped[i] for i in d.target_layer_ids]
             return {"tokens": tokens, "taps": b.materialize(b.concat(taps) if len(taps) > 1 else taps[0])}
         return self._capture(("verify", bkt, temperature), fn, readback=("tokens",))
@@ -249,8 +254,10 @@ class GraphDecoder:
         return self._capture(("draft", bkt, k, temperature), fn, readback=("logp", "ids"))
 
     # ---- decoding -----------------------------------------------------------------------------------------
-    def prepare(self, prompt_len: int, mode: str, max_new_tokens: int, budget: int, temperature: float):
-        """Caches sized and every graph this generate call needs captured. Returns (bucket, k, n)."""
+    def prepare(self, prompt_len: int, mode: str, max_new_tokens: int, budget: int, temperature: float,
+                seed: int = 0):
+        """Caches sized, the sampling key of `seed` in the state block, and every graph this generate call
+        needs captured. Returns (bucket, k, n)."""
         bkt = k = n = 0
         if mode == "ddtree":
             k = min(budget, self.target.vocab_size, 1024)
@@ -263,6 +270,7 @@ class GraphDecoder:
         S = self.state
         S.h("start")[0] = 0
         S.h("meta")[:] = 0
+        S.h("key", np.uint32)[:] = seed_key(seed)
         S.upload(0, S.head_words)
         if mode == "ar":
             self._ar_graph(temperature)
@@ -275,24 +283,24 @@ class GraphDecoder:
         from runtime.engine import decode_rounds, pick_tokens, prefill
         b, tgt, d = self.b, self.target, self.drafter
         stops = set(int(t) for t in stop_token_ids)
-        rng = np.random.default_rng(seed)
         p = len(prompt)
-        bkt, k, n = self.prepare(p, mode, max_new_tokens, budget, temperature)
+        bkt, k, n = self.prepare(p, mode, max_new_tokens, budget, temperature, seed)
 
         # prefill: eager ops through the model code (variable length; not graph material)
         t0 = time.perf_counter()
         self.tcache.length = 0
         if d is not None:
             self.dcache.length = 0
-        h_last = prefill(b, tgt, self.tcache, prompt, self.prefill_chunk, d, self.dcache if d is not None else None)
-        first = int(pick_tokens(b, tgt.logits(h_last), temperature, rng)[0])
+        h_last, pos_last = prefill(b, tgt, self.tcache, prompt, self.prefill_chunk, d,
+                                   self.dcache if d is not None else None)
+        first = int(pick_tokens(b, tgt.logits(h_last), temperature, pos_last, self._key)[0])
         prefill_s = time.perf_counter() - t0
 
         self.start, self.commit = p, (p, np.zeros(1, np.int32)[:0])     # nothing to commit before round 1
         if mode == "ar":
-            step = lambda last: self._ar_step(last, temperature, rng)
+            step = lambda last: self._ar_step(last, temperature)
         else:
-            step = lambda last: self._spec_round(last, bkt, k, n, temperature, rng)
+            step = lambda last: self._spec_round(last, bkt, k, n, temperature)
         return decode_rounds(first, step, max_new_tokens=max_new_tokens, stops=stops, on_tokens=on_tokens,
                              prefill_s=prefill_s, sync=b.stream.synchronize)
 
@@ -301,19 +309,17 @@ class GraphDecoder:
         self.b.stream.synchronize()
         return time.perf_counter() - t
 
-    def _ar_step(self, last: int, temperature, rng):
+    def _ar_step(self, last: int, temperature):
         RoundStats = self._RoundStats
         S, g = self.state, self.graphs[("ar", temperature)]
         t0 = time.perf_counter()
         if self.start + 1 > self.capacity:
             raise ValueError(f"KV cache overflow: {self.start} + 1 > capacity {self.capacity}")
-        head = self._h_ar                       # start | ar_id ar_pos ar_u
+        head = self._h_ar                       # start | ar_id ar_pos
         head[0] = self.start
         head[1] = last
         head[2] = self.start
-        if temperature > 0:
-            self._h_ar_u[0] = rng.random(1, dtype=np.float32)[0]
-        S.upload(0, 4)
+        S.upload(0, 3)
         g.exec.launch(self.b.stream)
         g.read(self.b.stream)
         wait = self._wait()
@@ -335,7 +341,7 @@ class GraphDecoder:
                                           g_verify.host["tokens"])
         return ctx
 
-    def _spec_round(self, bonus: int, bkt: int, k: int, n: int, temperature, rng):
+    def _spec_round(self, bonus: int, bkt: int, k: int, n: int, temperature):
         RoundStats = self._RoundStats
         S, b, B = self.state, self.b, self.block
         stream = b.stream
@@ -390,8 +396,6 @@ class GraphDecoder:
                 slots.ids[nodes:] = 0
                 slots.pos[nodes:] = start
                 vis[nodes:] = slots.pad_vis[nodes:]
-        if temperature > 0:
-            slots.u[:nodes] = rng.random(nodes, dtype=np.float32)
         times["tree"] = (t3 := time.perf_counter()) - t2
 
         # verify

@@ -292,7 +292,7 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
             _need(ldsum % 8 == 0 and ldsum >= K, op, f"ldsum = {ldsum} must be a multiple of 8 and >= K = {K}")
     else:
         _need(x2 is None and norm_weight is None and sum_out is None, op, "x2/norm_weight/sum_out need a prologue")
-    if kernel == "auto" and not xmode and 9 <= M <= 256:  # sm_90a GMMA path, DDTREE_LINEAR_GMMA=0: off
+    if kernel == "auto" and not xmode and M >= 9:  # sm_90a GMMA path, DDTREE_LINEAR_GMMA=0: off
         from runtime import dense_gmma
         if dense_gmma.gmma_wanted(M, N, K):
             return dense_gmma.launch_gmma(x, w, out, residual, M, N, K, ldx, ldo, ldr, ws=ws, splits=splits,
@@ -584,8 +584,18 @@ def log_softmax_topk(logits: DeviceArray, k: int, out_logp: DeviceArray, out_ids
     return out_logp, out_ids
 
 
-ARGMAX_CHUNK = 2048          # columns per block (one pass of 256 threads x 8) when a row is split
-ARGMAX_SPLIT_MAX_ROWS = 128  # rows above which argmax runs one block per row
+ARGMAX_CHUNK = 2048          # the unit of a row's split: one pass of 256 threads x 8 columns
+ARGMAX_BLOCKS_PER_SM = 4     # a split aims at about this many blocks in all
+
+
+def argmax_chunk(rows: int, V: int, sm_count: int) -> int:
+    """Columns per argmax block: rows are split into chunks of whole ARGMAX_CHUNK units (merged in-kernel)
+    so that all rows together make about ARGMAX_BLOCKS_PER_SM blocks per SM. One row (decode) gets
+    2048-column blocks; a verify bucket's rows bigger ones (65 x 151936: 8 blocks of 20480 per row, where
+    2048-column blocks ran 11.4 us on the H200); enough rows get one block each (chunk >= V)."""
+    units = -(-V // ARGMAX_CHUNK)
+    per_block = -(-rows * units // (ARGMAX_BLOCKS_PER_SM * sm_count))
+    return V if per_block >= units else ARGMAX_CHUNK * per_block
 
 
 def argmax(logits: DeviceArray, out: DeviceArray, *, V: int | None = None, ld: int | None = None,
@@ -594,28 +604,32 @@ def argmax(logits: DeviceArray, out: DeviceArray, *, V: int | None = None, ld: i
     op = "argmax"
     rows, V, ld = _logits_checks(logits, op, V, ld)
     _need(out.dtype == np.int32 and out.size >= rows, op, "out must be int32 [rows]")
-    # Few rows (decode, verify): split each row over blocks of ARGMAX_CHUNK columns (merged in-kernel);
-    # many rows fill the GPU with one block per row.
-    chunks = -(-V // ARGMAX_CHUNK) if rows <= ARGMAX_SPLIT_MAX_ROWS else 1
+    chunk = argmax_chunk(rows, V, get_device().sm_count)
+    chunks = -(-V // chunk)
     ws = ws or default_workspace()
     slots, tickets = (ws.slots64(rows), ws.tickets(rows)) if chunks > 1 else (np.uint64(0), np.uint64(0))
     get_kernel("sampling", "argmax_kernel").launch(
-        (chunks, rows), 256, [logits, _i32(ld), _i32(V), out, _i32(ARGMAX_CHUNK if chunks > 1 else V), slots,
-                              tickets], stream=stream)
+        (chunks, rows), 256, [logits, _i32(ld), _i32(V), out, _i32(chunk), slots, tickets], stream=stream)
     return out
 
 
-def sample(logits: DeviceArray, temperature: float, uniforms: DeviceArray, out: DeviceArray, *,
+def sample(logits: DeviceArray, temperature: float, positions: DeviceArray, key: DeviceArray, out: DeviceArray, *,
            V: int | None = None, ld: int | None = None, stream=None) -> DeviceArray:
-    """base.py `sample`: per row, the first index whose cumulative softmax(logits / T) mass exceeds
-    uniforms[row] * total. uniforms float32 [rows] on the device; out int32 [rows]."""
+    """base.py `sample`: per row, the first index whose cumulative softmax(logits / T) mass exceeds u * total,
+    u = the Philox uniform of (key, positions[row]) (runtime/philox.py), drawn in the kernel. positions int32
+    [rows] and key uint32 [2] on the device (a graph reads the seed at replay); out int32 [rows]."""
     op = "sample"
     rows, V, ld = _logits_checks(logits, op, V, ld)
     _need(temperature > 0, op, f"temperature {temperature} must be > 0 (use argmax for greedy)")
-    _need(uniforms.dtype == np.float32 and uniforms.size >= rows, op, "uniforms must be float32 [rows]")
+    _need(isinstance(positions, DeviceArray) and positions.dtype == np.int32 and positions.size >= rows, op,
+          f"positions must be an int32 device array [rows = {rows}], got "
+          f"{getattr(positions, 'dtype', type(positions).__name__)} {getattr(positions, 'shape', '')}")
+    _need(isinstance(key, DeviceArray) and key.dtype == np.uint32 and key.size >= 2, op,
+          f"key must be a uint32 device array [2] (the seed's lo, hi words), got "
+          f"{getattr(key, 'dtype', type(key).__name__)} {getattr(key, 'shape', '')}")
     _need(out.dtype == np.int32 and out.size >= rows, op, "out must be int32 [rows]")
     get_kernel("sampling", "sample_kernel").launch(
-        rows, 256, [logits, _i32(ld), _i32(V), np.float32(1.0 / temperature), uniforms, out], stream=stream)
+        rows, 256, [logits, _i32(ld), _i32(V), np.float32(1.0 / temperature), positions, key, out], stream=stream)
     return out
 
 

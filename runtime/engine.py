@@ -1,12 +1,17 @@
 """Decoding loops over a target model (and a DFlash drafter): prefill, autoregressive decode, DFlash chain
 decode, DDTree decode. Batch 1. Greedy (temperature 0) or seeded sampling.
 
+Sampling (temperature > 0) is keyed by sequence position (runtime/philox.py): the token after position p is
+the inverse-CDF sample of softmax(logits / T) at the Philox uniform of (seed, p). An AR step and a tree node
+at the same position with the same prefix draw the same token, so for a seed DDTree/chain output equals AR
+output token for token, not only in distribution.
+
 One speculative round (DESIGN.md, "One DDTree round"), with `start` = committed tokens in the target cache and
 `bonus` = the last emitted token (at position start, not yet in the cache):
   draft   drafter over [bonus, MASK...] at positions start.., target lm_head on rows 1..      -> [B-1, V]
   tree    ddtree: log_softmax top-K per row -> build_tree (budget); chain: argmax -> chain_tree
   verify  target forward over the tree's tokens at positions start + depth with its visibility bitmask
-  walk    the target's token at each node (argmax, or a sample from softmax(logits / T)); follow matching
+  walk    the target's token at each node (argmax, or its position-keyed sample); follow matching
           children from the root; the first miss is the next bonus. Lossless at any temperature: every
           emitted token is the target's own choice at a node whose path is exactly the emitted prefix.
   commit  compact the accepted nodes' KV to slots start..start+m-1; their tap hidden states become drafter
@@ -22,6 +27,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from runtime.backends.base import causal_visibility
+from runtime.philox import seed_key
 
 MODES = ("ar", "chain", "ddtree")
 
@@ -55,13 +61,13 @@ class GenerationResult:
         return out
 
 
-def pick_tokens(backend, logits, temperature: float, rng) -> np.ndarray:
-    """The target's token per row: argmax at T=0, else a seeded sample of softmax(logits / T)."""
+def pick_tokens(backend, logits, temperature: float, positions, key) -> np.ndarray:
+    """The target's token per row: argmax at T=0, else the sample of softmax(logits / T) keyed by (key, the
+    row's sequence position) (base.py `sample`). positions / key: backend arrays (int32 [T], uint32 [2])."""
     b = backend
     if temperature <= 0.0:
         return b.to_host(b.argmax(logits)).astype(np.int32)
-    u = rng.random(logits.shape[0], dtype=np.float32)          # [0, 1) in float32 (no rounding up to 1)
-    return b.to_host(b.sample(logits, temperature, b.from_host(u))).astype(np.int32)
+    return b.to_host(b.sample(logits, temperature, positions, key)).astype(np.int32)
 
 
 def concat_taps(backend, tapped: dict, layer_ids):
@@ -71,8 +77,9 @@ def concat_taps(backend, tapped: dict, layer_ids):
 
 def prefill(backend, target, cache, prompt, chunk_size: int, drafter=None, dcache=None):
     """Chunked prefill of `prompt` into `cache` (and, with `dcache`, the drafter's context from the target's
-    tap layers); returns the hidden state of the last prompt position. In chunks so the attention scratch
-    stays [chunk, prefix + chunk] however long the prompt."""
+    tap layers); returns the hidden state of the last prompt position and that position as a backend int32
+    array [1] (what the first token's sample is keyed by). In chunks so the attention scratch stays
+    [chunk, prefix + chunk] however long the prompt."""
     b = backend
     taps = drafter.target_layer_ids if dcache is not None else ()
     for c0 in range(0, len(prompt), chunk_size):
@@ -83,7 +90,7 @@ def prefill(backend, target, cache, prompt, chunk_size: int, drafter=None, dcach
         cache.length += len(chunk)
         if dcache is not None:
             drafter.add_context(dcache, concat_taps(b, tapped, taps), positions)
-    return h[len(chunk) - 1:]
+    return h[len(chunk) - 1:], positions[len(chunk) - 1:]
 
 
 def decode_rounds(first: int, step: Callable, *, max_new_tokens: int, stops: set, on_tokens, prefill_s: float,
@@ -125,8 +132,8 @@ class Engine:
         self._tree_workspace = None
 
     # ---- helpers ------------------------------------------------------------------------------------------
-    def _pick(self, logits, temperature: float, rng) -> np.ndarray:
-        return pick_tokens(self.backend, logits, temperature, rng)
+    def _pick(self, logits, temperature: float, positions, key) -> np.ndarray:
+        return pick_tokens(self.backend, logits, temperature, positions, key)
 
     def _taps_concat(self, tapped: dict):
         return concat_taps(self.backend, tapped, self.drafter.target_layer_ids)
@@ -143,6 +150,7 @@ class Engine:
             raise ValueError(f"budget must be >= 1, got {budget}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        key = seed_key(seed)                          # ValueError outside [0, 2**64)
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         if prompt.ndim != 1 or len(prompt) == 0:
             raise ValueError("prompt_ids must be a non-empty 1-D token list")
@@ -153,7 +161,7 @@ class Engine:
                                                 budget=budget, on_tokens=on_tokens)
         b, tgt = self.backend, self.target
         stops = set(int(t) for t in stop_token_ids)
-        rng = np.random.default_rng(seed)
+        key = b.from_host(key)
         p = len(prompt)
         block = self.drafter.block_size if self.drafter is not None else 1
         capacity = p + max_new_tokens + max(budget, block) + 2
@@ -161,28 +169,27 @@ class Engine:
         dcache = self.drafter.new_cache(capacity + block) if mode != "ar" else None
 
         t0 = time.perf_counter()
-        h_last = prefill(b, tgt, cache, prompt, self.prefill_chunk, self.drafter, dcache)
-        first = int(self._pick(tgt.logits(h_last), temperature, rng)[0])
+        h_last, pos_last = prefill(b, tgt, cache, prompt, self.prefill_chunk, self.drafter, dcache)
+        first = int(self._pick(tgt.logits(h_last), temperature, pos_last, key)[0])
         prefill_s = time.perf_counter() - t0
 
         if mode == "ar":
-            step = lambda last: self._ar_step(cache, last, temperature, rng)
+            step = lambda last: self._ar_step(cache, last, temperature, key)
         else:
-            step = lambda last: self._spec_round(cache, dcache, last, mode, budget, temperature, rng)
+            step = lambda last: self._spec_round(cache, dcache, last, mode, budget, temperature, key)
         return decode_rounds(first, step, max_new_tokens=max_new_tokens, stops=stops, on_tokens=on_tokens,
                              prefill_s=prefill_s)
 
-    def _ar_step(self, cache, last: int, temperature, rng):
+    def _ar_step(self, cache, last: int, temperature, key):
         b, tgt = self.backend, self.target
         t0 = time.perf_counter()
-        pos = cache.length
-        h, _ = tgt.forward(cache, b.from_host(np.array([last], np.int32)), b.from_host(np.array([pos], np.int32)),
-                           b.from_host(causal_visibility(1)))
+        pos = b.from_host(np.array([cache.length], np.int32))
+        h, _ = tgt.forward(cache, b.from_host(np.array([last], np.int32)), pos, b.from_host(causal_visibility(1)))
         cache.length += 1
-        tok = int(self._pick(tgt.logits(h), temperature, rng)[0])
+        tok = int(self._pick(tgt.logits(h), temperature, pos, key)[0])
         return [tok], RoundStats(committed=1, tree_size=1, times={"verify": time.perf_counter() - t0})
 
-    def _spec_round(self, cache, dcache, bonus: int, mode: str, budget: int, temperature, rng):
+    def _spec_round(self, cache, dcache, bonus: int, mode: str, budget: int, temperature, key):
         from runtime.accept import walk
         from runtime.tree import DraftTree, build_tree, chain_tree
         b, tgt, d = self.backend, self.target, self.drafter
@@ -211,9 +218,9 @@ class Engine:
         tokens, depths, vis = tree.tokens.copy(), tree.depths.copy(), tree.visibility.copy()
         times["tree"] = (t3 := time.perf_counter()) - t2
 
-        h, tapped = tgt.forward(cache, b.from_host(tokens), b.from_host(start + depths), b.from_host(vis),
-                                d.target_layer_ids)
-        target_tokens = self._pick(tgt.logits(h), temperature, rng)
+        positions = b.from_host(start + depths)
+        h, tapped = tgt.forward(cache, b.from_host(tokens), positions, b.from_host(vis), d.target_layer_ids)
+        target_tokens = self._pick(tgt.logits(h), temperature, positions, key)
         times["verify"] = (t4 := time.perf_counter()) - t3
 
         accepted, new_bonus = walk(tree, target_tokens)

@@ -287,13 +287,15 @@ def install(monkeypatch) -> FakeDevice:
             Ellipsis, _ref.argmax(dev.read(logits.ptr, rows, V, ld))))
         return out
 
-    def sample(logits, temperature, uniforms, out, *, V=None, ld=None, stream=None):
+    def sample(logits, temperature, positions, key, out, *, V=None, ld=None, stream=None):
         rows = logits.shape[0]
         V, ld = V or logits.shape[-1], ld or logits.shape[-1]
 
-        def run():
-            u = dev.view(uniforms.ptr, (rows,), np.float32).copy()
-            dev.view(out.ptr, (rows,), np.int32)[...] = _ref.sample(dev.read(logits.ptr, rows, V, ld), temperature, u)
+        def run():      # positions and the key are read at replay time, like the kernel does
+            pos = dev.view(positions.ptr, (rows,), np.int32).copy()
+            k = dev.view(key.ptr, (2,), np.uint32).copy()
+            dev.view(out.ptr, (rows,), np.int32)[...] = _ref.sample(dev.read(logits.ptr, rows, V, ld), temperature,
+                                                                    pos, k)
         dev.emit(run)
         return out
 

@@ -40,5 +40,5 @@ def test_eager_cuda_engine_matches_graphs(backend_cls, tiny_dirs):
     gpu_tests.test_eager_cuda_engine_matches_graphs(tiny_dirs, None)
 
 
-def test_sampled_ddtree_runs_and_is_seeded(backend_cls, tiny_dirs):
-    gpu_tests.test_sampled_ddtree_runs_and_is_seeded(backend_cls(), tiny_dirs)
+def test_sampled_ddtree_equals_ar(backend_cls, tiny_dirs):
+    gpu_tests.test_sampled_ddtree_equals_ar(backend_cls(), tiny_dirs)

@@ -1,5 +1,5 @@
 """ddtree-run: exit codes and messages for bad input, and end-to-end runs (embedded SmolLM2 default; a tiny HF
-target directory with a DFlash drafter directory, DDTree output == AR output)."""
+target directory with a DFlash drafter directory, DDTree output == AR output, greedy and sampled)."""
 import json
 
 import numpy as np
@@ -37,6 +37,12 @@ def test_bad_gguf(tmp_path, capsys):
 def test_bad_budget(value, capsys):
     code, _, err = run_cli(["--budget", value, "hi"], capsys)
     assert code == EXIT_USAGE and "--budget" in err
+
+
+@pytest.mark.parametrize("value", ["-1", str(2**64), "x"])
+def test_bad_seed(value, capsys):
+    code, _, err = run_cli(["--seed", value, "hi"], capsys)
+    assert code == EXIT_USAGE and "--seed" in err
 
 
 def test_ddtree_mode_needs_drafter(capsys):
@@ -96,6 +102,13 @@ def test_target_dir_with_drafter_dir(tmp_path, capsys):
     assert dd_out == ar_out and len(ar_out.split()) == 24
     code, stream_out, err = run_cli(["--draft", str(draft_dir), "--stream"] + common, capsys)
     assert code == 0 and stream_out.split() == ar_out.split()
+    # sampled: one seed, the same text from ar and ddtree (position-keyed sampling)
+    sampled = ["--temperature", "0.9", "--seed", "3"] + common
+    code, ar_sampled, err = run_cli(["--mode", "ar"] + sampled, capsys)
+    assert code == 0, err
+    code, dd_sampled, err = run_cli(["--draft", str(draft_dir), "--budget", "16"] + sampled, capsys)
+    assert code == 0, err
+    assert dd_sampled == ar_sampled and ar_sampled != ar_out
     # a target passed as the drafter is refused with a message
     code, _, err = run_cli(["--draft", str(target_dir)] + common, capsys)
     assert code == EXIT_USAGE and "not a DFlash drafter" in err

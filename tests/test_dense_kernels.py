@@ -225,6 +225,7 @@ def test_argmax_large_vocab(dk, ref):
 
 def test_argmax_and_sample(dk, ref):
     from runtime.cuda import to_device
+    from runtime.philox import position_uniforms, seed_key
     rng = np.random.default_rng(11)
     rows, V = 111, 989
     logits = round_bf16(rng.standard_normal((rows, V), dtype=np.float32) * 3)
@@ -237,10 +238,13 @@ def test_argmax_and_sample(dk, ref):
     dk.argmax(lg, out, V=V)
     np.testing.assert_array_equal(out.download(), ref.argmax(logits))
 
-    for temperature in (0.7, 1.3):
-        u = rng.random(rows).astype(np.float32)
+    positions = rng.integers(0, 2**31 - 1, rows).astype(np.int32)
+    positions[:3] = (0, 1, 2**31 - 1)
+    for temperature, seed in ((0.7, 3), (1.3, 2**64 - 1)):
+        key = seed_key(seed)
+        u = position_uniforms(key, positions)
         out.fill_bytes(0xFF)
-        dk.sample(lg, temperature, to_device(u), out, V=V)
+        dk.sample(lg, temperature, to_device(positions), to_device(key), out, V=V)
         got = out.download()
         z = logits.astype(np.float64) / temperature
         p = np.exp(z - z.max(axis=-1, keepdims=True))
@@ -250,8 +254,31 @@ def test_argmax_and_sample(dk, ref):
         hi = cdf[np.arange(rows), got]
         ok = (lo <= u + 1e-5) & (u <= hi + 1e-5)  # u falls in the chosen token's CDF interval
         assert ok.all(), f"sample T={temperature}: rows {np.flatnonzero(~ok)[:5]}"
-        exact = ref.sample(logits, temperature, u)
+        exact = ref.sample(logits, temperature, positions, key)
         assert (got == exact).mean() > 0.97, "sample disagrees with the oracle beyond rounding at CDF edges"
+
+
+def test_sample_philox_bits(dk, ref):
+    """The device Philox, bit for bit: with all-equal logits over V = 2^16 every p is exactly 1 and every sum
+    an exact integer, so the sample is floor(u * 2^16) = the top 16 bits of the first Philox word of
+    (key, position) (runtime/philox.py, checked against Random123's known answers in test_philox.py)."""
+    from runtime.cuda import to_device
+    from runtime.philox import philox4x32_10, seed_key
+    rng = np.random.default_rng(12)
+    rows, V = 300, 1 << 16
+    positions = rng.integers(0, 2**31 - 1, rows).astype(np.int32)
+    positions[:4] = (0, 1, 2, 2**31 - 1)
+    lg = dev_bf16(np.zeros((rows, V), np.float32))
+    out = poisoned((rows,), np.int32)
+    for seed in (0, 0x0123456789ABCDEF, 2**64 - 1):
+        key = seed_key(seed)
+        out.fill_bytes(0xFF)
+        dk.sample(lg, 0.9, to_device(positions), to_device(key), out)
+        ctr = np.zeros((rows, 4), np.uint32)
+        ctr[:, 0] = positions
+        want = (philox4x32_10(ctr, key)[:, 0] >> 16).astype(np.int32)
+        np.testing.assert_array_equal(out.download(), want, err_msg=f"seed {seed:#x}")
+        np.testing.assert_array_equal(ref.sample(np.zeros((rows, V), np.float32), 0.9, positions, key), want)
 
 
 def test_kv_compact(dk, ref):

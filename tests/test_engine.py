@@ -1,11 +1,12 @@
 """Engine on the numpy backend: DDTree / chain greedy == AR greedy token for token (tiny random models, Llama
-and DeepSeek-V3 MLA targets), sampled DDTree output distributed as the target's (chi-square), stop tokens
-and max_new_tokens."""
+and DeepSeek-V3 MLA targets), sampled DDTree == sampled AR for a seed (position-keyed sampling) and
+distributed as the target's (chi-square), stop tokens and max_new_tokens."""
 import numpy as np
 import pytest
 
 from runtime.backends.base import causal_visibility
 from runtime.engine import Engine
+from runtime.philox import seed_key
 from test_models import VOCAB, tiny_drafter, tiny_target
 
 PROMPT = [3, 17, 42, 8, 91, 5, 60]
@@ -121,7 +122,7 @@ def test_sampled_ddtree_matches_target_distribution(llama_pair):
                                    causal_visibility(len(PROMPT)), drafter.target_layer_ids)
         cache.length = len(PROMPT)
         drafter.add_context(dcache, engine._taps_concat(tapped), np.arange(len(PROMPT), dtype=np.int32))
-        new, _ = engine._spec_round(cache, dcache, root, "ddtree", 64, temperature, np.random.default_rng(seed))
+        new, _ = engine._spec_round(cache, dcache, root, "ddtree", 64, temperature, seed_key(seed))
         first[new[0]] += 1
         if len(new) > 1:
             second.setdefault(new[0], np.zeros(VOCAB, np.int64))[new[1]] += 1
@@ -146,6 +147,40 @@ def test_chunked_prefill_is_the_same(pair, request):
     chunked = Engine(target, drafter, prefill_chunk=3).generate(prompt, mode="ddtree", budget=16, max_new_tokens=12)
     assert chunked.tokens == whole.tokens
     assert [r.committed for r in chunked.rounds] == [r.committed for r in whole.rounds]
+
+
+@pytest.mark.parametrize("pair", ["llama_pair", "deepseek_pair"])
+def test_sampled_ddtree_equals_ar(pair, request):
+    """Sampling is keyed by (seed, sequence position) (runtime/philox.py), so at temperature > 0 DDTree and
+    chain output equal AR output for the same seed, token for token, at every budget; another seed samples
+    other tokens."""
+    target, drafter = request.getfixturevalue(pair)
+    engine = Engine(target, drafter)
+    for temperature in (0.8, 1.5):
+        outputs = {}
+        for seed in (7, 2**63 + 12345):
+            ar = engine.generate(PROMPT, mode="ar", max_new_tokens=32, temperature=temperature, seed=seed)
+            outputs[seed] = ar.tokens
+            accepted_any = False
+            for budget in (1, 4, 16, 64):
+                dd = engine.generate(PROMPT, mode="ddtree", budget=budget, max_new_tokens=32,
+                                     temperature=temperature, seed=seed)
+                assert dd.tokens == ar.tokens, f"T={temperature} seed={seed} budget={budget}: ddtree != ar"
+                accepted_any |= dd.mean_accepted > 1.0
+            chain = engine.generate(PROMPT, mode="chain", max_new_tokens=32, temperature=temperature, seed=seed)
+            assert chain.tokens == ar.tokens, f"T={temperature} seed={seed}: chain != ar"
+            assert accepted_any, f"T={temperature} seed={seed}: no drafted token accepted (tree path unexercised)"
+        a, b = outputs.values()
+        assert a != b, f"T={temperature}: two seeds gave the same 32 tokens"
+    greedy = engine.generate(PROMPT, mode="ar", max_new_tokens=32)
+    assert greedy.tokens != outputs[7], "T=1.5 sampling gave the greedy tokens"
+
+
+def test_bad_seed(llama_pair):
+    target, _ = llama_pair
+    for seed in (-1, 2**64):
+        with pytest.raises(ValueError, match="seed"):
+            Engine(target).generate(PROMPT, temperature=0.8, seed=seed)
 
 
 def test_sampling_is_seeded(llama_pair):

@@ -102,8 +102,19 @@ def test_sampling_and_kv_compact():
         dk.argmax(fake((4, 992)), fake((4,), np.int32), V=1000)
     with pytest.raises(ValueError, match=r"k = 2000 must be in 1..min\(1024"):
         dk.log_softmax_topk(fake((4, 4096)), 2000, fake((4, 2000), np.float32), fake((4, 2000), np.int32))
+    pos, key, out = fake((4,), np.int32), fake((2,), np.uint32), fake((4,), np.int32)
     with pytest.raises(ValueError, match="temperature"):
-        dk.sample(fake((4, 64)), 0.0, fake((4,), np.float32), fake((4,), np.int32))
+        dk.sample(fake((4, 64)), 0.0, pos, key, out)
+    with pytest.raises(ValueError, match=r"positions must be an int32 device array \[rows = 4\], got float32"):
+        dk.sample(fake((4, 64)), 0.8, fake((4,), np.float32), key, out)
+    with pytest.raises(ValueError, match=r"positions must be an int32 device array \[rows = 4\]"):
+        dk.sample(fake((4, 64)), 0.8, fake((3,), np.int32), key, out)
+    with pytest.raises(ValueError, match="positions must be an int32 device array"):
+        dk.sample(fake((4, 64)), 0.8, np.arange(4, dtype=np.int32), key, out)      # host array
+    with pytest.raises(ValueError, match=r"key must be a uint32 device array \[2\]"):
+        dk.sample(fake((4, 64)), 0.8, pos, fake((2,), np.int32), out)
+    with pytest.raises(ValueError, match=r"key must be a uint32 device array \[2\]"):
+        dk.sample(fake((4, 64)), 0.8, pos, np.array([1, 2], np.uint32), out)
     with pytest.raises(ValueError, match="different row sizes"):
         dk.KVPlanes([fake((10, 2, 64)), fake((10, 1, 64))])
     planes = dk.KVPlanes.__new__(dk.KVPlanes)

@@ -78,13 +78,40 @@ def test_sample_is_inverse_cdf():
     logits = rng.normal(size=(64, 50)).astype(np.float32) * 3
     u = rng.random(64).astype(np.float32)
     u[0], u[1] = 0.0, np.nextafter(np.float32(1), np.float32(0))
-    tok = B.sample(logits, 0.8, u)
+    tok = B.sample_with_uniforms(logits, 0.8, u)
     z = logits.astype(np.float64) / 0.8
     p = np.exp(z - z.max(-1, keepdims=True))
     cdf = np.cumsum(p / p.sum(-1, keepdims=True), -1)
     for r in range(64):
         lo = cdf[r, tok[r] - 1] if tok[r] > 0 else 0.0
         assert lo - 1e-9 <= u[r] <= cdf[r, tok[r]] + 1e-9
+
+
+def test_sample_is_keyed_by_seed_and_position():
+    """sample(logits, T, positions, key) == a direct reference: u from Philox of (key, position) (checked against
+    known answers in test_philox.py), then searchsorted on the float64 CDF. A row's token depends on its
+    position and the key, not on its row index or its neighbours."""
+    from runtime.philox import position_uniforms, seed_key
+    rng = np.random.default_rng(4)
+    rows, V, T = 97, 333, 1.3
+    logits = rng.normal(size=(rows, V)).astype(np.float32) * 2
+    positions = rng.integers(0, 1 << 20, rows).astype(np.int32)
+    key = seed_key(0x0123456789ABCDEF)
+    tok = B.sample(logits, T, positions, key)
+    assert tok.dtype == np.int32 and tok.shape == (rows,)
+    u = position_uniforms(key, positions).astype(np.float64)
+    z = logits.astype(np.float64) / T
+    p = np.exp(z - z.max(-1, keepdims=True))
+    for r in range(rows):
+        cdf = np.cumsum(p[r])
+        assert tok[r] == min(np.searchsorted(cdf, u[r] * cdf[-1], side="right"), V - 1), f"row {r}"
+    perm = rng.permutation(rows)
+    np.testing.assert_array_equal(B.sample(logits[perm], T, positions[perm], key), tok[perm])
+    same_pos = np.full(rows, 12345, np.int32)
+    again = B.sample(np.repeat(logits[:1], rows, 0), T, same_pos, key)
+    assert (again == again[0]).all(), "one position, one key, one row of logits: one token"
+    other = B.sample(logits, T, positions, seed_key(1))
+    assert (other != tok).mean() > 0.5, "another key drew mostly the same tokens"
 
 
 def test_moe_route_matches_transformers_router():

@@ -208,8 +208,9 @@ def bench_sampling(stream):
             out = empty((rows,), np.int32)
             us = graph_time_us(lambda i, s: dk.argmax(logits, out, stream=s), reps=8, stream=stream)
             print(f"| argmax | {rows} x {V} | - | {us:.2f} |", flush=True)
-            u = to_device(rng.random(rows).astype(np.float32))
-            us = graph_time_us(lambda i, s: dk.sample(logits, 0.8, u, out, stream=s), reps=8, stream=stream)
+            pos = to_device(np.arange(1000, 1000 + rows, dtype=np.int32))
+            key = to_device(np.array([12345, 678], np.uint32))
+            us = graph_time_us(lambda i, s: dk.sample(logits, 0.8, pos, key, out, stream=s), reps=8, stream=stream)
             print(f"| sample (T=0.8) | {rows} x {V} | - | {us:.2f} |", flush=True)
 
 

@@ -41,6 +41,16 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= v < 1 << 64:
+        raise argparse.ArgumentTypeError(f"must be in 0..2**64-1, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddtree-run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoding mode (default: ddtree with a drafter, else ar)")
     p.add_argument("--budget", type=_positive_int, default=64, help="DDTree node budget (default 64)")
     p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--seed", type=_seed, default=0,
+                   help="sampling seed, 0..2**64-1 (default 0); the token after position p depends only on "
+                        "(seed, p, logits), so every mode samples the same tokens")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="default 128")
     p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
                    help="auto: cuda when a GPU is usable, else numpy (default)")

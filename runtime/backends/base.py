@@ -166,9 +166,14 @@ class Backend(ABC):
         """Per row of [T, V]: the index of the largest logit (ties: lowest index). int32 [T]."""
 
     @abstractmethod
-    def sample(self, logits: Array, temperature: float, uniforms: Array) -> Array:
-        """Per row of [T, V]: a sample of softmax(logits / temperature) by inverse CDF with the caller's
-        uniform numbers [T] in [0, 1) (seeded by the engine, so every backend draws the same tokens)."""
+    def sample(self, logits: Array, temperature: float, positions: Array, key: Array) -> Array:
+        """Per row of [T, V]: a sample of softmax(logits / temperature) by inverse CDF, int32 [T]: the first
+        index whose cumulative mass exceeds u * total (sums in index order). u is Philox4x32-10 of counter
+        (positions[row], 0, 0, 0) under key (uint32 [2] = the seed's lo, hi words), first output word's top 24
+        bits * 2^-24 (runtime/philox.py). positions int32 [T] = each row's absolute sequence position (the
+        position of the token whose next token is drawn), so the token after position p depends only on
+        (seed, p, logits): AR and every tree node at p draw alike, on every backend. `key` is an array (on
+        the device for CUDA) so a captured graph takes a new seed without re-capture."""
 
 
 def causal_visibility(t: int) -> np.ndarray:

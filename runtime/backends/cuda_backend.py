@@ -522,9 +522,9 @@ class CudaBackend(Backend):
         dk.argmax(logits, out, V=logits.shape[1], ld=logits.ld, ws=self._ws, stream=self.stream)
         return out
 
-    def sample(self, logits, temperature, uniforms):
+    def sample(self, logits, temperature, positions, key):
         logits = self._ready(logits)
         out = self._new((logits.shape[0],), np.int32)
-        dk.sample(logits, float(temperature), self._index(uniforms, np.float32), out, V=logits.shape[1],
-                  ld=logits.ld, stream=self.stream)
+        dk.sample(logits, float(temperature), self._index(positions, np.int32), self._index(key, np.uint32), out,
+                  V=logits.shape[1], ld=logits.ld, stream=self.stream)
         return out

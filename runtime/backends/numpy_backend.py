@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.bf16 import from_bf16
+from runtime.philox import position_uniforms
 from .base import Backend, unpack_visibility
 
 
@@ -183,7 +184,12 @@ class NumpyBackend(Backend):
     def argmax(self, logits):
         return np.argmax(logits, axis=-1).astype(np.int32)
 
-    def sample(self, logits, temperature, uniforms):
+    def sample(self, logits, temperature, positions, key):
+        return self.sample_with_uniforms(logits, temperature, position_uniforms(key, positions))
+
+    @staticmethod
+    def sample_with_uniforms(logits, temperature, uniforms):
+        """The inverse CDF of `sample` with explicit uniforms [T] in [0, 1)."""
         z = np.asarray(logits, dtype=np.float64) / float(temperature)
         p = np.exp(z - z.max(axis=-1, keepdims=True))
         cdf = np.cumsum(p, axis=-1)
