@@ -98,3 +98,60 @@ def write_tiny_model(folder: os.PathLike | str, config: dict, seed: int = 0, sha
             weight_map.update({names[i]: fname for i in part})
         (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return tensors
+
+
+class RandomWeights:
+    """Random bf16 weights held in memory, for benchmarks at real model sizes: every tensor that
+    expected_tensors(spec) requires (llama family incl. Qwen3's q_norm/k_norm and attention biases, DFlash
+    drafters; not INT4) is a view of one shared pool at its own random offset, so the host side of a 16 GB
+    model costs one pool as large as its largest tensor (plus slack), not 16 GB. Matrices and biases are
+    ~normal(0, scale), norm weights ~1 + normal(0, 0.02). Tensors overlap in the pool (each is a shifted
+    window of the same numbers): fine for timing and plumbing, not for tests that need independent tensors
+    (write_tiny_model is for those). A source for runtime.models (Weights takes .names() / .tensor(name))."""
+
+    BLOCK = 1 << 22          # distinct random values; the pool repeats them (a copy, not a new draw)
+    SLACK = 1 << 20          # offsets are drawn from [0, SLACK)
+
+    def __init__(self, spec_or_config, seed: int = 0, scale: float = 0.02):
+        spec = spec_or_config if not isinstance(spec_or_config, dict) else load_config(spec_or_config)
+        self.spec = spec
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for name, e in expected_tensors(spec).items():
+            if e.optional:
+                continue                 # a tied lm_head: the model reads the embedding
+            if "BF16" not in e.dtypes:
+                raise NotImplementedError(f"RandomWeights: {name} is not a bf16 tensor (INT4 is not covered)")
+            self.shapes[name] = tuple(e.shape)
+        rng = np.random.default_rng(seed)
+        is_norm = {n: len(s) == 1 and n.endswith("norm.weight") for n, s in self.shapes.items()}
+        largest = max((int(np.prod(s)) for n, s in self.shapes.items() if not is_norm[n]), default=1)
+        largest_norm = max((int(np.prod(s)) for n, s in self.shapes.items() if is_norm[n]), default=1)
+        base = to_bf16(rng.standard_normal(min(self.BLOCK, largest + self.SLACK), np.float32) * np.float32(scale))
+        base[base == 0] = to_bf16(np.float32(scale))        # never an exact zero (as random_bf16)
+        self._pool = np.empty(largest + self.SLACK, np.uint16)
+        for i in range(0, self._pool.size, base.size):          # (np.resize is ~10x slower)
+            self._pool[i:i + base.size] = base[:self._pool.size - i]
+        self._norm_pool = to_bf16(1 + rng.standard_normal(largest_norm + self.SLACK, np.float32) * np.float32(0.02))
+        self._at = {n: (is_norm[n], int(rng.integers(0, self.SLACK))) for n in self.shapes}
+
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    def __contains__(self, name) -> bool:
+        return name in self.shapes
+
+    def info(self, name) -> tuple[str, tuple[int, ...]]:
+        return "BF16", self.shapes[name]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """uint16 bf16 bits, a read-only view into the pool."""
+        shape = self.shapes[name]
+        norm, off = self._at[name]
+        v = (self._norm_pool if norm else self._pool)[off:off + int(np.prod(shape))].reshape(shape)
+        v.flags.writeable = False
+        return v
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors as a checkpoint would hold them (not what the pool costs)."""
+        return sum(int(np.prod(s)) * 2 for s in self.shapes.values())

@@ -5,6 +5,10 @@ output equals the AR output (the lossless property) and marks any row that diffe
     python -m tools.bench_e2e                                  # SmolLM2-135M default, random drafter, numpy
     python -m tools.bench_e2e --model DIR --draft DFLASH_DIR --backend cuda --budgets 16,64,256
     python -m tools.bench_e2e --backend cuda --hf --max-new-tokens 256   # + host us/round, replays, HF peer
+    python -m tools.bench_e2e --backend cuda --random qwen3-8b --budgets 16,64   # 16 GB random bf16, in memory
+
+--random builds the weights in memory (loader.testing.RandomWeights); only with --hf on CUDA, for a small
+shape, are they written to a temporary directory, so that transformers loads the same weights.
 
 Without --draft a random-weight drafter is used: acceptance is then near 1 and the table measures the cost of
 drafting and verifying, not a speedup.
@@ -12,6 +16,7 @@ drafting and verifying, not a speedup.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -47,8 +52,18 @@ def main(argv=None) -> int:
     try:
         backend = select_backend(args.backend)
         if args.random:
-            args.model = random_model_dir(args.random)
-            target, tok = build_random_target(args.model, backend), IdTokenizer()
+            # in memory (no disk), unless the HF peer will run: it loads a directory, the same weights as ours
+            hf_peer = args.hf and backend.name == "cuda" and random_shape_bytes(args.random) <= HF_PEER_MAX_BYTES
+            if args.hf and not hf_peer:
+                print(f"bench_e2e: no HF peer for random {args.random} (it would need the weights on disk; "
+                      f"only shapes <= {HF_PEER_MAX_BYTES >> 30} GiB are written)", file=sys.stderr)
+                args.hf = False
+            if hf_peer:
+                args.model = random_model_dir(args.random)
+                target = build_random_target(args.model, backend)
+            else:
+                target = random_target(RANDOM_SHAPES[args.random], backend)
+            tok = IdTokenizer()
         else:
             target, tok, _, _ = load_target(args.model, backend)
         if args.draft:
@@ -130,7 +145,19 @@ RANDOM_SHAPES = {
                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                     tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    # Qwen3-8B's layer layout (head_dim 128, GQA 4:1, q/k norm, untied) at toy size: CPU runs of the tools
+    # (--fake) and quick checks; vocab > 32016 for IdTokenizer's ids
+    "qwen3-tiny": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=32768, hidden_size=256,
+                       intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                       head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
 }
+# Shapes the HF peer (--hf) may write to disk for transformers to load (bigger ones run without the peer).
+HF_PEER_MAX_BYTES = 2 << 30
 
 
 class IdTokenizer:
@@ -157,13 +184,51 @@ def build_random_target(path, backend):
     return build_model(spec, weights, backend)
 
 
+def random_shape_bytes(shape: str) -> int:
+    """Checkpoint bytes (bf16) of a random shape."""
+    import loader
+    from loader.names import expected_tensors
+    spec = loader.load_config(RANDOM_SHAPES[shape])
+    return sum(2 * math.prod(e.shape) for e in expected_tensors(spec).values() if not e.optional)
+
+
+def random_target(config: dict, backend, seed: int = 0, progress=None):
+    """A random-weight target of an HF config, built in memory (loader.testing.RandomWeights: no disk, the host
+    holds one pool as large as the largest tensor). progress(layer, layers) is called as each layer is read."""
+    import loader
+    from loader.testing import RandomWeights
+    from runtime.models import build_model
+    spec = loader.load_config(config)
+    weights = RandomWeights(spec, seed=seed)
+    if progress is not None:
+        weights = _LayerProgress(weights, spec.num_hidden_layers, progress)
+    return build_model(spec, weights, backend)
+
+
+class _LayerProgress:
+    """A weight source that reports the first read of each layer's tensors (a big model's build is slow)."""
+
+    def __init__(self, source, layers: int, progress):
+        self.source, self.layers, self.progress, self.seen = source, layers, progress, -1
+
+    def names(self):
+        return self.source.names()
+
+    def tensor(self, name):
+        parts = name.split(".")
+        if "layers" in parts:
+            i = int(parts[parts.index("layers") + 1])
+            if i > self.seen:
+                self.seen = i
+                self.progress(i, self.layers)
+        return self.source.tensor(name)
+
+
 def random_drafter(target, backend, seed: int = 0, block_size: int = 16):
     """A random-weight DFlash drafter with head_dim 64 (the CUDA attention kernels' size), taps spread over the
-    target's layers; written with loader.testing to a temporary directory and loaded like a real one."""
-    import tempfile
-    from pathlib import Path
+    target's layers; random weights in memory (loader.testing.RandomWeights), no checkpoint on disk."""
     import loader
-    from loader.testing import write_tiny_model
+    from loader.testing import RandomWeights
     from runtime.models.dflash import DFlashDrafter
     n = target.num_layers
     taps = [1, n // 2, n - 3] if n > 4 else [0]
@@ -172,10 +237,8 @@ def random_drafter(target, backend, seed: int = 0, block_size: int = 16):
                head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096,
                vocab_size=target.vocab_size, block_size=block_size, num_target_layers=n,
                dflash_config=dict(target_layer_ids=taps, mask_token_id=target.vocab_size - 1))
-    with tempfile.TemporaryDirectory() as d:
-        write_tiny_model(Path(d), cfg, seed=seed)
-        spec, weights = loader.load_model(Path(d))
-        return DFlashDrafter(spec, weights, backend)
+    spec = loader.load_config(cfg)
+    return DFlashDrafter(spec, RandomWeights(spec, seed=seed), backend)
 
 
 def host_overhead(engine, ids, budgets, max_new_tokens):

@@ -41,6 +41,10 @@ step bench_load python3 tools/bench_load.py --size-gb 4
 e2e_model=(--random smollm2-135m)
 [ -n "${DDTREE_SMOLLM2_GGUF:-}" ] && e2e_model=(--model "$DDTREE_SMOLLM2_GGUF")
 step bench_e2e_cuda python3 -m tools.bench_e2e --backend cuda --budgets 16,64,256 --max-new-tokens 128 --hf "${e2e_model[@]}"
+# Verify step time vs budget (issue 6): a Qwen3-8B-shaped random bf16 model (16 GB, built in memory), prefix
+# 1024, graph replay of the one-token step and of verify at budgets 16..256 as ratios to it, weights / time vs
+# the read bandwidth, the target line "budget 64 <= 1.25x AR", and the per-op table of AR vs verify b64.
+step bench_verify python3 -m tools.bench_verify --per-op 64
 
 if [ ${#failed[@]} -ne 0 ]; then
   echo "gpu_check: FAILED steps: ${failed[*]}" | tee -a "$LOG"

@@ -4,7 +4,7 @@
     python -m tools.profile_step --budget 16 --prefix 512
     python -m tools.profile_step --layers 2 --fake        # CPU stand-in (tests/fake_cuda.py): plumbing only
 
-How: a random model of a bench_e2e --random shape is decoded for a few tokens through runtime.cuda_engine
+How: a random model of a bench_e2e --random shape (weights in memory, tools.bench_e2e.random_target) is decoded for a few tokens through runtime.cuda_engine
 (AR and DDTree at the bucket), which captures the real graphs. Then the captured function of each graph
 (the AR step, the verify step) runs once more with every kernel-level op (runtime.dense_kernels entry, or the
 backend's row copy) captured into its own small graph of `--reps` back-to-back copies of that op with the
@@ -62,11 +62,16 @@ def _label(name, args, kwargs, lin_names, sm_count) -> tuple[str, str]:
         x, w = args[0], args[1]
         M, (N, K) = x.shape[0], w.shape
         prologue = kwargs.get("prologue", "none")
-        entry, grid, kps, _ = dk.linear_plan(M, N, K, sm_count, kwargs.get("splits"), kwargs.get("kernel", "auto"),
-                                             kwargs.get("stages"), kwargs.get("rt", 1), dk.PROLOGUES[prologue])
+        kernel = kwargs.get("kernel", "auto")
         fused = "" if prologue == "none" else f" (+{prologue})"
-        return (f"linear {lin_names.get((N, K), f'{N}x{K}')}{fused}",
-                f"{entry.replace('linear_bf16_', '')} grid {grid}")
+        label = f"linear {lin_names.get((N, K), f'{N}x{K}')}{fused}"
+        from runtime import dense_gmma as dg
+        if kernel == "auto" and prologue == "none" and dg.gmma_wanted(M, N, K):  # what linear() hands over
+            entry, grid, _, _ = dg.gmma_plan(M, N, K, sm_count, kwargs.get("splits"))
+            return label, f"{entry.replace('linear_gmma_kernel', 'gmma')} grid {grid}"
+        entry, grid, kps, _ = dk.linear_plan(M, N, K, sm_count, kwargs.get("splits"), kernel,
+                                             kwargs.get("stages"), kwargs.get("rt", 1), dk.PROLOGUES[prologue])
+        return label, f"{entry.replace('linear_bf16_', '')} grid {grid}"
     if name == "rmsnorm":
         return ("rmsnorm+add" if kwargs.get("residual") is not None else "rmsnorm"), ""
     if name == "attention":
@@ -172,48 +177,20 @@ def _table(ops) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    from tools.bench_e2e import RANDOM_SHAPES
-    ap = argparse.ArgumentParser(prog="profile_step", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--random", choices=sorted(RANDOM_SHAPES), default="smollm2-135m", help="model shape")
-    ap.add_argument("--layers", type=int, help="override the number of layers (a quicker, smaller model)")
-    ap.add_argument("--budget", type=int, default=64, help="DDTree budget (its bucket is profiled)")
-    ap.add_argument("--prefix", type=int, default=64, help="prompt length (the KV prefix of the steps)")
-    ap.add_argument("--reps", type=int, default=10, help="copies of each op per timing graph")
-    ap.add_argument("--iters", type=int, default=5, help="timed replays per graph (median)")
-    ap.add_argument("--fake", action="store_true", help="run on the CPU stand-in (tests/fake_cuda.py); "
-                    "times are meaningless, checks the tool end to end")
-    args = ap.parse_args(argv)
-    t_start = time.perf_counter()
+def install_fake():
+    """Point the CUDA layer at tests/fake_cuda.py's CPU stand-in for the rest of the process (tools' --fake)."""
+    import os
+    from _pytest.monkeypatch import MonkeyPatch
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from fake_cuda import install
+    return install(MonkeyPatch())
 
-    if args.fake:
-        import os
-        from _pytest.monkeypatch import MonkeyPatch
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-        from fake_cuda import install
-        install(MonkeyPatch())
 
-    import loader
-    from loader.testing import write_tiny_model
-    import tempfile
+@contextmanager
+def remember_captures():
+    """While active, every graph runtime.cuda_engine captures leaves its step function in the yielded dict
+    under the graph's key (profile() re-runs it op by op)."""
     from runtime import cuda_engine as ce
-    from runtime.backends.cuda_backend import CudaBackend
-    from runtime.engine import Engine
-    from runtime.models import build_model
-    from tools.bench_e2e import random_drafter
-
-    cfg = dict(RANDOM_SHAPES[args.random])
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
-    b = CudaBackend(graphs=True)
-    with tempfile.TemporaryDirectory() as d:
-        print(f"profile_step: random {args.random} ({cfg['num_hidden_layers']} layers) ...", file=sys.stderr)
-        write_tiny_model(d, cfg, seed=0)
-        spec, weights = loader.load_model(d)
-        target = build_model(spec, weights, b)
-    drafter = random_drafter(target, b)
-    engine = Engine(target, drafter)
-
     fns: dict = {}
     real_capture = ce.GraphDecoder._capture
 
@@ -222,27 +199,19 @@ def main(argv=None) -> int:
         return real_capture(self, key, fn, *args, **kwargs)
     ce.GraphDecoder._capture = remember
     try:
-        prompt = [int(x) for x in np.random.default_rng(0).integers(16, min(32000, target.vocab_size), args.prefix)]
-        print("profile_step: capturing graphs and decoding a few tokens (AR, DDTree) ...", file=sys.stderr)
-        engine.generate(prompt, mode="ar", max_new_tokens=4)
-        engine.generate(prompt, mode="ddtree", budget=args.budget, max_new_tokens=8)
+        yield fns
     finally:
         ce.GraphDecoder._capture = real_capture
-    dec = ce.graph_decoder(engine)
-    bkt = next(k[1] for k in dec.graphs if k[0] == "verify")
-    keys = {"AR": ("ar", 0.0), f"verify b{bkt}": ("verify", bkt, 0.0)}
-    res = {}
-    for name, key in keys.items():
-        print(f"profile_step: profiling {name} ...", file=sys.stderr)
-        res[name] = profile(dec, key, fns[key], dec.graphs[key].ws, args.reps, args.iters, args.fake, ce.capture)
 
-    (na, (ops_a, whole_a)), (nv, (ops_v, whole_v)) = res.items()
+
+def print_op_table(title: str, ar: tuple, verify: tuple, unit: str, reps: int, iters: int):
+    """The per-op table of two profiled graphs; ar and verify are (name, ops, whole graph us) with ops as
+    profile() returns them."""
+    (na, ops_a, whole_a), (nv, ops_v, whole_v) = ar, verify
     ta, tv = _table(ops_a), _table(ops_v)
     sa, sv = sum(u for *_, u in ops_a), sum(u for *_, u in ops_v)
     labels = sorted(set(ta) | set(tv), key=lambda k: -max(ta.get(k, {}).get("us", 0), tv.get(k, {}).get("us", 0)))
-    unit = "host us (fake: meaningless)" if args.fake else "GPU us"
-    print(f"\n{args.random}, {cfg['num_hidden_layers']} layers, prefix {args.prefix}, verify bucket {bkt} "
-          f"(T = {bkt + 1}); {unit} per step; one op = {args.reps} copies in a graph, median of {args.iters}")
+    print(f"\n{title}; {unit} per step; one op = {reps} copies in a graph, median of {iters}")
     print(f"{'op':30s} | {'AR n':>5s} {'us':>8s} {'us/call':>8s} {'share':>6s} | {'verify n':>8s} {'us':>8s} "
           f"{'us/call':>8s} {'share':>6s} | {'v/AR':>6s}")
     for k in labels:
@@ -261,6 +230,55 @@ def main(argv=None) -> int:
         for name, t in ((na, ta), (nv, tv)):
             if k in t and t[k]["plans"]:
                 print(f"  {k:18s} {name:10s} {'; '.join(t[k]['plans'][:3])}")
+
+
+def main(argv=None) -> int:
+    from tools.bench_e2e import RANDOM_SHAPES
+    ap = argparse.ArgumentParser(prog="profile_step", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--random", choices=sorted(RANDOM_SHAPES), default="smollm2-135m", help="model shape")
+    ap.add_argument("--layers", type=int, help="override the number of layers (a quicker, smaller model)")
+    ap.add_argument("--budget", type=int, default=64, help="DDTree budget (its bucket is profiled)")
+    ap.add_argument("--prefix", type=int, default=64, help="prompt length (the KV prefix of the steps)")
+    ap.add_argument("--reps", type=int, default=10, help="copies of each op per timing graph")
+    ap.add_argument("--iters", type=int, default=5, help="timed replays per graph (median)")
+    ap.add_argument("--fake", action="store_true", help="run on the CPU stand-in (tests/fake_cuda.py); "
+                    "times are meaningless, checks the tool end to end")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    if args.fake:
+        install_fake()
+
+    from runtime import cuda_engine as ce
+    from runtime.backends.cuda_backend import CudaBackend
+    from runtime.engine import Engine
+    from tools.bench_e2e import random_drafter, random_target
+
+    cfg = dict(RANDOM_SHAPES[args.random])
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    b = CudaBackend(graphs=True)
+    print(f"profile_step: random {args.random} ({cfg['num_hidden_layers']} layers) ...", file=sys.stderr)
+    target = random_target(cfg, b)
+    drafter = random_drafter(target, b)
+    engine = Engine(target, drafter)
+
+    with remember_captures() as fns:
+        prompt = [int(x) for x in np.random.default_rng(0).integers(16, min(32000, target.vocab_size), args.prefix)]
+        print("profile_step: capturing graphs and decoding a few tokens (AR, DDTree) ...", file=sys.stderr)
+        engine.generate(prompt, mode="ar", max_new_tokens=4)
+        engine.generate(prompt, mode="ddtree", budget=args.budget, max_new_tokens=8)
+    dec = ce.graph_decoder(engine)
+    bkt = next(k[1] for k in dec.graphs if k[0] == "verify")
+    keys = {"AR": ("ar", 0.0), f"verify b{bkt}": ("verify", bkt, 0.0)}
+    res = []
+    for name, key in keys.items():
+        print(f"profile_step: profiling {name} ...", file=sys.stderr)
+        res.append((name, *profile(dec, key, fns[key], dec.graphs[key].ws, args.reps, args.iters, args.fake,
+                                   ce.capture)))
+    unit = "host us (fake: meaningless)" if args.fake else "GPU us"
+    print_op_table(f"{args.random}, {cfg['num_hidden_layers']} layers, prefix {args.prefix}, verify bucket {bkt} "
+                   f"(T = {bkt + 1})", res[0], res[1], unit, args.reps, args.iters)
     print(f"\nprofile_step: {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
     return 0
 
