@@ -1,5 +1,5 @@
 // bf16 linear y[M, N] = x[M, K] @ W[N, K]^T (+ residual) on Hopper GMMA (wgmma), sm_90a only, for the
-// verify buckets and small prefill (M = 9..256; larger M walks token tiles on blockIdx.z).
+// verify buckets and prefill (M >= 9; above 256 rows, token tiles on blockIdx.z).
 //
 // Swap AB: the W tile is wgmma's A operand (64 W rows per consumer warpgroup, M side), the x tile its B
 // operand (N side = tokens, TN a template parameter, a multiple of 8 up to 256). Both operands K-major in
@@ -106,12 +106,19 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
-// fp32 at shared offset `addr` (this CTA's address space) of cluster CTA `rank`.
-__device__ __forceinline__ float ld_dsmem(uint32_t addr, uint32_t rank) {
+// The shared::cluster address of shared offset `addr` (this CTA's address space) in cluster CTA `rank`.
+__device__ __forceinline__ uint32_t dsmem_map(uint32_t addr, uint32_t rank) {
   uint32_t remote;
-  float v;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return remote;
+}
+// 4 fp32 at a shared::cluster address. No "memory" clobber: the caller orders the loads after a cluster
+// barrier (an asm with a clobber) and issues a batch of them before using any result, so their latencies
+// overlap (with a clobber each load waited for the previous one's add: ~5 us per tile at CS = 2, TN = 72).
+__device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote));
   return v;
 }
 __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, bool valid) {
@@ -302,20 +309,50 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     if (CS > 1) {
       // Every block of the cluster holds its partial tile in stg; block `rank` sums rows slice `rank` of all
       // CS tiles (remote reads through DSMEM, in split order) and writes bf16 (+ residual).
+      // Four consecutive columns per thread per item; a batch of kBatch items' CS remote loads is issued
+      // before any sum, so the DSMEM latencies overlap.
       cluster_sync();
       const uint32_t rank = cluster_ctarank();
       const uint32_t stg_s = static_cast<uint32_t>(__cvta_generic_to_shared(stg));
-      constexpr int kSlice = TN * kRowsW / CS;
-      for (int i = rank * kSlice + tid; i < (int)(rank + 1) * kSlice; i += kThreads) {
-        const int mm = i / kRowsW, col = i % kRowsW;
-        const int m = m0 + mm, n = n0 + (col >> 6) * (64 * RW) + 64 * t + (col & 63);
-        if (m < M && n < N) {
-          const uint32_t off = stg_s + 4u * (mm * kLd + col);
-          float v = 0.f;
+      uint32_t peer[CS];
 #pragma unroll
-          for (int q = 0; q < CS; ++q) v += ld_dsmem(off, q);
-          if (residual) v += __bfloat162float(residual[(size_t)m * ldr + n]);
-          out[(size_t)m * ldo + n] = __float2bfloat16(v);
+      for (int q = 0; q < CS; ++q) peer[q] = dsmem_map(stg_s, q);
+      constexpr int kVecs = TN * kRowsW / 4 / CS;  // float4 items of this block's slice
+      constexpr int kBatch = CS >= 4 ? 2 : 4;
+      for (int v0 = 0; v0 < kVecs; v0 += kBatch * kThreads) {
+        float4 part[kBatch][CS];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int v = v0 + b * kThreads + tid;
+          if (v < kVecs) {
+            const int i = 4 * (rank * kVecs + v);
+            const uint32_t off = 4u * ((i / kRowsW) * kLd + i % kRowsW);
+#pragma unroll
+            for (int q = 0; q < CS; ++q) part[b][q] = ld_dsmem4(peer[q] + off);
+          }
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int v = v0 + b * kThreads + tid;
+          if (v >= kVecs) continue;
+          const int i = 4 * (rank * kVecs + v);
+          const int mm = i / kRowsW, col = i % kRowsW;  // col % 4 == 0: the 4 columns share a 64-row half
+          const int m = m0 + mm, n = n0 + (col >> 6) * (64 * RW) + 64 * t + (col & 63);
+          if (m >= M) continue;
+          float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int q = 0; q < CS; ++q) {  // split order: deterministic
+            sum[0] += part[b][q].x;
+            sum[1] += part[b][q].y;
+            sum[2] += part[b][q].z;
+            sum[3] += part[b][q].w;
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (n + e < N) {
+              const float r = residual ? __bfloat162float(residual[(size_t)m * ldr + n + e]) : 0.f;
+              out[(size_t)m * ldo + n + e] = __float2bfloat16(sum[e] + r);
+            }
         }
       }
       cluster_sync();  // no block reuses or releases its stg while another may still read it
@@ -346,28 +383,4 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                                                     tickets + blockIdx.z * gridDim.x + blockIdx.x, M, N, m0, n0);
 }
 
-// Curated instances (cutlass_kernels/registry.py DENSE_GMMA_INSTANCES lists the same): <TN, KA, S, RW, CS>.
-#define DDTREE_GMMA_INSTANCE(TN, KA, S, RW, CS)                                                             \
-  template __global__ void linear_gmma_kernel<TN, KA, S, RW, CS>(const __nv_bfloat16*, int,                  \
-      const __nv_bfloat16*, __nv_bfloat16*, int, const __nv_bfloat16*, int, float*, int*, int, int, int, int);
-#define DDTREE_GMMA_CS(TN, KA, S, RW) DDTREE_GMMA_INSTANCE(TN, KA, S, RW, 1) DDTREE_GMMA_INSTANCE(TN, KA, S, RW, 2)
-DDTREE_GMMA_CS(16, 2, 4, 1)
-DDTREE_GMMA_CS(32, 2, 4, 1)
-DDTREE_GMMA_CS(48, 2, 4, 1)
-DDTREE_GMMA_CS(64, 2, 4, 1)
-DDTREE_GMMA_CS(72, 2, 4, 1)
-DDTREE_GMMA_CS(96, 1, 6, 1)
-DDTREE_GMMA_CS(128, 1, 6, 1)
-DDTREE_GMMA_CS(192, 1, 4, 1)
-DDTREE_GMMA_CS(256, 1, 4, 1)
-// clusters of 4 (measured slower than 2; kept for the benchmark) and 256-row blocks (faster only where they
-// avoid a split: gate_up at M = 128)
-DDTREE_GMMA_INSTANCE(16, 2, 4, 1, 4)
-DDTREE_GMMA_INSTANCE(64, 2, 4, 1, 4)
-DDTREE_GMMA_INSTANCE(72, 2, 4, 1, 4)
-DDTREE_GMMA_INSTANCE(128, 1, 6, 1, 4)
-DDTREE_GMMA_INSTANCE(256, 1, 4, 1, 4)
-DDTREE_GMMA_INSTANCE(64, 1, 4, 2, 1)
-DDTREE_GMMA_INSTANCE(128, 1, 4, 2, 1)
-#undef DDTREE_GMMA_CS
-#undef DDTREE_GMMA_INSTANCE
+// Instances: cutlass_kernels/registry.py DENSE_GMMA_INSTANCES (NVRTC instantiates its name expressions).

@@ -114,15 +114,14 @@ register(KernelFamily(
     options=(f"-DLINEAR_REDUCE_ILP={_linear_reduce_ilp()}",),
     pdl=True,
 ))
-# Hopper GMMA (wgmma) bf16 linear for the verify buckets and small prefill (M = 9..256), sm_90a only:
+# Hopper GMMA (wgmma) bf16 linear for M >= 9 (verify buckets, prefill), sm_90a only:
 # linear_gmma_kernel<TN, KA, STAGES, RW, CS> (TN tokens per tile = wgmma N, KA 64-k atoms per stage,
 # STAGES cp.async + mbarrier stages, 128*RW W rows per block, CS: K splits reduced in a (1, CS, 1) cluster
-# through distributed shared memory, 1: workspace split-K); the .cu file instantiates the same tuples,
-# runtime/dense_gmma.py plans over them.
+# through distributed shared memory, 1: workspace split-K); runtime/dense_gmma.py plans over them.
 _GMMA_BASE = ((16, 2, 4, 1), (32, 2, 4, 1), (48, 2, 4, 1), (64, 2, 4, 1), (72, 2, 4, 1), (96, 1, 6, 1),
               (128, 1, 6, 1), (192, 1, 4, 1), (256, 1, 4, 1))
 DENSE_GMMA_INSTANCES = tuple((*c, cs) for c in _GMMA_BASE for cs in (1, 2)) + (
-    (16, 2, 4, 1, 4), (64, 2, 4, 1, 4), (72, 2, 4, 1, 4), (128, 1, 6, 1, 4), (256, 1, 4, 1, 4),
+    (16, 2, 4, 1, 4), (32, 2, 4, 1, 4), (64, 2, 4, 1, 4), (72, 2, 4, 1, 4), (128, 1, 6, 1, 4), (256, 1, 4, 1, 4),
     (64, 1, 4, 2, 1), (128, 1, 4, 2, 1))
 register(KernelFamily(
     name="dense_linear_sm90",

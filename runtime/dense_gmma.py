@@ -1,6 +1,6 @@
 """Hopper GMMA bf16 linear (cutlass_kernels/dense_linear_sm90.cu, family dense_linear_sm90, sm_90a only):
-out[M, N] = x[M, K] @ w[N, K]^T (+ residual) for the verify buckets and small prefill (M = 9..256; larger M
-walks token tiles on blockIdx.z, re-reading W once per tile).
+out[M, N] = x[M, K] @ w[N, K]^T (+ residual) for every M >= 9: the verify buckets and prefill (above 256 rows
+the tokens are walked in tiles on blockIdx.z, re-reading W once per tile).
 
 Launch plan: a block is 256 threads over 128 W rows and TN tokens (the wgmma N), fed by a STAGES-deep
 shared-memory pipeline of KA 64-k atoms per stage. TN is the smallest instance >= M (one token tile up to
@@ -25,14 +25,14 @@ FAMILY = "dense_linear_sm90"
 GMMA_ARCHS = ("90a",)
 GMMA_ROWS_PER_BLOCK = 128        # two warpgroups x 64 W rows (x RW)
 GMMA_THREADS = 256
-GMMA_MIN_M, GMMA_MAX_M = 9, 256  # the range runtime.dense_kernels.linear hands to this kernel
+GMMA_MIN_M = 9                   # runtime.dense_kernels.linear hands M >= this to this kernel
 SMEM_PER_SM = 228 * 1024         # H100/H200: 228 KB per SM, 227 KB per block, 1 KB reserved per block
 SMEM_PER_BLOCK_MAX = 227 * 1024
 # Cost model of gmma_plan, fitted to H200 runs of tools/bench_dense.py --gmma (2026-12-02): one block
 # streams W at up to ~45 GB/s and computes at ~3.6 TFLOP/s; all blocks together read at most ~3.9 TB/s; a
 # block costs ~2 us beyond that (ramp, epilogue); a workspace split-K adds ~2.5 us + 0.03 us * M * splits
 # (partials written, the last block's reduction). Cluster splits of 4 measured slower than of 2 everywhere
-# (fewer co-resident clusters?), so the planner uses CS = 2 only (CS = 4 stays available when forced), and
+# on grids that fill the GPU (fewer co-resident clusters?), so the planner uses CS = 4 only on small grids, and
 # workspace splits (3..64) only where two splits would leave two thirds of the SMs idle: on the Qwen3-8B
 # shapes a workspace split of 4 lost to the cluster split of 2 (o: 18.6 vs 15.1 us at M = 64).
 GMMA_SM_BYTES_PER_US = 45e3
@@ -60,10 +60,11 @@ def gmma_blocks_per_sm(tn: int, ka: int, stages: int, rw: int = 1) -> int:
 
 
 def token_tile(M: int) -> int:
-    for tn in TOKEN_TILES:
-        if M <= tn:
-            return tn
-    return TOKEN_TILES[-1]
+    """The smallest token tile >= M; above the largest, the smallest that covers M in as few tiles as the
+    largest does (M = 257: two tiles of 192, not 256 + a 1-row tile of 256)."""
+    tiles = -(-M // TOKEN_TILES[-1])
+    per_tile = -(-M // tiles)
+    return next(tn for tn in TOKEN_TILES if per_tile <= tn)
 
 
 # runtime.dense_kernels.linear (kernel="auto", no fused prologue) hands these shapes to linear_gmma:
@@ -76,7 +77,7 @@ GMMA_MIN_N, GMMA_MIN_K = 1, 8
 
 def gmma_wanted(M: int, N: int, K: int) -> bool:
     """Whether runtime.dense_kernels.linear should use this kernel for [M, K] x [N, K]^T on this device."""
-    return (GMMA_ENABLED and GMMA_MIN_M <= M <= GMMA_MAX_M and N >= GMMA_MIN_N and K >= GMMA_MIN_K
+    return (GMMA_ENABLED and M >= GMMA_MIN_M and N >= GMMA_MIN_N and K >= GMMA_MIN_K
             and gmma_available())
 
 
@@ -127,9 +128,18 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
                 t += 2.5 + 0.03 * M * s
             return t
 
-        best = None  # fewest splits unless another is >= 2% faster
-        candidates = [(1, 1)] + [(c, c) for c in GMMA_CLUSTER_SIZES
-                                 if (tn, ka, stages, rw, c) in GMMA_INSTANCES and c <= units]
+        # The first candidate stands unless another is >= 2% faster. Up to two waves of unsplit blocks that
+        # is a cluster split of 2 (the model ties the two where the HBM floor binds, and the split measured
+        # faster: gate_up 24576x4096 at M = 72 59.5 vs 67.5 us, M = 64 57.8 vs 60.9, M = 16 equal); with
+        # more waves, no split (lm_head 151936x4096 at M = 65: 332 vs 356 us). Clusters of 4 only for grids
+        # that stay under half the SMs (SmolLM2-135M at M = 65: qkv 4.4 vs 5.1 us, down 5.2 vs 7.5; at
+        # 128 blocks, Qwen3-8B o, they lost: 20.7 vs 16.4). H200, 2026-12-03 (docs/PERF.md).
+        best = None
+        clusters = [(c, c) for c in GMMA_CLUSTER_SIZES if (tn, ka, stages, rw, c) in GMMA_INSTANCES and c <= units]
+        if (tn, ka, stages, rw, 4) in GMMA_INSTANCES and 4 <= units and 4 * row_blocks * z <= sm_count // 2:
+            clusters.append((4, 4))
+        few_waves = row_blocks * z <= 2 * bps * sm_count
+        candidates = clusters + [(1, 1)] if few_waves else [(1, 1)] + clusters
         if row_blocks * z * 2 < bps * sm_count // 3:  # workspace splits only where 2 splits leave most SMs idle
             candidates += [(1, s) for s in range(3, min(units, 64) + 1)]
         for c, s in candidates:

@@ -174,14 +174,14 @@ def test_linear_gmma_graph_replay(dg, ref):
 
 @pytest.mark.gpu
 def test_dense_linear_hands_verify_sizes_to_gmma(dg, ref, monkeypatch):
-    """runtime.dense_kernels.linear (kernel="auto") routes M = 9..256 here (and the result is right); other
+    """runtime.dense_kernels.linear (kernel="auto") routes M >= 9 here (and the result is right); other
     M, DDTREE_LINEAR_GMMA=0 (GMMA_ENABLED) and explicit kernels stay."""
     import runtime.dense_kernels as dk
     calls = []
     real = dg.launch_gmma
     monkeypatch.setattr(dg, "launch_gmma", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     for M, N, K, kw, routed in [(65, 4096, 1024, {}, True), (9, 4096, 2048, {}, True), (8, 4096, 1024, {}, False),
-                                (257, 4096, 1024, {}, False), (64, 1000, 1024, {}, True), (65, 960, 576, {}, True),
+                                (257, 4096, 1024, {}, True), (64, 1000, 1024, {}, True), (65, 960, 576, {}, True),
                                 (64, 4096, 1024, {"kernel": "chunked"}, False), (64, 4096, 1024, {}, True)]:
         _, x, w = _data(M, N, K, M + N + K)
         out = poisoned((M, N))
@@ -219,7 +219,7 @@ def test_plan_covers_every_shape():
             cfg = tuple(map(int, re.findall(r"\d+", entry)))
             tn, ka, st, rw, cs = cfg
             assert cfg in GMMA_INSTANCES
-            assert tn == token_tile(M) and tn >= min(M, 256), (M, tn)
+            assert tn == token_tile(M) and (tn >= M if M <= 256 else grid[2] == -(-M // 256)), (M, tn)
             assert grid[0] * 128 * rw >= N and grid[2] * tn >= M
             assert kps % (64 * ka) == 0 and grid[1] * kps >= K
             assert grid[1] == cs if cs > 1 else (grid[1] - 1) * kps < K  # workspace splits: none empty
@@ -248,7 +248,7 @@ def test_gmma_wanted_range(monkeypatch):
     monkeypatch.setattr(dg, "gmma_available", lambda arch=None: True)
     monkeypatch.setattr(dg, "GMMA_ENABLED", True)
     assert dg.gmma_wanted(9, 4096, 1024) and dg.gmma_wanted(256, 151936, 4096) and dg.gmma_wanted(72, 6144, 4096)
-    assert not dg.gmma_wanted(8, 4096, 4096) and not dg.gmma_wanted(257, 4096, 4096)
+    assert not dg.gmma_wanted(8, 4096, 4096) and dg.gmma_wanted(1025, 4096, 4096)
     assert dg.gmma_wanted(65, 960, 576) and dg.gmma_wanted(17, 576, 1536)  # SmolLM2 verify sizes too
     monkeypatch.setattr(dg, "gmma_available", lambda arch=None: False)
     assert not dg.gmma_wanted(64, 4096, 4096)
@@ -257,15 +257,19 @@ def test_gmma_wanted_range(monkeypatch):
     assert not dg.gmma_wanted(64, 4096, 4096)
 
 
-def test_plan_picks_the_measured_best_on_qwen3_8b():
-    """The H200 run 3 winners (tools/bench_dense.py --gmma): a cluster split of 2 for qkv, o and down at every
-    M; gate_up unsplit up to M = 72 and split in 2 from 128; lm_head unsplit."""
+def test_plan_picks_the_measured_best():
+    """The H200 winners of tools/bench_dense.py --gmma (2026-12-02 run 3, 2026-12-03): Qwen3-8B: a cluster
+    split of 2 for qkv, o, down and gate_up at every M, up (12288 rows) and lm_head unsplit; SmolLM2-135M at
+    the verify sizes: clusters of 4 for its small qkv, o and down grids, lm_head unsplit."""
     from runtime.dense_gmma import gmma_plan
     for N, K, want in [(6144, 4096, {m: 2 for m in (16, 64, 72, 128, 256)}),
                        (4096, 4096, {m: 2 for m in (16, 64, 72, 128, 256)}),
                        (4096, 12288, {m: 2 for m in (16, 64, 72, 128, 256)}),
-                       (24576, 4096, {16: 1, 64: 1, 72: 1, 128: 2, 256: 2}),
-                       (151936, 4096, {16: 1, 64: 1, 256: 1})]:
+                       (24576, 4096, {m: 2 for m in (16, 64, 72, 128, 256)}),
+                       (12288, 4096, {17: 1, 65: 1}),
+                       (151936, 4096, {16: 1, 64: 1, 65: 1, 256: 1}),
+                       (960, 576, {17: 4, 65: 4}), (576, 576, {17: 4, 65: 4}), (576, 1536, {17: 4, 65: 4}),
+                       (49152, 576, {17: 1, 65: 1})]:
         for M, splits in want.items():
             entry, grid, _, _ = gmma_plan(M, N, K, 132)
             assert grid[1] == splits and (splits == 1 or entry.endswith(f", {splits}>")), (N, K, M, entry, grid)
