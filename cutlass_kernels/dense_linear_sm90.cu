@@ -317,15 +317,16 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       uint32_t peer[CS];
 #pragma unroll
       for (int q = 0; q < CS; ++q) peer[q] = dsmem_map(stg_s, q);
-      constexpr int kVecs = TN * kRowsW / 4 / CS;  // float4 items of this block's slice
-      constexpr int kBatch = CS >= 4 ? 2 : 4;
-      for (int v0 = 0; v0 < kVecs; v0 += kBatch * kThreads) {
+      constexpr int kItems = TN * kRowsW / 4;  // float4 items of the tile; block `rank` sums [lo, hi)
+      const int lo = (int)rank * kItems / CS, hi = ((int)rank + 1) * kItems / CS;
+      constexpr int kBatch = CS >= 3 ? 2 : 4;
+      for (int v0 = lo; v0 < hi; v0 += kBatch * kThreads) {
         float4 part[kBatch][CS];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           const int v = v0 + b * kThreads + tid;
-          if (v < kVecs) {
-            const int i = 4 * (rank * kVecs + v);
+          if (v < hi) {
+            const int i = 4 * v;
             const uint32_t off = 4u * ((i / kRowsW) * kLd + i % kRowsW);
 #pragma unroll
             for (int q = 0; q < CS; ++q) part[b][q] = ld_dsmem4(peer[q] + off);
@@ -334,8 +335,8 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           const int v = v0 + b * kThreads + tid;
-          if (v >= kVecs) continue;
-          const int i = 4 * (rank * kVecs + v);
+          if (v >= hi) continue;
+          const int i = 4 * v;
           const int mm = i / kRowsW, col = i % kRowsW;  // col % 4 == 0: the 4 columns share a 64-row half
           const int m = m0 + mm, n = n0 + (col >> 6) * (64 * RW) + 64 * t + (col & 63);
           if (m >= M) continue;

@@ -39,7 +39,7 @@ GMMA_SM_BYTES_PER_US = 45e3
 GMMA_SM_FLOP_PER_US = 3.6e6
 GMMA_HBM_BYTES_PER_US = 3.9e6
 GMMA_BLOCK_US = 2.0
-GMMA_CLUSTER_SIZES = (2,)
+GMMA_CLUSTER_SIZES = (2, 4)  # planned; CS = 3 instances are built for forced plans (not yet timed)
 GMMA_INSTANCES = frozenset(DENSE_GMMA_INSTANCES)  # (TN, KA, STAGES, RW, CS)
 TOKEN_TILES = tuple(sorted({c[0] for c in DENSE_GMMA_INSTANCES}))
 # default (KA, STAGES, RW) per token tile: one block per SM with 3-5 stages in flight
@@ -89,20 +89,55 @@ def gmma_available(arch: str | None = None) -> bool:
 
 
 def _cluster_slots(cs: int, bps: int, sm_count: int) -> int:
-    """Blocks of (1, cs, 1) clusters resident at once: clusters live inside one GPC, so a GPC whose SM count
-    is not a multiple of cs leaves SMs idle (H100/H200: 132 SMs hold 32 clusters of 4, 66 of 2)."""
-    return cs * ((bps * sm_count) // cs - (1 if cs >= 4 else 0))
+    """Estimated blocks of (1, cs, 1) clusters resident at once (plans made without a device): clusters live
+    inside one GPC, so GPCs whose SM count is not a multiple of cs leave SMs idle. The H200 holds 66 clusters
+    of 2 and only 30 of 4 (cuOccupancyMaxActiveClusters, 2026-12-03): a grid of 32 clusters of 4 runs in two
+    waves. On a device, launch_gmma asks the driver (device_cluster_slots)."""
+    return cs * ((bps * sm_count) // cs - (0 if cs <= 2 else 3))
+
+
+_resident_clusters: dict = {}
+
+
+def device_cluster_slots(cfg: tuple, smem: int) -> int:
+    """Blocks of instance cfg's (1, CS, 1) clusters resident at once on the current device, from the driver
+    (cuOccupancyMaxActiveClusters); cached per device and instance."""
+    from runtime.cuda import check, driver
+    dev = get_device()
+    key = (dev.ordinal, cfg)
+    n = _resident_clusters.get(key)
+    if n is None:
+        entry = "linear_gmma_kernel<%d, %d, %d, %d, %d>" % cfg
+        kern = get_kernel(FAMILY, entry)
+        _raise_smem(kern, entry, smem)
+        drv = driver()
+        conf = drv.CUlaunchConfig()
+        conf.gridDimX, conf.gridDimY, conf.gridDimZ = 1, cfg[4], 1
+        conf.blockDimX, conf.blockDimY, conf.blockDimZ = GMMA_THREADS, 1, 1
+        conf.sharedMemBytes = smem
+        n = _resident_clusters[key] = cfg[4] * check(drv.cuOccupancyMaxActiveClusters(kern.function, conf),
+                                                     f"cuOccupancyMaxActiveClusters({kern})")
+    return n
+
+
+def _raise_smem(kern, entry: str, smem: int):
+    if (get_device().ordinal, entry) not in _smem_raised:  # smem is fixed per instance
+        kern.set_max_dynamic_smem(smem)
+        _smem_raised.add((get_device().ordinal, entry))
 
 
 def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, tn: int | None = None,
-              ka: int | None = None, stages: int | None = None, rw: int | None = None, cs: int | None = None):
+              ka: int | None = None, stages: int | None = None, rw: int | None = None, cs: int | None = None,
+              cluster_slots=None):
     """(entry, grid, k_per_split, dynamic smem bytes) of linear_gmma; blocks are 256 threads.
 
     The K split: CS > 1 instances split K over a (1, CS, 1) cluster and reduce through distributed shared
     memory (grid y = CS); CS = 1 splits over grid y through the fp32 workspace (any count), or not at all.
     Unless forced (splits: a workspace split count; cs: a cluster size), the cost model picks among no split,
     cluster splits and workspace splits: per-SM bytes of W in the slowest wave, a fixed per-block cost, and
-    for workspace splits the fp32 partials written and read back. tn/ka/stages/rw pick an instance."""
+    for workspace splits the fp32 partials written and read back. tn/ka/stages/rw pick an instance.
+    cluster_slots(cfg, smem): resident blocks of an instance's clusters (device_cluster_slots on a device);
+    None: the estimate _cluster_slots."""
     op = "linear_gmma"
     tn = tn or token_tile(M)
     d_ka, d_st, d_rw = _DEFAULT_CONFIG.get(tn, (1, 4, 1))
@@ -119,7 +154,12 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
         def est_us(c: int, s: int) -> float:
             per = -(-units // s)
             blocks = row_blocks * z * s
-            slots = _cluster_slots(c, bps, sm_count) if c > 1 else bps * sm_count
+            if c == 1:
+                slots = bps * sm_count
+            elif cluster_slots is not None:
+                slots = cluster_slots((tn, ka, stages, rw, c), gmma_smem_bytes(tn, ka, stages, rw))
+            else:
+                slots = _cluster_slots(c, bps, sm_count)
             waves = -(-blocks // slots)
             stream = per * atom_k * rows * 2 / GMMA_SM_BYTES_PER_US
             compute = 2 * rows * tn * per * atom_k / GMMA_SM_FLOP_PER_US
@@ -131,13 +171,9 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
         # The first candidate stands unless another is >= 2% faster. Up to two waves of unsplit blocks that
         # is a cluster split of 2 (the model ties the two where the HBM floor binds, and the split measured
         # faster: gate_up 24576x4096 at M = 72 59.5 vs 67.5 us, M = 64 57.8 vs 60.9, M = 16 equal); with
-        # more waves, no split (lm_head 151936x4096 at M = 65: 332 vs 356 us). Clusters of 4 only for grids
-        # that stay under half the SMs (SmolLM2-135M at M = 65: qkv 4.4 vs 5.1 us, down 5.2 vs 7.5; at
-        # 128 blocks, Qwen3-8B o, they lost: 20.7 vs 16.4). H200, 2026-12-03 (docs/PERF.md).
+        # more waves, no split (lm_head 151936x4096 at M = 65: 332 vs 356 us). H200, 2026-12-03 (PERF.md).
         best = None
         clusters = [(c, c) for c in GMMA_CLUSTER_SIZES if (tn, ka, stages, rw, c) in GMMA_INSTANCES and c <= units]
-        if (tn, ka, stages, rw, 4) in GMMA_INSTANCES and 4 <= units and 4 * row_blocks * z <= sm_count // 2:
-            clusters.append((4, 4))
         few_waves = row_blocks * z <= 2 * bps * sm_count
         candidates = clusters + [(1, 1)] if few_waves else [(1, 1)] + clusters
         if row_blocks * z * 2 < bps * sm_count // 3:  # workspace splits only where 2 splits leave most SMs idle
@@ -186,7 +222,8 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
     op = "linear_gmma"
     dev = get_device()
     _need(gmma_available(dev.arch), op, f"the GMMA kernel is built for {GMMA_ARCHS}, this device is sm_{dev.arch}")
-    entry, grid, k_per_split, smem = gmma_plan(M, N, K, dev.sm_count, splits, tn, ka, stages, rw, cs)
+    entry, grid, k_per_split, smem = gmma_plan(M, N, K, dev.sm_count, splits, tn, ka, stages, rw, cs,
+                                               cluster_slots=device_cluster_slots)
     ws = ws or default_workspace()
     if grid[1] > 1 and entry.endswith(", 1>"):  # workspace split-K (cluster splits reduce in smem)
         scratch = ws.scratch(grid[1] * M * N * 4)
@@ -194,9 +231,7 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
     else:
         scratch = tickets = out  # unused by the kernel
     kern = get_kernel(FAMILY, entry)
-    if (dev.ordinal, entry) not in _smem_raised:  # smem is fixed per instance
-        kern.set_max_dynamic_smem(smem)
-        _smem_raised.add((dev.ordinal, entry))
+    _raise_smem(kern, entry, smem)
     kern.launch(grid, GMMA_THREADS,
                 [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),
                  _i32(ldr or 0), scratch, tickets, _i32(M), _i32(N), _i32(K), _i32(k_per_split)],

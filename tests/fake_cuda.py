@@ -332,6 +332,7 @@ def install(monkeypatch) -> FakeDevice:
 
     monkeypatch.setattr(dk, "get_kernel", lambda family, entry, arch=None: NoLaunch())
     monkeypatch.setattr(dg, "get_kernel", lambda family, entry, arch=None: NoLaunch())
+    monkeypatch.setattr(dg, "device_cluster_slots", lambda cfg, smem: dg._cluster_slots(cfg[4], 1, 132))
     for name, fn in dict(linear=linear, embedding=embedding, rmsnorm=rmsnorm, rope=rope, rope_qkv_cache=rope_qkv_cache,
                          swiglu=swiglu, add=add,
                          attention=attention, log_softmax_topk=log_softmax_topk, argmax=argmax, sample=sample,

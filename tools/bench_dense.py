@@ -62,9 +62,10 @@ def read_bandwidth(stream) -> float:
 
 
 # --gmma: overrides of the GMMA plan timed besides the planned one, per token tile
-GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 4}),
-                     64: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}),
-                     72: ({"cs": 1}, {"cs": 2}, {"cs": 4}),
+GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}),
+                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}),
+                     64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}),
+                     72: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}),
                      128: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "stages": 4, "cs": 1}),
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}
 
@@ -122,7 +123,8 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None):
                     if kw.get("gmma"):
                         gkw = {k: v for k, v in kw.items() if k != "gmma"}
                         plan = dg.gmma_plan(M, N, K, get_device().sm_count, gkw.get("splits"), gkw.get("tn"),
-                                            gkw.get("ka"), gkw.get("stages"), gkw.get("rw"), gkw.get("cs"))
+                                            gkw.get("ka"), gkw.get("stages"), gkw.get("rw"), gkw.get("cs"),
+                                            cluster_slots=dg.device_cluster_slots)
                     else:
                         plan = dk.linear_plan(M, N, K, get_device().sm_count, kw.get("splits"),
                                               kw.get("kernel", "auto"), kw.get("stages"), kw=kw.get("kw"))
@@ -132,7 +134,8 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None):
                 if not kw.get("gmma") and kw.get("kernel", "auto") == "auto" and M >= 9:
                     from runtime import dense_gmma as dg
                     if dg.gmma_wanted(M, N, K):  # linear() hands this shape to the GMMA kernel: show its plan
-                        plan = dg.gmma_plan(M, N, K, get_device().sm_count, kw.get("splits"))
+                        plan = dg.gmma_plan(M, N, K, get_device().sm_count, kw.get("splits"),
+                                            cluster_slots=dg.device_cluster_slots)
                         kw = {**kw, "gmma": True}
                         gkw = {k: v for k, v in kw.items() if k not in ("gmma", "kernel")}
                 if kw.get("gmma"):

@@ -67,7 +67,8 @@ def _label(name, args, kwargs, lin_names, sm_count) -> tuple[str, str]:
         label = f"linear {lin_names.get((N, K), f'{N}x{K}')}{fused}"
         from runtime import dense_gmma as dg
         if kernel == "auto" and prologue == "none" and dg.gmma_wanted(M, N, K):  # what linear() hands over
-            entry, grid, _, _ = dg.gmma_plan(M, N, K, sm_count, kwargs.get("splits"))
+            entry, grid, _, _ = dg.gmma_plan(M, N, K, sm_count, kwargs.get("splits"),
+                                             cluster_slots=dg.device_cluster_slots)
             return label, f"{entry.replace('linear_gmma_kernel', 'gmma')} grid {grid}"
         entry, grid, kps, _ = dk.linear_plan(M, N, K, sm_count, kwargs.get("splits"), kernel,
                                              kwargs.get("stages"), kwargs.get("rt", 1), dk.PROLOGUES[prologue])
