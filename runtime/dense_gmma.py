@@ -39,7 +39,9 @@ GMMA_SM_BYTES_PER_US = 45e3
 GMMA_SM_FLOP_PER_US = 3.6e6
 GMMA_HBM_BYTES_PER_US = 3.9e6
 GMMA_BLOCK_US = 2.0
-GMMA_CLUSTER_SIZES = (2, 4)  # planned; CS = 3 instances are built for forced plans (not yet timed)
+# cluster sizes the planner considers (DDTREE_GMMA_CLUSTERS=2,3,4: A/B timing); CS = 3 instances are built
+# for forced plans and that A/B, not planned by default until measured
+GMMA_CLUSTER_SIZES = tuple(int(c) for c in os.environ.get("DDTREE_GMMA_CLUSTERS", "2,4").split(","))
 GMMA_INSTANCES = frozenset(DENSE_GMMA_INSTANCES)  # (TN, KA, STAGES, RW, CS)
 TOKEN_TILES = tuple(sorted({c[0] for c in DENSE_GMMA_INSTANCES}))
 # default (KA, STAGES, RW) per token tile: one block per SM with 3-5 stages in flight
