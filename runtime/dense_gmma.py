@@ -39,9 +39,10 @@ GMMA_SM_BYTES_PER_US = 45e3
 GMMA_SM_FLOP_PER_US = 3.6e6
 GMMA_HBM_BYTES_PER_US = 3.9e6
 GMMA_BLOCK_US = 2.0
-# cluster sizes the planner considers (DDTREE_GMMA_CLUSTERS=2,3,4: A/B timing); CS = 3 instances are built
-# for forced plans and that A/B, not planned by default until measured
-GMMA_CLUSTER_SIZES = tuple(int(c) for c in os.environ.get("DDTREE_GMMA_CLUSTERS", "2,4").split(","))
+# Cluster sizes the planner considers, in order of preference where the model ties (DDTREE_GMMA_CLUSTERS, for
+# A/B timing). Clusters of 3 fill 96 SMs where 32 row blocks of 2 fill 64 and 32 of 4 need two waves (the
+# H200 holds 30): Qwen3-8B-shaped verify b64 5934 us with 3 vs 6391 us without (1.16x / 1.25x AR, run 19).
+GMMA_CLUSTER_SIZES = tuple(int(c) for c in os.environ.get("DDTREE_GMMA_CLUSTERS", "2,4,3").split(","))
 GMMA_INSTANCES = frozenset(DENSE_GMMA_INSTANCES)  # (TN, KA, STAGES, RW, CS)
 TOKEN_TILES = tuple(sorted({c[0] for c in DENSE_GMMA_INSTANCES}))
 # default (KA, STAGES, RW) per token tile: one block per SM with 3-5 stages in flight
@@ -104,7 +105,8 @@ _resident_clusters: dict = {}
 def device_cluster_slots(cfg: tuple, smem: int) -> int:
     """Blocks of instance cfg's (1, CS, 1) clusters resident at once on the current device, from the driver
     (cuOccupancyMaxActiveClusters); cached per device and instance."""
-    from runtime.cuda import check, driver
+    from runtime.cuda.device import driver
+    from runtime.cuda.errors import check
     dev = get_device()
     key = (dev.ordinal, cfg)
     n = _resident_clusters.get(key)

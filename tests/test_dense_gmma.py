@@ -258,13 +258,15 @@ def test_gmma_wanted_range(monkeypatch):
 
 
 def test_plan_picks_the_measured_best():
-    """The H200 winners of tools/bench_dense.py --gmma (2026-12-02 run 3, 2026-12-03): Qwen3-8B: a cluster
-    split of 2 for qkv, o, down and gate_up at every M, up (12288 rows) and lm_head unsplit; SmolLM2-135M at
-    the verify sizes: clusters of 4 for its small qkv, o and down grids, lm_head unsplit."""
+    """The H200 winners of tools/bench_dense.py --gmma (2026-12-02 run 3, 2026-12-03) and of the whole
+    Qwen3-8B-shaped verify step (tools/bench_verify.py, 2026-12-03 run 19: clusters of 3 for o and down took
+    b64 from 6391 to 5934 us, b16 from 5118 to 4996): Qwen3-8B: a cluster split of 2 for qkv and gate_up at
+    every M, of 3 for o and down up to 72 rows (2 above: no CS = 3 instance), up (12288 rows) and lm_head
+    unsplit; SmolLM2-135M at the verify sizes: clusters of 4 for its small grids, lm_head unsplit."""
     from runtime.dense_gmma import gmma_plan
     for N, K, want in [(6144, 4096, {m: 2 for m in (16, 64, 72, 128, 256)}),
-                       (4096, 4096, {m: 2 for m in (16, 64, 72, 128, 256)}),
-                       (4096, 12288, {m: 2 for m in (16, 64, 72, 128, 256)}),
+                       (4096, 4096, {16: 3, 17: 3, 64: 3, 65: 3, 72: 3, 128: 2, 256: 2}),
+                       (4096, 12288, {16: 3, 17: 3, 64: 3, 65: 3, 72: 3, 128: 2, 256: 2}),
                        (24576, 4096, {m: 2 for m in (16, 64, 72, 128, 256)}),
                        (12288, 4096, {17: 1, 65: 1}),
                        (151936, 4096, {16: 1, 64: 1, 65: 1, 256: 1}),
