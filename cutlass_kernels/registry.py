@@ -124,10 +124,17 @@ DENSE_GMMA_INSTANCES = tuple((*c, cs) for c in _GMMA_BASE for cs in (1, 2)) + (
     (16, 2, 4, 1, 3), (32, 2, 4, 1, 3), (64, 2, 4, 1, 3), (72, 2, 4, 1, 3),
     (16, 2, 4, 1, 4), (32, 2, 4, 1, 4), (64, 2, 4, 1, 4), (72, 2, 4, 1, 4), (128, 1, 6, 1, 4), (256, 1, 4, 1, 4),
     (64, 1, 4, 2, 1), (128, 1, 4, 2, 1))
+
+
+def gmma_entry(cfg: tuple) -> str:
+    """The kernel name expression of instance (TN, KA, STAGES, RW, CS)."""
+    return "linear_gmma_kernel<%d, %d, %d, %d, %d>" % cfg
+
+
 register(KernelFamily(
     name="dense_linear_sm90",
     source="dense_linear_sm90.cu",
-    entries=tuple("linear_gmma_kernel<%d, %d, %d, %d, %d>" % c for c in DENSE_GMMA_INSTANCES),
+    entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES),
     archs=("90a",),
     pdl=True,
     required_sass={"90a": r"HGMMA"},

@@ -19,7 +19,7 @@ import numpy as np
 from runtime.cuda import DeviceArray, get_device, get_kernel
 from runtime.dense_kernels import Workspace, _i32, _need, default_workspace, linear_checks
 
-from cutlass_kernels.registry import DENSE_GMMA_INSTANCES
+from cutlass_kernels.registry import DENSE_GMMA_INSTANCES, gmma_entry
 
 FAMILY = "dense_linear_sm90"
 GMMA_ARCHS = ("90a",)
@@ -31,10 +31,10 @@ SMEM_PER_BLOCK_MAX = 227 * 1024
 # Cost model of gmma_plan, fitted to H200 runs of tools/bench_dense.py --gmma (2026-12-02): one block
 # streams W at up to ~45 GB/s and computes at ~3.6 TFLOP/s; all blocks together read at most ~3.9 TB/s; a
 # block costs ~2 us beyond that (ramp, epilogue); a workspace split-K adds ~2.5 us + 0.03 us * M * splits
-# (partials written, the last block's reduction). Cluster splits of 4 measured slower than of 2 everywhere
-# on grids that fill the GPU (fewer co-resident clusters?), so the planner uses CS = 4 only on small grids, and
-# workspace splits (3..64) only where two splits would leave two thirds of the SMs idle: on the Qwen3-8B
-# shapes a workspace split of 4 lost to the cluster split of 2 (o: 18.6 vs 15.1 us at M = 64).
+# (partials written, the last block's reduction). Cluster splits count waves by the clusters the device
+# holds at once (device_cluster_slots: 30 of 4 on the H200, so 32 row blocks x 4 take two waves), and
+# workspace splits (3..64) are tried only where two splits would leave two thirds of the SMs idle: on the
+# Qwen3-8B shapes a workspace split of 4 lost to the cluster split of 2 (o: 18.6 vs 15.1 us at M = 64).
 GMMA_SM_BYTES_PER_US = 45e3
 GMMA_SM_FLOP_PER_US = 3.6e6
 GMMA_HBM_BYTES_PER_US = 3.9e6
@@ -111,7 +111,7 @@ def device_cluster_slots(cfg: tuple, smem: int) -> int:
     key = (dev.ordinal, cfg)
     n = _resident_clusters.get(key)
     if n is None:
-        entry = "linear_gmma_kernel<%d, %d, %d, %d, %d>" % cfg
+        entry = gmma_entry(cfg)
         kern = get_kernel(FAMILY, entry)
         _raise_smem(kern, entry, smem)
         drv = driver()
@@ -203,7 +203,7 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
         splits = -(-units // per)
     smem = gmma_smem_bytes(tn, ka, stages, rw)
     _need(smem <= SMEM_PER_BLOCK_MAX, op, f"{cfg} needs {smem} bytes of shared memory")
-    return "linear_gmma_kernel<%d, %d, %d, %d, %d>" % cfg, (row_blocks, splits, z), per * atom_k, smem
+    return gmma_entry(cfg), (row_blocks, splits, z), per * atom_k, smem
 
 
 def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None = None, *,

@@ -103,6 +103,15 @@ def _first_divergence(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def _reference_logits(ref_model, seq):
+    """The float32 reference's logits after the token sequence `seq` (prefilled from position 0), and the
+    position of its last token (what a sample of the next token is keyed by)."""
+    cache = ref_model.new_cache(len(seq) + 1)
+    h, _ = ref_model.forward(cache, np.asarray(seq, np.int32), np.arange(len(seq), dtype=np.int32),
+                             causal_visibility(len(seq)))
+    return ref_model.backend.to_host(ref_model.logits(h[-1:]))[0], len(seq) - 1
+
+
 NEAR_TIE = 0.05     # a divergence is a bf16 near-tie when the reference top-2 gap is below this x logits' std
 
 
@@ -115,11 +124,7 @@ def check_lossless(ref_model, prompt, ar_tokens, dd_tokens, what) -> str | None:
     if i is None:
         assert len(dd_tokens) == len(ar_tokens), what
         return None
-    seq = list(prompt) + list(ar_tokens[:i])
-    cache = ref_model.new_cache(len(seq) + 1)
-    h, _ = ref_model.forward(cache, np.asarray(seq, np.int32), np.arange(len(seq), dtype=np.int32),
-                             causal_visibility(len(seq)))
-    z = ref_model.backend.to_host(ref_model.logits(h[-1:]))[0]
+    z, _ = _reference_logits(ref_model, list(prompt) + list(ar_tokens[:i]))
     top = np.sort(z)[-2:]
     gap, tol = float(top[1] - top[0]), NEAR_TIE * float(z.std())
     pair = {int(ar_tokens[i]), int(dd_tokens[i])}
@@ -227,14 +232,11 @@ def check_lossless_sampled(ref_model, prompt, ar_tokens, dd_tokens, temperature,
     if i is None:
         assert len(dd_tokens) == len(ar_tokens), what
         return None
-    seq = list(prompt) + list(ar_tokens[:i])
-    cache = ref_model.new_cache(len(seq) + 1)
-    h, _ = ref_model.forward(cache, np.asarray(seq, np.int32), np.arange(len(seq), dtype=np.int32),
-                             causal_visibility(len(seq)))
-    z = ref_model.backend.to_host(ref_model.logits(h[-1:]))[0].astype(np.float64) / temperature
+    z, last_pos = _reference_logits(ref_model, list(prompt) + list(ar_tokens[:i]))
+    z = z.astype(np.float64) / temperature
     cdf = np.cumsum(np.exp(z - z.max()))
     cdf /= cdf[-1]
-    u = float(position_uniforms(seed_key(seed), [len(seq) - 1])[0])
+    u = float(position_uniforms(seed_key(seed), [last_pos])[0])
 
     def dist(t):
         lo = cdf[t - 1] if t > 0 else 0.0

@@ -58,18 +58,14 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[{time.perf_counter() - t0:6.1f} s] bench_verify: {msg}", file=sys.stderr, flush=True)
 
-    from tools.profile_step import _time_graph, install_fake, print_op_table, profile, remember_captures
+    from tools.profile_step import (_time_graph, install_fake, print_op_table, profile, random_engine,
+                                    remember_captures)
     if args.fake:
         install_fake()
     from runtime import cuda_engine as ce
     from runtime.backends.cuda_backend import CudaBackend
     from runtime.cuda import bucket_for
-    from runtime.engine import Engine
-    from tools.bench_e2e import random_drafter, random_target
 
-    cfg = dict(RANDOM_SHAPES[args.random])
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
     b = CudaBackend(graphs=True)
     dev = b.device
     if args.fake:
@@ -79,21 +75,19 @@ def main(argv=None) -> int:
         log("measuring the streaming read bandwidth (2 GiB) ...")
         read_bw = read_bandwidth(b.stream)
 
-    n_layers = cfg["num_hidden_layers"]
+    n_layers = args.layers or RANDOM_SHAPES[args.random]["num_hidden_layers"]
     log(f"building a random {args.random} ({n_layers} layers) in memory and uploading it ...")
     every = max(1, n_layers // 6)
 
     def progress(i, n):
         if i % every == 0 and i:
             log(f"  layer {i}/{n}")
-    target = random_target(cfg, b, progress=progress)
-    drafter = random_drafter(target, b)
+    engine, prompt = random_engine(b, args.random, args.layers, args.prefix, progress)
+    target = engine.target
     b.stream.synchronize()
     w_bytes = weight_bytes(target)
     kv_bytes = n_layers * 2 * args.prefix * target.n_kv * target.head_dim * 2
     log(f"target uploaded: {w_bytes / 1e9:.2f} GB of weights read per step")
-    engine = Engine(target, drafter)
-    prompt = [int(x) for x in np.random.default_rng(0).integers(16, min(32000, target.vocab_size), args.prefix)]
 
     with remember_captures() as fns:
         for bgt in budgets:                      # largest first: the KV cache is sized once for all graphs
@@ -121,7 +115,7 @@ def main(argv=None) -> int:
 
     ar = times["AR"]
     unit = "host us (fake: meaningless)" if args.fake else "GPU us"
-    params = sum(int(np.prod(s)) for s in _shapes(cfg))
+    params = sum(int(np.prod(s)) for s in _shapes(target.spec))
     print(f"\n{args.random}, {n_layers} layers, {params / 1e9:.2f} B params, random bf16 weights, prefix "
           f"{args.prefix}, greedy; graph replay, median of {args.iters}, {unit}")
     print(f"device: {getattr(dev, 'name', dev)} ({dev.sm_count} SMs); streaming read "
@@ -171,10 +165,9 @@ def weight_bytes(target) -> int:
     return total
 
 
-def _shapes(cfg):
-    import loader
+def _shapes(spec):
     from loader.names import expected_tensors
-    return [e.shape for e in expected_tensors(loader.load_config(cfg)).values() if not e.optional]
+    return [e.shape for e in expected_tensors(spec).values() if not e.optional]
 
 
 if __name__ == "__main__":

@@ -233,6 +233,20 @@ def print_op_table(title: str, ar: tuple, verify: tuple, unit: str, reps: int, i
                 print(f"  {k:18s} {name:10s} {'; '.join(t[k]['plans'][:3])}")
 
 
+def random_engine(backend, shape: str, layers: int | None, prefix: int, progress=None):
+    """(Engine, prompt): a random-weight target of a tools.bench_e2e --random shape (`layers` overrides its
+    depth) built in memory on `backend`, a random DFlash drafter, and a `prefix`-token random prompt."""
+    from runtime.engine import Engine
+    from tools.bench_e2e import RANDOM_SHAPES, random_drafter, random_target
+    cfg = dict(RANDOM_SHAPES[shape])
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    target = random_target(cfg, backend, progress=progress)
+    engine = Engine(target, random_drafter(target, backend))
+    prompt = [int(x) for x in np.random.default_rng(0).integers(16, min(32000, target.vocab_size), prefix)]
+    return engine, prompt
+
+
 def main(argv=None) -> int:
     from tools.bench_e2e import RANDOM_SHAPES
     ap = argparse.ArgumentParser(prog="profile_step", description=__doc__.split("\n\n")[0])
@@ -252,20 +266,13 @@ def main(argv=None) -> int:
 
     from runtime import cuda_engine as ce
     from runtime.backends.cuda_backend import CudaBackend
-    from runtime.engine import Engine
-    from tools.bench_e2e import random_drafter, random_target
 
-    cfg = dict(RANDOM_SHAPES[args.random])
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
     b = CudaBackend(graphs=True)
-    print(f"profile_step: random {args.random} ({cfg['num_hidden_layers']} layers) ...", file=sys.stderr)
-    target = random_target(cfg, b)
-    drafter = random_drafter(target, b)
-    engine = Engine(target, drafter)
+    print(f"profile_step: random {args.random} ({args.layers or RANDOM_SHAPES[args.random]['num_hidden_layers']} "
+          f"layers) ...", file=sys.stderr)
+    engine, prompt = random_engine(b, args.random, args.layers, args.prefix)
 
     with remember_captures() as fns:
-        prompt = [int(x) for x in np.random.default_rng(0).integers(16, min(32000, target.vocab_size), args.prefix)]
         print("profile_step: capturing graphs and decoding a few tokens (AR, DDTree) ...", file=sys.stderr)
         engine.generate(prompt, mode="ar", max_new_tokens=4)
         engine.generate(prompt, mode="ddtree", budget=args.budget, max_new_tokens=8)
@@ -278,7 +285,7 @@ def main(argv=None) -> int:
         res.append((name, *profile(dec, key, fns[key], dec.graphs[key].ws, args.reps, args.iters, args.fake,
                                    ce.capture)))
     unit = "host us (fake: meaningless)" if args.fake else "GPU us"
-    print_op_table(f"{args.random}, {cfg['num_hidden_layers']} layers, prefix {args.prefix}, verify bucket {bkt} "
+    print_op_table(f"{args.random}, {engine.target.num_layers} layers, prefix {args.prefix}, verify bucket {bkt} "
                    f"(T = {bkt + 1})", res[0], res[1], unit, args.reps, args.iters)
     print(f"\nprofile_step: {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
     return 0
