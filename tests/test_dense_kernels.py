@@ -207,10 +207,12 @@ def test_log_softmax_topk(dk, ref, L, V, k):
     assert_close(lp.download(), want_lp, "topk logp", rtol=1e-5, atol=1e-5)
 
 
-def test_argmax_large_vocab(dk, ref):
-    """Many 16-byte loads per thread (SmolLM2's 49152 and a ragged tail), ties across threads and iterations."""
+@pytest.mark.parametrize("rows", [5, 65])
+def test_argmax_large_vocab(dk, ref, rows):
+    """Many 16-byte loads per thread (SmolLM2's 49152 and a ragged tail), ties across threads and iterations;
+    65 rows (a verify bucket) take dense_kernels.argmax_chunk's multi-unit chunks (8192 columns, 7 per row)."""
     rng = np.random.default_rng(12)
-    rows, V, ld = 5, 49157, 49160
+    V, ld = 49157, 49160
     logits = round_bf16(rng.standard_normal((rows, V), dtype=np.float32) * 3)
     logits[0, [40000, 7, 30000]] = 60.0     # tie: lowest index (7) wins
     logits[1, V - 1] = 60.0                 # max in the ragged tail

@@ -175,6 +175,38 @@ def test_compile_all_tries_every_kernel_then_reports_failures(tmp_path, monkeypa
         compile_all(["bad", "runtime_probe"], ["90a"], jobs=1, progress=False)
 
 
+def test_compile_error_crosses_worker_processes():
+    """compile_all with jobs > 1 gets a worker's CompileError pickled: it must arrive with its log (it once
+    failed to unpickle, and every build of the pool reported BrokenProcessPool instead of the NVRTC log)."""
+    import pickle
+    err = pickle.loads(pickle.dumps(CompileError("fam", "90a", "the log", kernel="k")))
+    assert (err.family, err.arch, err.log, err.kernel) == ("fam", "90a", "the log", "k")
+    assert str(err) == str(CompileError("fam", "90a", "the log", kernel="k"))
+
+
+def test_include_dirs_reach_cccl_from_another_site(tmp_path, monkeypatch):
+    """CUTLASS under CUDA 13 includes <cccl/cuda/std/...>: when the CCCL wheel lies in another site than the
+    CUDA runtime headers (carried wheels on the device image), the folder holding cccl/ joins the path."""
+    cudart = tmp_path / "image" / "nvidia" / "cu13" / "include"
+    cccl = tmp_path / "carried" / "nvidia" / "cu13" / "include" / "cccl"
+    (cudart).mkdir(parents=True)
+    (cudart / "cuda_bf16.h").write_text("")
+    (cccl / "cuda" / "std" / "__cccl").mkdir(parents=True)
+    (cccl / "cuda" / "std" / "type_traits").write_text("")
+    (cccl / "cuda" / "std" / "__cccl" / "version.h").write_text("#define CCCL_VERSION 3001000\n")
+    found = {"cudart": cudart, "cccl": cccl}
+    monkeypatch.setattr(nvrtc, "_find_wheel_header_dir", lambda name, rel, marker: found[name])
+    nvrtc.include_dirs.cache_clear()
+    try:
+        dirs = nvrtc.include_dirs()
+        assert str(cccl.parent) in dirs and dirs.index(str(cudart)) < dirs.index(str(cccl.parent))
+        (cudart / "cccl" / "cuda" / "std").mkdir(parents=True)  # one environment: cudart's folder has it
+        nvrtc.include_dirs.cache_clear()
+        assert str(cccl.parent) not in nvrtc.include_dirs()
+    finally:
+        nvrtc.include_dirs.cache_clear()
+
+
 def test_compile_leaves_interned_bytes_alone(tmp_path, monkeypatch):
     """NVRTC writes its log/CUBIN/PTX into the buffers we hand it: they must be fresh mutable buffers. Writing
     into b" " * 1 (CPython's cached one-byte object) once turned every b" " of the process into b"\\0"."""

@@ -2,7 +2,10 @@
 read bandwidth measured in the same run, tree-verify attention vs a one-token decode of the same prefix,
 and the per-round sampling kernels.
 
-    python tools/bench_dense.py [--quick] [--linear-only | --attention-only]
+    python tools/bench_dense.py [--quick] [--linear-only | --attention-only] [--peer]
+
+--peer adds cuBLAS (torch.matmul, bf16, CUDA graph of the same rotating weight copies) as a row per shape and M,
+timed in a child process first (torch and the runtime's CUDA wheels in one process clashed on the device image).
 
 Timing: each measurement is a CUDA graph of `reps` launches (the engine replays graphs too), replayed and
 timed with events; the time per launch is the median replay / reps. Weights and KV caches rotate through
@@ -70,15 +73,77 @@ GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}),
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}
 
 
-def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None):
+def linear_shapes(quick, ops):
+    shapes = LINEAR_SHAPES if not quick else [s for s in LINEAR_SHAPES if s[1] in ("o", "gate_up", "down")]
+    if ops:  # e.g. --ops Qwen3-8B:qkv o
+        shapes = [s for s in shapes if s[1] in ops or f"{s[0]}:{s[1]}" in ops]
+    return shapes
+
+
+def torch_linear_main(args):
+    """Child process of --peer: cuBLAS bf16 x @ W^T per shape and M, same timing scheme; JSON {"model:op:M": us}."""
+    import json
+    import torch
+    times = {}
+    for model, name, N, K in linear_shapes(args.quick, args.ops):
+        copies = min(64, max(1, math.ceil(ROTATE_BYTES / (N * K * 2))))
+        ws = [torch.empty((N, K), dtype=torch.bfloat16, device="cuda").normal_(0, 0.02) for _ in range(copies)]
+        reps = max(copies, 8)
+        for M in args.m:
+            x = torch.randn((M, K), dtype=torch.bfloat16, device="cuda")
+            out = torch.empty((M, N), dtype=torch.bfloat16, device="cuda")
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                for i in range(reps):  # warm-up outside the capture (cuBLAS picks and sizes its workspace)
+                    torch.matmul(x, ws[i % copies].T, out=out)
+            s.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=s):
+                for i in range(reps):
+                    torch.matmul(x, ws[i % copies].T, out=out)
+            ms = []
+            with torch.cuda.stream(s):
+                for it in range(13):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record(s)
+                    g.replay()
+                    e1.record(s)
+                    e1.synchronize()
+                    if it >= 3:
+                        ms.append(e0.elapsed_time(e1))
+            times[f"{model}:{name}:{M}"] = float(np.median(ms)) * 1e3 / reps
+        del ws
+        torch.cuda.empty_cache()
+    with open(args.torch_linear, "w") as f:
+        json.dump(times, f)
+
+
+def torch_peer_times(args) -> dict:
+    """Run torch_linear_main in a child process; {} (and the reason printed) when torch or its GPU is missing."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(), "torch_linear.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--torch-linear", path, "--m", *map(str, args.m)]
+    cmd += ["--quick"] if args.quick else []
+    cmd += ["--ops", *args.ops] if args.ops else []
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"(--peer: the torch child failed, no cuBLAS rows: {r.stderr.strip().splitlines()[-1:]})")
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=None):
     rng = np.random.default_rng(0)
     rows = []
     print(f"\n## bf16 linear (W streamed from HBM; % = of the {read_bw / 1e12:.2f} TB/s read measured above)")
     print("| model | op | N x K | M | variant | us | W GB/s | % read | % same-size read | TFLOP/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    shapes = LINEAR_SHAPES if not quick else [s for s in LINEAR_SHAPES if s[1] in ("o", "gate_up", "down")]
-    if ops:  # e.g. --ops Qwen3-8B:qkv o
-        shapes = [s for s in shapes if s[1] in ops or f"{s[0]}:{s[1]}" in ops]
+    shapes = linear_shapes(quick, ops)
     if gmma:
         from runtime import dense_gmma as dg
         gmma = dg.gmma_available()
@@ -118,6 +183,7 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None):
                 variants = [("mma.sync", {"kernel": "chunked"}), ("gmma", {"gmma": True})] + [
                     (f"gmma {c}", {"gmma": True, **c}) for c in GMMA_ALTERNATIVES.get(dg.token_tile(M), ())]
             base_us = None
+            timed = {}  # variant name -> us, for the peer's ratio
             for vname, kw in variants:
                 try:
                     if kw.get("gmma"):
@@ -154,6 +220,14 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None):
                       f"{bw / 1e9:.0f} | {100 * bw / read_bw:.1f} | {100 * same_us / us:.1f} | {tflops:.1f} |",
                       flush=True)
                 rows.append((model, name, N, K, M, vname, us, bw / read_bw))
+                timed[vname] = us
+            ours = timed.get("auto") or timed.get("gmma")
+            peer_us = (peer or {}).get(f"{model}:{name}:{M}")
+            if peer_us and ours:
+                bw = w_bytes / (peer_us * 1e-6)
+                print(f"| {model} | {name} | {N}x{K} | {M} | peer: cuBLAS (torch.matmul; ours {peer_us / ours:.2f}x "
+                      f"faster) | {peer_us:.2f} | {bw / 1e9:.0f} | {100 * bw / read_bw:.1f} | "
+                      f"{100 * same_us / peer_us:.1f} | {2 * M * N * K / (peer_us * 1e-6) / 1e12:.1f} |", flush=True)
         del weights
     return rows
 
@@ -225,14 +299,19 @@ def main():
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--gmma", action="store_true", help="also time the sm_90a GMMA linear against mma.sync (M >= 9)")
     ap.add_argument("--ops", nargs="+", help="linear shapes to time: op names or model:op")
+    ap.add_argument("--peer", action="store_true", help="add cuBLAS rows (torch, in a child process)")
+    ap.add_argument("--torch-linear", metavar="JSON", help=argparse.SUPPRESS)  # the --peer child
     args = ap.parse_args()
+    if args.torch_linear:
+        return torch_linear_main(args)
+    peer = torch_peer_times(args) if args.peer and not args.attention_only else None
     dev = get_device()
     print(f"# {dev}  (sm_{dev.arch}, {dev.sm_count} SMs)")
     stream = Stream()
     if not args.attention_only:
         read_bw = read_bandwidth(stream)
         print(f"streaming read: {read_bw / 1e12:.3f} TB/s (runtime_probe read_sum_kernel, 2 GiB, best config)")
-        bench_linear(stream, read_bw, args.m, args.quick, args.gmma, args.ops)
+        bench_linear(stream, read_bw, args.m, args.quick, args.gmma, args.ops, peer)
     if not args.linear_only:
         bench_attention(stream, args.quick)
         bench_sampling(stream)

@@ -28,6 +28,7 @@ step device nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.s
 step warm_cache python3 -c "import os, runtime.cuda as rc; rc.compile_all(jobs=os.cpu_count())"
 step pytest_gpu python3 -m pytest -q -rs -m gpu -p no:cacheprovider "${tests[@]}"
 step bench_runtime python3 tools/bench_runtime.py --json "$OUT/bench_runtime.json"
+step sanitizer bash tools/gpu_sanitize.sh
 step pytest_kernel_build python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernel_build.py
 # Other benchmarks: one `step NAME command` line each, below this one.
 step bench_tree python3 tools/bench_tree.py

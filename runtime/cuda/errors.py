@@ -29,6 +29,9 @@ class CompileError(Exception):
         what = kernel or family
         super().__init__(f"NVRTC failed to compile {what} for sm_{arch}:\n{log.strip()[-8000:]}")
 
+    def __reduce__(self):  # compile_all's worker processes send it back pickled: rebuild from the fields
+        return (CompileError, (self.family, self.arch, self.log, self.kernel))
+
 
 def _error_name(code) -> str:
     """CUDA enum -> its symbolic name, e.g. CUDA_ERROR_OUT_OF_MEMORY."""

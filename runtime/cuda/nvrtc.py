@@ -93,7 +93,13 @@ def include_dirs() -> tuple[str, ...]:
         cutlass = str(Path(list(spec.submodule_search_locations)[0]) / "source" / "include")
     if not (Path(cutlass) / "cute" / "tensor.hpp").exists():
         raise FileNotFoundError(f"CUTLASS include dir {cutlass} has no cute/tensor.hpp")
-    return (str(kernel_source_dir()), str(cudart), str(cccl), str(cutlass))
+    dirs = [kernel_source_dir(), cudart, cccl]
+    # CUTLASS built by a CUDA >= 13 compiler includes <cccl/cuda/std/...>: the directory that holds cccl/
+    # must be on the path too. It is cudart's where both come from one environment; not where the CCCL
+    # wheel lies elsewhere (carried wheels on the device machine).
+    if cccl.name == "cccl" and not (cudart / "cccl" / "cuda" / "std").is_dir():
+        dirs.append(cccl.parent)
+    return (*map(str, dirs), str(cutlass))
 
 
 def _check_cccl_version(cccl: Path):

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# compute-sanitizer memcheck + racecheck over one small GPU test per kernel family (the sanitizer slows
+# kernels 10-100x, so not the whole suite). Run on the GPU machine from the repo root after
+#   . tools/device_env.sh
+#   bash tools/gpu_sanitize.sh [TEST NODE IDS...]      (default: the list below)
+# Exit status non-zero when a tool reports an error or a test fails under it.
+set -uo pipefail
+tests=("$@")
+if [ ${#tests[@]} -eq 0 ]; then
+  tests=(
+    "tests/test_dense_kernels.py::test_sample_philox_bits"            # sample_kernel (Philox)
+    "tests/test_dense_kernels.py::test_argmax_and_sample"
+    "tests/test_dense_kernels.py::test_argmax_large_vocab[65]"        # argmax_chunk multi-unit chunks
+    "tests/test_dense_kernels.py::test_log_softmax_topk"
+    "tests/test_dense_kernels.py::test_kv_compact"
+    "tests/test_dense_kernels.py::test_attention"
+    "tests/test_dense_fusions.py::test_rope_qkv_cache"
+    "tests/test_dense_fusions.py::test_linear_gemv"
+    "tests/test_dense_gmma.py::test_linear_gmma_every_instance[<16,2,4,1,3>]"   # DSMEM reduction, CS = 3
+    "tests/test_dense_gmma.py::test_linear_gmma_every_instance[<72,2,4,1,3>]"
+    "tests/test_dense_gmma.py::test_linear_gmma_every_instance[<64,2,4,1,4>]"
+    "tests/test_dense_gmma.py::test_linear_gmma_every_instance[<128,1,6,1,2>]"
+    "tests/test_dense_gmma.py::test_linear_gmma_residual_and_strides"          # workspace split-K too
+    "tests/test_kimi_kernels.py::test_moe_layer_small"
+    "tests/test_kimi_kernels.py::test_mla_attention"
+  )
+fi
+export PYTHONUNBUFFERED=1
+LOGDIR=${OUT:-/tmp}
+rc=0
+for tool in memcheck racecheck; do
+  echo "=== compute-sanitizer --tool $tool (${#tests[@]} test selections)"
+  # --error-exitcode makes a reported hazard fail the run even when the test's own checks pass
+  # the whole report goes to $LOGDIR/sanitize_$tool.log; here: each reported hazard's first lines and the summary
+  compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 \
+    python3 -m pytest -q -p no:cacheprovider "${tests[@]}" >"$LOGDIR/sanitize_$tool.log" 2>&1
+  r=$?
+  grep -E -A6 "^========= (Error|Invalid|Race|Warning|Program hit)" "$LOGDIR/sanitize_$tool.log" | head -60
+  grep -E "passed|failed|SUMMARY" "$LOGDIR/sanitize_$tool.log" | tail -5
+  echo "=== $tool rc=$r (full report: $LOGDIR/sanitize_$tool.log)"
+  [ "$r" -eq 0 ] || rc=1
+done
+exit $rc
