@@ -285,7 +285,6 @@ extern "C" __global__ void sample_kernel(const uint16_t* __restrict__ logits, in
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   __shared__ float warp_tot[32];
-  __shared__ float running;
   __shared__ int found;
   const uint16_t* row = logits + (size_t)blockIdx.x * ld;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
@@ -306,10 +305,12 @@ extern "C" __global__ void sample_kernel(const uint16_t* __restrict__ logits, in
   }
   block_max_sumexp(m, s);
   const float target = ddtree::position_uniform(key, positions[blockIdx.x]) * s;  // every thread: no broadcast
-  if (tid == 0) { running = 0.f; found = 0x7FFFFFFF; }  // atomicMin target
+  if (tid == 0) found = 0x7FFFFFFF;  // atomicMin target
   __syncthreads();
 
-  // Pass 2: ordered cumulative sum, chunk by chunk, until it passes the target.
+  // Pass 2: ordered cumulative sum, chunk by chunk, until it passes the target. The sum of the chunks before
+  // is kept by every thread (same warp totals, same order: the same float everywhere), not in shared memory.
+  float running = 0.f;
   int last_positive = -1;
   for (int base0 = 0; base0 < V; base0 += chunk) {
     const int base = base0 + 8 * tid;
@@ -353,8 +354,8 @@ extern "C" __global__ void sample_kernel(const uint16_t* __restrict__ logits, in
     }
     __syncthreads();
     const bool done = found != 0x7FFFFFFF;
-    if (tid == 0 && !done) running += total;
-    __syncthreads();
+    running += total;
+    __syncthreads();  // warp_tot and found are read: the next chunk may write them
     if (done) break;
   }
   // Rounding can leave the target just above the summed total: take the last token with p > 0.
