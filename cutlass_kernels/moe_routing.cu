@@ -127,7 +127,8 @@ extern "C" __global__ void moe_topk_kernel(const float* __restrict__ logits, con
               topk_ids, topk_w);
 }
 
-// Single block of 1024 threads. Dynamic smem: ids[T*topk], cnt[E], off[E], bits[E][ceil(T/32)] (ints).
+// Single block of 1024 threads. Dynamic smem: ids[T*topk], cnt[E], off[E], act[E], act_cnt[E], n_act,
+// bits[E][ceil(T/32)] (ints).
 // The sorted position of (t, e) is off[e] + the number of earlier tokens that chose e: a popcount over e's
 // token bitmap (a token never picks an expert twice), so positions are deterministic without a serial scan.
 // The grouping, by one whole block (any size; 1024 threads in both kernels). topk_ids is read through L2
@@ -142,7 +143,10 @@ __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, in
   int* ids = smem;
   int* cnt = ids + P;
   int* off = cnt + E;
-  unsigned* bits = reinterpret_cast<unsigned*>(off + E);
+  int* act = off + E;          // the active experts (count > 0) in increasing id, and their counts
+  int* act_cnt = act + E;
+  int* n_act = act_cnt + E;
+  unsigned* bits = reinterpret_cast<unsigned*>(n_act + 1);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int a = tid; a < P; a += blockDim.x) ids[a] = __ldcg(topk_ids + a);
   for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
@@ -155,8 +159,8 @@ __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, in
     atomicOr(&bits[e * words + (t >> 5)], 1u << (t & 31));
   }
   __syncthreads();
-  if (warp == 0) {   // exclusive prefix sum over experts, 32 at a time
-    int carry = 0;
+  if (warp == 0) {   // exclusive prefix sum over experts, 32 at a time; the active list by ballot
+    int carry = 0, active = 0;
     for (int base = 0; base < E; base += 32) {
       const int e = base + lane;
       const int c = e < E ? cnt[e] : 0;
@@ -168,18 +172,27 @@ __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, in
       }
       if (e < E) off[e] = carry + incl - c;
       carry += __shfl_sync(0xffffffffu, incl, 31);
+      const unsigned mask = __ballot_sync(0xffffffffu, c > 0);
+      if (c > 0) {
+        const int i = active + __popc(mask & ((1u << lane) - 1u));
+        act[i] = e;
+        act_cnt[i] = c;
+      }
+      active += __popc(mask);
     }
+    if (lane == 0) *n_act = active;
   }
   __syncthreads();
-  for (int e = tid; e < E; e += blockDim.x) {
-    const int c = cnt[e];
-    expert_count[e] = c;
-    if (c == 0) continue;
-    int rank = 0;   // slot order: more tokens first, then lower expert id
-#pragma unroll 16
-    for (int f = 0; f < E; ++f) {
-      const int cf = cnt[f];
-      rank += (cf > c) || (cf == c && f < e);
+  for (int e = tid; e < E; e += blockDim.x) expert_count[e] = cnt[e];
+  // Slot order: more tokens first, then lower expert id. Ranks count only active experts (inactive ones have
+  // count 0 and never rank above an active one): 8 x 8 compares for one token instead of 384 x 384.
+  const int na = *n_act;
+  for (int i = tid; i < na; i += blockDim.x) {
+    const int e = act[i], c = act_cnt[i];
+    int rank = 0;
+    for (int j = 0; j < na; ++j) {
+      const int cf = act_cnt[j];
+      rank += (cf > c) || (cf == c && j < i);   // act is in increasing id: j < i <=> lower id
     }
     slot_expert[rank] = e;
     slot_offset[rank] = off[e];

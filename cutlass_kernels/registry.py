@@ -176,7 +176,10 @@ _MMA_SYNC_PTX = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"
 MOE_GEMM_VARIANTS = tuple(
     f"moe_w4a16_kernel<{mode}, {rest}>" for mode in (0, 1)
     for rest in ("2, 4, 1, 1, 0", "2, 4, 1, 1, 3", "2, 4, 1, 1, 4", "2, 2, 1, 1, 3", "2, 2, 1, 1, 4", "2, 2, 1, 1, 6",
-                 "2, 4, 1, 2, 0", "2, 4, 1, 2, 3", "2, 2, 1, 2, 3", "2, 4, 1, 4, 3"))
+                 "2, 4, 1, 2, 0", "2, 4, 1, 2, 3", "2, 2, 1, 2, 3", "2, 4, 1, 4, 3",
+                 # K split over warps of a block (KS > 1): more warps, each with fewer steps, stream a slot's
+                 # rows at small T (1-8 tokens: 8-58 experts, too few row blocks to fill the GPU otherwise)
+                 "2, 4, 2, 1, 0", "2, 2, 4, 1, 0", "2, 2, 2, 1, 3"))
 register(KernelFamily(
     name="moe_int4",
     source="moe_int4.cu",
