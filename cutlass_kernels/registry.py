@@ -176,10 +176,8 @@ _MMA_SYNC_PTX = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"
 MOE_GEMM_VARIANTS = tuple(
     f"moe_w4a16_kernel<{mode}, {rest}>" for mode in (0, 1)
     for rest in ("2, 4, 1, 1, 0", "2, 4, 1, 1, 3", "2, 4, 1, 1, 4", "2, 2, 1, 1, 3", "2, 2, 1, 1, 4", "2, 2, 1, 1, 6",
-                 "2, 4, 1, 2, 0", "2, 4, 1, 2, 3", "2, 2, 1, 2, 3", "2, 4, 1, 4, 3",
-                 # K split over warps of a block (KS > 1): more warps, each with fewer steps, stream a slot's
-                 # rows at small T (1-8 tokens: 8-58 experts, too few row blocks to fill the GPU otherwise)
-                 "2, 4, 2, 1, 0", "2, 2, 4, 1, 0", "2, 2, 2, 1, 3"))
+                 "2, 4, 1, 2, 0", "2, 4, 1, 2, 3", "2, 2, 1, 2, 3", "2, 4, 1, 4, 3"))
+# (K split over the warps of a block, KS = 2 / 4, was measured at T = 1..16 and lost: PERF.md, 2026-12-03 (2).)
 register(KernelFamily(
     name="moe_int4",
     source="moe_int4.cu",
