@@ -120,11 +120,31 @@ def _gemv_fits(M: int, K: int) -> bool:
     return M <= 8 and 8 * (64 * -(-K // 64) + 32) * 2 <= XRES_SMEM_CAP
 
 
-def gemv_plan(M: int, N: int, K: int, kw: int | None = None, stages: int | None = None, xmode: int = 0):
+# DDTREE_GEMV_KW=8 (or 4, 2): every gemv launch with that KW where it is built, for A/B timing of gemv_kw
+GEMV_KW_FORCED = int(os.environ.get("DDTREE_GEMV_KW", "0"))
+
+
+def gemv_kw(N: int, K: int, sm_count: int, xmode: int = 0) -> int:
+    """Warps per 16-row W tile of the gemv kernel (a block holds 16 * 8 / KW rows). Fewer warps per tile (more
+    rows per block) measured faster once the grid still has a block per SM; H200, M = 1, two runs on
+    2026-12-02/03 (PERF.md): qkv 6144x4096 KW 4 16.1 vs KW 8 17.8 us, gate_up 24576x4096 52.2 vs 54.2,
+    lm_head 151936x4096 KW 2 306 vs 315; o 4096x4096 (128 blocks at KW 4) KW 8 11.0 vs 14.6."""
+    from cutlass_kernels.registry import GEMV_INSTANCES
+    if GEMV_KW_FORCED and any(kw == GEMV_KW_FORCED and xm == xmode for kw, _, xm in GEMV_INSTANCES):
+        return GEMV_KW_FORCED
+    if -(-N // 64) >= 8 * sm_count and (2, 4, xmode) in GEMV_INSTANCES:
+        return 2
+    if -(-N // 32) >= sm_count or -(-K // 64) < 8:
+        return 4
+    return 8
+
+
+def gemv_plan(M: int, N: int, K: int, kw: int | None = None, stages: int | None = None, xmode: int = 0,
+              sm_count: int | None = None):
     """(entry, grid, dynamic smem) of the no-split decode kernel: KW warps share each 16-row W tile's K."""
     from cutlass_kernels.registry import GEMV_INSTANCES
     units = -(-K // 64)
-    kw = kw or (8 if units >= 8 else 4)
+    kw = kw or gemv_kw(N, K, sm_count or get_device().sm_count, xmode)
     per_warp = -(-units // kw)
     stages = stages or (2 if per_warp <= 2 and kw == 8 else 4)
     _need((kw, stages, xmode) in GEMV_INSTANCES, "linear", f"no gemv kernel <KW={kw}, STAGES={stages}, "
@@ -171,7 +191,7 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
         kernel = "gemv"
     if kernel == "gemv":
         _need(_gemv_fits(M, K), "linear", f"the gemv kernel takes M <= 8 and K <= {XRES_SMEM_CAP // 16 - 32}")
-        entry, grid, smem = gemv_plan(M, N, K, kw, stages, xmode)
+        entry, grid, smem = gemv_plan(M, N, K, kw, stages, xmode, sm_count)
         return entry, grid, K, smem
     mt = _mt(M)
     row_blocks = -(-N // LINEAR_ROWS_PER_BLOCK)

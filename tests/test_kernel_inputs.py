@@ -179,6 +179,23 @@ def test_valid_input_passes_the_checks():
             call()
 
 
+def test_gemv_warps_per_tile_follow_the_measured_winners():
+    """H200, M = 1 (PERF.md): KW 4 for Qwen3-8B qkv and gate_up and SmolLM2's lm_head, KW 2 for Qwen3-8B's
+    lm_head, KW 8 where KW 4 would leave SMs without a block (Qwen3-8B o: 128 blocks); the rmsnorm prologue
+    has no KW 2 instance, so lm_head with it takes KW 4. Every choice is a built instance."""
+    from cutlass_kernels.registry import GEMV_INSTANCES
+    want = {(6144, 4096): 4, (24576, 4096): 4, (151936, 4096): 2, (4096, 4096): 8, (49152, 576): 4,
+            (576, 1536): 8, (960, 576): 8}
+    assert {nk: dk.gemv_kw(*nk, 132) for nk in want} == want
+    assert dk.gemv_kw(151936, 4096, 132, xmode=1) == 4
+    for (N, K) in want:
+        for xmode in (0, 1, 2):
+            entry = dk.linear_plan(1, N, K, 132, xmode=xmode)[0] if dk._gemv_fits(1, K) else None
+            if entry is not None and "gemv" in entry:
+                kw, st, xm = (int(v) for v in entry.split("<")[1].rstrip(">").split(","))
+                assert (kw, st, xm) in GEMV_INSTANCES and xm == xmode, entry
+
+
 def test_linear_plan_token_tiles():
     """Every plan names a built instance; 65..72 rows (a budget-64 verify) take one 72-row tile, not 64 + 1."""
     from cutlass_kernels.registry import FAMILIES
