@@ -156,8 +156,10 @@ class MoeWeights:
 # Variant per token-bucket: (gate_up entry, down entry); template arguments MODE, RB, WN, KS, NTMAX, STAGES.
 # Picked per stage from tools/bench_moe.py on the H200 (docs/PERF.md, Kimi MoE section): the fastest variant
 # under uniform routing for T <= 128, and the 32-token-chunk variants above, which also win on skewed routing.
+# Down at T <= 16: the register-prefetch variant, 5-9% faster than the ring <1, 2, 2, 1, 1, 3> in two runs of
+# 2026-12-03 (T = 1: 30.1 vs 32.6-33.1 us, T = 4: 71.0 vs 77.4, T = 8: 149.0 vs 156.2, T = 16: 206.4 vs 217.9).
 DEFAULT_VARIANTS = {
-    16: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 0>", "moe_w4a16_kernel<1, 2, 2, 1, 1, 3>"),
+    16: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 0>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 0>"),
     128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 2, 1, 1, 3>"),
     1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 4, 3>"),
 }
