@@ -5,20 +5,21 @@
 // operand (N side = tokens, TN a template parameter, a multiple of 8 up to 256). Both operands K-major in
 // shared memory with the 128-byte swizzle; one "k atom" is 64 k (128 bytes of each row: the swizzle width).
 //
-// Block: 256 threads = two warpgroups, 128 W rows. Every thread both loads and computes (no producer warp:
-// the block stays a power-of-two size for ddtree::splitk_finish, and wgmma being asynchronous, the issuing
-// warps are free to issue cp.async while the tensor cores work). Pipeline of STAGES shared-memory stages of
+// Block: NWG warpgroups (2: 256 threads, 128 W rows; 3: 384 threads, 192 W rows, so that a 24576-row W
+// is one wave of 128 blocks with no K split, the shape cuBLAS picks for it on the H200). Every thread both
+// loads and computes (no producer warp: wgmma being asynchronous, the issuing warps are free to issue
+// cp.async while the tensor cores work). Pipeline of STAGES shared-memory stages of
 // KA k atoms each, filled with 16-byte cp.async into the swizzled addresses (no tensor map, so no host
 // state per weight pointer and nothing to rebuild for graph replays), tracked by mbarriers:
-//   full[s]  (256 arrivals): cp.async.mbarrier.arrive.noinc from every thread after its copies of stage s;
-//   empty[s] (256 arrivals): every thread once its warpgroup's wgmma reading stage s has retired.
-// A thread refills a buffer only after empty (both warpgroups done with it), so warps drift by up to one
+//   full[s]  (all threads arrive): cp.async.mbarrier.arrive.noinc from every thread after its copies of s;
+//   empty[s] (all threads arrive): every thread once its warpgroup's wgmma reading stage s has retired.
+// A thread refills a buffer only after empty (every warpgroup done with it), so warps drift by up to one
 // stage and STAGES-1 stages of W are in flight per block.
 //
 // PDL (family registered with pdl=True): the first STAGES-1 stages of W (immutable) are issued before
 // ddtree::grid_dependency_wait(); x, the workspace, the tickets and the output are touched only after it.
 //
-// Epilogue: the accumulators go through shared memory (fp32 [TN][128 + 4]) so the output, the residual and
+// Epilogue: the accumulators go through shared memory (fp32 [TN][64 NWG + 4]) so the output, the residual and
 // the split-K partials are written/read along n, coalesced. K splits (blockIdx.y), two ways:
 // - CS > 1: the CS splits of a tile form a (1, CS, 1) thread-block cluster; each block stages its partial
 //   tile in its own shared memory and, after a cluster barrier, block `rank` sums slice `rank` of the tile
@@ -44,9 +45,6 @@ using cuda::std::uint64_t;
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kRowsW = 128;            // W rows per block (2 warpgroups x 64)
-constexpr int kAtomBytesW = kRowsW * 128;  // one 64-k atom of the W tile: 16 KB
 constexpr int kStagePad = 4;           // fp32 pad of the epilogue staging rows (conflict-free fragment stores)
 
 template <int TN> struct GmmaOp;
@@ -129,14 +127,14 @@ __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, bool
 }  // namespace
 
 // TN: tokens per tile (wgmma N). KA: 64-k atoms per pipeline stage. STAGES: shared-memory stages. RW: 64-row
-// W tiles per warpgroup (block = 128*RW W rows; RW = 2 halves the x traffic per W byte, TN/2*RW accumulators
+// W tiles per warpgroup (block = 64*NWG*RW W rows; RW = 2 halves the x traffic per W byte, TN/2*RW accumulators
 // per thread). CS: K splits reduced inside a thread-block cluster of (1, CS, 1) blocks through distributed
 // shared memory (gridDim.y == CS; no workspace, no tickets, sum in split order); CS = 1: gridDim.y splits
-// through the fp32 workspace and ddtree::splitk_finish (any count), or none.
+// through the fp32 workspace and ddtree::splitk_finish (any count), or none. NWG: warpgroups per block (2, 3).
 // Dynamic smem (runtime/dense_gmma.py gmma_smem_bytes): 1024 (alignment) +
-//   max(STAGES * KA * (16384 * RW + TN * 128), TN * (128 + 4) * 4).
-template <int TN, int KA, int STAGES, int RW, int CS>
-__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(kThreads, 1)
+//   max(STAGES * KA * (8192 * NWG * RW + TN * 128), TN * (64 * NWG + 4) * 4).
+template <int TN, int KA, int STAGES, int RW, int CS, int NWG = 2>
+__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(128 * NWG, 1)
 linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                    const __nv_bfloat16* __restrict__ w,  // [N, K] row-major, K % 8 == 0
                    __nv_bfloat16* __restrict__ out, int ldo,
@@ -146,6 +144,10 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   static_assert(TN % 8 == 0 && TN >= 16 && TN <= 256, "wgmma N");
   static_assert(KA == 1 || KA == 2, "k atoms per stage");
   static_assert(RW == 1 || RW == 2, "W tiles per warpgroup");
+  static_assert(NWG == 2 || NWG == 3, "warpgroups per block");
+  constexpr int kThreads = 128 * NWG;
+  constexpr int kRowsW = 64 * NWG;               // W rows per block and 64-row tile index t
+  constexpr int kAtomBytesW = kRowsW * 128;      // one 64-k atom of those rows: 8 KB per warpgroup
   constexpr int kRows = kRowsW * RW;              // W rows per block
   constexpr int kAtomW = kAtomBytesW * RW;        // one 64-k atom of the W tile
   constexpr int kAtomBytesX = TN * 128;
@@ -153,7 +155,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   constexpr int kStageBytes = KA * (kAtomW + kAtomBytesX);
   constexpr int kStageK = 64 * KA;
   constexpr int kAcc = TN / 2;  // fp32 accumulators per thread per 64-row tile (64 x TN per warpgroup)
-  constexpr int kWq = 4 * RW;   // W rows per thread per atom (one 16-byte chunk each)
+  constexpr int kWq = 4 * RW;   // W rows per thread per atom (one 16-byte chunk each): kRows / (threads / 8)
   using Op = typename GmmaOp<TN>::type;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -181,14 +183,14 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   }
   __syncthreads();
 
-  // This thread's W chunks: rows tid/8 + 32 q, 16-byte chunk c = tid % 8 of each 128-byte row of every
-  // atom; the swizzle puts chunk c of row r at chunk c ^ (r % 8).
+  // This thread's W chunks: rows tid/8 + (threads/8) q, 16-byte chunk c = tid % 8 of each 128-byte row of
+  // every atom; the swizzle puts chunk c of row r at chunk c ^ (r % 8).
   const int wc = tid & 7;
   const __nv_bfloat16* w_row[kWq];
   uint32_t w_dst[kWq];
 #pragma unroll
   for (int q = 0; q < kWq; ++q) {
-    const int r = (tid >> 3) + 32 * q;
+    const int r = (tid >> 3) + (kThreads / 8) * q;
     const int n = n0 + r;
     w_row[q] = n < N ? w + (size_t)n * K + 8 * wc : nullptr;
     w_dst[q] = r * 128 + ((wc ^ (r & 7)) << 4);
@@ -299,7 +301,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const bool single = gridDim.y == 1;
 #pragma unroll
   for (int t = 0; t < RW; ++t) {
-    __syncthreads();  // t = 0: both warpgroups done with the stage buffers; t > 0: previous pass written out
+    __syncthreads();  // t = 0: all warpgroups done with the stage buffers; t > 0: previous pass written out
 #pragma unroll
     for (int j = 0; j < TN / 8; ++j)
 #pragma unroll
@@ -337,7 +339,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
           const int v = v0 + b * kThreads + tid;
           if (v >= hi) continue;
           const int i = 4 * v;
-          const int mm = i / kRowsW, col = i % kRowsW;  // col % 4 == 0: the 4 columns share a 64-row half
+          const int mm = i / kRowsW, col = i % kRowsW;  // col % 4 == 0: the 4 columns share a 64-row tile
           const int m = m0 + mm, n = n0 + (col >> 6) * (64 * RW) + 64 * t + (col & 63);
           if (m >= M) continue;
           float sum[4] = {0.f, 0.f, 0.f, 0.f};
@@ -375,13 +377,17 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     }
   }
   if (CS > 1 || single) return;
-  // Outputs per thread per pass of the reduction: as many as divide the tile evenly, up to 16 (the last
-  // block's reduction is a chain of L2 latencies; more independent loads in flight shorten it).
-  constexpr int kElemsPerThread = TN * kRows / kThreads;
-  constexpr int kIlp = kElemsPerThread % 16 == 0 ? 16 : kElemsPerThread % 12 == 0 ? 12
-                     : kElemsPerThread % 8 == 0 ? 8 : kElemsPerThread % 4 == 0 ? 4 : 1;
-  ddtree::splitk_finish<TN, kRows, kThreads, kIlp>(out, ldo, residual, ldr, ws,
-                                                    tickets + blockIdx.z * gridDim.x + blockIdx.x, M, N, m0, n0);
+  if constexpr (NWG == 2) {
+    // Outputs per thread per pass of the reduction: as many as divide the tile evenly, up to 16 (the last
+    // block's reduction is a chain of L2 latencies; more independent loads in flight shorten it).
+    constexpr int kElemsPerThread = TN * kRows / kThreads;
+    constexpr int kIlp = kElemsPerThread % 16 == 0 ? 16 : kElemsPerThread % 12 == 0 ? 12
+                       : kElemsPerThread % 8 == 0 ? 8 : kElemsPerThread % 4 == 0 ? 4 : 1;
+    ddtree::splitk_finish<TN, kRows, kThreads, kIlp>(out, ldo, residual, ldr, ws,
+                                                      tickets + blockIdx.z * gridDim.x + blockIdx.x, M, N, m0, n0);
+  } else {
+    __trap();  // three warpgroups split K only in a cluster (runtime/dense_gmma.py refuses a workspace split):
+  }            // at 168 registers the workspace reduction spilled
 }
 
 // Instances: cutlass_kernels/registry.py DENSE_GMMA_INSTANCES (NVRTC instantiates its name expressions).

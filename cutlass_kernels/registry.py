@@ -115,20 +115,26 @@ register(KernelFamily(
     pdl=True,
 ))
 # Hopper GMMA (wgmma) bf16 linear for M >= 9 (verify buckets, prefill), sm_90a only:
-# linear_gmma_kernel<TN, KA, STAGES, RW, CS> (TN tokens per tile = wgmma N, KA 64-k atoms per stage,
-# STAGES cp.async + mbarrier stages, 128*RW W rows per block, CS: K splits reduced in a (1, CS, 1) cluster
-# through distributed shared memory, 1: workspace split-K); runtime/dense_gmma.py plans over them.
+# linear_gmma_kernel<TN, KA, STAGES, RW, CS, NWG> (TN tokens per tile = wgmma N, KA 64-k atoms per stage,
+# STAGES cp.async + mbarrier stages, 64*NWG*RW W rows per block, CS: K splits reduced in a (1, CS, 1) cluster
+# through distributed shared memory, 1: workspace split-K, NWG warpgroups per block: 2 (the name leaves it
+# out) or 3); runtime/dense_gmma.py plans over them. Configs are 6-tuples (TN, KA, STAGES, RW, CS, NWG).
 _GMMA_BASE = ((16, 2, 4, 1), (32, 2, 4, 1), (48, 2, 4, 1), (64, 2, 4, 1), (72, 2, 4, 1), (96, 1, 6, 1),
               (128, 1, 6, 1), (192, 1, 4, 1), (256, 1, 4, 1))
-DENSE_GMMA_INSTANCES = tuple((*c, cs) for c in _GMMA_BASE for cs in (1, 2)) + (
+DENSE_GMMA_INSTANCES = tuple((*c, cs, 2) for c in _GMMA_BASE for cs in (1, 2)) + tuple((*c, 2) for c in (
     (16, 2, 4, 1, 3), (32, 2, 4, 1, 3), (64, 2, 4, 1, 3), (72, 2, 4, 1, 3),
     (16, 2, 4, 1, 4), (32, 2, 4, 1, 4), (64, 2, 4, 1, 4), (72, 2, 4, 1, 4), (128, 1, 6, 1, 4), (256, 1, 4, 1, 4),
-    (64, 1, 4, 2, 1), (128, 1, 4, 2, 1))
+    (64, 1, 4, 2, 1), (128, 1, 4, 2, 1))) + (
+    # three warpgroups, 192 rows, one 64-k atom per stage and 6-8 stages (~200 KB: cuBLAS's nvjet shape for
+    # 24576x4096 at M = 1..65 on the H200, one wave of 128 blocks); not planned until measured
+    (16, 1, 8, 1, 1, 3), (32, 1, 7, 1, 1, 3), (64, 1, 6, 1, 1, 3), (72, 1, 6, 1, 1, 3), (72, 1, 6, 1, 2, 3))
 
 
 def gmma_entry(cfg: tuple) -> str:
-    """The kernel name expression of instance (TN, KA, STAGES, RW, CS)."""
-    return "linear_gmma_kernel<%d, %d, %d, %d, %d>" % cfg
+    """The kernel name expression of instance (TN, KA, STAGES, RW, CS, NWG); NWG = 2 is the default argument."""
+    if cfg[5] == 2:
+        return "linear_gmma_kernel<%d, %d, %d, %d, %d>" % cfg[:5]
+    return "linear_gmma_kernel<%d, %d, %d, %d, %d, %d>" % cfg
 
 
 register(KernelFamily(

@@ -2,7 +2,8 @@
 out[M, N] = x[M, K] @ w[N, K]^T (+ residual) for every M >= 9: the verify buckets and prefill (above 256 rows
 the tokens are walked in tiles on blockIdx.z, re-reading W once per tile).
 
-Launch plan: a block is 256 threads over 128 W rows and TN tokens (the wgmma N), fed by a STAGES-deep
+Launch plan: a block is NWG warpgroups (2: 256 threads over 128 W rows; 3: 384 threads over 192 rows, built but
+planned only when asked for, nwg=3) and TN tokens (the wgmma N), fed by a STAGES-deep
 shared-memory pipeline of KA 64-k atoms per stage. TN is the smallest instance >= M (one token tile up to
 256 rows). K is split over blockIdx.y when the row blocks alone cannot fill the GPU (gmma_plan's cost
 model): either inside a (1, CS, 1) thread-block cluster whose blocks sum their partial tiles through
@@ -23,8 +24,8 @@ from cutlass_kernels.registry import DENSE_GMMA_INSTANCES, gmma_entry
 
 FAMILY = "dense_linear_sm90"
 GMMA_ARCHS = ("90a",)
-GMMA_ROWS_PER_BLOCK = 128        # two warpgroups x 64 W rows (x RW)
-GMMA_THREADS = 256
+GMMA_ROWS_PER_WARPGROUP = 64     # W rows per warpgroup (x RW); a block has NWG warpgroups of 128 threads
+GMMA_NWG = 2                     # warpgroups per block the planner uses unless asked for 3
 GMMA_MIN_M = 9                   # runtime.dense_kernels.linear hands M >= this to this kernel
 SMEM_PER_SM = 228 * 1024         # H100/H200: 228 KB per SM, 227 KB per block, 1 KB reserved per block
 SMEM_PER_BLOCK_MAX = 227 * 1024
@@ -43,23 +44,36 @@ GMMA_BLOCK_US = 2.0
 # A/B timing). Clusters of 3 fill 96 SMs where 32 row blocks of 2 fill 64 and 32 of 4 need two waves (the
 # H200 holds 30): Qwen3-8B-shaped verify b64 5934 us with 3 vs 6391 us without (1.16x / 1.25x AR, run 19).
 GMMA_CLUSTER_SIZES = tuple(int(c) for c in os.environ.get("DDTREE_GMMA_CLUSTERS", "2,4,3").split(","))
-GMMA_INSTANCES = frozenset(DENSE_GMMA_INSTANCES)  # (TN, KA, STAGES, RW, CS)
-TOKEN_TILES = tuple(sorted({c[0] for c in DENSE_GMMA_INSTANCES}))
+GMMA_INSTANCES = frozenset(DENSE_GMMA_INSTANCES)  # (TN, KA, STAGES, RW, CS, NWG)
+TOKEN_TILES = tuple(sorted({c[0] for c in DENSE_GMMA_INSTANCES if c[5] == GMMA_NWG}))
 # default (KA, STAGES, RW) per token tile: one block per SM with 3-5 stages in flight
 _DEFAULT_CONFIG = {16: (2, 4, 1), 32: (2, 4, 1), 48: (2, 4, 1), 64: (2, 4, 1), 72: (2, 4, 1),
                    96: (1, 6, 1), 128: (1, 6, 1), 192: (1, 4, 1), 256: (1, 4, 1)}
+# three warpgroups (192 rows): one 64-k atom per stage, as deep as ~200 KB allows
+_DEFAULT_CONFIG_3WG = {16: (1, 8, 1), 32: (1, 7, 1), 64: (1, 6, 1), 72: (1, 6, 1)}
 _smem_raised: set = set()
 
 
-def gmma_smem_bytes(tn: int, ka: int, stages: int, rw: int = 1) -> int:
-    """Dynamic shared memory of linear_gmma_kernel<tn, ka, stages, rw, *>: the stages (W 16 KB * rw + x tn*128
-    bytes per 64-k atom) or the fp32 epilogue staging [tn][132], whichever is larger, plus 1 KB to align."""
-    return 1024 + max(stages * ka * (16384 * rw + tn * 128), tn * (128 + 4) * 4)
+def gmma_smem_bytes(tn: int, ka: int, stages: int, rw: int = 1, nwg: int = GMMA_NWG) -> int:
+    """Dynamic shared memory of linear_gmma_kernel<tn, ka, stages, rw, *, nwg>: the stages (W 8 KB * nwg * rw +
+    x tn*128 bytes per 64-k atom) or the fp32 epilogue staging [tn][64 nwg + 4], whichever is larger, plus 1 KB
+    to align."""
+    return 1024 + max(stages * ka * (8192 * nwg * rw + tn * 128), tn * (64 * nwg + 4) * 4)
 
 
-def gmma_blocks_per_sm(tn: int, ka: int, stages: int, rw: int = 1) -> int:
+def gmma_threads(nwg: int = GMMA_NWG) -> int:
+    return 128 * nwg
+
+
+def gmma_config(entry: str) -> tuple:
+    """(TN, KA, STAGES, RW, CS, NWG) of a linear_gmma_kernel name (NWG left out means 2)."""
+    cfg = tuple(int(v) for v in entry.split("<")[1].rstrip(">").split(","))
+    return cfg if len(cfg) == 6 else (*cfg, 2)
+
+
+def gmma_blocks_per_sm(tn: int, ka: int, stages: int, rw: int = 1, nwg: int = GMMA_NWG) -> int:
     static = 2 * stages * 8 + 16  # mbarriers + splitk_finish's flag
-    return max(1, min(2, SMEM_PER_SM // (gmma_smem_bytes(tn, ka, stages, rw) + static + 1024)))
+    return max(1, min(2, SMEM_PER_SM // (gmma_smem_bytes(tn, ka, stages, rw, nwg) + static + 1024)))
 
 
 def token_tile(M: int) -> int:
@@ -117,7 +131,7 @@ def device_cluster_slots(cfg: tuple, smem: int) -> int:
         drv = driver()
         conf = drv.CUlaunchConfig()
         conf.gridDimX, conf.gridDimY, conf.gridDimZ = 1, cfg[4], 1
-        conf.blockDimX, conf.blockDimY, conf.blockDimZ = GMMA_THREADS, 1, 1
+        conf.blockDimX, conf.blockDimY, conf.blockDimZ = gmma_threads(cfg[5]), 1, 1
         conf.sharedMemBytes = smem
         n = _resident_clusters[key] = cfg[4] * check(drv.cuOccupancyMaxActiveClusters(kern.function, conf),
                                                      f"cuOccupancyMaxActiveClusters({kern})")
@@ -132,8 +146,8 @@ def _raise_smem(kern, entry: str, smem: int):
 
 def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, tn: int | None = None,
               ka: int | None = None, stages: int | None = None, rw: int | None = None, cs: int | None = None,
-              cluster_slots=None):
-    """(entry, grid, k_per_split, dynamic smem bytes) of linear_gmma; blocks are 256 threads.
+              cluster_slots=None, nwg: int | None = None):
+    """(entry, grid, k_per_split, dynamic smem bytes) of linear_gmma; blocks are gmma_threads(nwg) threads.
 
     The K split: CS > 1 instances split K over a (1, CS, 1) cluster and reduce through distributed shared
     memory (grid y = CS); CS = 1 splits over grid y through the fp32 workspace (any count), or not at all.
@@ -141,19 +155,22 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
     cluster splits and workspace splits: per-SM bytes of W in the slowest wave, a fixed per-block cost, and
     for workspace splits the fp32 partials written and read back. tn/ka/stages/rw pick an instance.
     cluster_slots(cfg, smem): resident blocks of an instance's clusters (device_cluster_slots on a device);
-    None: the estimate _cluster_slots."""
+    None: the estimate _cluster_slots. nwg: warpgroups per block (default GMMA_NWG = 2; 3 only when asked)."""
     op = "linear_gmma"
+    nwg = nwg or GMMA_NWG
     tn = tn or token_tile(M)
-    d_ka, d_st, d_rw = _DEFAULT_CONFIG.get(tn, (1, 4, 1))
+    d_ka, d_st, d_rw = (_DEFAULT_CONFIG_3WG if nwg == 3 else _DEFAULT_CONFIG).get(tn, (1, 4, 1))
     ka, stages, rw = ka or d_ka, stages or d_st, rw or d_rw
     _need(splits is None or cs is None or cs == 1 or splits == cs, op,
           f"splits={splits} with cs={cs}: a cluster split has exactly cs splits")
+    _need(nwg == GMMA_NWG or splits is None or splits == 1 or (cs or 1) > 1, op,
+          f"nwg={nwg}: three-warpgroup blocks split K only inside a cluster (cs > 1), not through the workspace")
     atom_k = 64 * ka
     units = -(-K // atom_k)  # pipeline stages over the whole K
-    rows = GMMA_ROWS_PER_BLOCK * rw
+    rows = GMMA_ROWS_PER_WARPGROUP * nwg * rw
     row_blocks = -(-N // rows)
     z = -(-M // tn)
-    bps = gmma_blocks_per_sm(tn, ka, stages, rw)
+    bps = gmma_blocks_per_sm(tn, ka, stages, rw, nwg)
     if cs is None and splits is None:
         def est_us(c: int, s: int) -> float:
             per = -(-units // s)
@@ -161,7 +178,7 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
             if c == 1:
                 slots = bps * sm_count
             elif cluster_slots is not None:
-                slots = cluster_slots((tn, ka, stages, rw, c), gmma_smem_bytes(tn, ka, stages, rw))
+                slots = cluster_slots((tn, ka, stages, rw, c, nwg), gmma_smem_bytes(tn, ka, stages, rw, nwg))
             else:
                 slots = _cluster_slots(c, bps, sm_count)
             waves = -(-blocks // slots)
@@ -177,10 +194,12 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
         # faster: gate_up 24576x4096 at M = 72 59.5 vs 67.5 us, M = 64 57.8 vs 60.9, M = 16 equal); with
         # more waves, no split (lm_head 151936x4096 at M = 65: 332 vs 356 us). H200, 2026-12-03 (PERF.md).
         best = None
-        clusters = [(c, c) for c in GMMA_CLUSTER_SIZES if (tn, ka, stages, rw, c) in GMMA_INSTANCES and c <= units]
+        clusters = [(c, c) for c in GMMA_CLUSTER_SIZES
+                    if (tn, ka, stages, rw, c, nwg) in GMMA_INSTANCES and c <= units]
         few_waves = row_blocks * z <= 2 * bps * sm_count
         candidates = clusters + [(1, 1)] if few_waves else [(1, 1)] + clusters
-        if row_blocks * z * 2 < bps * sm_count // 3:  # workspace splits only where 2 splits leave most SMs idle
+        if nwg == GMMA_NWG and row_blocks * z * 2 < bps * sm_count // 3:  # workspace splits only where 2
+            # splits would leave most SMs idle (and only with two warpgroups)
             candidates += [(1, s) for s in range(3, min(units, 64) + 1)]
         for c, s in candidates:
             if c == 1 and s > 1 and -(-units // -(-units // s)) != s:
@@ -193,15 +212,15 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
         cs = 1
     elif cs > 1:
         splits = cs
-    cfg = (tn, ka, stages, rw, cs)
-    _need(cfg in GMMA_INSTANCES, op, f"no instance <TN, KA, STAGES, RW, CS> = <{', '.join(map(str, cfg))}>; "
+    cfg = (tn, ka, stages, rw, cs, nwg)
+    _need(cfg in GMMA_INSTANCES, op, f"no instance <TN, KA, STAGES, RW, CS, NWG> = <{', '.join(map(str, cfg))}>; "
           f"built: {sorted(GMMA_INSTANCES)}")
     if cs > 1:
         per = -(-units // cs)  # trailing splits may get no k at all (they add zeros)
     else:
         per = -(-units // max(1, min(int(splits or 1), units)))
         splits = -(-units // per)
-    smem = gmma_smem_bytes(tn, ka, stages, rw)
+    smem = gmma_smem_bytes(tn, ka, stages, rw, nwg)
     _need(smem <= SMEM_PER_BLOCK_MAX, op, f"{cfg} needs {smem} bytes of shared memory")
     return gmma_entry(cfg), (row_blocks, splits, z), per * atom_k, smem
 
@@ -210,33 +229,35 @@ def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
                 ldx: int | None = None, ldo: int | None = None, ldr: int | None = None,
                 ws: Workspace | None = None, splits: int | None = None, tn: int | None = None,
                 ka: int | None = None, stages: int | None = None, rw: int | None = None,
-                cs: int | None = None, stream=None) -> DeviceArray:
+                cs: int | None = None, nwg: int | None = None, stream=None) -> DeviceArray:
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]), bf16, fp32 accumulation, on sm_90a GMMA.
-    Same contract as runtime.dense_kernels.linear; splits/tn/ka/stages/rw/cs override the plan."""
+    Same contract as runtime.dense_kernels.linear; splits/tn/ka/stages/rw/cs/nwg override the plan."""
     M, N, K, ldx, ldo, ldr = linear_checks("linear_gmma", x, w, out, residual, ldx, ldo, ldr)
     return launch_gmma(x, w, out, residual, M, N, K, ldx, ldo, ldr, ws=ws, splits=splits, tn=tn, ka=ka,
-                       stages=stages, rw=rw, cs=cs, stream=stream)
+                       stages=stages, rw=rw, cs=cs, nwg=nwg, stream=stream)
 
 
 def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None, M: int, N: int,
                 K: int, ldx: int, ldo: int, ldr: int | None, *, ws: Workspace | None = None,
                 splits: int | None = None, tn: int | None = None, ka: int | None = None,
-                stages: int | None = None, rw: int | None = None, cs: int | None = None, stream=None):
+                stages: int | None = None, rw: int | None = None, cs: int | None = None, nwg: int | None = None,
+                stream=None):
     """linear_gmma after runtime.dense_kernels.linear_checks (which dense_kernels.linear has already run)."""
     op = "linear_gmma"
     dev = get_device()
     _need(gmma_available(dev.arch), op, f"the GMMA kernel is built for {GMMA_ARCHS}, this device is sm_{dev.arch}")
     entry, grid, k_per_split, smem = gmma_plan(M, N, K, dev.sm_count, splits, tn, ka, stages, rw, cs,
-                                               cluster_slots=device_cluster_slots)
+                                               cluster_slots=device_cluster_slots, nwg=nwg)
+    cfg = gmma_config(entry)
     ws = ws or default_workspace()
-    if grid[1] > 1 and entry.endswith(", 1>"):  # workspace split-K (cluster splits reduce in smem)
+    if grid[1] > 1 and cfg[4] == 1:  # workspace split-K (cluster splits reduce in smem)
         scratch = ws.scratch(grid[1] * M * N * 4)
         tickets = ws.tickets(grid[0] * grid[2])
     else:
         scratch = tickets = out  # unused by the kernel
     kern = get_kernel(FAMILY, entry)
     _raise_smem(kern, entry, smem)
-    kern.launch(grid, GMMA_THREADS,
+    kern.launch(grid, gmma_threads(cfg[5]),
                 [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),
                  _i32(ldr or 0), scratch, tickets, _i32(M), _i32(N), _i32(K), _i32(k_per_split)],
                 smem=smem, stream=stream)

@@ -65,19 +65,21 @@ def _instances():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", _instances(), ids=lambda c: "<%d,%d,%d,%d,%d>" % c)
+@pytest.mark.parametrize("cfg", _instances(), ids=lambda c: "<%d,%d,%d,%d,%d>" % c[:5] + ("" if c[5] == 2 else
+                                                                                         "x%dwg" % c[5]))
 def test_linear_gmma_every_instance(dg, ref, cfg):
     """Every built instance at an M just over the next smaller tile, odd N and K: workspace instances (CS = 1)
     with one split and three, cluster instances (CS > 1) plain and with a residual."""
-    tn, rw, cs = cfg[0], cfg[3], cfg[4]
+    tn, rw, cs, nwg = cfg[0], cfg[3], cfg[4], cfg[5]
     M = max(9, tn - 7)
-    N, K = 333 + 128 * rw, 1000
+    N, K = 333 + 64 * nwg * rw, 1000
     rng, x, w = _data(M, N, K, sum(cfg) * 101 + cs)
     r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
     want = ref.linear(x, w)
     xd, wd, rd = dev_bf16(x), dev_bf16(w), dev_bf16(r)
-    kw = dict(zip(("tn", "ka", "stages", "rw", "cs"), cfg))
-    runs = [({"splits": 1}, None), ({"splits": 3}, None)] if cs == 1 else [({}, None), ({}, rd)]
+    kw = dict(zip(("tn", "ka", "stages", "rw", "cs", "nwg"), cfg))
+    runs = ([({"splits": 1}, None), ({"splits": 3}, None)] if cs == 1 and nwg == 2 else  # workspace split
+            [({"splits": 1}, None), ({"splits": 1}, rd)] if cs == 1 else [({}, None), ({}, rd)])
     for extra, res in runs:
         out = poisoned((M, N))
         dg.linear_gmma(xd, wd, out, res, **kw, **extra)
@@ -210,15 +212,16 @@ def test_linear_gmma_rejects_bad_shapes(dg):
 
 # ---------------------------------------------------------------- CPU
 def test_plan_covers_every_shape():
-    from runtime.dense_gmma import GMMA_INSTANCES, SMEM_PER_BLOCK_MAX, gmma_plan, gmma_smem_bytes, token_tile
-    for tn, ka, st, rw, _ in GMMA_INSTANCES:
-        assert gmma_smem_bytes(tn, ka, st, rw) <= SMEM_PER_BLOCK_MAX
+    from runtime.dense_gmma import (GMMA_INSTANCES, SMEM_PER_BLOCK_MAX, gmma_config, gmma_plan, gmma_smem_bytes,
+                                    token_tile)
+    for tn, ka, st, rw, _, nwg in GMMA_INSTANCES:
+        assert gmma_smem_bytes(tn, ka, st, rw, nwg) <= SMEM_PER_BLOCK_MAX
     for M in (9, 16, 17, 33, 64, 65, 72, 100, 129, 256, 300, 1000):
         for N, K in ((111, 64), (333, 136), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)):
             entry, grid, kps, smem = gmma_plan(M, N, K, 132)
-            cfg = tuple(map(int, re.findall(r"\d+", entry)))
-            tn, ka, st, rw, cs = cfg
-            assert cfg in GMMA_INSTANCES
+            cfg = gmma_config(entry)
+            tn, ka, st, rw, cs, nwg = cfg
+            assert cfg in GMMA_INSTANCES and nwg == 2  # three warpgroups only when asked for
             assert tn == token_tile(M) and (tn >= M if M <= 256 else grid[2] == -(-M // 256)), (M, tn)
             assert grid[0] * 128 * rw >= N and grid[2] * tn >= M
             assert kps % (64 * ka) == 0 and grid[1] * kps >= K
@@ -275,3 +278,16 @@ def test_plan_picks_the_measured_best():
         for M, splits in want.items():
             entry, grid, _, _ = gmma_plan(M, N, K, 132)
             assert grid[1] == splits and (splits == 1 or entry.endswith(f", {splits}>")), (N, K, M, entry, grid)
+
+
+def test_three_warpgroup_plans_only_when_asked():
+    """nwg=3 (192-row blocks, cuBLAS's one-wave shape for 24576x4096): a plan of built instances when asked,
+    never by default, and no workspace split (the kernel traps on one)."""
+    from runtime.dense_gmma import GMMA_INSTANCES, gmma_config, gmma_plan
+    entry, grid, kps, _ = gmma_plan(65, 24576, 4096, 132, nwg=3, cs=1)
+    assert gmma_config(entry) == (72, 1, 6, 1, 1, 3) and grid == (128, 1, 1) and kps == 4096
+    assert gmma_config(gmma_plan(17, 24576, 4096, 132, nwg=3)[0]) in GMMA_INSTANCES
+    for M in (9, 17, 65, 72):
+        assert gmma_config(gmma_plan(M, 24576, 4096, 132)[0])[5] == 2
+    with pytest.raises(ValueError, match="only inside a cluster"):
+        gmma_plan(65, 24576, 4096, 132, nwg=3, splits=3)

@@ -65,10 +65,11 @@ def read_bandwidth(stream) -> float:
 
 
 # --gmma: overrides of the GMMA plan timed besides the planned one, per token tile
-GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}),
-                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}),
-                     64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}),
-                     72: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}),
+# (nwg 3: 192-row blocks of three warpgroups, the one-wave shape cuBLAS picks for gate_up; built, not planned)
+GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
+                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
+                     64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}, {"nwg": 3, "cs": 1}),
+                     72: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, {"nwg": 3, "cs": 2}),
                      128: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "stages": 4, "cs": 1}),
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}
 
@@ -190,7 +191,7 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                         gkw = {k: v for k, v in kw.items() if k != "gmma"}
                         plan = dg.gmma_plan(M, N, K, get_device().sm_count, gkw.get("splits"), gkw.get("tn"),
                                             gkw.get("ka"), gkw.get("stages"), gkw.get("rw"), gkw.get("cs"),
-                                            cluster_slots=dg.device_cluster_slots)
+                                            cluster_slots=dg.device_cluster_slots, nwg=gkw.get("nwg"))
                     else:
                         plan = dk.linear_plan(M, N, K, get_device().sm_count, kw.get("splits"),
                                               kw.get("kernel", "auto"), kw.get("stages"), kw=kw.get("kw"))
