@@ -32,7 +32,7 @@ step sanitizer bash tools/gpu_sanitize.sh
 step pytest_kernel_build python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernel_build.py
 # Other benchmarks: one `step NAME command` line each, below this one.
 step bench_tree python3 tools/bench_tree.py
-step bench_dense python3 tools/bench_dense.py --quick
+step bench_dense python3 tools/bench_dense.py --quick --peer
 step bench_moe python3 tools/bench_moe.py --no-variants
 step bench_mla python3 tools/bench_mla.py
 step bench_load python3 tools/bench_load.py --size-gb 4
