@@ -85,6 +85,44 @@ constexpr int kUnit = 64;        // K columns per 16-byte lane load
 constexpr int kSuper = 512;      // K columns per scale superblock
 constexpr int kStep = 4;         // K units per pipeline step (one 16-byte scale load per row block)
 
+// One 64-wide K unit u of RB row blocks x NT token tiles: load the lane's activation fragments, then per row
+// block j dequantize its 16 weight bytes w_of(j) with scale word uu of sc[j] and multiply them in.
+template <int RB, int NT, class WeightOf>
+__device__ __forceinline__ void unit_mma(float (&acc)[RB][NT][4], WeightOf w_of, const uint4 (&sc)[RB], int uu,
+                                         const uint4* const (&xrow)[NT], int u, int t) {
+  uint4 xa[NT][2];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    if (xrow[n] != nullptr) {
+      const uint4* p = xrow[n] + u * (kUnit / 8) + t * 2;
+      xa[n][0] = ld_cached(p);
+      xa[n][1] = ld_cached(p + 1);
+    } else {
+      xa[n][0] = make_uint4(0, 0, 0, 0);
+      xa[n][1] = make_uint4(0, 0, 0, 0);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < RB; ++j) {
+    const uint4 w = w_of(j);
+    const uint32_t sw = word_of(sc[j], uu);               // (scale row g, scale row g+8)
+    const uint32_t s_lo = __byte_perm(sw, 0, 0x1010);     // row g in both halves
+    const uint32_t s_hi = __byte_perm(sw, 0, 0x3232);     // row g+8 in both halves
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const uint32_t q = word_of(w, s);
+      uint32_t a[4];
+      a[0] = dequant_bf16x2(nib_to_bf16x2_biased(q), s_lo);
+      a[1] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 4), s_hi);
+      a[2] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 8), s_lo);
+      a[3] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 12), s_hi);
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        mma_bf16(acc[j][n], a, word_of(xa[n][s >> 1], 2 * (s & 1)), word_of(xa[n][s >> 1], 2 * (s & 1) + 1));
+    }
+  }
+}
+
 // Per-warp work for NT token tiles (8 tokens each): accumulate RB row blocks over K units [u0, u1).
 // xrow[nt]: this lane's activation row (token g of tile nt) or nullptr when the token is padding.
 template <int RB, int NT>
@@ -130,38 +168,8 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
       }
     }
 #pragma unroll
-    for (int uu = 0; uu < kStep; ++uu) {
-      uint4 xa[NT][2];
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        if (xrow[n] != nullptr) {
-          const uint4* p = xrow[n] + (u + uu) * (kUnit / 8) + t * 2;
-          xa[n][0] = ld_cached(p);
-          xa[n][1] = ld_cached(p + 1);
-        } else {
-          xa[n][0] = make_uint4(0, 0, 0, 0);
-          xa[n][1] = make_uint4(0, 0, 0, 0);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < RB; ++j) {
-        const uint32_t sw = word_of(sc[j], uu);               // (scale row g, scale row g+8)
-        const uint32_t s_lo = __byte_perm(sw, 0, 0x1010);     // row g in both halves
-        const uint32_t s_hi = __byte_perm(sw, 0, 0x3232);     // row g+8 in both halves
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const uint32_t q = word_of(wc[uu][j], s);
-          uint32_t a[4];
-          a[0] = dequant_bf16x2(nib_to_bf16x2_biased(q), s_lo);
-          a[1] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 4), s_hi);
-          a[2] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 8), s_lo);
-          a[3] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 12), s_hi);
-#pragma unroll
-          for (int n = 0; n < NT; ++n)
-            mma_bf16(acc[j][n], a, word_of(xa[n][s >> 1], 2 * (s & 1)), word_of(xa[n][s >> 1], 2 * (s & 1) + 1));
-        }
-      }
-    }
+    for (int uu = 0; uu < kStep; ++uu)
+      unit_mma<RB, NT>(acc, [&](int j) { return wc[uu][j]; }, sc, uu, xrow, u + uu, t);
   }
 }
 
@@ -209,39 +217,8 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
 #pragma unroll
     for (int j = 0; j < RB; ++j) sc[j] = slot[(kStep * RB + j) * 32];
 #pragma unroll
-    for (int uu = 0; uu < kStep; ++uu) {
-      uint4 xa[NT][2];
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        if (xrow[n] != nullptr) {
-          const uint4* p = xrow[n] + (u + uu) * (kUnit / 8) + t * 2;
-          xa[n][0] = ld_cached(p);
-          xa[n][1] = ld_cached(p + 1);
-        } else {
-          xa[n][0] = make_uint4(0, 0, 0, 0);
-          xa[n][1] = make_uint4(0, 0, 0, 0);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < RB; ++j) {
-        const uint4 w = slot[(j * kStep + uu) * 32];
-        const uint32_t sw = word_of(sc[j], uu);
-        const uint32_t s_lo = __byte_perm(sw, 0, 0x1010);
-        const uint32_t s_hi = __byte_perm(sw, 0, 0x3232);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const uint32_t q = word_of(w, s);
-          uint32_t a[4];
-          a[0] = dequant_bf16x2(nib_to_bf16x2_biased(q), s_lo);
-          a[1] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 4), s_hi);
-          a[2] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 8), s_lo);
-          a[3] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 12), s_hi);
-#pragma unroll
-          for (int n = 0; n < NT; ++n)
-            mma_bf16(acc[j][n], a, word_of(xa[n][s >> 1], 2 * (s & 1)), word_of(xa[n][s >> 1], 2 * (s & 1) + 1));
-        }
-      }
-    }
+    for (int uu = 0; uu < kStep; ++uu)
+      unit_mma<RB, NT>(acc, [&](int j) { return slot[(j * kStep + uu) * 32]; }, sc, uu, xrow, u + uu, t);
     if (i + S - 1 < nsteps) issue(i + S - 1);   // overwrites the slot read in step i - 1 (already consumed)
     cp_async_commit();
   }
