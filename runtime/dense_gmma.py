@@ -65,10 +65,12 @@ def gmma_threads(nwg: int = GMMA_NWG) -> int:
     return 128 * nwg
 
 
+_CONFIG_OF_ENTRY = {gmma_entry(c): c for c in DENSE_GMMA_INSTANCES}
+
+
 def gmma_config(entry: str) -> tuple:
-    """(TN, KA, STAGES, RW, CS, NWG) of a linear_gmma_kernel name (NWG left out means 2)."""
-    cfg = tuple(int(v) for v in entry.split("<")[1].rstrip(">").split(","))
-    return cfg if len(cfg) == 6 else (*cfg, 2)
+    """(TN, KA, STAGES, RW, CS, NWG) of a built linear_gmma_kernel instance name (registry.gmma_entry's inverse)."""
+    return _CONFIG_OF_ENTRY[entry]
 
 
 def gmma_blocks_per_sm(tn: int, ka: int, stages: int, rw: int = 1, nwg: int = GMMA_NWG) -> int:

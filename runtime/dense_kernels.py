@@ -139,12 +139,12 @@ def gemv_kw(N: int, K: int, sm_count: int, xmode: int = 0) -> int:
     return 8
 
 
-def gemv_plan(M: int, N: int, K: int, kw: int | None = None, stages: int | None = None, xmode: int = 0,
-              sm_count: int | None = None):
+def gemv_plan(M: int, N: int, K: int, sm_count: int, kw: int | None = None, stages: int | None = None,
+              xmode: int = 0):
     """(entry, grid, dynamic smem) of the no-split decode kernel: KW warps share each 16-row W tile's K."""
     from cutlass_kernels.registry import GEMV_INSTANCES
     units = -(-K // 64)
-    kw = kw or gemv_kw(N, K, sm_count or get_device().sm_count, xmode)
+    kw = kw or gemv_kw(N, K, sm_count, xmode)
     per_warp = -(-units // kw)
     stages = stages or (2 if per_warp <= 2 and kw == 8 else 4)
     _need((kw, stages, xmode) in GEMV_INSTANCES, "linear", f"no gemv kernel <KW={kw}, STAGES={stages}, "
@@ -191,7 +191,7 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
         kernel = "gemv"
     if kernel == "gemv":
         _need(_gemv_fits(M, K), "linear", f"the gemv kernel takes M <= 8 and K <= {XRES_SMEM_CAP // 16 - 32}")
-        entry, grid, smem = gemv_plan(M, N, K, kw, stages, xmode, sm_count)
+        entry, grid, smem = gemv_plan(M, N, K, sm_count, kw, stages, xmode)
         return entry, grid, K, smem
     mt = _mt(M)
     row_blocks = -(-N // LINEAR_ROWS_PER_BLOCK)

@@ -126,16 +126,17 @@ def torch_peer_times(args) -> dict:
     import subprocess
     import sys
     import tempfile
-    path = os.path.join(tempfile.mkdtemp(), "torch_linear.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--torch-linear", path, "--m", *map(str, args.m)]
-    cmd += ["--quick"] if args.quick else []
-    cmd += ["--ops", *args.ops] if args.ops else []
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        print(f"(--peer: the torch child failed, no cuBLAS rows: {r.stderr.strip().splitlines()[-1:]})")
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "torch_linear.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--torch-linear", path, "--m", *map(str, args.m)]
+        cmd += ["--quick"] if args.quick else []
+        cmd += ["--ops", *args.ops] if args.ops else []
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"(--peer: the torch child failed, no cuBLAS rows: {r.stderr.strip().splitlines()[-1:]})")
+            return {}
+        with open(path) as f:
+            return json.load(f)
 
 
 def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=None):
