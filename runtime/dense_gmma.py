@@ -2,8 +2,8 @@
 out[M, N] = x[M, K] @ w[N, K]^T (+ residual) for every M >= 9: the verify buckets and prefill (above 256 rows
 the tokens are walked in tiles on blockIdx.z, re-reading W once per tile).
 
-Launch plan: a block is NWG warpgroups (2: 256 threads over 128 W rows; 3: 384 threads over 192 rows, built but
-planned only when asked for, nwg=3) and TN tokens (the wgmma N), fed by a STAGES-deep
+Launch plan: a block is NWG warpgroups (2: 256 threads over 128 W rows; 3: 384 threads over 192 rows, planned
+where their unsplit blocks fill one wave, e.g. Qwen3-8B's gate_up) and TN tokens (the wgmma N), fed by a STAGES-deep
 shared-memory pipeline of KA 64-k atoms per stage. TN is the smallest instance >= M (one token tile up to
 256 rows). K is split over blockIdx.y when the row blocks alone cannot fill the GPU (gmma_plan's cost
 model): either inside a (1, CS, 1) thread-block cluster whose blocks sum their partial tiles through
@@ -25,7 +25,11 @@ from cutlass_kernels.registry import DENSE_GMMA_INSTANCES, gmma_entry
 FAMILY = "dense_linear_sm90"
 GMMA_ARCHS = ("90a",)
 GMMA_ROWS_PER_WARPGROUP = 64     # W rows per warpgroup (x RW); a block has NWG warpgroups of 128 threads
-GMMA_NWG = 2                     # warpgroups per block the planner uses unless asked for 3
+GMMA_NWG = 2                     # warpgroups per block the planner uses by default
+# Three warpgroups (192 rows, one 64-k atom x 6-8 stages) where their unsplit blocks fill one wave: H200,
+# Qwen3-8B gate_up 24576x4096 (128 blocks on 132 SMs) M = 17 49.7 vs 53.8 us (cluster split of 2), M = 65
+# 53.2 vs 58.5 (cuBLAS 49.3 / 51.4), 2026-12-03 (3) run 1.
+GMMA_NWG_ONE_WAVE = 3
 GMMA_MIN_M = 9                   # runtime.dense_kernels.linear hands M >= this to this kernel
 SMEM_PER_SM = 228 * 1024         # H100/H200: 228 KB per SM, 227 KB per block, 1 KB reserved per block
 SMEM_PER_BLOCK_MAX = 227 * 1024
@@ -146,6 +150,17 @@ def _raise_smem(kern, entry: str, smem: int):
         _smem_raised.add((get_device().ordinal, entry))
 
 
+def _one_full_wave_of_3wg(M: int, N: int, tn: int, sm_count: int) -> bool:
+    """Whether unsplit 192-row blocks (three warpgroups, cs = 1) fill one wave to >= 90%: then each SM streams
+    one long K run with 6-8 stages in flight and nothing ramps twice (cuBLAS's shape for 24576x4096)."""
+    cfg = (tn, *_DEFAULT_CONFIG_3WG.get(tn, (0, 0, 0)), 1, GMMA_NWG_ONE_WAVE)
+    if cfg not in GMMA_INSTANCES:
+        return False
+    slots = gmma_blocks_per_sm(tn, cfg[1], cfg[2], cfg[3], GMMA_NWG_ONE_WAVE) * sm_count
+    blocks = -(-N // (GMMA_ROWS_PER_WARPGROUP * GMMA_NWG_ONE_WAVE)) * -(-M // tn)
+    return 0.9 * slots <= blocks <= slots
+
+
 def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, tn: int | None = None,
               ka: int | None = None, stages: int | None = None, rw: int | None = None, cs: int | None = None,
               cluster_slots=None, nwg: int | None = None):
@@ -157,10 +172,14 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
     cluster splits and workspace splits: per-SM bytes of W in the slowest wave, a fixed per-block cost, and
     for workspace splits the fp32 partials written and read back. tn/ka/stages/rw pick an instance.
     cluster_slots(cfg, smem): resident blocks of an instance's clusters (device_cluster_slots on a device);
-    None: the estimate _cluster_slots. nwg: warpgroups per block (default GMMA_NWG = 2; 3 only when asked)."""
+    None: the estimate _cluster_slots. nwg: warpgroups per block (unforced: 3 where unsplit 192-row blocks fill
+    one wave, else 2; forcing any of splits/cs/ka/stages/rw keeps 2 unless nwg says 3)."""
     op = "linear_gmma"
-    nwg = nwg or GMMA_NWG
     tn = tn or token_tile(M)
+    if nwg is None and splits is None and cs is None and ka is None and stages is None and rw is None:
+        if _one_full_wave_of_3wg(M, N, tn, sm_count):
+            nwg, cs = GMMA_NWG_ONE_WAVE, 1  # unsplit (the cluster split of 2 measured slower: 55.3 us at M = 65)
+    nwg = nwg or GMMA_NWG
     d_ka, d_st, d_rw = (_DEFAULT_CONFIG_3WG if nwg == 3 else _DEFAULT_CONFIG).get(tn, (1, 4, 1))
     ka, stages, rw = ka or d_ka, stages or d_st, rw or d_rw
     _need(splits is None or cs is None or cs == 1 or splits == cs, op,

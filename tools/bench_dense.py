@@ -65,7 +65,8 @@ def read_bandwidth(stream) -> float:
 
 
 # --gmma: overrides of the GMMA plan timed besides the planned one, per token tile
-# (nwg 3: 192-row blocks of three warpgroups, the one-wave shape cuBLAS picks for gate_up; built, not planned)
+# (nwg 3: 192-row blocks of three warpgroups, the one-wave shape cuBLAS picks for gate_up; planned where it
+# fills one wave)
 GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
                      32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
                      64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}, {"nwg": 3, "cs": 1}),
