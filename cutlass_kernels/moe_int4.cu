@@ -229,14 +229,12 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
 namespace moe_int4 {
 
 // One chunk of up to 8*NT tokens of a slot: stream the block's weights once, reduce the KS partial sums in
-// shared memory, store (MODE 0: h = SiLU(gate) * up as bf16, or with partial != nullptr this block's fp32
-// gate and up sums at partial[pos][kz][2 n_rows] (K split across blocks, split z); MODE 1: fp32).
+// shared memory, store (MODE 0: h = SiLU(gate) * up as bf16; MODE 1: fp32).
 template <int MODE, int RB, int WN, int KS, int NT, int S>
 __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int ldx, const uint4* const (&wp)[RB],
                                            const uint4* const (&sp)[RB], int n_rows, int u0, int u1, int rb0,
                                            int c0, int count, int offset, const int* __restrict__ sorted_token,
-                                           void* __restrict__ out, float* red, uint4* ring, bool dep_wait,
-                                           float* __restrict__ partial, int kz, int z) {
+                                           void* __restrict__ out, float* red, uint4* ring, bool dep_wait) {
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp % WN, ks = warp / WN;
@@ -290,11 +288,7 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
 #pragma unroll
       for (int j = 0; j < RBM; ++j) {
         const int col = (rb0 + j) * 16 + g + 8 * (c >> 1);
-        if (MODE == 0 && partial != nullptr) {
-          float* dst = partial + ((long long)(offset + i) * kz + z) * 2 * n_rows + col;
-          dst[0] = acc[j][n][c];
-          dst[n_rows] = acc[j + RBM][n][c];
-        } else if (MODE == 0) {
+        if (MODE == 0) {
           const float h = silu(acc[j][n][c]) * acc[j + RBM][n][c];
           reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(h);
         } else {
@@ -360,11 +354,7 @@ __device__ __forceinline__ void combine4(const float* __restrict__ down_out, con
 // STAGES = 0: weights prefetched one step ahead in registers; STAGES >= 2: through a cp.async ring.
 // MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
-// tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these but tickets (pass 0 / null).
-// MODE 0 only: partial != nullptr splits K across gridDim.z blocks (more warps in flight when few experts are
-// active): each block stores fp32 gate/up sums at partial [P, gridDim.z, 2 n_rows], and the last block of each
-// (row tile, slot) (ticket tickets[slot * gridDim.x + x], reset by it for the next replay) adds them in z order
-// (the same bits whichever block comes last) and stores h. partial == nullptr: gridDim.z must be 1.
+// tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES>
 __global__ void __launch_bounds__(32 * WN * KS)
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
@@ -376,7 +366,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  void* __restrict__ out, int early,
                  const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                  const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int* __restrict__ tickets,
-                 int T, int topk, float* __restrict__ partial) {
+                 int T, int topk) {
   using namespace moe_int4;
   static_assert(MODE == 1 || RB % 2 == 0, "gate_up pairs gate and up row blocks");
   static_assert(NTMAX == 1 || NTMAX == 2 || NTMAX == 4, "token tiles per chunk: 1, 2 or 4");
@@ -405,11 +395,9 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
       wp[j] = (m ? wq1 : wq0) + blk * units * 32 + lane;
       sp[j] = (m ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (t >> 1)) * 2;
     }
-    // This warp's K range, in whole pipeline steps: part z * KS + ks of gridDim.z * KS.
-    const int kz = MODE == 0 && partial != nullptr ? (int)gridDim.z : 1, z = kz > 1 ? (int)blockIdx.z : 0;
-    const int steps = units / kStep, part = z * KS + ks, parts = kz * KS;
-    const int u0 = (steps * part / parts) * kStep, u1 = (steps * (part + 1) / parts) * kStep;
-    float* const split_out = kz > 1 ? partial : nullptr;
+    // This warp's K range, in whole pipeline steps.
+    const int steps = units / kStep;
+    const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep;
 
     __shared__ float red[KS > 1 ? (KS - 1) * WN * RB * NTMAX * 4 * 32 : 1];
     // STAGES > 0: dynamic shared memory holds each warp's weight ring, STAGES x (4 RB + RB) x 32 x 16 bytes.
@@ -420,45 +408,18 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
       const int rem = count - c0;
       if (NTMAX >= 4 && rem > 16) {
         gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 4 ? 4 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
-                                                                  offset, sorted_token, out, red, ring, wait_first,
-                                                                  split_out, kz, z);
+                                                                  offset, sorted_token, out, red, ring, wait_first);
         c0 += 32;
       } else if (NTMAX >= 2 && rem > 8) {
         gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 2 ? 2 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
-                                                                  offset, sorted_token, out, red, ring, wait_first,
-                                                                  split_out, kz, z);
+                                                                  offset, sorted_token, out, red, ring, wait_first);
         c0 += 16;
       } else {
         gemm_chunk<MODE, RB, WN, KS, 1, STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
-                                                sorted_token, out, red, ring, wait_first, split_out, kz, z);
+                                                sorted_token, out, red, ring, wait_first);
         c0 += 8;
       }
       wait_first = false;
-    }
-    if (MODE == 0 && kz > 1) {   // K split across blocks: the last of the kz blocks finishes h
-      __shared__ int last_split;
-      int* const ticket = tickets + blockIdx.y * gridDim.x + blockIdx.x;
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) last_split = atomicAdd(ticket, 1) == kz - 1;
-      __syncthreads();
-      if (last_split) {
-        __threadfence();
-        constexpr int kCols = 16 * RBM * WN;
-        const int col0 = blockIdx.x * kCols;
-        for (int e = threadIdx.x; e < count * kCols; e += blockDim.x) {
-          const int i = e / kCols, col = col0 + e % kCols;
-          const float* src = partial + (long long)(offset + i) * kz * 2 * n_rows + col;
-          float gs = 0.f, us = 0.f;
-          for (int zz = 0; zz < kz; ++zz) {
-            gs += __ldcg(src + (long long)zz * 2 * n_rows);
-            us += __ldcg(src + (long long)zz * 2 * n_rows + n_rows);
-          }
-          reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + i) * n_rows + col] =
-              __float2bfloat16_rn(silu(gs) * us);
-        }
-        if (threadIdx.x == 0) *ticket = 0;   // ready for the next launch (graph replay)
-      }
     }
   } else if (pre) {
     dependency_wait();   // an empty slot still waits before it touches the tickets

@@ -196,15 +196,6 @@ def _without_pdl(launch):
     return launch
 
 
-# gate_up K split across blocks per token bucket (T <= key): 1 = none. To be measured (tools/bench_moe.py
-# --gate-up-splits): at T = 1 the unsplit gate_up runs 256 blocks of 4 warps (0.48 waves, issue-bound).
-GATE_UP_SPLITS = {1 << 30: 1}
-
-
-def gate_up_splits_for(tokens: int) -> int:
-    return next(GATE_UP_SPLITS[b] for b in sorted(GATE_UP_SPLITS) if tokens <= b)
-
-
 def default_variants(tokens: int) -> tuple[str, str]:
     for bound in sorted(DEFAULT_VARIANTS):
         if tokens <= bound:
@@ -223,15 +214,13 @@ class MoeLayer:
     bits): fused_routing: one moe_route_kernel instead of moe_topk + moe_group; fuse_combine (default
     T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
     moe_combine_kernel; early: the down GEMM starts its weight stream before its dependency wait (PDL);
-    pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter);
-    gate_up_splits: K of the gate_up GEMM split across that many blocks (default gate_up_splits_for(T)),
-    the last one adding the fp32 partial sums in a fixed order and applying SiLU(gate) * up."""
+    pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter)."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
-                 pdl: bool = False, gate_up_splits: int | None = None):
+                 pdl: bool = False):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -290,14 +279,9 @@ class MoeLayer:
                                                 *group_outs], smem=group_smem)]
         gu_entry, dn_entry = variants or default_variants(T)
         self.variants = (gu_entry, dn_entry)
-        self.gate_up_splits = int(gate_up_splits or gate_up_splits_for(T))
-        if not 1 <= self.gate_up_splits <= w.hidden // 256:
-            raise ValueError(f"gate_up_splits={gate_up_splits}: want 1..{w.hidden // 256} (K = {w.hidden} is "
-                             f"{w.hidden // 256} steps of 256)")
         self.stages = [("route", launch) for launch in routing]
         self.stages.append(("gate_up", self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q,
-                                                         w.up_s, w.inter, w.hidden, self.h,
-                                                         k_splits=self.gate_up_splits)))
+                                                         w.up_s, w.inter, w.hidden, self.h)))
         self.stages.append(("down", self._gemm_launch(dn_entry, self.h, w.inter, w.down_q, w.down_s, w.down_q,
                                                       w.down_s, w.hidden, w.inter, self.down_out,
                                                       early=self.early, combine=self.fuse_combine)))
@@ -312,10 +296,9 @@ class MoeLayer:
         self.launches = [launch for _, launch in self.stages]
         cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
-    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, k_splits=1):
+    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False):
         """One grouped GEMM launch. Down (MODE 1) only: early = start the weights before the PDL wait;
-        combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared).
-        Gate_up (MODE 0) only: k_splits > 1 splits K across blocks (fp32 partials + ticketed finish)."""
+        combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared)."""
         cuda = _cuda()
         mode, rb, wn, ks, _, _ = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
@@ -323,29 +306,22 @@ class MoeLayer:
             raise ValueError(f"{entry}: N={n_rows} must be a multiple of {16 * rbm * wn} and K={k} of 512")
         if mode == 0 and (early or combine):
             raise ValueError(f"{entry}: early start and the folded combine are for the down GEMM only")
-        if mode == 1 and k_splits != 1:
-            raise ValueError(f"{entry}: K split across blocks is for the gate_up GEMM only")
-        grid = (n_rows // (16 * rbm * wn), self.num_slots, k_splits)
+        grid = (n_rows // (16 * rbm * wn), self.num_slots)
         kernel = cuda.get_kernel("moe_int4", entry)
         smem = moe_ring_bytes(entry)
         if smem > 48 * 1024:
             kernel.set_max_dynamic_smem(smem)
         null = np.uint64(0)
-        partial = null   # no K split across blocks
         if combine:
             tickets = cuda.empty((grid[0],), np.int32).fill_bytes(0)   # self-resetting, one per column tile
             self._combine_tickets = tickets
             tail = [self.topk_w, self.assign_pos, self.shared if self.shared is not None else null, self.y, tickets,
                     I32(self.T), I32(self.topk)]
-        elif k_splits > 1:   # fp32 partials [P, splits, 2 n_rows]; self-resetting tickets per (row tile, slot)
-            partial = self._split_partial = cuda.empty((self.T * self.topk, k_splits, 2 * n_rows), np.float32)
-            self._split_tickets = cuda.empty((grid[0] * grid[1],), np.int32).fill_bytes(0)
-            tail = [null, null, null, null, self._split_tickets, I32(0), I32(0)]
         else:
             tail = [null, null, null, null, null, I32(0), I32(0)]
         return kernel.prepare(grid, (32 * wn * ks,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
-            self.slot_count, self.sorted_token, out, I32(int(early)), *tail, partial], smem=smem)
+            self.slot_count, self.sorted_token, out, I32(int(early)), *tail], smem=smem)
 
     def forward(self, stream=None, stages=None):
         """Launch the layer (or only the named stages: 'route', 'gate_up', 'down', 'combine'; with the

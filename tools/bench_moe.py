@@ -128,8 +128,6 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--no-plans", action="store_true", help="skip the launch-plan comparison")
-    ap.add_argument("--gate-up-splits", default="",
-                    help="comma list: also time the layer with gate_up's K split across that many blocks")
     ap.add_argument("--torch-only", metavar="JSON", help="time only the torch bf16 loop, write results here")
     ap.add_argument("--torch-json", metavar="JSON", help="torch loop times from a --torch-only run")
     args = ap.parse_args(argv)
@@ -206,18 +204,6 @@ def main(argv=None):
                     frac = (gu_bytes if mode == 0 else dn_bytes) / (ms * 1e-3) / bw
                     parts.append(f"{entry[16:]} {ms * 1e3:.1f}us {frac * 100:.0f}%")
                 print("    variants: " + "; ".join(parts), flush=True)
-            if args.gate_up_splits:
-                parts = []
-                for ks in (int(v) for v in args.gate_up_splits.split(",")):
-                    try:
-                        ms, stages = time_plan(weights, T, args.experts, x, logits, {"gate_up_splits": ks}, args.iters)
-                    except Exception as e:   # report, keep the other split counts
-                        parts.append(f"{ks}: failed ({type(e).__name__}: {e})")
-                        continue
-                    parts.append(f"{ks}: {ms * 1e3:.1f}us {nbytes / (ms * 1e-3) / bw * 100:.1f}% "
-                                 f"[gate_up {dict(stages)['gate_up'] * 1e3:.1f}]")
-                print(f"    gate_up K split across blocks (default {layer.gate_up_splits}): " + "; ".join(parts),
-                      flush=True)
             if not args.no_plans:
                 parts = []
                 for label, plan in launch_plans(layer.fuse_combine):
