@@ -257,14 +257,18 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
   }
 }
 
-// Merge the KV splits: out[row] = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s. One block of 128 threads
-// per row: the split weights are computed once into shared memory (splits <= 1024), then each thread sums
-// its 4 columns over the splits with independent loads.
+// Merge the KV splits: out[row] = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s. Block (row, quarter) of 128
+// threads: the split weights are computed into shared memory (splits <= 1024; every quarter's block computes
+// the same ones), then warp w sums its 128 columns (4 per lane) over splits w, w + 4, ..., and warp 0 adds
+// the four warp sums in order (a fixed order: the same bits every run). Four blocks per row and four warps
+// per block keep ~16x more loads in flight than a block per row with one pass over the splits did.
+constexpr int kCombineQuarter = mla::DV / 4;
 extern "C" __global__ void __launch_bounds__(128)
 mla_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml, int splits,
                    int rows_total, uint16_t* __restrict__ out) {
   __shared__ float wgt[1024];
   __shared__ float red[2][4];
+  __shared__ float4 wsum[3][32];
   const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float NEG_INF = __int_as_float(0xff800000);
   float mx = NEG_INF;
@@ -286,13 +290,21 @@ mla_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ p
   if (lane == 0) red[1][warp] = lsum;
   __syncthreads();
   const float L = red[1][0] + red[1][1] + red[1][2] + red[1][3];
-  const int col = tid * 4;
+  const int col = blockIdx.y * kCombineQuarter + lane * 4;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
-  for (int s = 0; s < splits; ++s) {
+  for (int s = warp; s < splits; s += 4) {
     const float w = wgt[s];
     const float4 v = *reinterpret_cast<const float4*>(part_o + ((long long)s * rows_total + row) * mla::DV + col);
     acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+  }
+  if (warp > 0) wsum[warp - 1][lane] = acc;
+  __syncthreads();
+  if (warp > 0) return;
+#pragma unroll
+  for (int w = 0; w < 3; ++w) {
+    const float4 v = wsum[w][lane];
+    acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
   }
   const float inv = L > 0.f ? 1.f / L : 0.f;
   uint2 o;

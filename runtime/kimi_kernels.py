@@ -339,10 +339,29 @@ _MLA_BM, _MLA_BN, _MLA_LD = 64, 32, 584
 MLA_SMEM = (_MLA_BM * _MLA_LD + 2 * _MLA_BN * _MLA_LD) * 2 + 2 * 4 * 4 * 4 * 32 * 4
 
 
+# mla_splits' cost model, from H200 sweeps of tools/bench_mla.py --splits (2026-12-03 (3) runs 2-3): a block
+# (one per SM: 165 KB of shared memory) costs ~3 us plus ~3.8 us per 32-row KV tile; blocks past one wave run
+# as further waves; the merge costs ~3 us plus the fp32 partials written and read back (rows x 512 x 8 bytes
+# per split) at ~2.5 TB/s.
+MLA_BLOCK_US, MLA_TILE_US, MLA_MERGE_US, MLA_MERGE_BYTES_PER_US = 3.0, 3.8, 3.0, 2.5e6
+MLA_MAX_SPLITS = 1024   # mla_combine_kernel's shared weight table
+
+
 def mla_splits(rows: int, kv_len: int, sm_count: int = 132) -> int:
-    """KV splits so that about one wave of blocks runs (one 165 KB block per SM)."""
+    """KV splits (blocks along z) for rows (token, head) rows over kv_len cache rows: the fewest whose time
+    under the cost model above is within 2% of the fastest."""
     tiles = (rows + _MLA_BM - 1) // _MLA_BM
-    return max(1, min((sm_count + tiles - 1) // tiles, (kv_len + 255) // 256, 1024))
+    kv_tiles = (kv_len + _MLA_BN - 1) // _MLA_BN
+
+    def est_us(s: int) -> float:
+        per = -(-kv_tiles // s)
+        waves = -(-tiles * s // sm_count)
+        merge = 0.0 if s == 1 else MLA_MERGE_US + s * rows * MLA_DV * 8 / MLA_MERGE_BYTES_PER_US
+        return waves * (MLA_BLOCK_US + per * MLA_TILE_US) + merge
+
+    counts = range(1, min(kv_tiles, MLA_MAX_SPLITS) + 1)
+    best = min(est_us(s) for s in counts)
+    return next(s for s in counts if est_us(s) <= 1.02 * best)
 
 
 class MlaAttention:
@@ -389,7 +408,7 @@ class MlaAttention:
         self.combine = None
         if self.splits > 1:
             self.combine = cuda.get_kernel("mla_verify", "mla_combine_kernel").prepare(
-                (rows,), (128,), [self.part_o, self.part_ml, I32(self.splits), I32(rows), self.out])
+                (rows, 4), (128,), [self.part_o, self.part_ml, I32(self.splits), I32(rows), self.out])
 
     def forward(self, stream=None):
         self.attn(stream)

@@ -354,6 +354,8 @@ MLA_CASES = [
     (40, 8, 77, False, None),      # prefill (causal)
     (33, 64, 2048, True, 1),       # single split: direct bf16 output
     (128, 16, 4000, True, None),
+    (2, 64, 3000, True, 2),        # the merge with fewer splits than its 4 warps
+    (1, 8, 9000, True, 283),       # many short splits (9 rows each), some warps with one split more
 ]
 
 
@@ -400,3 +402,26 @@ def test_mla_head_gemm(cuda_device):
     want_o = np.einsum("thc,hdc->thd", o_lat, wv)
     assert_close(q_lat.download()[:, :, :512], want_q, "absorb", dtype="bf16", rtol=RTOL, atol=RTOL, scale="mean")
     assert_close(out.download(), want_o, "W_UV", dtype="bf16", rtol=RTOL, atol=RTOL, scale="mean")
+
+
+# tools/bench_mla.py --splits on the H200 (2026-12-03 (3) run 3, graph us per split count): the plan's
+# pick must be within 5% of the fastest count measured.
+MLA_SPLIT_SWEEPS = {
+    # (H, prefix, budget): {splits: us}
+    (64, 4096, 1): {7: 82.8, 15: 44.4, 33: 27.0, 43: 24.6, 66: 24.1, 132: 35.8},
+    (64, 4096, 16): {7: 85.8, 15: 90.9, 33: 124.5, 66: 156.3, 132: 242.8},
+    (64, 32768, 1): {7: 572.2, 15: 266.6, 33: 130.5, 65: 74.8, 66: 74.4, 132: 87.7},
+    (64, 32768, 16): {7: 536.6, 15: 513.5, 33: 620.1, 66: 598.3, 132: 644.4},
+    (8, 4096, 1): {7: 76.8, 15: 41.8, 33: 23.1, 66: 16.4, 129: 16.5, 132: 16.1},
+    (8, 4096, 16): {7: 81.4, 15: 43.3, 33: 26.4, 43: 24.8, 66: 31.8, 132: 42.1},
+    (8, 32768, 1): {7: 532.2, 15: 272.5, 33: 126.9, 66: 68.2, 129: 41.7, 132: 40.6},
+    (8, 32768, 16): {7: 570.6, 15: 264.1, 33: 126.5, 43: 98.9, 66: 131.4, 132: 118.8},
+}
+
+
+def test_mla_splits_plan_near_measured_best():
+    from runtime.kimi_kernels import mla_splits
+    for (heads, prefix, budget), times in MLA_SPLIT_SWEEPS.items():
+        tq = budget + 1
+        s = mla_splits(tq * heads, prefix + tq, 132)
+        assert s in times and times[s] <= 1.05 * min(times.values()), (heads, prefix, budget, s, times)

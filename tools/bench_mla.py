@@ -51,6 +51,7 @@ def main(argv=None):
     ap.add_argument("--budgets", default="1,16,64,256,1024")
     ap.add_argument("--heads", default="64,8")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--splits", default="0", help="comma list of KV split counts to time; 0 = the planned one")
     args = ap.parse_args(argv)
     dev = cuda.require_device()
     bw = measure_read_bandwidth(2 << 30)
@@ -64,10 +65,10 @@ def main(argv=None):
         for prefix in (int(v) for v in args.prefix.split(",")):
             kv_max = prefix + max(int(b) for b in args.budgets.split(",")) + 1
             kv = cuda.to_device(to_bf16(rng.standard_normal((kv_max, MLA_D)).astype(np.float32)))
-            for budget in (int(v) for v in args.budgets.split(",")):
+            for budget, splits in ((int(b), int(s)) for b in args.budgets.split(",") for s in args.splits.split(",")):
                 tq = budget + 1
                 mask = cuda.to_device(chain_mask(tq))
-                attn = MlaAttention(tq, heads, kv, prefix, 1.0 / np.sqrt(192.0), mask=mask)
+                attn = MlaAttention(tq, heads, kv, prefix, 1.0 / np.sqrt(192.0), mask=mask, splits=splits or None)
                 attn.q.upload(to_bf16(rng.standard_normal((tq, heads, MLA_D)).astype(np.float32)))
                 t_launch = cuda.bench(lambda: attn.forward(stream), iters=args.iters, stream=stream)
                 with cuda.capture(stream) as g:
