@@ -209,6 +209,16 @@ register(KernelFamily(
     required_ptx={a: _MMA_SYNC_PTX for a in ALL_ARCHS},
 ))
 
+# The same attention on Hopper wgmma (S from shared-memory operands, P V with P from registers), sm_90a only.
+register(KernelFamily(
+    name="mla_verify_sm90",
+    source="mla_verify_sm90.cu",
+    entries=("mla_attention_gmma_kernel",),
+    archs=("90a",),
+    required_sass={"90a": r"HGMMA"},
+    required_ptx={"90a": r"wgmma\.mma_async"},
+))
+
 # ---------------------------------------------------------------- CUDA backend / engine (issue 6, engine on CUDA)
 # Row copies with a device-resident destination offset: KV append inside captured graphs, activation concat.
 register(KernelFamily(

@@ -15,6 +15,7 @@ Requirements: N % 16 == 0, K % 512 == 0 (Kimi: 2048 and 7168).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -337,6 +338,12 @@ class MoeLayer:
 MLA_D, MLA_DV = 576, 512
 _MLA_BM, _MLA_BN, _MLA_LD = 64, 32, 584
 MLA_SMEM = (_MLA_BM * _MLA_LD + 2 * _MLA_BN * _MLA_LD) * 2 + 2 * 4 * 4 * 4 * 32 * 4
+# mla_verify_sm90.cu (sm_90a): Q + two 64-position KV tiles, 128-byte swizzled, + 1 KB alignment
+MLA_GMMA_BN = 64
+MLA_GMMA_SMEM = 1024 + 3 * _MLA_BM * MLA_D * 2
+# Which attention kernel MlaAttention launches unless told: "mma" (mma.sync, every arch) or "gmma" (wgmma,
+# sm_90a; falls back to nothing: asking for it elsewhere is an error). DDTREE_MLA_KERNEL for A/B timing.
+MLA_KERNEL = os.environ.get("DDTREE_MLA_KERNEL", "mma")
 
 
 # mla_splits' cost model, from H200 sweeps of tools/bench_mla.py --splits (2026-12-03 (3) runs 2-3): a block
@@ -372,9 +379,12 @@ class MlaAttention:
     length needs a new MlaAttention (the KV split is sized from it)."""
 
     def __init__(self, tq: int, heads: int, kv, prefix_len: int, softmax_scale: float, mask=None,
-                 splits: int | None = None):
+                 splits: int | None = None, kernel: str | None = None):
         cuda = _cuda()
         self.tq, self.heads = int(tq), int(heads)
+        self.kernel = kernel or MLA_KERNEL
+        if self.kernel not in ("mma", "gmma"):
+            raise ValueError(f"kernel={kernel!r}: 'mma' (mma.sync) or 'gmma' (wgmma, sm_90a)")
         if self.heads < 1 or (64 % self.heads and self.heads % 64):
             raise ValueError(f"heads={heads}: must divide 64 or be a multiple of it")
         rows = self.tq * self.heads
@@ -391,20 +401,26 @@ class MlaAttention:
             raise ValueError(f"mask {mask.dtype} {mask.shape}: want uint32 [tq, ceil(tq/32)] = "
                              f"[{self.tq}, {need_words}]")
         dev = cuda.get_device()
+        if self.kernel == "gmma" and dev.arch != "90a":
+            raise ValueError(f"kernel='gmma' is built for sm_90a; this device is sm_{dev.arch}")
         self.splits = splits or mla_splits(rows, kv_len, dev.sm_count)
-        split_len = math.ceil(kv_len / self.splits / _MLA_BN) * _MLA_BN
+        tile = MLA_GMMA_BN if self.kernel == "gmma" else _MLA_BN
+        split_len = math.ceil(kv_len / self.splits / tile) * tile
         self.q = cuda.empty((self.tq, self.heads, MLA_D), np.uint16)
         self.out = cuda.empty((self.tq, self.heads, MLA_DV), np.uint16)
         ws_splits = self.splits if self.splits > 1 else 1
         self.part_o = cuda.empty((ws_splits, rows, MLA_DV), np.float32)
         self.part_ml = cuda.empty((ws_splits, rows, 2), np.float32)
-        k = cuda.get_kernel("mla_verify", "mla_attention_kernel")
-        k.set_max_dynamic_smem(MLA_SMEM)
+        if self.kernel == "gmma":
+            k, smem = cuda.get_kernel("mla_verify_sm90", "mla_attention_gmma_kernel"), MLA_GMMA_SMEM
+        else:
+            k, smem = cuda.get_kernel("mla_verify", "mla_attention_kernel"), MLA_SMEM
+        k.set_max_dynamic_smem(smem)
         words = mask.shape[1] if mask is not None else 0
         self.attn = k.prepare(((rows + _MLA_BM - 1) // _MLA_BM, 1, self.splits), (256,), [
             self.q, kv, mask if mask is not None else np.uint64(0), I32(words), I32(self.tq), I32(self.heads),
             I32(prefix_len), F32(softmax_scale), I32(split_len), self.out, self.part_o, self.part_ml],
-            smem=MLA_SMEM)
+            smem=smem)
         self.combine = None
         if self.splits > 1:
             self.combine = cuda.get_kernel("mla_verify", "mla_combine_kernel").prepare(

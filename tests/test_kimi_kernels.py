@@ -360,8 +360,9 @@ MLA_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "gmma"])
 @pytest.mark.parametrize("tq,heads,prefix,tree,splits", MLA_CASES)
-def test_mla_attention(cuda_device, tq, heads, prefix, tree, splits):
+def test_mla_attention(cuda_device, tq, heads, prefix, tree, splits, kernel):
     from runtime import cuda
     from runtime.kimi_kernels import MlaAttention
     rng = np.random.default_rng(tq * 7 + prefix)
@@ -371,13 +372,15 @@ def test_mla_attention(cuda_device, tq, heads, prefix, tree, splits):
     scale = 1.0 / np.sqrt(192.0)
     kv_dev = cuda.to_device(to_bf16(kv))
     mask_dev = cuda.to_device(mask) if tree else None
-    attn = MlaAttention(tq, heads, kv_dev, prefix, scale, mask=mask_dev, splits=splits)
+    if kernel == "gmma" and cuda.get_device().arch != "90a":
+        pytest.skip("the wgmma MLA kernel is built for sm_90a only")
+    attn = MlaAttention(tq, heads, kv_dev, prefix, scale, mask=mask_dev, splits=splits, kernel=kernel)
     attn.q.upload(to_bf16(q))
     attn.out.fill_bytes(0xFF)
     attn.forward()
     want = ref.mla_attention(q, kv, prefix, scale, mask)
-    assert_close(attn.out.download(), want, f"MLA tq={tq} H={heads} prefix={prefix}", dtype="bf16", rtol=3e-2,
-                 atol=3e-2, scale="mean")
+    assert_close(attn.out.download(), want, f"MLA {kernel} tq={tq} H={heads} prefix={prefix}", dtype="bf16",
+                 rtol=3e-2, atol=3e-2, scale="mean")
 
 
 @pytest.mark.gpu

@@ -52,6 +52,7 @@ def main(argv=None):
     ap.add_argument("--heads", default="64,8")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--splits", default="0", help="comma list of KV split counts to time; 0 = the planned one")
+    ap.add_argument("--kernel", default="mma", help="comma list: mma (mma.sync), gmma (wgmma, sm_90a)")
     args = ap.parse_args(argv)
     dev = cuda.require_device()
     bw = measure_read_bandwidth(2 << 30)
@@ -59,16 +60,18 @@ def main(argv=None):
     print(f"device: {dev.name}; read bandwidth {bw / 1e12:.2f} TB/s; bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     rng = np.random.default_rng(0)
     stream = cuda.Stream()
-    print(f"{'H':>3s} {'prefix':>6s} {'budget':>6s} {'splits':>6s} {'launch us':>9s} {'graph us':>9s} "
+    print(f"{'kern':4s} {'H':>3s} {'prefix':>6s} {'budget':>6s} {'splits':>6s} {'launch us':>9s} {'graph us':>9s} "
           f"{'MB':>7s} {'GFLOP':>8s} {'bytes floor':>11s} {'flop floor':>10s} {'x floor':>7s}")
     for heads in (int(v) for v in args.heads.split(",")):
         for prefix in (int(v) for v in args.prefix.split(",")):
             kv_max = prefix + max(int(b) for b in args.budgets.split(",")) + 1
             kv = cuda.to_device(to_bf16(rng.standard_normal((kv_max, MLA_D)).astype(np.float32)))
-            for budget, splits in ((int(b), int(s)) for b in args.budgets.split(",") for s in args.splits.split(",")):
+            for budget, splits, kernel in ((int(b), int(s), k) for b in args.budgets.split(",")
+                                           for s in args.splits.split(",") for k in args.kernel.split(",")):
                 tq = budget + 1
                 mask = cuda.to_device(chain_mask(tq))
-                attn = MlaAttention(tq, heads, kv, prefix, 1.0 / np.sqrt(192.0), mask=mask, splits=splits or None)
+                attn = MlaAttention(tq, heads, kv, prefix, 1.0 / np.sqrt(192.0), mask=mask, splits=splits or None,
+                                    kernel=kernel)
                 attn.q.upload(to_bf16(rng.standard_normal((tq, heads, MLA_D)).astype(np.float32)))
                 t_launch = cuda.bench(lambda: attn.forward(stream), iters=args.iters, stream=stream)
                 with cuda.capture(stream) as g:
@@ -79,7 +82,7 @@ def main(argv=None):
                 nbytes = kv_len * MLA_D * 2 + tq * heads * (MLA_D + 512) * 2 + mask.nbytes
                 flops = 2.0 * tq * heads * kv_len * (MLA_D + 512)
                 fb, ff = nbytes / bw, flops / rate
-                print(f"{heads:3d} {prefix:6d} {budget:6d} {attn.splits:6d} {t_launch * 1e3:9.1f} "
+                print(f"{kernel:4s} {heads:3d} {prefix:6d} {budget:6d} {attn.splits:6d} {t_launch * 1e3:9.1f} "
                       f"{t_graph * 1e3:9.1f} {nbytes / 1e6:7.2f} {flops / 1e9:8.2f} {fb * 1e6:9.1f}us "
                       f"{ff * 1e6:8.1f}us {t_graph * 1e-3 / max(fb, ff):7.2f}", flush=True)
 

@@ -1,0 +1,241 @@
+// MLA absorbed attention (tree verify / prefill) on Hopper GMMA (wgmma), sm_90a only: the same contract as
+// mla_verify.cu's mla_attention_kernel (q [Tq*H, 576], kv [kv_len, 576], mask or causal, split-KV partials for
+// mla_combine_kernel), with the tensor-core work on wgmma instead of mma.sync (ncu on that kernel: one block
+// of 8 warps per SM, tensor pipe 25% busy, stalled on dependency chains and shared-memory fragment loads).
+//
+// Block: two warpgroups over one 64-row tile of (token, head) rows and 64-position KV tiles. Both warpgroups
+// compute the whole S = Q K^T of the tile (64 x 64, 36 wgmma m64n64k16 with both operands K-major in shared
+// memory): the duplicated S work (+~50% FLOPs) buys no exchange between them, and both derive the identical
+// softmax. Warpgroup wg then accumulates O[:, 256 wg .. 256 wg + 255] += P V with P straight from its S
+// registers (the accumulator layout is the A-register layout: wgmma RS) and V = the same KV tile read
+// MN-major (wgmma m64n256k16, 4 k16 steps per tile). O lives in registers (128 fp32 per thread).
+//
+// Shared memory (dynamic, 1024-aligned): Q and two KV tiles, each [9 chunks of 64 columns][64 rows][128 B]
+// with the 128-byte swizzle (16-byte unit u of row r stored at unit u ^ (r % 8)), filled by cp.async: 3 x 72 KB
+// = 216 KB + 1 KB alignment. The next KV tile is in flight while the current one is computed.
+#include <cuda_bf16.h>
+#include <cuda/std/cstdint>  // NVRTC has no <cstdint>
+#include <cuda/std/utility>
+using cuda::std::uint32_t;
+using cuda::std::uint64_t;
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include "device_common.cuh"
+
+namespace mla90 {
+constexpr int D = 576, DV = 512;
+constexpr int BM = 64;                 // (token, head) rows per block
+constexpr int BN = 64;                 // KV positions per tile
+constexpr int CHUNKS = D / 64;         // 64-column (128-byte) chunks of a row
+constexpr int CHUNK_BYTES = 64 * 128;  // one chunk of a 64-row tile
+constexpr int TILE_BYTES = CHUNKS * CHUNK_BYTES;
+constexpr int THREADS = 256;
+
+using OpS = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+using OpO = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+
+// Descriptor of a 128-byte-swizzled operand tile. K-major (Q, K): 8-row groups 1024 bytes apart (SBO), a k16
+// step inside the 128-byte chunk is +32 bytes of start address. MN-major (V): 64 columns per 128-byte row,
+// the next 64 columns (LBO) one chunk (8 KB) further, 8-position groups along K 1024 bytes apart (SBO).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo_bytes) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo_bytes >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         ((uint64_t)1 << 62);
+}
+
+__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// Rows [row0, row0 + 64) of a [rows_total, 576] bf16 matrix into a swizzled tile (zero rows past the end).
+__device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* g, int row0, int rows_total) {
+  for (int i = threadIdx.x; i < BM * (D / 8); i += THREADS) {
+    const int r = i / (D / 8), u = i % (D / 8);   // row, 16-byte unit of the row (72 per row)
+    const int c = u >> 3, uc = u & 7;              // chunk, unit inside the chunk
+    const bool ok = row0 + r < rows_total;
+    cp_async16_s(tile + c * CHUNK_BYTES + r * 128 + ((uc ^ (r & 7)) << 4),
+                 g + (long long)(ok ? row0 + r : 0) * D + u * 8, ok);
+  }
+}
+
+template <class Op, int... I>
+__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float* acc, cute::SM90::GMMA::ScaleOut sc,
+                                        cuda::std::integer_sequence<int, I...>) {
+  Op::fma(da, db, acc[I]..., sc);
+}
+template <class Op, int... I>
+__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float* acc,
+                                        cuda::std::integer_sequence<int, I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], db, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+}  // namespace mla90
+
+extern "C" __global__ void __launch_bounds__(mla90::THREADS, 1)
+mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict__ kv,
+                          const unsigned* __restrict__ mask, int mask_words, int Tq, int H, int prefix_len,
+                          float softmax_scale, int split_len, uint16_t* __restrict__ out,
+                          float* __restrict__ part_o, float* __restrict__ part_ml) {
+  using namespace mla90;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  const uint32_t sq = smem_base, skv = smem_base + TILE_BYTES;   // Q, then KV tiles 0 and 1
+
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int rows_total = Tq * H;
+  const int row0 = blockIdx.x * BM;
+  const int kv_len = prefix_len + Tq;
+  const int split = blockIdx.z;
+  const int kv_begin = split * split_len;
+  const int kv_end = min(kv_len, kv_begin + split_len);
+  const float sl2 = softmax_scale * 1.4426950408889634f;
+  const float NEG_INF = __int_as_float(0xff800000);
+
+  // Rows this thread owns in the S / O accumulators (wgmma m64nN: warp w of the warpgroup holds rows
+  // 16 w .. 16 w + 15; element 4 j + 2 i + b is row 16 w + g + 8 i, column 8 j + 2 t + b), and their token.
+  const int my_row[2] = {row0 + warp * 16 + g, row0 + warp * 16 + g + 8};
+  int my_tok[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) my_tok[i] = my_row[i] < rows_total ? my_row[i] / H : -1;
+
+  const int ntiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
+  load_tile(sq, q, row0, rows_total);
+  if (ntiles > 0) load_tile(skv, kv, kv_begin, kv_end);
+  ddtree::cp_async_commit();
+
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) {
+    o[i] = 0.f;
+    cute::warpgroup_fence_operand(o[i]);
+  }
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int p0 = kv_begin + it * BN;
+    const uint32_t cur = skv + (it & 1) * TILE_BYTES;
+    ddtree::cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async (generic) -> wgmma (async proxy)
+    __syncthreads();   // tile it is visible to all; every warpgroup is done with tile it - 1 (waited below)
+    if (it + 1 < ntiles) {
+      load_tile(skv + ((it + 1) & 1) * TILE_BYTES, kv, p0 + BN, kv_end);
+      ddtree::cp_async_commit();
+    }
+
+    // S = Q K^T over the 576 columns: 9 chunks x 4 k16 steps.
+    float s[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) cute::warpgroup_fence_operand(s[i]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      const uint64_t da = sw128_desc(sq + c * CHUNK_BYTES, 16), db = sw128_desc(cur + c * CHUNK_BYTES, 16);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        gmma_ss<OpS>(da + 2 * kk, db + 2 * kk, s,
+                     c == 0 && kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One,
+                     cuda::std::make_integer_sequence<int, 32>{});
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 32; ++i) cute::warpgroup_fence_operand(s[i]);
+
+    // Mask, scale (log2 domain), online softmax per row (the 4 lanes of a quad share a row).
+    float mnew[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ri = e >> 1;
+        const int p = p0 + j * 8 + 2 * t + (e & 1);
+        const int tok = my_tok[ri];
+        bool vis = p < kv_end && tok >= 0;
+        if (vis && p >= prefix_len) {
+          const int node = p - prefix_len;
+          vis = mask != nullptr ? ((mask[(long long)tok * mask_words + (node >> 5)] >> (node & 31)) & 1u) != 0
+                                : node <= tok;
+        }
+        const float v = vis ? s[4 * j + e] * sl2 : NEG_INF;
+        s[4 * j + e] = v;
+        mnew[ri] = fmaxf(mnew[ri], v);
+      }
+    float corr[2];
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      mnew[ri] = fmaxf(mnew[ri], __shfl_xor_sync(0xffffffffu, mnew[ri], 1));
+      mnew[ri] = fmaxf(mnew[ri], __shfl_xor_sync(0xffffffffu, mnew[ri], 2));
+      corr[ri] = mnew[ri] == NEG_INF ? 1.f : exp2f(m[ri] - mnew[ri]);
+      m[ri] = mnew[ri];
+      l[ri] *= corr[ri];
+    }
+    uint32_t pa[4][4];   // P as the A registers of 4 k16 steps (positions 16 kk .. 16 kk + 15)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float e4[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ri = e >> 1;
+        e4[e] = s[4 * j + e] == NEG_INF ? 0.f : exp2f(s[4 * j + e] - m[ri]);
+        l[ri] += e4[e];
+      }
+      pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16(e4[0], e4[1]);   // row g
+      pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(e4[2], e4[3]);   // row g + 8
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j + 0] *= corr[0]; o[4 * j + 1] *= corr[0];
+      o[4 * j + 2] *= corr[1]; o[4 * j + 3] *= corr[1];
+    }
+
+    // O[:, 256 wg ..] += P V: V = this tile's columns 256 wg .. 256 wg + 255 (chunks 4 wg .. 4 wg + 3), MN-major.
+#pragma unroll
+    for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(o[i]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      gmma_rs<OpO>(pa[kk], sw128_desc(cur + 4 * wg * CHUNK_BYTES + kk * 16 * 128, CHUNK_BYTES), o,
+                   cuda::std::make_integer_sequence<int, 128>{});
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(o[i]);
+  }
+
+  ddtree::cp_async_wait<0>();   // (only matters when this split had no tile: the q copy is still in flight)
+
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    l[ri] += __shfl_xor_sync(0xffffffffu, l[ri], 1);
+    l[ri] += __shfl_xor_sync(0xffffffffu, l[ri], 2);
+  }
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int row = my_row[ri];
+    if (row >= rows_total) continue;
+    if (gridDim.z == 1) {
+      const float inv = l[ri] > 0.f ? 1.f / l[ri] : 0.f;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = wg * 256 + j * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(out + (long long)row * DV + col) =
+            pack_bf16(o[4 * j + 2 * ri] * inv, o[4 * j + 2 * ri + 1] * inv);
+      }
+    } else {
+      float* po = part_o + ((long long)split * rows_total + row) * DV;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = wg * 256 + j * 8 + 2 * t;
+        *reinterpret_cast<float2*>(po + col) = make_float2(o[4 * j + 2 * ri], o[4 * j + 2 * ri + 1]);
+      }
+      if (wg == 0 && t == 0) {
+        part_ml[((long long)split * rows_total + row) * 2 + 0] = m[ri];
+        part_ml[((long long)split * rows_total + row) * 2 + 1] = l[ri];
+      }
+    }
+  }
+}
