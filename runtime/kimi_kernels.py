@@ -341,9 +341,11 @@ MLA_SMEM = (_MLA_BM * _MLA_LD + 2 * _MLA_BN * _MLA_LD) * 2 + 2 * 4 * 4 * 4 * 32 
 # mla_verify_sm90.cu (sm_90a): Q + two 64-position KV tiles, 128-byte swizzled, + 1 KB alignment
 MLA_GMMA_BN = 64
 MLA_GMMA_SMEM = 1024 + 3 * _MLA_BM * MLA_D * 2
-# Which attention kernel MlaAttention launches unless told: "mma" (mma.sync, every arch) or "gmma" (wgmma,
-# sm_90a; falls back to nothing: asking for it elsewhere is an error). DDTREE_MLA_KERNEL for A/B timing.
-MLA_KERNEL = os.environ.get("DDTREE_MLA_KERNEL", "mma")
+# Which attention kernel MlaAttention launches unless told: "auto" = "gmma" (wgmma) on sm_90a, else "mma"
+# (mma.sync, every arch); asking for "gmma" elsewhere is an error. DDTREE_MLA_KERNEL for A/B timing. H200
+# (2026-12-03 (3) run 10, same run): gmma 1.29-1.49x faster at budgets 16..256 (H = 64, 32k, b256 7295 ->
+# 4901 us; 4k b64 261 -> 185), 1.13-1.33x at budget 1 with H = 64, 0.96x at H = 8 / 4k / budget 1 (16.5 vs 15.8).
+MLA_KERNEL = os.environ.get("DDTREE_MLA_KERNEL", "auto")
 
 
 # mla_splits' cost model, from H200 sweeps of tools/bench_mla.py --splits (2026-12-03 (3) runs 2-3): a block
@@ -376,15 +378,16 @@ class MlaAttention:
     tree mask (uint32 [Tq, W], bit j of row i: node j visible to query i) or causal (mask None: prefill).
     Buffers: .q bf16 [Tq, H, 576] (absorbed latent query + rope query), .out bf16 [Tq, H, 512]. The cache and
     mask are caller buffers. Shapes and prefix_len are fixed at construction (a graph bucket): a new prefix
-    length needs a new MlaAttention (the KV split is sized from it)."""
+    length needs a new MlaAttention (the KV split is sized from it). kernel: "auto" (MLA_KERNEL's default:
+    the wgmma kernel on sm_90a, mma.sync elsewhere), "mma" or "gmma"; both give the same contract."""
 
     def __init__(self, tq: int, heads: int, kv, prefix_len: int, softmax_scale: float, mask=None,
                  splits: int | None = None, kernel: str | None = None):
         cuda = _cuda()
         self.tq, self.heads = int(tq), int(heads)
         self.kernel = kernel or MLA_KERNEL
-        if self.kernel not in ("mma", "gmma"):
-            raise ValueError(f"kernel={kernel!r}: 'mma' (mma.sync) or 'gmma' (wgmma, sm_90a)")
+        if self.kernel not in ("auto", "mma", "gmma"):
+            raise ValueError(f"kernel={kernel!r}: 'auto', 'mma' (mma.sync) or 'gmma' (wgmma, sm_90a)")
         if self.heads < 1 or (64 % self.heads and self.heads % 64):
             raise ValueError(f"heads={heads}: must divide 64 or be a multiple of it")
         rows = self.tq * self.heads
@@ -401,6 +404,8 @@ class MlaAttention:
             raise ValueError(f"mask {mask.dtype} {mask.shape}: want uint32 [tq, ceil(tq/32)] = "
                              f"[{self.tq}, {need_words}]")
         dev = cuda.get_device()
+        if self.kernel == "auto":
+            self.kernel = "gmma" if dev.arch == "90a" else "mma"
         if self.kernel == "gmma" and dev.arch != "90a":
             raise ValueError(f"kernel='gmma' is built for sm_90a; this device is sm_{dev.arch}")
         self.splits = splits or mla_splits(rows, kv_len, dev.sm_count)

@@ -52,7 +52,8 @@ def main(argv=None):
     ap.add_argument("--heads", default="64,8")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--splits", default="0", help="comma list of KV split counts to time; 0 = the planned one")
-    ap.add_argument("--kernel", default="mma", help="comma list: mma (mma.sync), gmma (wgmma, sm_90a)")
+    ap.add_argument("--kernel", default="auto",
+                    help="comma list: auto (gmma on sm_90a, else mma), mma (mma.sync), gmma (wgmma, sm_90a)")
     args = ap.parse_args(argv)
     dev = cuda.require_device()
     bw = measure_read_bandwidth(2 << 30)
@@ -82,7 +83,7 @@ def main(argv=None):
                 nbytes = kv_len * MLA_D * 2 + tq * heads * (MLA_D + 512) * 2 + mask.nbytes
                 flops = 2.0 * tq * heads * kv_len * (MLA_D + 512)
                 fb, ff = nbytes / bw, flops / rate
-                print(f"{kernel:4s} {heads:3d} {prefix:6d} {budget:6d} {attn.splits:6d} {t_launch * 1e3:9.1f} "
+                print(f"{attn.kernel:4s} {heads:3d} {prefix:6d} {budget:6d} {attn.splits:6d} {t_launch * 1e3:9.1f} "
                       f"{t_graph * 1e3:9.1f} {nbytes / 1e6:7.2f} {flops / 1e9:8.2f} {fb * 1e6:9.1f}us "
                       f"{ff * 1e6:8.1f}us {t_graph * 1e-3 / max(fb, ff):7.2f}", flush=True)
 
