@@ -213,7 +213,7 @@ register(KernelFamily(
 register(KernelFamily(
     name="mla_verify_sm90",
     source="mla_verify_sm90.cu",
-    entries=("mla_attention_gmma_kernel",),
+    entries=("mla_attention_gmma_kernel<0>", "mla_attention_gmma_kernel<1>"),   # <SPLIT_S>
     archs=("90a",),
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},

@@ -341,6 +341,12 @@ MLA_SMEM = (_MLA_BM * _MLA_LD + 2 * _MLA_BN * _MLA_LD) * 2 + 2 * 4 * 4 * 4 * 32 
 # mla_verify_sm90.cu (sm_90a): Q + two 64-position KV tiles, 128-byte swizzled, + 1 KB alignment
 MLA_GMMA_BN = 64
 MLA_GMMA_SMEM = 1024 + 3 * _MLA_BM * MLA_D * 2
+MLA_GMMA_SPLIT_SMEM = MLA_GMMA_SMEM + _MLA_BM * 64 * 2 + 2 * _MLA_BM * 4   # + the P tile, maxima / sums
+# kernel name -> (family, entry, dynamic smem): "gmma-split" computes S once (split by positions over the two
+# warpgroups, P through shared memory): built and GPU-tested, opt-in until measured faster
+_MLA_KERNELS = {"mma": ("mla_verify", "mla_attention_kernel", MLA_SMEM),
+                "gmma": ("mla_verify_sm90", "mla_attention_gmma_kernel<0>", MLA_GMMA_SMEM),
+                "gmma-split": ("mla_verify_sm90", "mla_attention_gmma_kernel<1>", MLA_GMMA_SPLIT_SMEM)}
 # Which attention kernel MlaAttention launches unless told: "auto" = "gmma" (wgmma) on sm_90a, else "mma"
 # (mma.sync, every arch); asking for "gmma" elsewhere is an error. DDTREE_MLA_KERNEL for A/B timing. H200
 # (2026-12-03 (3) run 10, same run): gmma 1.29-1.49x faster at budgets 16..256 (H = 64, 32k, b256 7295 ->
@@ -379,15 +385,16 @@ class MlaAttention:
     Buffers: .q bf16 [Tq, H, 576] (absorbed latent query + rope query), .out bf16 [Tq, H, 512]. The cache and
     mask are caller buffers. Shapes and prefix_len are fixed at construction (a graph bucket): a new prefix
     length needs a new MlaAttention (the KV split is sized from it). kernel: "auto" (MLA_KERNEL's default:
-    the wgmma kernel on sm_90a, mma.sync elsewhere), "mma" or "gmma"; both give the same contract."""
+    the wgmma kernel on sm_90a, mma.sync elsewhere), "mma", "gmma" or "gmma-split"; all give the same
+    contract."""
 
     def __init__(self, tq: int, heads: int, kv, prefix_len: int, softmax_scale: float, mask=None,
                  splits: int | None = None, kernel: str | None = None):
         cuda = _cuda()
         self.tq, self.heads = int(tq), int(heads)
         self.kernel = kernel or MLA_KERNEL
-        if self.kernel not in ("auto", "mma", "gmma"):
-            raise ValueError(f"kernel={kernel!r}: 'auto', 'mma' (mma.sync) or 'gmma' (wgmma, sm_90a)")
+        if self.kernel != "auto" and self.kernel not in _MLA_KERNELS:
+            raise ValueError(f"kernel={kernel!r}: 'auto', 'mma' (mma.sync), 'gmma' or 'gmma-split' (wgmma, sm_90a)")
         if self.heads < 1 or (64 % self.heads and self.heads % 64):
             raise ValueError(f"heads={heads}: must divide 64 or be a multiple of it")
         rows = self.tq * self.heads
@@ -406,20 +413,18 @@ class MlaAttention:
         dev = cuda.get_device()
         if self.kernel == "auto":
             self.kernel = "gmma" if dev.arch == "90a" else "mma"
-        if self.kernel == "gmma" and dev.arch != "90a":
-            raise ValueError(f"kernel='gmma' is built for sm_90a; this device is sm_{dev.arch}")
+        if self.kernel.startswith("gmma") and dev.arch != "90a":
+            raise ValueError(f"kernel={self.kernel!r} is built for sm_90a; this device is sm_{dev.arch}")
         self.splits = splits or mla_splits(rows, kv_len, dev.sm_count)
-        tile = MLA_GMMA_BN if self.kernel == "gmma" else _MLA_BN
+        tile = MLA_GMMA_BN if self.kernel.startswith("gmma") else _MLA_BN
         split_len = math.ceil(kv_len / self.splits / tile) * tile
         self.q = cuda.empty((self.tq, self.heads, MLA_D), np.uint16)
         self.out = cuda.empty((self.tq, self.heads, MLA_DV), np.uint16)
         ws_splits = self.splits if self.splits > 1 else 1
         self.part_o = cuda.empty((ws_splits, rows, MLA_DV), np.float32)
         self.part_ml = cuda.empty((ws_splits, rows, 2), np.float32)
-        if self.kernel == "gmma":
-            k, smem = cuda.get_kernel("mla_verify_sm90", "mla_attention_gmma_kernel"), MLA_GMMA_SMEM
-        else:
-            k, smem = cuda.get_kernel("mla_verify", "mla_attention_kernel"), MLA_SMEM
+        family, entry, smem = _MLA_KERNELS[self.kernel]
+        k = cuda.get_kernel(family, entry)
         k.set_max_dynamic_smem(smem)
         words = mask.shape[1] if mask is not None else 0
         self.attn = k.prepare(((rows + _MLA_BM - 1) // _MLA_BM, 1, self.splits), (256,), [

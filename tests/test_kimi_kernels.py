@@ -360,7 +360,7 @@ MLA_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["mma", "gmma"])
+@pytest.mark.parametrize("kernel", ["mma", "gmma", "gmma-split"])
 @pytest.mark.parametrize("tq,heads,prefix,tree,splits", MLA_CASES)
 def test_mla_attention(cuda_device, tq, heads, prefix, tree, splits, kernel):
     from runtime import cuda
@@ -372,7 +372,7 @@ def test_mla_attention(cuda_device, tq, heads, prefix, tree, splits, kernel):
     scale = 1.0 / np.sqrt(192.0)
     kv_dev = cuda.to_device(to_bf16(kv))
     mask_dev = cuda.to_device(mask) if tree else None
-    if kernel == "gmma" and cuda.get_device().arch != "90a":
+    if kernel.startswith("gmma") and cuda.get_device().arch != "90a":
         pytest.skip("the wgmma MLA kernel is built for sm_90a only")
     attn = MlaAttention(tq, heads, kv_dev, prefix, scale, mask=mask_dev, splits=splits, kernel=kernel)
     attn.q.upload(to_bf16(q))
