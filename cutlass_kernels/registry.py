@@ -192,6 +192,17 @@ register(KernelFamily(
     required_ptx={a: _MMA_SYNC_PTX for a in ALL_ARCHS},
     pdl=True,
 ))
+# The same grouped GEMMs on Hopper wgmma for experts with many tokens (weights dequantized once per stage into
+# shared memory): moe_gmma_kernel<MODE, TN>, plus the slot split between it and moe_w4a16_kernel. sm_90a only.
+MOE_GMMA_VARIANTS = tuple(f"moe_gmma_kernel<{mode}, {tn}>" for mode in (0, 1) for tn in (64, 128, 256))
+register(KernelFamily(
+    name="moe_int4_sm90",
+    source="moe_int4_sm90.cu",
+    entries=MOE_GMMA_VARIANTS + ("moe_slot_split_kernel",),
+    archs=("90a",),
+    required_sass={"90a": r"HGMMA"},
+    required_ptx={"90a": r"wgmma\.mma_async"},
+))
 # noaux_tc top-k routing (sigmoid + correction bias, group-limited) and grouping of tokens by expert:
 # moe_route_kernel (both in one launch, what the layer uses), the two-kernel pair kept for A/B timing.
 register(KernelFamily(

@@ -215,13 +215,17 @@ class MoeLayer:
     bits): fused_routing: one moe_route_kernel instead of moe_topk + moe_group; fuse_combine (default
     T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
     moe_combine_kernel; early: the down GEMM starts its weight stream before its dependency wait (PDL);
-    pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter)."""
+    pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter);
+    gmma_min_tokens (sm_90a): experts with at least that many tokens go through moe_gmma_kernel (weights
+    dequantized once per stage into shared memory, wgmma over up to gmma_tile = 64/128/256 tokens per pass),
+    the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones).
+    Built and tested, off by default until measured (PERF.md)."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
-                 pdl: bool = False):
+                 pdl: bool = False, gmma_min_tokens: int | None = None, gmma_tile: int = 128):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -281,11 +285,34 @@ class MoeLayer:
         gu_entry, dn_entry = variants or default_variants(T)
         self.variants = (gu_entry, dn_entry)
         self.stages = [("route", launch) for launch in routing]
+        self.gmma_min_tokens = gmma_min_tokens
+        counts = self.slot_count   # what the mma.sync kernels see
+        if gmma_min_tokens:
+            if cuda.get_device().arch != "90a":
+                raise ValueError(f"gmma_min_tokens: the wgmma MoE kernel is built for sm_90a; this device is "
+                                 f"sm_{cuda.get_device().arch}")
+            if gmma_tile not in (64, 128, 256) or gmma_min_tokens < 1 or self.early:
+                raise ValueError(f"gmma_min_tokens={gmma_min_tokens}, gmma_tile={gmma_tile}, early={early}: want "
+                                 f"tokens >= 1, a tile of 64/128/256 and no early down start")
+            if w.inter % 64 or w.hidden % 128:
+                raise ValueError(f"wgmma MoE tiles need inter % 64 == 0 and hidden % 128 == 0, got {w.inter}, "
+                                 f"{w.hidden}")
+            counts = self.cold_count = cuda.empty((self.num_slots,), np.int32)
+            self.stages.append(("route", cuda.get_kernel("moe_int4_sm90", "moe_slot_split_kernel").prepare(
+                ((self.num_slots + 255) // 256,), (256,),
+                [self.slot_count, self.cold_count, I32(self.num_slots), I32(gmma_min_tokens)])))
+            # slots are ordered by count, most first: at most P // min_tokens of them can be hot
+            hot = max(1, min(self.num_slots, P // gmma_min_tokens))
+            self.stages.append(("gate_up", self._gmma_launch(0, gmma_tile, hot, self.x, w.hidden, w.gate_q,
+                                                             w.gate_s, w.up_q, w.up_s, w.inter, w.hidden, self.h)))
         self.stages.append(("gate_up", self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q,
-                                                         w.up_s, w.inter, w.hidden, self.h)))
+                                                         w.up_s, w.inter, w.hidden, self.h, counts=counts)))
+        if gmma_min_tokens:
+            self.stages.append(("down", self._gmma_launch(1, gmma_tile, hot, self.h, w.inter, w.down_q, w.down_s,
+                                                          w.down_q, w.down_s, w.hidden, w.inter, self.down_out)))
         self.stages.append(("down", self._gemm_launch(dn_entry, self.h, w.inter, w.down_q, w.down_s, w.down_q,
                                                       w.down_s, w.hidden, w.inter, self.down_out,
-                                                      early=self.early, combine=self.fuse_combine)))
+                                                      early=self.early, combine=self.fuse_combine, counts=counts)))
         if not self.fuse_combine:
             self.stages.append(("combine", cuda.get_kernel("moe_int4", "moe_combine_kernel").prepare(
                 (T, (w.hidden // 4 + 255) // 256), (256,), [
@@ -297,9 +324,20 @@ class MoeLayer:
         self.launches = [launch for _, launch in self.stages]
         cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
-    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False):
+    def _gmma_launch(self, mode, tn, hot_slots, x, ldx, q0, s0, q1, s1, n_rows, k, out):
+        """One moe_gmma_kernel launch over the first hot_slots slots (those with >= gmma_min_tokens tokens run)."""
+        cuda = _cuda()
+        kernel = cuda.get_kernel("moe_int4_sm90", f"moe_gmma_kernel<{mode}, {tn}>")
+        smem = 1024 + 2 * (128 * 128 + tn * 128)
+        kernel.set_max_dynamic_smem(smem)
+        return kernel.prepare((n_rows // (64 if mode == 0 else 128), hot_slots), (256,), [
+            x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset, self.slot_count,
+            self.sorted_token, out, I32(self.gmma_min_tokens)], smem=smem)
+
+    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None):
         """One grouped GEMM launch. Down (MODE 1) only: early = start the weights before the PDL wait;
-        combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared)."""
+        combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared).
+        counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones)."""
         cuda = _cuda()
         mode, rb, wn, ks, _, _ = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
@@ -322,7 +360,8 @@ class MoeLayer:
             tail = [null, null, null, null, null, I32(0), I32(0)]
         return kernel.prepare(grid, (32 * wn * ks,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
-            self.slot_count, self.sorted_token, out, I32(int(early)), *tail], smem=smem)
+            self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail],
+            smem=smem)
 
     def forward(self, stream=None, stages=None):
         """Launch the layer (or only the named stages: 'route', 'gate_up', 'down', 'combine'; with the

@@ -109,6 +109,49 @@ def test_layout_matches_mma_fragment_math():
     assert_close(got, want, "emulated kernel GEMV", rtol=1e-2, atol=1e-2, scale="mean")
 
 
+def emulate_gmma_w_tile(packed, scales, rb0, u):
+    """The bf16 W tile [128 rows][64 columns] that moe_gmma_kernel's dequant_store writes for 16-row blocks
+    rb0 .. rb0 + 7 and 64-k unit u, read back through the 128-byte swizzle: each lane (g, t) of warp w decodes
+    its 16 bytes into rows 16w + g / + 8, columns 16t .. 16t + 15, and stores them at 16-byte units
+    (2t + h) ^ (row % 8) of the row."""
+    sc = from_bf16(scales).reshape(scales.shape)
+    smem = np.zeros(128 * 64, np.float32)   # the swizzled tile, in bf16 elements
+    for w in range(8):
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            s_row = sc[rb0 + w, u // 8, 2 * g + (t >> 1), u % 8]      # (row g, row g + 8)
+            lo, hi = [], []                                            # columns 16t .. 16t + 15
+            for s in range(4):
+                q = int(packed[rb0 + w, u, lane, s])
+                nib = [(q >> (4 * i)) & 0xF for i in range(8)]
+                lo += [(nib[0] - 8) * s_row[0], (nib[4] - 8) * s_row[0], (nib[2] - 8) * s_row[0], (nib[6] - 8) * s_row[0]]
+                hi += [(nib[1] - 8) * s_row[1], (nib[5] - 8) * s_row[1], (nib[3] - 8) * s_row[1], (nib[7] - 8) * s_row[1]]
+            for vals, row in ((lo, 16 * w + g), (hi, 16 * w + g + 8)):
+                for h in range(2):
+                    unit = (2 * t + h) ^ (row % 8)
+                    smem[row * 64 + unit * 8: row * 64 + unit * 8 + 8] = vals[8 * h: 8 * h + 8]
+    tile = np.zeros((128, 64), np.float32)
+    for row in range(128):
+        for unit in range(8):
+            tile[row, unit * 8: unit * 8 + 8] = smem[row * 64 + (unit ^ (row % 8)) * 8: row * 64 + (unit ^ (row % 8)) * 8 + 8]
+    return round_bf16(tile)
+
+
+def test_gmma_dequant_tile_matches_weights():
+    """moe_gmma_kernel's dequantize-to-shared-memory mapping gives the plain weight rows at their physical
+    columns (so x is read unpermuted), for every unit of a superblock and a second superblock."""
+    rng = np.random.default_rng(8)
+    n, k = 256, 1024
+    wp, ws = random_int4(rng, n, k)
+    packed, scales = repack_int4_experts(wp, ws, (n, k))
+    dense = round_bf16(unpack_int4(wp, ws, (n, k)))
+    for rb0 in (0, 8):
+        for u in (0, 3, 7, 9, 15):
+            got = emulate_gmma_w_tile(packed, scales, rb0, u)
+            np.testing.assert_array_equal(got, dense[16 * rb0:16 * rb0 + 128, 64 * u:64 * u + 64],
+                                          err_msg=f"row blocks {rb0}.., unit {u}")
+
+
 def test_route_reference_matches_plain_topk_and_groups():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 64)).astype(np.float32)
@@ -246,7 +289,31 @@ def test_moe_layer_real_shape_subset(cuda_device):
     _check_moe(9, 10, 7168, 2048, None, topk=8, shared=True)
 
 
-def _check_moe(T, E, hidden, inter, variants, topk, shared=False):
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,min_tokens,tile", [(200, 8, 64, 64), (200, 8, 90, 128), (300, 16, 40, 256),
+                                                 (3, 8, 2, 64)])
+def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile):
+    """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
+    hot and cold slots mixed), the rest on mma.sync: the layer vs the float32 reference, twice."""
+    from runtime import cuda
+    if cuda.get_device().arch != "90a":
+        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
+    _check_moe(T, E, 1024, 512, None, topk=4, gmma_min_tokens=min_tokens, gmma_tile=tile, runs=2)
+
+
+@pytest.mark.gpu
+def test_moe_graph_replay_gmma_hot_experts(cuda_device):
+    from runtime import cuda
+    from runtime.kimi_kernels import MoeLayer
+    if cuda.get_device().arch != "90a":
+        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
+    rng = np.random.default_rng(14)
+    dense, w = make_moe(rng, 8, 512, 512)
+    layer = MoeLayer(w, 96, np.zeros(8, np.float32), topk=4, gmma_min_tokens=40, gmma_tile=64)
+    _check_graph_replay(layer, dense, rng, T=96, E=8, hidden=512, topk=4, trials=2)
+
+
+def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **layer_options):
     from runtime import cuda
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(T * 1000 + E + hidden)
@@ -256,16 +323,20 @@ def _check_moe(T, E, hidden, inter, variants, topk, shared=False):
     bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
     sh = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32)) if shared else None
     sh_dev = cuda.to_device(to_bf16(sh)) if shared else None
-    layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, variants=variants)
+    layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, variants=variants, **layer_options)
     layer.x.upload(to_bf16(x))
     layer.logits.upload(logits)
-    for a in (layer.h, layer.down_out, layer.y):
-        a.fill_bytes(0xFF)      # NaN poison
-    layer.forward()
     ids, wts = ref.route(logits, bias, topk)
     want = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], sh)
-    assert_close(layer.y.download(), want, f"MoE T={T} E={E} {layer.variants}", dtype="bf16", rtol=RTOL,
-                 atol=RTOL, scale="mean")
+    outs = []
+    for run in range(runs):
+        for a in (layer.h, layer.down_out, layer.y):
+            a.fill_bytes(0xFF)      # NaN poison
+        layer.forward()
+        outs.append(layer.y.download())
+        assert_close(outs[-1], want, f"MoE T={T} E={E} {layer.variants} {layer_options} run {run}", dtype="bf16",
+                     rtol=RTOL, atol=RTOL, scale="mean")
+        np.testing.assert_array_equal(outs[-1], outs[0], err_msg=f"run {run} differs from run 0")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,261 @@
+// INT4 (W4A16) grouped MoE GEMMs on Hopper GMMA (wgmma), sm_90a only, for experts with many tokens (skewed
+// routing, prefill): the weights are dequantized ONCE per 64-k stage into shared memory as bf16 and every
+// token of the chunk (up to TN) is multiplied against them by wgmma, where moe_int4.cu's mma.sync kernels
+// dequantize again for every 8..32-token chunk (PERF: a hot expert with 236 tokens is compute-bound there).
+//
+// Same weight layout (runtime/kimi_kernels.py repack_int4_experts), same slot list, same outputs as
+// moe_w4a16_kernel: MODE 0 (gate_up) h[pos, col] = SiLU(gate) * up, bf16; MODE 1 (down) out[pos, row] fp32.
+// A slot runs here when its token count >= min_count; moe_slot_split_kernel writes the counts the mma.sync
+// kernel sees (count < min_count ? count : 0), so each slot is done by exactly one of the two kernels.
+//
+// Block: 2 warpgroups, 128 weight rows (MODE 0: 64 gate rows = warpgroup 0, the same 64 up rows = warpgroup 1;
+// MODE 1: 128 down rows) x up to TN tokens; token chunks of TN loop inside the block. Per 64-k stage:
+// - warp w dequantizes 16-row block w of the tile: lane (g, t) reads its 16 packed bytes (4 words = rows g and
+//   g + 8, physical columns 16t .. 16t + 15 of the unit) and its scale word, converts with the lop3/bf16x2
+//   path of moe_int4.cu, and stores 4 x 16 bytes into the K-major 128-byte-swizzled bf16 W tile [128][64];
+// - the x rows (gathered through sorted_token for MODE 0) go in by cp.async, K-major swizzled [TN][64];
+// - wgmma m64nTNk16 x 4 (A = the warpgroup's 64 W rows, B = the tokens), fp32 accumulators in registers.
+// Two stage buffers: the dequantization of stage s+1 (and the packed load of stage s+2, one stage ahead in
+// registers) overlap the wgmma of stage s. The K order inside each 64-column unit is the repacked (permuted)
+// order for the weights' lanes, but every weight is stored at its physical column and x is read plainly, so
+// the dot product is the plain one.
+#include <cuda_bf16.h>
+#include <cuda/std/cstdint>  // NVRTC has no <cstdint>
+#include <cuda/std/utility>
+using cuda::std::uint32_t;
+using cuda::std::uint64_t;
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include "device_common.cuh"
+
+namespace moe90 {
+constexpr int THREADS = 256;
+constexpr int W_TILE = 128 * 128;   // 128 rows x 64 k bf16
+
+template <int TN> struct Op;
+#define DDTREE_MOE_GMMA_OP(N)                                                                       \
+  template <> struct Op<N> {                                                                        \
+    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,        \
+                                                                  cute::SM90::GMMA::Major::K>;      \
+  };
+DDTREE_MOE_GMMA_OP(64)
+DDTREE_MOE_GMMA_OP(128)
+DDTREE_MOE_GMMA_OP(256)
+#undef DDTREE_MOE_GMMA_OP
+
+template <class O, int... I>
+__device__ __forceinline__ void gmma(uint64_t da, uint64_t db, float* acc, cute::SM90::GMMA::ScaleOut sc,
+                                     cuda::std::integer_sequence<int, I...>) {
+  O::fma(da, db, acc[I]..., sc);
+}
+
+// K-major, 128-byte swizzle: 128-byte rows, 8-row groups 1024 bytes apart; k16 step = +32 bytes.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         ((uint64_t)1 << 62);
+}
+
+__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void st_shared16(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// (q & 0x000f000f) | 0x43004300: two bf16 128 + nibble; then (v - 136) * s (moe_int4.cu's converter).
+__device__ __forceinline__ uint32_t nib_bf16x2(uint32_t q) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(q), "n"(0x000f000f), "n"(0x43004300));
+  return r;
+}
+__device__ __forceinline__ uint32_t dequant_bf16x2(uint32_t v, uint32_t s2) {
+  uint32_t r;
+  const uint32_t one = 0x3f803f80u, minus136 = 0xc308c308u;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(one), "r"(minus136));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(s2));
+  return r;
+}
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+// The packed weights and the scale word of (row block rb of this lane, 64-k unit u).
+__device__ __forceinline__ uint4 load_w(const uint4* wp, int u) {
+  return ddtree::load_stream(wp + u * 32);
+}
+__device__ __forceinline__ uint32_t load_scale(const uint4* sp, int u) {
+  return reinterpret_cast<const uint32_t*>(sp + (u / 8) * 32 + ((u / 4) & 1))[u & 3];
+}
+
+// Dequantize one lane's 16 bytes (rows g, g + 8 of the warp's row block; columns 16t .. 16t + 15) into the
+// swizzled W tile: row R = 16 w + g (+ 8), 16-byte units 2t, 2t + 1 of the 128-byte row.
+__device__ __forceinline__ void dequant_store(uint32_t tile, uint4 w, uint32_t sw, int row, int t) {
+  const uint32_t s_lo = __byte_perm(sw, 0, 0x1010), s_hi = __byte_perm(sw, 0, 0x3232);
+  uint32_t lo[8], hi[8];   // row g / g + 8: columns 16t + 2i, + 1 as bf16x2
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {   // word s: columns 16t + 4s .. + 3
+    const uint32_t q = words[s];
+    lo[2 * s] = dequant_bf16x2(nib_bf16x2(q), s_lo);            // nibbles 0, 4: row g, +0, +1
+    hi[2 * s] = dequant_bf16x2(nib_bf16x2(q >> 4), s_hi);       // nibbles 1, 5: row g + 8
+    lo[2 * s + 1] = dequant_bf16x2(nib_bf16x2(q >> 8), s_lo);   // nibbles 2, 6: row g, +2, +3
+    hi[2 * s + 1] = dequant_bf16x2(nib_bf16x2(q >> 12), s_hi);  // nibbles 3, 7: row g + 8
+  }
+  const int r0 = row, r1 = row + 8;   // r0 % 8 == r1 % 8
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t unit = (uint32_t)((2 * t + h) ^ (r0 & 7)) << 4;
+    st_shared16(tile + r0 * 128 + unit, lo[4 * h], lo[4 * h + 1], lo[4 * h + 2], lo[4 * h + 3]);
+    st_shared16(tile + r1 * 128 + unit, hi[4 * h], hi[4 * h + 1], hi[4 * h + 2], hi[4 * h + 3]);
+  }
+}
+}  // namespace moe90
+
+// MODE 0: x bf16 [T, ldx] gathered by sorted_token, weights gate (wq0/ws0) and up (wq1/ws1), out h bf16
+// [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out fp32 [P, n_rows].
+// Grid (n_rows / (MODE 0 ? 64 : 128), slots); dynamic smem 1024 + 2 * (16384 + TN * 128).
+template <int MODE, int TN>
+__global__ void __launch_bounds__(moe90::THREADS, 1)
+moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
+                const uint4* __restrict__ wq1, const uint4* __restrict__ ws1, int n_rows, int k,
+                const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
+                const int* __restrict__ slot_count, const int* __restrict__ sorted_token, void* __restrict__ out,
+                int min_count) {
+  using namespace moe90;
+  static_assert(TN == 64 || TN == 128 || TN == 256, "token tile");
+  constexpr int X_TILE = TN * 128;
+  constexpr int STAGE = W_TILE + X_TILE;
+  constexpr int ACC = TN / 2;
+  using O = typename Op<TN>::type;
+  const int slot = blockIdx.y;
+  const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
+  if (expert < 0 || count < min_count) return;   // the mma.sync kernel's slot
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  float* const stg = reinterpret_cast<float*>(smem_raw + (smem_base - static_cast<uint32_t>(
+      __cvta_generic_to_shared(smem_raw))));   // epilogue staging [TN][64 + 4] over the stage buffers
+
+  const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_blocks = n_rows / 16, units = k / 64, supers = k / 512;
+  // This warp's 16-row block of the 128-row tile (MODE 0: warps 0-3 gate, 4-7 the same rows of up).
+  const int rb = MODE == 0 ? blockIdx.x * 4 + (warp & 3) : blockIdx.x * 8 + warp;
+  const bool second = MODE == 0 && warp >= 4;
+  const long long blk = (long long)expert * row_blocks + rb;
+  const uint4* wp = (second ? wq1 : wq0) + blk * units * 32 + lane;
+  const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (t >> 1)) * 2;
+  const int wrow = warp * 16 + g;   // this lane's first row in the W tile
+
+  for (int c0 = 0; c0 < count; c0 += TN) {
+    // x chunks of this thread: rows i = tid / 8 + 32 j, 16-byte unit tid % 8 of the 64-k stage
+    auto load_x = [&](uint32_t tile, int u) {
+#pragma unroll
+      for (int j = 0; j < TN / 32; ++j) {
+        const int i = tid / 8 + 32 * j, c = tid & 7;
+        const bool ok = c0 + i < count;
+        const int row = !ok ? 0 : MODE == 0 ? sorted_token[offset + c0 + i] : offset + c0 + i;
+        cp_async16_s(tile + i * 128 + ((c ^ (i & 7)) << 4), x + (long long)row * ldx + u * 64 + c * 8, ok);
+      }
+    };
+    float acc[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) {
+      acc[i] = 0.f;
+      cute::warpgroup_fence_operand(acc[i]);
+    }
+    // Prologue: stage 0 into buffer 0; the packed weights of stage 1 in registers.
+    uint4 wnext = load_w(wp, 0);
+    uint32_t snext = load_scale(sp, 0);
+    load_x(smem_base + W_TILE, 0);
+    ddtree::cp_async_commit();
+    dequant_store(smem_base, wnext, snext, wrow, t);
+    if (units > 1) {
+      wnext = load_w(wp, 1);
+      snext = load_scale(sp, 1);
+    }
+    ddtree::cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared / cp.async -> wgmma
+    __syncthreads();
+
+    for (int u = 0; u < units; ++u) {
+      const uint32_t cur = smem_base + (u & 1) * STAGE, nxt = smem_base + ((u + 1) & 1) * STAGE;
+      cute::warpgroup_arrive();
+      const uint64_t da = sw128_desc(cur + wg * 64 * 128), db = sw128_desc(cur + W_TILE);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        gmma<O>(da + 2 * kk, db + 2 * kk, acc,
+                u == 0 && kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One,
+                cuda::std::make_integer_sequence<int, ACC>{});
+      cute::warpgroup_commit_batch();
+      if (u + 1 < units) {   // stage u + 1 into the other buffer (its wgmma, stage u - 1, has retired)
+        load_x(nxt + W_TILE, u + 1);
+        ddtree::cp_async_commit();
+        dequant_store(nxt, wnext, snext, wrow, t);
+        if (u + 2 < units) {
+          wnext = load_w(wp, u + 2);
+          snext = load_scale(sp, u + 2);
+        }
+      }
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+      ddtree::cp_async_wait<0>();
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncthreads();   // stage u + 1 complete; every warpgroup done with stage u
+    }
+
+    // Epilogue: acc[4j + 2i + b] = W row 16 (warp % 4) + g + 8i of the warpgroup's 64, token 8j + 2t + b.
+    const int r_wg = (warp & 3) * 16 + g;
+    if constexpr (MODE == 0) {
+      constexpr int LD = 64 + 4;
+      if (wg == 1) {   // up -> staging [token][row]
+#pragma unroll
+        for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int b = 0; b < 2; ++b) stg[(8 * j + 2 * t + b) * LD + r_wg + 8 * i] = acc[4 * j + 2 * i + b];
+      }
+      __syncthreads();
+      if (wg == 0) {
+        const int col0 = blockIdx.x * 64;
+#pragma unroll
+        for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            const int tok = 8 * j + 2 * t + b;
+            if (c0 + tok >= count) continue;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const float h = silu(acc[4 * j + 2 * i + b]) * stg[tok * LD + r_wg + 8 * i];
+              reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + c0 + tok) * n_rows + col0 + r_wg + 8 * i] =
+                  __float2bfloat16_rn(h);
+            }
+          }
+      }
+      __syncthreads();   // the staging (stage buffers) is free again for the next chunk
+    } else {
+      const int row0 = blockIdx.x * 128 + wg * 64;
+#pragma unroll
+      for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          const int tok = 8 * j + 2 * t + b;
+          if (c0 + tok >= count) continue;
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            reinterpret_cast<float*>(out)[(long long)(offset + c0 + tok) * n_rows + row0 + r_wg + 8 * i] =
+                acc[4 * j + 2 * i + b];
+        }
+    }
+  }
+}
+
+// cold_count[s] = slot_count[s] when below min_count (the mma.sync kernel's slots), else 0 (this file's).
+extern "C" __global__ void moe_slot_split_kernel(const int* __restrict__ slot_count, int* __restrict__ cold_count,
+                                                 int slots, int min_count) {
+  for (int s = blockIdx.x * blockDim.x + threadIdx.x; s < slots; s += gridDim.x * blockDim.x) {
+    const int c = slot_count[s];
+    cold_count[s] = c < min_count ? c : 0;
+  }
+}
