@@ -457,6 +457,7 @@ class MlaAttention:
         self.splits = splits or mla_splits(rows, kv_len, dev.sm_count)
         tile = MLA_GMMA_BN if self.kernel.startswith("gmma") else _MLA_BN
         split_len = math.ceil(kv_len / self.splits / tile) * tile
+        self.splits = math.ceil(kv_len / split_len)   # rounding split_len up to whole tiles can empty the last ones
         self.q = cuda.empty((self.tq, self.heads, MLA_D), np.uint16)
         self.out = cuda.empty((self.tq, self.heads, MLA_DV), np.uint16)
         ws_splits = self.splits if self.splits > 1 else 1
