@@ -37,8 +37,7 @@
 #include <cuda/std/utility>
 using cuda::std::uint32_t;
 using cuda::std::uint64_t;
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // N = 24, 40, 56, 72, ... (every multiple of 8)
-#include <cute/arch/mma_sm90_gmma.hpp>
+#include "gmma_sm90.cuh"
 #include "device_common.cuh"
 #include "linear_splitk.cuh"
 
@@ -64,20 +63,8 @@ DDTREE_GMMA_OP(192)
 DDTREE_GMMA_OP(256)
 #undef DDTREE_GMMA_OP
 
-template <class Op, int... I>
-__device__ __forceinline__ void gmma_fma(uint64_t da, uint64_t db, float* acc,
-                                         cuda::std::integer_sequence<int, I...>) {
-  Op::fma(da, db, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
-}
-
-// K-major operand, 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart (SBO), the tile base
-// 1024-byte aligned; advancing k by 16 inside the swizzle atom adds 32 bytes to the start address.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr) {
-  return (uint64_t)((smem_addr & 0x3FFFF) >> 4)   // start address
-         | ((uint64_t)1 << 16)                    // leading byte offset (unused for swizzled K-major)
-         | ((uint64_t)(1024 >> 4) << 32)          // stride byte offset
-         | ((uint64_t)1 << 62);                   // SWIZZLE_128B
-}
+using ddtree::cp_async16_s;
+using ddtree::sw128_desc;
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
@@ -119,11 +106,6 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
                : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote));
   return v;
 }
-__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
 }  // namespace
 
 // TN: tokens per tile (wgmma N). KA: 64-k atoms per pipeline stage. STAGES: shared-memory stages. RW: 64-row
@@ -264,7 +246,8 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
         const uint64_t da = sw128_desc(wbase + a * kAtomW + t * (64 * 128));
 #pragma unroll
         for (int j = 0; j < 4; ++j)  // k16 steps: +32 bytes = +2 in the descriptor's address field
-          gmma_fma<Op>(da + 2 * j, db + 2 * j, acc[t], cuda::std::make_integer_sequence<int, kAcc>{});
+          ddtree::gmma_ss<Op>(da + 2 * j, db + 2 * j, acc[t], cute::SM90::GMMA::ScaleOut::One,
+                              cuda::std::make_integer_sequence<int, kAcc>{});
       }
     }
     cute::warpgroup_commit_batch();

@@ -24,7 +24,7 @@
 #include <cuda/std/utility>
 using cuda::std::uint32_t;
 using cuda::std::uint64_t;
-#include <cute/arch/mma_sm90_gmma.hpp>
+#include "gmma_sm90.cuh"
 #include "device_common.cuh"
 
 namespace mla90 {
@@ -42,18 +42,10 @@ using OpS32 = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Ma
 using OpO = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
 using OpOs = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
 
-// Descriptor of a 128-byte-swizzled operand tile. K-major (Q, K): 8-row groups 1024 bytes apart (SBO), a k16
-// step inside the 128-byte chunk is +32 bytes of start address. MN-major (V): 64 columns per 128-byte row,
-// the next 64 columns (LBO) one chunk (8 KB) further, 8-position groups along K 1024 bytes apart (SBO).
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo_bytes) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo_bytes >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
-         ((uint64_t)1 << 62);
-}
-
-__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
+using ddtree::cp_async16_s;
+using ddtree::gmma_rs;
+using ddtree::gmma_ss;
+using ddtree::sw128_desc;
 
 // Rows [row0, row0 + 64) of a [rows_total, 576] bf16 matrix into a swizzled tile (zero rows past the end).
 __device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* g, int row0, int rows_total) {
@@ -64,21 +56,6 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* g, int 
     cp_async16_s(tile + c * CHUNK_BYTES + r * 128 + ((uc ^ (r & 7)) << 4),
                  g + (long long)(ok ? row0 + r : 0) * D + u * 8, ok);
   }
-}
-
-template <class Op, int... I>
-__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float* acc, cute::SM90::GMMA::ScaleOut sc,
-                                        cuda::std::integer_sequence<int, I...>) {
-  Op::fma(da, db, acc[I]..., sc);
-}
-template <class Op, int... I>
-__device__ __forceinline__ void gmma_ss1(uint64_t da, uint64_t db, float* acc, cuda::std::integer_sequence<int, I...>) {
-  Op::fma(da, db, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
-}
-template <class Op, int... I>
-__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float* acc,
-                                        cuda::std::integer_sequence<int, I...>) {
-  Op::fma(a[0], a[1], a[2], a[3], db, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -251,7 +228,8 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
     for (int kk = 0; kk < 4; ++kk) {
       const uint64_t dv = sw128_desc(cur + 4 * wg * CHUNK_BYTES + kk * 16 * 128, CHUNK_BYTES);
       if constexpr (SPLIT_S)
-        gmma_ss1<OpOs>(sw128_desc(sp, 16) + 2 * kk, dv, o, cuda::std::make_integer_sequence<int, 128>{});
+        gmma_ss<OpOs>(sw128_desc(sp, 16) + 2 * kk, dv, o, cute::SM90::GMMA::ScaleOut::One,
+                       cuda::std::make_integer_sequence<int, 128>{});
       else
         gmma_rs<OpO>(pa[kk], dv, o, cuda::std::make_integer_sequence<int, 128>{});
     }

@@ -28,6 +28,7 @@
 #include <cuda_bf16.h>
 #include <cute/arch/mma_sm80.hpp>
 #include "device_common.cuh"
+#include "int4_dequant.cuh"
 
 namespace moe_int4 {
 
@@ -51,21 +52,8 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// (q & 0x000f000f) | 0x43004300: two bf16 values 128 + nibble (low and high half-word).
-__device__ __forceinline__ uint32_t nib_to_bf16x2_biased(uint32_t q) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(q), "n"(0x000f000f), "n"(0x43004300));
-  return r;
-}
-
-// (v - 136) * s on bf16x2: v - 136 = q - 8 is exact, the product is rounded once (round to nearest).
-__device__ __forceinline__ uint32_t dequant_bf16x2(uint32_t v, uint32_t s2) {
-  uint32_t r;
-  const uint32_t one = 0x3f803f80u, minus136 = 0xc308c308u;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(one), "r"(minus136));
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(s2));
-  return r;
-}
+using ddtree::dequant_bf16x2;
+using ddtree::nib_to_bf16x2_biased;
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b0, b1,

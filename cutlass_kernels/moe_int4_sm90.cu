@@ -24,9 +24,9 @@
 #include <cuda/std/utility>
 using cuda::std::uint32_t;
 using cuda::std::uint64_t;
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#include <cute/arch/mma_sm90_gmma.hpp>
+#include "gmma_sm90.cuh"
 #include "device_common.cuh"
+#include "int4_dequant.cuh"
 
 namespace moe90 {
 constexpr int THREADS = 256;
@@ -43,39 +43,15 @@ DDTREE_MOE_GMMA_OP(128)
 DDTREE_MOE_GMMA_OP(256)
 #undef DDTREE_MOE_GMMA_OP
 
-template <class O, int... I>
-__device__ __forceinline__ void gmma(uint64_t da, uint64_t db, float* acc, cute::SM90::GMMA::ScaleOut sc,
-                                     cuda::std::integer_sequence<int, I...>) {
-  O::fma(da, db, acc[I]..., sc);
-}
+using ddtree::cp_async16_s;
+using ddtree::dequant_bf16x2;
+using ddtree::nib_to_bf16x2_biased;
+using ddtree::sw128_desc;
 
-// K-major, 128-byte swizzle: 128-byte rows, 8-row groups 1024 bytes apart; k16 step = +32 bytes.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
-         ((uint64_t)1 << 62);
-}
-
-__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
 __device__ __forceinline__ void st_shared16(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 
-// (q & 0x000f000f) | 0x43004300: two bf16 128 + nibble; then (v - 136) * s (moe_int4.cu's converter).
-__device__ __forceinline__ uint32_t nib_bf16x2(uint32_t q) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(q), "n"(0x000f000f), "n"(0x43004300));
-  return r;
-}
-__device__ __forceinline__ uint32_t dequant_bf16x2(uint32_t v, uint32_t s2) {
-  uint32_t r;
-  const uint32_t one = 0x3f803f80u, minus136 = 0xc308c308u;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(one), "r"(minus136));
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(s2));
-  return r;
-}
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 // The packed weights and the scale word of (row block rb of this lane, 64-k unit u).
@@ -95,10 +71,10 @@ __device__ __forceinline__ void dequant_store(uint32_t tile, uint4 w, uint32_t s
 #pragma unroll
   for (int s = 0; s < 4; ++s) {   // word s: columns 16t + 4s .. + 3
     const uint32_t q = words[s];
-    lo[2 * s] = dequant_bf16x2(nib_bf16x2(q), s_lo);            // nibbles 0, 4: row g, +0, +1
-    hi[2 * s] = dequant_bf16x2(nib_bf16x2(q >> 4), s_hi);       // nibbles 1, 5: row g + 8
-    lo[2 * s + 1] = dequant_bf16x2(nib_bf16x2(q >> 8), s_lo);   // nibbles 2, 6: row g, +2, +3
-    hi[2 * s + 1] = dequant_bf16x2(nib_bf16x2(q >> 12), s_hi);  // nibbles 3, 7: row g + 8
+    lo[2 * s] = dequant_bf16x2(nib_to_bf16x2_biased(q), s_lo);            // nibbles 0, 4: row g, +0, +1
+    hi[2 * s] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 4), s_hi);       // nibbles 1, 5: row g + 8
+    lo[2 * s + 1] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 8), s_lo);   // nibbles 2, 6: row g, +2, +3
+    hi[2 * s + 1] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 12), s_hi);  // nibbles 3, 7: row g + 8
   }
   const int r0 = row, r1 = row + 8;   // r0 % 8 == r1 % 8
 #pragma unroll
@@ -183,7 +159,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       const uint64_t da = sw128_desc(cur + wg * 64 * 128), db = sw128_desc(cur + W_TILE);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        gmma<O>(da + 2 * kk, db + 2 * kk, acc,
+        ddtree::gmma_ss<O>(da + 2 * kk, db + 2 * kk, acc,
                 u == 0 && kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One,
                 cuda::std::make_integer_sequence<int, ACC>{});
       cute::warpgroup_commit_batch();

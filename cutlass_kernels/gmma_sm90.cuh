@@ -1,0 +1,33 @@
+// Hopper wgmma helpers shared by the sm_90a families (dense_linear_sm90, mla_verify_sm90, moe_int4_sm90).
+#pragma once
+#include <cuda/std/cstdint>  // NVRTC has no <cstdint>
+#include <cuda/std/utility>
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // N = 24, 40, 56, 72, ... (every multiple of 8)
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+namespace ddtree {
+
+// Descriptor of a 128-byte-swizzled shared-memory operand (tile base 1024-byte aligned). K-major: 128-byte
+// rows, 8-row groups 1024 bytes apart (SBO); a k16 step inside the swizzle atom is +32 bytes of start address
+// (+2 in the descriptor); LBO unused (16). MN-major: 64 bf16 of MN per 128-byte row, the next 64 at LBO
+// bytes, 8-row K groups 1024 bytes apart (SBO).
+__device__ __forceinline__ cuda::std::uint64_t sw128_desc(cuda::std::uint32_t addr, cuda::std::uint32_t lbo_bytes = 16) {
+  return (cuda::std::uint64_t)((addr & 0x3FFFF) >> 4) | ((cuda::std::uint64_t)(lbo_bytes >> 4) << 16) |
+         ((cuda::std::uint64_t)(1024 >> 4) << 32) | ((cuda::std::uint64_t)1 << 62);
+}
+
+// One wgmma with both operands in shared memory, all of the thread's accumulators (acc[0 .. sizeof...(I))).
+template <class Op, int... I>
+__device__ __forceinline__ void gmma_ss(cuda::std::uint64_t da, cuda::std::uint64_t db, float* acc,
+                                        cute::SM90::GMMA::ScaleOut scale_d, cuda::std::integer_sequence<int, I...>) {
+  Op::fma(da, db, acc[I]..., scale_d);
+}
+
+// One wgmma with A from registers (4 x bf16x2: the m64k16 fragment), B in shared memory, accumulating.
+template <class Op, int... I>
+__device__ __forceinline__ void gmma_rs(const cuda::std::uint32_t (&a)[4], cuda::std::uint64_t db, float* acc,
+                                        cuda::std::integer_sequence<int, I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], db, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
+}
+
+}  // namespace ddtree
