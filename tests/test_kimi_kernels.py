@@ -152,6 +152,31 @@ def test_gmma_dequant_tile_matches_weights():
                                           err_msg=f"row blocks {rb0}.., unit {u}")
 
 
+def test_mla_split_s_p_tile_mapping():
+    """mla_attention_gmma_kernel<1>: each warpgroup stores its half of P from the S accumulator layout
+    (pa[kk][2h + ri] = rows g / g + 8, positions 32 wg + 16 kk + 8 h + 2t, + 1) into 16-byte units
+    (4 wg + 2 kk + h) ^ (row % 8); read back as the K-major 128-byte-swizzled A operand of P V, every
+    (row, position) of the 64 x 64 tile is written once, with its own value."""
+    P = np.arange(64 * 64, dtype=np.int64).reshape(64, 64)            # a distinct value per (row, position)
+    smem = np.full(64 * 64, -1, np.int64)                              # the tile, in bf16 elements
+    for wg in range(2):
+        for warp in range(4):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for kk in range(2):
+                    for h in range(2):
+                        for ri in range(2):
+                            row = warp * 16 + g + 8 * ri
+                            pos = 32 * wg + 16 * kk + 8 * h + 2 * t
+                            unit = (4 * wg + 2 * kk + h) ^ (row % 8)
+                            at = row * 64 + unit * 8 + t * 2                # byte offset t * 4 = element t * 2
+                            assert (smem[at:at + 2] == -1).all(), "written twice"
+                            smem[at:at + 2] = P[row, pos:pos + 2]
+    for row in range(64):
+        for pos in range(64):   # the wgmma K-major swizzled read of element (row, k = pos)
+            assert smem[row * 64 + ((pos // 8) ^ (row % 8)) * 8 + pos % 8] == P[row, pos], (row, pos)
+
+
 def test_route_reference_matches_plain_topk_and_groups():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 64)).astype(np.float32)

@@ -278,7 +278,8 @@ def launch_plans(default_fused_combine: bool):
         ("+early", dict(fused_routing=True, fuse_combine=True, early=True, pdl=True)),
         ("flip-comb",
          dict(fuse_combine=not default_fused_combine)),
-        # experts with >= 32 / 64 tokens on the wgmma kernel (sm_90a; elsewhere the row reads "failed")
+        # experts with >= 16 / 32 / 64 tokens on the wgmma kernel (sm_90a; elsewhere the row reads "failed")
+        ("gmma>=16", dict(gmma_min_tokens=16, gmma_tile=64)),
         ("gmma>=32", dict(gmma_min_tokens=32, gmma_tile=128)),
         ("gmma>=64", dict(gmma_min_tokens=64, gmma_tile=128)),
     ]
