@@ -161,6 +161,50 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
   }
 }
 
+// warp_gemm with two register buffers used in turn (the step loop unrolled by two), so no copy of the
+// prefetched weights per step: the copy wc = wn of warp_gemm costs ~40 register moves per step in SASS
+// (sm_90a, <0, 2, 4, 1, 1, 0>: 943 instructions per step, issue-bound at T = 1). STAGES = 1 variants.
+template <int RB, int NT>
+__device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
+                                                   const uint4* const (&sp)[RB], const uint4* const (&xrow)[NT],
+                                                   int u0, int u1, int lane, bool dep_wait) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < RB; ++j)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[j][n][c] = 0.f;
+  if (u0 >= u1) {
+    if (dep_wait) dependency_wait();
+    return;
+  }
+  uint4 wa[kStep][RB], sa[RB], wb[kStep][RB], sb[RB];
+  auto load_step = [&](uint4 (&w)[kStep][RB], uint4 (&sc)[RB], int un) {
+#pragma unroll
+    for (int j = 0; j < RB; ++j) {
+#pragma unroll
+      for (int uu = 0; uu < kStep; ++uu) w[uu][j] = ld_stream(wp[j] + (un + uu) * 32);
+      sc[j] = ld_cached(sp[j] + (un / 8) * 32 + ((un / 4) & 1));
+    }
+  };
+  auto compute_step = [&](const uint4 (&w)[kStep][RB], const uint4 (&sc)[RB], int u) {
+#pragma unroll
+    for (int uu = 0; uu < kStep; ++uu)
+      unit_mma<RB, NT>(acc, [&](int j) { return w[uu][j]; }, sc, uu, xrow, u + uu, t);
+  };
+  load_step(wa, sa, u0);
+  if (dep_wait) dependency_wait();   // the first weights are in flight; activations only after the wait
+  for (int u = u0; u < u1; u += 2 * kStep) {
+    const bool second = u + kStep < u1;
+    if (second) load_step(wb, sb, u + kStep);
+    compute_step(wa, sa, u);
+    if (!second) break;
+    if (u + 2 * kStep < u1) load_step(wa, sa, u + 2 * kStep);
+    compute_step(wb, sb, u + kStep);
+  }
+}
+
 using ddtree::cp_async16;
 using ddtree::cp_async_commit;
 using ddtree::cp_async_wait;
@@ -236,8 +280,10 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
     xrow[n] = i < count ? reinterpret_cast<const uint4*>(x + (long long)row * ldx) : nullptr;
   }
   float acc[RB][NT][4];
-  if constexpr (S > 0) {
-    warp_gemm_async<RB, NT, (S > 1 ? S : 2)>(acc, wp, sp, xrow, u0, u1, lane, ring, dep_wait);
+  if constexpr (S == 1) {
+    warp_gemm_pingpong<RB, NT>(acc, wp, sp, xrow, u0, u1, lane, dep_wait);
+  } else if constexpr (S > 1) {
+    warp_gemm_async<RB, NT, S>(acc, wp, sp, xrow, u0, u1, lane, ring, dep_wait);
   } else {
     warp_gemm<RB, NT>(acc, wp, sp, xrow, u0, u1, lane, dep_wait);
   }
@@ -339,12 +385,13 @@ __device__ __forceinline__ void combine4(const float* __restrict__ down_out, con
 // Block: WN x KS warps; warp (wn, ks) owns RB row blocks (MODE 0: RB/2 of gate and the same RB/2 of up)
 // and the ks-th part of K; the KS partial sums meet in shared memory. The slot's tokens go through in
 // chunks of 8, 16 or 32 (NT = 1, 2, 4 tiles, at most NTMAX), the weights streamed once per chunk.
-// STAGES = 0: weights prefetched one step ahead in registers; STAGES >= 2: through a cp.async ring.
+// STAGES = 0: weights prefetched one step ahead in registers; 1: the same with two register buffers in turn
+// (no per-step copy); STAGES >= 2: through a cp.async ring.
 // MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
 // tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES>
-__global__ void __launch_bounds__(32 * WN * KS)
+__global__ void __launch_bounds__(32 * WN * KS, STAGES == 1 ? 1 : 0)   // 1: room for both buffers
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                  const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
