@@ -75,13 +75,13 @@ constexpr int kStep = 4;         // K units per pipeline step (one 16-byte scale
 
 // One 64-wide K unit u of RB row blocks x NT token tiles: load the lane's activation fragments, then per row
 // block j dequantize its 16 weight bytes w_of(j) with scale word uu of sc[j] and multiply them in.
-template <int RB, int NT, class WeightOf>
+template <int RB, int NT, class WeightOf, bool PAD_ZERO = true>
 __device__ __forceinline__ void unit_mma(float (&acc)[RB][NT][4], WeightOf w_of, const uint4 (&sc)[RB], int uu,
                                          const uint4* const (&xrow)[NT], int u, int t) {
   uint4 xa[NT][2];
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
-    if (xrow[n] != nullptr) {
+    if (!PAD_ZERO || xrow[n] != nullptr) {   // PAD_ZERO false: padding tokens point at a real row
       const uint4* p = xrow[n] + u * (kUnit / 8) + t * 2;
       xa[n][0] = ld_cached(p);
       xa[n][1] = ld_cached(p + 1);
@@ -190,8 +190,10 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
   };
   auto compute_step = [&](const uint4 (&w)[kStep][RB], const uint4 (&sc)[RB], int u) {
 #pragma unroll
-    for (int uu = 0; uu < kStep; ++uu)
-      unit_mma<RB, NT>(acc, [&](int j) { return w[uu][j]; }, sc, uu, xrow, u + uu, t);
+    for (int uu = 0; uu < kStep; ++uu) {
+      auto w_of = [&](int j) { return w[uu][j]; };
+      unit_mma<RB, NT, decltype(w_of), false>(acc, w_of, sc, uu, xrow, u + uu, t);
+    }
   };
   load_step(wa, sa, u0);
   if (dep_wait) dependency_wait();   // the first weights are in flight; activations only after the wait
@@ -277,7 +279,11 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
     const int i = c0 + n * 8 + g;
     const int pos = offset + i;
     const int row = MODE == 0 ? (i < count ? sorted_token[pos] : 0) : pos;
-    xrow[n] = i < count ? reinterpret_cast<const uint4*>(x + (long long)row * ldx) : nullptr;
+    // STAGES 1: a padding token reads a real row (token 0 / the chunk's first position; its outputs are never
+    // stored), so the unit loop needs no null test and no zeroing
+    const int pad_row = MODE == 0 ? 0 : offset + c0;
+    xrow[n] = i < count ? reinterpret_cast<const uint4*>(x + (long long)row * ldx)
+            : S == 1 ? reinterpret_cast<const uint4*>(x + (long long)pad_row * ldx) : nullptr;
   }
   float acc[RB][NT][4];
   if constexpr (S == 1) {
