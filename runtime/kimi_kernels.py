@@ -236,6 +236,11 @@ class MoeLayer:
                              f"(divides E, <= 32), topk_group={topk_group} (1..n_group)")
         if np.asarray(bias).size != E:
             raise ValueError(f"bias has {np.asarray(bias).size} entries, want E = {E}")
+        if gmma_min_tokens is not None and (gmma_tile not in (64, 128, 256) or gmma_min_tokens < 1 or early
+                                            or w.inter % 64 or w.hidden % 128):
+            raise ValueError(f"gmma_min_tokens={gmma_min_tokens}, gmma_tile={gmma_tile}, early={early}: want tokens "
+                             f">= 1, a tile of 64/128/256, no early down start, inter % 64 == 0 and hidden % 128 "
+                             f"== 0 (got {w.inter}, {w.hidden})")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
             raise ValueError(f"shared expert output must be bf16 [T, hidden] = [{T}, {w.hidden}], got "
                              f"{shared.dtype} {shared.shape}")
@@ -292,12 +297,6 @@ class MoeLayer:
             if cuda.get_device().arch != "90a":
                 raise ValueError(f"gmma_min_tokens: the wgmma MoE kernel is built for sm_90a; this device is "
                                  f"sm_{cuda.get_device().arch}")
-            if gmma_tile not in (64, 128, 256) or gmma_min_tokens < 1 or self.early:
-                raise ValueError(f"gmma_min_tokens={gmma_min_tokens}, gmma_tile={gmma_tile}, early={early}: want "
-                                 f"tokens >= 1, a tile of 64/128/256 and no early down start")
-            if w.inter % 64 or w.hidden % 128:
-                raise ValueError(f"wgmma MoE tiles need inter % 64 == 0 and hidden % 128 == 0, got {w.inter}, "
-                                 f"{w.hidden}")
             counts = self.cold_count = cuda.empty((self.num_slots,), np.int32)
             self.stages.append(("route", cuda.get_kernel("moe_int4_sm90", "moe_slot_split_kernel").prepare(
                 ((self.num_slots + 255) // 256,), (256,),

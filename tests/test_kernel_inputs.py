@@ -149,7 +149,13 @@ def test_kimi_entry_points():
         kk.MoeLayer(w, 4, np.zeros(7, np.float32), topk=4)
     with pytest.raises(ValueError, match="shared expert output"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, shared=fake((4, 256)))
+    with pytest.raises(ValueError, match="gmma_tile=100"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_tile=100)
+    with pytest.raises(ValueError, match="early=True"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, early=True)
     kv = fake((100, 576))
+    with pytest.raises(ValueError, match="kernel='wgmma'"):
+        kk.MlaAttention(8, 8, kv, 10, 0.1, kernel="wgmma")
     with pytest.raises(ValueError, match="kv cache"):
         kk.MlaAttention(8, 8, kv, 95, 0.1)
     with pytest.raises(ValueError, match=r"mask uint32 \(8, 1\)|want uint32"):
