@@ -235,7 +235,7 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
     return rows
 
 
-def bench_attention(stream, quick):
+def bench_attention(stream, quick, split_counts=(0,)):
     from runtime.backends.base import causal_visibility
     rng = np.random.default_rng(1)
     Hq, Hkv, D = 32, 8, 128  # Qwen3-8B
@@ -256,14 +256,15 @@ def bench_attention(stream, quick):
             kv.append((k, v))
         n_prefix = to_device(np.array([prefix], np.int32))
         base_us = None
-        for budget in budgets:
+        for budget, forced in ((b, f) for b in budgets for f in split_counts):
             T = budget + 1
             q = to_device(to_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32)))
             vis = to_device(causal_visibility(T))  # a chain: the densest tree mask
             out = empty((T, Hq, D), np.uint16)
-            splits = dk.attention_splits(T, Hq, Hkv, prefix + T, get_device().sm_count)
+            splits = forced or dk.attention_splits(T, Hq, Hkv, prefix + T, get_device().sm_count)
             us = graph_time_us(lambda i, s: dk.attention(q, kv[i % copies][0], kv[i % copies][1], n_prefix, vis,
-                                                         D ** -0.5, out, T=T, max_keys=prefix + T, stream=s),
+                                                         D ** -0.5, out, T=T, max_keys=prefix + T, splits=splits,
+                                                         stream=s),
                                reps=max(copies, 4), stream=stream)
             if base_us is None:
                 base_us = us
@@ -303,6 +304,8 @@ def main():
     ap.add_argument("--gmma", action="store_true", help="also time the sm_90a GMMA linear against mma.sync (M >= 9)")
     ap.add_argument("--ops", nargs="+", help="linear shapes to time: op names or model:op")
     ap.add_argument("--peer", action="store_true", help="add cuBLAS rows (torch, in a child process)")
+    ap.add_argument("--attn-splits", type=int, nargs="+", default=[0],
+                    help="attention: KV split counts to time per budget (0 = the planned one)")
     ap.add_argument("--torch-linear", metavar="JSON", help=argparse.SUPPRESS)  # the --peer child
     args = ap.parse_args()
     if args.torch_linear:
@@ -316,7 +319,7 @@ def main():
         print(f"streaming read: {read_bw / 1e12:.3f} TB/s (runtime_probe read_sum_kernel, 2 GiB, best config)")
         bench_linear(stream, read_bw, args.m, args.quick, args.gmma, args.ops, peer)
     if not args.linear_only:
-        bench_attention(stream, args.quick)
+        bench_attention(stream, args.quick, args.attn_splits)
         bench_sampling(stream)
 
 
