@@ -111,6 +111,18 @@ __device__ __forceinline__ void unit_mma(float (&acc)[RB][NT][4], WeightOf w_of,
   }
 }
 
+// The register pipeline's loads of one step (4 units from un on): each row block's weights and scale word.
+template <int RB>
+__device__ __forceinline__ void load_weight_step(uint4 (&w)[kStep][RB], uint4 (&sc)[RB], const uint4* const (&wp)[RB],
+                                                 const uint4* const (&sp)[RB], int un) {
+#pragma unroll
+  for (int j = 0; j < RB; ++j) {
+#pragma unroll
+    for (int uu = 0; uu < kStep; ++uu) w[uu][j] = ld_stream(wp[j] + (un + uu) * 32);
+    sc[j] = ld_cached(sp[j] + (un / 8) * 32 + ((un / 4) & 1));
+  }
+}
+
 // Per-warp work for NT token tiles (8 tokens each): accumulate RB row blocks over K units [u0, u1).
 // xrow[nt]: this lane's activation row (token g of tile nt) or nullptr when the token is padding.
 template <int RB, int NT>
@@ -131,12 +143,7 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
 
   // Software pipeline: the weights and scales of step i+1 are in flight while step i computes.
   uint4 wn[kStep][RB], sn[RB];
-#pragma unroll
-  for (int j = 0; j < RB; ++j) {
-#pragma unroll
-    for (int uu = 0; uu < kStep; ++uu) wn[uu][j] = ld_stream(wp[j] + (u0 + uu) * 32);
-    sn[j] = ld_cached(sp[j] + (u0 / 8) * 32 + ((u0 / 4) & 1));
-  }
+  load_weight_step(wn, sn, wp, sp, u0);
   if (dep_wait) dependency_wait();   // the first weights are in flight; activations only after the wait
   for (int u = u0; u < u1; u += kStep) {
     uint4 wc[kStep][RB], sc[RB];
@@ -146,15 +153,7 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
 #pragma unroll
       for (int uu = 0; uu < kStep; ++uu) wc[uu][j] = wn[uu][j];
     }
-    if (u + kStep < u1) {
-      const int un = u + kStep;
-#pragma unroll
-      for (int j = 0; j < RB; ++j) {
-#pragma unroll
-        for (int uu = 0; uu < kStep; ++uu) wn[uu][j] = ld_stream(wp[j] + (un + uu) * 32);
-        sn[j] = ld_cached(sp[j] + (un / 8) * 32 + ((un / 4) & 1));
-      }
-    }
+    if (u + kStep < u1) load_weight_step(wn, sn, wp, sp, u + kStep);
 #pragma unroll
     for (int uu = 0; uu < kStep; ++uu)
       unit_mma<RB, NT>(acc, [&](int j) { return wc[uu][j]; }, sc, uu, xrow, u + uu, t);
@@ -180,14 +179,6 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
     return;
   }
   uint4 wa[kStep][RB], sa[RB], wb[kStep][RB], sb[RB];
-  auto load_step = [&](uint4 (&w)[kStep][RB], uint4 (&sc)[RB], int un) {
-#pragma unroll
-    for (int j = 0; j < RB; ++j) {
-#pragma unroll
-      for (int uu = 0; uu < kStep; ++uu) w[uu][j] = ld_stream(wp[j] + (un + uu) * 32);
-      sc[j] = ld_cached(sp[j] + (un / 8) * 32 + ((un / 4) & 1));
-    }
-  };
   auto compute_step = [&](const uint4 (&w)[kStep][RB], const uint4 (&sc)[RB], int u) {
 #pragma unroll
     for (int uu = 0; uu < kStep; ++uu) {
@@ -195,14 +186,14 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
       unit_mma<RB, NT, decltype(w_of), false>(acc, w_of, sc, uu, xrow, u + uu, t);
     }
   };
-  load_step(wa, sa, u0);
+  load_weight_step(wa, sa, wp, sp, u0);
   if (dep_wait) dependency_wait();   // the first weights are in flight; activations only after the wait
   for (int u = u0; u < u1; u += 2 * kStep) {
     const bool second = u + kStep < u1;
-    if (second) load_step(wb, sb, u + kStep);
+    if (second) load_weight_step(wb, sb, wp, sp, u + kStep);
     compute_step(wa, sa, u);
     if (!second) break;
-    if (u + 2 * kStep < u1) load_step(wa, sa, u + 2 * kStep);
+    if (u + 2 * kStep < u1) load_weight_step(wa, sa, wp, sp, u + 2 * kStep);
     compute_step(wb, sb, u + kStep);
   }
 }
