@@ -46,22 +46,6 @@ namespace {
 
 constexpr int kStagePad = 4;           // fp32 pad of the epilogue staging rows (conflict-free fragment stores)
 
-template <int TN> struct GmmaOp;
-#define DDTREE_GMMA_OP(N)                                                                          \
-  template <> struct GmmaOp<N> {                                                                   \
-    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,       \
-                                                                  cute::SM90::GMMA::Major::K>;     \
-  };
-DDTREE_GMMA_OP(16)
-DDTREE_GMMA_OP(32)
-DDTREE_GMMA_OP(48)
-DDTREE_GMMA_OP(64)
-DDTREE_GMMA_OP(72)
-DDTREE_GMMA_OP(96)
-DDTREE_GMMA_OP(128)
-DDTREE_GMMA_OP(192)
-DDTREE_GMMA_OP(256)
-#undef DDTREE_GMMA_OP
 
 using ddtree::cp_async16_s;
 using ddtree::sw128_desc;
@@ -138,7 +122,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   constexpr int kStageK = 64 * KA;
   constexpr int kAcc = TN / 2;  // fp32 accumulators per thread per 64-row tile (64 x TN per warpgroup)
   constexpr int kWq = 4 * RW;   // W rows per thread per atom (one 16-byte chunk each): kRows / (threads / 8)
-  using Op = typename GmmaOp<TN>::type;
+  using Op = typename ddtree::GmmaOp<TN>::type;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * STAGES];  // full[0..S), empty[0..S)

@@ -16,6 +16,24 @@ __device__ __forceinline__ cuda::std::uint64_t sw128_desc(cuda::std::uint32_t ad
          ((cuda::std::uint64_t)(1024 >> 4) << 32) | ((cuda::std::uint64_t)1 << 62);
 }
 
+// wgmma m64nNk16 bf16 -> fp32, both operands K-major in shared memory, for the N the kernels instantiate.
+template <int TN> struct GmmaOp;
+#define DDTREE_GMMA_OP(N)                                                                          \
+  template <> struct GmmaOp<N> {                                                                   \
+    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,       \
+                                                                  cute::SM90::GMMA::Major::K>;     \
+  };
+DDTREE_GMMA_OP(16)
+DDTREE_GMMA_OP(32)
+DDTREE_GMMA_OP(48)
+DDTREE_GMMA_OP(64)
+DDTREE_GMMA_OP(72)
+DDTREE_GMMA_OP(96)
+DDTREE_GMMA_OP(128)
+DDTREE_GMMA_OP(192)
+DDTREE_GMMA_OP(256)
+#undef DDTREE_GMMA_OP
+
 // One wgmma with both operands in shared memory, all of the thread's accumulators (acc[0 .. sizeof...(I))).
 template <class Op, int... I>
 __device__ __forceinline__ void gmma_ss(cuda::std::uint64_t da, cuda::std::uint64_t db, float* acc,

@@ -37,8 +37,8 @@ constexpr int TILE_BYTES = CHUNKS * CHUNK_BYTES;
 constexpr int THREADS = 256;
 
 constexpr int P_BYTES = 64 * 128;      // P tile (SPLIT_S): 64 rows x 64 positions bf16, swizzled
-using OpS = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-using OpS32 = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+using OpS = ddtree::GmmaOp<64>::type;     // S = Q K^T over a 64-position tile
+using OpS32 = ddtree::GmmaOp<32>::type;   // SPLIT_S: this warpgroup's 32 positions
 using OpO = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
 using OpOs = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
 

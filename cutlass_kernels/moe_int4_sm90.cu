@@ -32,16 +32,6 @@ namespace moe90 {
 constexpr int THREADS = 256;
 constexpr int W_TILE = 128 * 128;   // 128 rows x 64 k bf16
 
-template <int TN> struct Op;
-#define DDTREE_MOE_GMMA_OP(N)                                                                       \
-  template <> struct Op<N> {                                                                        \
-    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,        \
-                                                                  cute::SM90::GMMA::Major::K>;      \
-  };
-DDTREE_MOE_GMMA_OP(64)
-DDTREE_MOE_GMMA_OP(128)
-DDTREE_MOE_GMMA_OP(256)
-#undef DDTREE_MOE_GMMA_OP
 
 using ddtree::cp_async16_s;
 using ddtree::dequant_bf16x2;
@@ -101,7 +91,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = W_TILE + X_TILE;
   constexpr int ACC = TN / 2;
-  using O = typename Op<TN>::type;
+  using O = typename ddtree::GmmaOp<TN>::type;
   const int slot = blockIdx.y;
   const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
   if (expert < 0 || count < min_count) return;   // the mma.sync kernel's slot
