@@ -172,36 +172,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
 
     // Epilogue: acc[4j + 2i + b] = W row 16 (warp % 4) + g + 8i of the warpgroup's 64, token 8j + 2t + b.
     const int r_wg = (warp & 3) * 16 + g;
-    if constexpr (MODE == 0) {
-      constexpr int LD = 64 + 4;
-      if (wg == 1) {   // up -> staging [token][row]
-#pragma unroll
-        for (int j = 0; j < TN / 8; ++j)
-#pragma unroll
-          for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int b = 0; b < 2; ++b) stg[(8 * j + 2 * t + b) * LD + r_wg + 8 * i] = acc[4 * j + 2 * i + b];
-      }
-      __syncthreads();
-      if (wg == 0) {
-        const int col0 = blockIdx.x * 64;
-#pragma unroll
-        for (int j = 0; j < TN / 8; ++j)
-#pragma unroll
-          for (int b = 0; b < 2; ++b) {
-            const int tok = 8 * j + 2 * t + b;
-            if (c0 + tok >= count) continue;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              const float h = silu(acc[4 * j + 2 * i + b]) * stg[tok * LD + r_wg + 8 * i];
-              reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + c0 + tok) * n_rows + col0 + r_wg + 8 * i] =
-                  __float2bfloat16_rn(h);
-            }
-          }
-      }
-      __syncthreads();   // the staging (stage buffers) is free again for the next chunk
-    } else {
-      const int row0 = blockIdx.x * 128 + wg * 64;
+    auto for_each_output = [&](auto&& f) {   // f(token of the chunk, row of the warpgroup's 64, value)
 #pragma unroll
       for (int j = 0; j < TN / 8; ++j)
 #pragma unroll
@@ -209,10 +180,23 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
           const int tok = 8 * j + 2 * t + b;
           if (c0 + tok >= count) continue;
 #pragma unroll
-          for (int i = 0; i < 2; ++i)
-            reinterpret_cast<float*>(out)[(long long)(offset + c0 + tok) * n_rows + row0 + r_wg + 8 * i] =
-                acc[4 * j + 2 * i + b];
+          for (int i = 0; i < 2; ++i) f(tok, r_wg + 8 * i, acc[4 * j + 2 * i + b]);
         }
+    };
+    if constexpr (MODE == 0) {   // warpgroup 1's up sums meet warpgroup 0's gate sums in shared memory
+      constexpr int LD = 64 + 4;
+      if (wg == 1) for_each_output([&](int tok, int r, float up) { stg[tok * LD + r] = up; });
+      __syncthreads();
+      if (wg == 0)
+        for_each_output([&](int tok, int r, float gate) {
+          reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + c0 + tok) * n_rows + blockIdx.x * 64 + r] =
+              __float2bfloat16_rn(silu(gate) * stg[tok * LD + r]);
+        });
+      __syncthreads();   // the staging (stage buffers) is free again for the next chunk
+    } else {
+      for_each_output([&](int tok, int r, float v) {
+        reinterpret_cast<float*>(out)[(long long)(offset + c0 + tok) * n_rows + blockIdx.x * 128 + wg * 64 + r] = v;
+      });
     }
   }
 }
