@@ -18,10 +18,11 @@
 
 #include <cuda_bf16.h>
 #include <cute/arch/mma_sm80.hpp>
+#include "mla_common.cuh"
 
 namespace mla {
 constexpr int D = 576;          // latent 512 + rope 64
-constexpr int DV = 512;
+constexpr int DV = mla_common::DV;
 constexpr int LD = D + 8;       // padded smem row (elements): 1168 bytes, rows hit different banks
 constexpr int BM = 64;          // (token, head) rows per block
 constexpr int BN = 32;          // KV positions per tile
@@ -50,10 +51,7 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
   cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b0, b1,
                                             c[0], c[1], c[2], c[3]);
 }
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
+using mla_common::pack_bf16;
 
 // Rows [row0, row0+BM) of a [rows, D] bf16 matrix into smem (zero rows past the end).
 __device__ __forceinline__ void load_rows_async(uint16_t* s, const uint16_t* g, int row0, int nrows_tile,
@@ -169,12 +167,7 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
         const int ri = c >> 1;
         const int p = p0 + j * 8 + 2 * t + (c & 1);
         const int tok = my_tok[ri];
-        bool vis = p < kv_end && tok >= 0;
-        if (vis && p >= prefix_len) {
-          const int node = p - prefix_len;
-          vis = mask != nullptr ? ((mask[(long long)tok * mask_words + (node >> 5)] >> (node & 31)) & 1u) != 0
-                                : node <= tok;
-        }
+        const bool vis = mla_common::visible(p, tok, kv_end, prefix_len, mask, mask_words);
         const float v = vis ? s[j][c] * sl2 : NEG_INF;
         s[j][c] = v;
         mnew[ri] = fmaxf(mnew[ri], v);
@@ -234,26 +227,8 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
   for (int ri = 0; ri < 2; ++ri) {
     const int row = my_row[ri];
     if (row >= rows_total) continue;
-    if (gridDim.z == 1) {
-      const float inv = l[ri] > 0.f ? 1.f / l[ri] : 0.f;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = half * 256 + j * 8 + 2 * t;
-        *reinterpret_cast<uint32_t*>(out + (long long)row * DV + col) =
-            pack_bf16(o[j][2 * ri] * inv, o[j][2 * ri + 1] * inv);
-      }
-    } else {
-      float* po = part_o + ((long long)split * rows_total + row) * DV;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = half * 256 + j * 8 + 2 * t;
-        *reinterpret_cast<float2*>(po + col) = make_float2(o[j][2 * ri], o[j][2 * ri + 1]);
-      }
-      if (half == 0 && t == 0) {
-        part_ml[((long long)split * rows_total + row) * 2 + 0] = m[ri];
-        part_ml[((long long)split * rows_total + row) * 2 + 1] = l[ri];
-      }
-    }
+    mla_common::store_row<32>(row, half, t, [&](int j, int b) { return o[j][2 * ri + b]; }, m[ri], l[ri], split,
+                              rows_total, out, part_o, part_ml);
   }
 }
 

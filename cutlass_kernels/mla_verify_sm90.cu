@@ -26,9 +26,10 @@ using cuda::std::uint32_t;
 using cuda::std::uint64_t;
 #include "gmma_sm90.cuh"
 #include "device_common.cuh"
+#include "mla_common.cuh"
 
 namespace mla90 {
-constexpr int D = 576, DV = 512;
+constexpr int D = 576;
 constexpr int BM = 64;                 // (token, head) rows per block
 constexpr int BN = 64;                 // KV positions per tile
 constexpr int CHUNKS = D / 64;         // 64-column (128-byte) chunks of a row
@@ -58,10 +59,7 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* g, int 
   }
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
+using mla_common::pack_bf16;
 }  // namespace mla90
 
 template <int SPLIT_S>
@@ -155,12 +153,7 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
         const int ri = e >> 1;
         const int p = ps + j * 8 + 2 * t + (e & 1);
         const int tok = my_tok[ri];
-        bool vis = p < kv_end && tok >= 0;
-        if (vis && p >= prefix_len) {
-          const int node = p - prefix_len;
-          vis = mask != nullptr ? ((mask[(long long)tok * mask_words + (node >> 5)] >> (node & 31)) & 1u) != 0
-                                : node <= tok;
-        }
+        const bool vis = mla_common::visible(p, tok, kv_end, prefix_len, mask, mask_words);
         const float v = vis ? s[4 * j + e] * sl2 : NEG_INF;
         s[4 * j + e] = v;
         mnew[ri] = fmaxf(mnew[ri], v);
@@ -260,25 +253,7 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
   for (int ri = 0; ri < 2; ++ri) {
     const int row = my_row[ri];
     if (row >= rows_total) continue;
-    if (gridDim.z == 1) {
-      const float inv = l[ri] > 0.f ? 1.f / l[ri] : 0.f;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = wg * 256 + j * 8 + 2 * t;
-        *reinterpret_cast<uint32_t*>(out + (long long)row * DV + col) =
-            pack_bf16(o[4 * j + 2 * ri] * inv, o[4 * j + 2 * ri + 1] * inv);
-      }
-    } else {
-      float* po = part_o + ((long long)split * rows_total + row) * DV;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = wg * 256 + j * 8 + 2 * t;
-        *reinterpret_cast<float2*>(po + col) = make_float2(o[4 * j + 2 * ri], o[4 * j + 2 * ri + 1]);
-      }
-      if (wg == 0 && t == 0) {
-        part_ml[((long long)split * rows_total + row) * 2 + 0] = m[ri];
-        part_ml[((long long)split * rows_total + row) * 2 + 1] = l[ri];
-      }
-    }
+    mla_common::store_row<32>(row, wg, t, [&](int j, int b) { return o[4 * j + 2 * ri + b]; }, m[ri], l[ri], split,
+                              rows_total, out, part_o, part_ml);
   }
 }
