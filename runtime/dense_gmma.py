@@ -20,10 +20,10 @@ import numpy as np
 from runtime.cuda import DeviceArray, get_device, get_kernel
 from runtime.dense_kernels import Workspace, _i32, _need, default_workspace, linear_checks
 
-from cutlass_kernels.registry import DENSE_GMMA_INSTANCES, gmma_entry
+from cutlass_kernels.registry import DENSE_GMMA_INSTANCES, FAMILIES, gmma_entry
 
 FAMILY = "dense_linear_sm90"
-GMMA_ARCHS = ("90a",)
+GMMA_ARCHS = FAMILIES[FAMILY].archs
 GMMA_ROWS_PER_WARPGROUP = 64     # W rows per warpgroup (x RW); a block has NWG warpgroups of 128 threads
 GMMA_NWG = 2                     # warpgroups per block the planner uses by default
 # Three warpgroups (192 rows, one 64-k atom x 6-8 stages) where their unsplit blocks fill one wave: H200,

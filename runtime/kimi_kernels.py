@@ -114,6 +114,16 @@ def _cuda():
     return cuda
 
 
+def _family_archs(family: str) -> tuple:
+    from cutlass_kernels.registry import FAMILIES
+    return FAMILIES[family].archs
+
+
+def _family_runs_here(family: str, dev) -> bool:
+    """Whether the registry builds `family` for the device's arch (the sm_90a-only wgmma families)."""
+    return dev.arch in _family_archs(family)
+
+
 I32, F32 = np.int32, np.float32
 
 
@@ -294,9 +304,9 @@ class MoeLayer:
         self.gmma_min_tokens = gmma_min_tokens
         counts = self.slot_count   # what the mma.sync kernels see
         if gmma_min_tokens:
-            if cuda.get_device().arch != "90a":
-                raise ValueError(f"gmma_min_tokens: the wgmma MoE kernel is built for sm_90a; this device is "
-                                 f"sm_{cuda.get_device().arch}")
+            if not _family_runs_here("moe_int4_sm90", cuda.get_device()):
+                raise ValueError(f"gmma_min_tokens: the wgmma MoE kernel is built for "
+                                 f"{_family_archs('moe_int4_sm90')}; this device is sm_{cuda.get_device().arch}")
             counts = self.cold_count = cuda.empty((self.num_slots,), np.int32)
             self.stages.append(("route", cuda.get_kernel("moe_int4_sm90", "moe_slot_split_kernel").prepare(
                 ((self.num_slots + 255) // 256,), (256,),
@@ -381,11 +391,11 @@ MLA_SMEM = (_MLA_BM * _MLA_LD + 2 * _MLA_BN * _MLA_LD) * 2 + 2 * 4 * 4 * 4 * 32 
 MLA_GMMA_BN = 64
 MLA_GMMA_SMEM = 1024 + 3 * _MLA_BM * MLA_D * 2
 MLA_GMMA_SPLIT_SMEM = MLA_GMMA_SMEM + _MLA_BM * 64 * 2 + 2 * _MLA_BM * 4   # + the P tile, maxima / sums
-# kernel name -> (family, entry, dynamic smem): "gmma-split" computes S once (split by positions over the two
-# warpgroups, P through shared memory): built and GPU-tested, opt-in until measured faster
-_MLA_KERNELS = {"mma": ("mla_verify", "mla_attention_kernel", MLA_SMEM),
-                "gmma": ("mla_verify_sm90", "mla_attention_gmma_kernel<0>", MLA_GMMA_SMEM),
-                "gmma-split": ("mla_verify_sm90", "mla_attention_gmma_kernel<1>", MLA_GMMA_SPLIT_SMEM)}
+# kernel name -> (family, entry, dynamic smem, KV positions per tile): "gmma-split" computes S once (split by
+# positions over the two warpgroups, P through shared memory): built and GPU-tested, opt-in until measured
+_MLA_KERNELS = {"mma": ("mla_verify", "mla_attention_kernel", MLA_SMEM, _MLA_BN),
+                "gmma": ("mla_verify_sm90", "mla_attention_gmma_kernel<0>", MLA_GMMA_SMEM, MLA_GMMA_BN),
+                "gmma-split": ("mla_verify_sm90", "mla_attention_gmma_kernel<1>", MLA_GMMA_SPLIT_SMEM, MLA_GMMA_BN)}
 # Which attention kernel MlaAttention launches unless told: "auto" = "gmma" (wgmma) on sm_90a, else "mma"
 # (mma.sync, every arch); asking for "gmma" elsewhere is an error. DDTREE_MLA_KERNEL for A/B timing. H200
 # (2026-12-03 (3) run 10, same run): gmma 1.29-1.49x faster at budgets 16..256 (H = 64, 32k, b256 7295 ->
@@ -451,11 +461,12 @@ class MlaAttention:
                              f"[{self.tq}, {need_words}]")
         dev = cuda.get_device()
         if self.kernel == "auto":
-            self.kernel = "gmma" if dev.arch == "90a" else "mma"
-        if self.kernel.startswith("gmma") and dev.arch != "90a":
-            raise ValueError(f"kernel={self.kernel!r} is built for sm_90a; this device is sm_{dev.arch}")
+            self.kernel = "gmma" if _family_runs_here("mla_verify_sm90", dev) else "mma"
+        family, entry, smem, tile = _MLA_KERNELS[self.kernel]
+        if not _family_runs_here(family, dev):
+            raise ValueError(f"kernel={self.kernel!r} is built for {_family_archs(family)}; this device is "
+                             f"sm_{dev.arch}")
         self.splits = splits or mla_splits(rows, kv_len, dev.sm_count)
-        tile = MLA_GMMA_BN if self.kernel.startswith("gmma") else _MLA_BN
         split_len = math.ceil(kv_len / self.splits / tile) * tile
         self.splits = math.ceil(kv_len / split_len)   # rounding split_len up to whole tiles can empty the last ones
         self.q = cuda.empty((self.tq, self.heads, MLA_D), np.uint16)
@@ -463,7 +474,6 @@ class MlaAttention:
         ws_splits = self.splits if self.splits > 1 else 1
         self.part_o = cuda.empty((ws_splits, rows, MLA_DV), np.float32)
         self.part_ml = cuda.empty((ws_splits, rows, 2), np.float32)
-        family, entry, smem = _MLA_KERNELS[self.kernel]
         k = cuda.get_kernel(family, entry)
         k.set_max_dynamic_smem(smem)
         words = mask.shape[1] if mask is not None else 0
