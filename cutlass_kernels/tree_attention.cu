@@ -11,6 +11,9 @@
 // online softmax in fp32 in base-2. n_prefix is read from device memory so a captured graph replays at
 // any prefix length. Long prefixes with few rows (decode, small trees) split the slots over blockIdx.z
 // (flash-decoding); the splits write (O/l, log2 sum) partials that attention_combine_kernel merges.
+// The grid's split count is sized for the largest prefix a graph will see; at replay the kernels use only
+// active_splits() of them, from the actual prefix (min_split_tiles key tiles per split at least; 0 = all),
+// so a short prefix is one block per row tile that writes O directly and the combine kernel exits at once.
 #include <cuda_bf16.h>
 #include <cuda/std/cstdint>  // NVRTC has no <cstdint>
 using cuda::std::uint16_t;
@@ -54,6 +57,12 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
                                             d[0], d[1], d[2], d[3]);
 }
 
+// Splits that get work: each keeps >= min_split_tiles key tiles (0: every split of the grid).
+__device__ __forceinline__ int active_splits(int n_keys, int grid_splits, int min_split_tiles) {
+  const int n_tiles = (n_keys + kTileKeys - 1) / kTileKeys;
+  return min_split_tiles > 0 ? max(1, min(grid_splits, n_tiles / min_split_tiles)) : grid_splits;
+}
+
 }  // namespace
 
 // grid (ceil(T*G / 64), Hkv, splits), block 128, dynamic smem = tree_attention_smem_bytes(D).
@@ -67,7 +76,7 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
                       const int* __restrict__ n_prefix_ptr,
                       __nv_bfloat16* __restrict__ o, int ldo,
                       float* __restrict__ ws_o, float* __restrict__ ws_lse,
-                      int T, int Hq, int Hkv, float scale_log2) {
+                      int T, int Hq, int Hkv, float scale_log2, int min_split_tiles) {
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   constexpr int kLd = D + 8;  // 16 B row pad: the 8 rows of an ldmatrix hit 8 different bank groups
@@ -83,7 +92,8 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
   const int n_prefix = *n_prefix_ptr;
   const int n_keys = n_prefix + T;
   const int n_tiles = (n_keys + kTileKeys - 1) / kTileKeys;
-  const int splits = gridDim.z;
+  const int splits = active_splits(n_keys, gridDim.z, min_split_tiles);
+  if ((int)blockIdx.z >= splits) return;
   const int per_split = (n_tiles + splits - 1) / splits;
   const int tile_begin = blockIdx.z * per_split;
   const int tile_end = min(n_tiles, tile_begin + per_split);
@@ -248,10 +258,13 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
 // Merge the split partials: o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M). grid T*Hq, block D.
 template <int D>
 __global__ void __launch_bounds__(D)
-attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_lse, int splits,
-                         __nv_bfloat16* __restrict__ o, int ldo, int T, int Hq) {
+attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_lse, int grid_splits,
+                         __nv_bfloat16* __restrict__ o, int ldo, int T, int Hq, const int* __restrict__ n_prefix_ptr,
+                         int min_split_tiles) {
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
+  const int splits = active_splits(*n_prefix_ptr + T, grid_splits, min_split_tiles);
+  if (splits == 1) return;  // the attention kernel wrote o itself
   const int qh = blockIdx.x;
   const int qi = qh / Hq, head = qh % Hq;
   const size_t stride = (size_t)T * Hq;
@@ -275,11 +288,11 @@ attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict
 
 template __global__ void tree_attention_kernel<64>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
     const __nv_bfloat16*, int, const uint32_t*, int, const int*, __nv_bfloat16*, int, float*, float*, int, int,
-    int, float);
+    int, float, int);
 template __global__ void tree_attention_kernel<128>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
     const __nv_bfloat16*, int, const uint32_t*, int, const int*, __nv_bfloat16*, int, float*, float*, int, int,
-    int, float);
+    int, float, int);
 template __global__ void attention_combine_kernel<64>(const float*, const float*, int, __nv_bfloat16*, int, int,
-    int);
+    int, const int*, int);
 template __global__ void attention_combine_kernel<128>(const float*, const float*, int, __nv_bfloat16*, int, int,
-    int);
+    int, const int*, int);

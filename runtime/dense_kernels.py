@@ -509,13 +509,17 @@ def attention_smem_bytes(head_dim: int) -> int:
     return 2 * 2 * ATTN_TILE_KEYS * (head_dim + 8) * 2  # K and V, two stages, padded rows
 
 
+ATTN_MIN_SPLIT_TILES = 4  # key tiles per KV split at least, in the plan and at replay (tree_attention.cu)
+
+
 def attention_splits(T: int, Hq: int, Hkv: int, max_keys: int, sm_count: int) -> int:
-    """KV splits so that the grid has at least ~2 blocks per SM, each split keeping >= 4 key tiles.
-    Rounding the block count up past one resident wave measured faster on the H200 than staying under it
-    (a block of 4 warps is latency-bound, so an SM wants two of them)."""
+    """KV splits (the grid's z) so that the grid has at least ~2 blocks per SM, each split keeping >= 4 key
+    tiles of max_keys. Rounding the block count up past one resident wave measured faster on the H200 than
+    staying under it (a block of 4 warps is latency-bound, so an SM wants two of them). At replay the kernels
+    use only as many of them as the actual prefix gives 4 tiles each (active_splits in tree_attention.cu)."""
     blocks = -(-T * (Hq // Hkv) // ATTN_ROWS_PER_BLOCK) * Hkv
     tiles = -(-max_keys // ATTN_TILE_KEYS)
-    return int(max(1, min(-(-2 * sm_count // blocks), tiles // 4, 64)))
+    return int(max(1, min(-(-2 * sm_count // blocks), tiles // ATTN_MIN_SPLIT_TILES, 64)))
 
 
 def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_prefix, visibility: DeviceArray,
@@ -525,7 +529,8 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     """base.py `attention`: q [T, Hq, D] over cache slots [0, n_prefix + T) of k_cache/v_cache
     [cap, Hkv, D]; prefix slots visible to all, new slot n_prefix + j visible to query i iff bit j of
     visibility row i (uint32 [T, ceil(T/32)], on the device). n_prefix: int or int32 device scalar (then
-    pass max_keys, an upper bound on n_prefix + T, to size the KV split)."""
+    pass max_keys, an upper bound on n_prefix + T, to size the KV split). A forced `splits` is used as given;
+    the planned count shrinks at replay to what the actual prefix fills (ATTN_MIN_SPLIT_TILES per split)."""
     op = "attention"
     for a, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (out, "out")):
         _bf16(a, op, n)
@@ -550,8 +555,10 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(T <= max_keys <= cap, op, f"max_keys = {max_keys} must be in T..capacity = {T}..{cap}")
     n_prefix_dev = _scalar_on_device(n_prefix, "n_prefix", op)
     dev = get_device()
+    min_split_tiles = 0  # forced: every split of the grid gets its share
     if splits is None:
         splits = attention_splits(T, Hq, Hkv, max_keys, dev.sm_count)
+        min_split_tiles = ATTN_MIN_SPLIT_TILES
     G = Hq // Hkv
     grid = (-(-T * G // ATTN_ROWS_PER_BLOCK), Hkv, splits)
     ws = ws or default_workspace()
@@ -569,11 +576,12 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     kern.launch(grid, 128,
                 [q, _i32(ldq or Hq * D), k_cache, _i32(ldk or Hkv * D), v_cache, _i32(ldv or Hkv * D),
                  visibility, _i32(words), n_prefix_dev, out, _i32(ldo), ws_o, ws_lse,
-                 _i32(T), _i32(Hq), _i32(Hkv), np.float32(scale / LN2)],
+                 _i32(T), _i32(Hq), _i32(Hkv), np.float32(scale / LN2), _i32(min_split_tiles)],
                 smem=smem, stream=stream)
     if splits > 1:
         get_kernel("tree_attention", f"attention_combine_kernel<{D}>").launch(
-            T * Hq, D, [ws_o, ws_lse, _i32(splits), out, _i32(ldo), _i32(T), _i32(Hq)], stream=stream)
+            T * Hq, D, [ws_o, ws_lse, _i32(splits), out, _i32(ldo), _i32(T), _i32(Hq), n_prefix_dev,
+                        _i32(min_split_tiles)], stream=stream)
     return out
 
 

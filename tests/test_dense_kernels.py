@@ -308,6 +308,44 @@ def test_kv_compact(dk, ref):
         np.testing.assert_array_equal(c.download(), want)
 
 
+def test_attention_active_splits_follow_the_replayed_prefix(dk, ref):
+    """The planned split count is sized for max_keys; at replay only the splits the actual prefix fills
+    (ATTN_MIN_SPLIT_TILES key tiles each) run: one split writes O itself and the combine kernel exits,
+    several merge only their own partials. Poisoned partials and output at every replay."""
+    from runtime.cuda import Stream, capture, get_device, to_device
+    from runtime.dense_kernels import ATTN_MIN_SPLIT_TILES, ATTN_TILE_KEYS, Workspace, attention_splits
+    rng = np.random.default_rng(23)
+    T, Hq, Hkv, D, cap = 2, 9, 3, 64, 4096
+    planned = attention_splits(T, Hq, Hkv, cap, get_device().sm_count)
+    assert planned >= 8
+    k = round_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32))
+    v = round_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32))
+    vis = causal_visibility(T)
+    qd, kd, vd, visd = poisoned((T, Hq, D)), dev_bf16(k), dev_bf16(v), to_device(vis)
+    n_prefix = to_device(np.array([100], np.int32))
+    out = poisoned((T, Hq, D))
+    ws = Workspace()
+    stream = Stream()
+    dk.attention(qd, kd, vd, n_prefix, visd, D ** -0.5, out, T=T, max_keys=cap, ws=ws, stream=stream)
+    stream.synchronize()
+    with capture(stream) as g:
+        dk.attention(qd, kd, vd, n_prefix, visd, D ** -0.5, out, T=T, max_keys=cap, ws=ws, stream=stream)
+    graph = g.instantiate()
+    tiles_per_split = ATTN_TILE_KEYS * ATTN_MIN_SPLIT_TILES
+    # one active split, two, about half, all of them
+    for prefix in (37, 2 * tiles_per_split + 5, planned // 2 * tiles_per_split, cap - T):
+        q = round_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32))
+        qd.upload(to_bf16(q))
+        n_prefix.upload(np.array([prefix], np.int32))
+        out.fill_bytes(0xFF, stream=stream)
+        ws.scratch(0).fill_bytes(0xFF, stream=stream)  # stale partials must not be read
+        graph.launch(stream)
+        stream.synchronize()
+        assert_close(out.download(), ref.attention(q, k, v, prefix, vis, D ** -0.5),
+                     f"attention replay prefix={prefix} (grid splits {planned})", dtype="bf16",
+                     rtol=2 * BF16_RTOL, atol=2e-2)
+
+
 def test_graph_replay_with_new_prefix_and_inputs(dk, ref):
     """Captured once, replayed with new buffer contents: attention reads n_prefix from the device and the
     split-K linear's tickets reset themselves, so every replay is right."""

@@ -235,16 +235,19 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
     return rows
 
 
-def bench_attention(stream, quick, split_counts=(0,)):
+ATTN_HEADS = {"qwen3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # (q heads, kv heads, head dim)
+
+
+def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 32768), model="qwen3-8b", capacity=None):
     from runtime.backends.base import causal_visibility
     rng = np.random.default_rng(1)
-    Hq, Hkv, D = 32, 8, 128  # Qwen3-8B
-    print("\n## tree-verify attention, Qwen3-8B heads (32 q / 8 kv, d 128); one layer; ratio vs T=1 decode")
+    Hq, Hkv, D = ATTN_HEADS[model]
+    print(f"\n## tree-verify attention, {model} heads ({Hq} q / {Hkv} kv, d {D}); one layer; ratio vs T=1 decode")
     print("| prefix | budget | T | splits | us | x decode | KV GB/s |")
     print("|---|---|---|---|---|---|---|")
     budgets = [0, 16, 32, 64, 128, 256, 512, 1024] if not quick else [0, 16, 64, 256, 1024]
-    for prefix in (1024, 8192, 32768):
-        cap = prefix + 1025 + 64
+    for prefix in prefixes:
+        cap = max(prefix + 1025 + 64, capacity or 0)
         kv_bytes = 2 * cap * Hkv * D * 2
         copies = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
         kv = []
@@ -261,9 +264,14 @@ def bench_attention(stream, quick, split_counts=(0,)):
             q = to_device(to_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32)))
             vis = to_device(causal_visibility(T))  # a chain: the densest tree mask
             out = empty((T, Hq, D), np.uint16)
-            splits = forced or dk.attention_splits(T, Hq, Hkv, prefix + T, get_device().sm_count)
+            # planned (forced 0): the grid sized for max_keys (the engine's KV capacity with --attn-capacity),
+            # of which the kernels use what this prefix fills ("a/b": active / grid); forced: exactly that many
+            max_keys = max(prefix + T, capacity or 0)
+            grid_splits = forced or dk.attention_splits(T, Hq, Hkv, max_keys, get_device().sm_count)
+            active = min(grid_splits, max(1, -(-(prefix + T) // dk.ATTN_TILE_KEYS) // dk.ATTN_MIN_SPLIT_TILES))
+            splits = f"{active}/{grid_splits}" if not forced else str(forced)
             us = graph_time_us(lambda i, s: dk.attention(q, kv[i % copies][0], kv[i % copies][1], n_prefix, vis,
-                                                         D ** -0.5, out, T=T, max_keys=prefix + T, splits=splits,
+                                                         D ** -0.5, out, T=T, max_keys=max_keys, splits=forced or None,
                                                          stream=s),
                                reps=max(copies, 4), stream=stream)
             if base_us is None:
@@ -304,6 +312,11 @@ def main():
     ap.add_argument("--gmma", action="store_true", help="also time the sm_90a GMMA linear against mma.sync (M >= 9)")
     ap.add_argument("--ops", nargs="+", help="linear shapes to time: op names or model:op")
     ap.add_argument("--peer", action="store_true", help="add cuBLAS rows (torch, in a child process)")
+    ap.add_argument("--attn-prefix", type=int, nargs="+", default=[1024, 8192, 32768],
+                    help="attention: prefix lengths")
+    ap.add_argument("--attn-capacity", type=int, help="attention: KV capacity the planned grid is sized for "
+                    "(as the engine does; default prefix + T)")
+    ap.add_argument("--attn-model", choices=sorted(ATTN_HEADS), default="qwen3-8b", help="attention: head shape")
     ap.add_argument("--attn-splits", type=int, nargs="+", default=[0],
                     help="attention: KV split counts to time per budget (0 = the planned one)")
     ap.add_argument("--torch-linear", metavar="JSON", help=argparse.SUPPRESS)  # the --peer child
@@ -319,7 +332,7 @@ def main():
         print(f"streaming read: {read_bw / 1e12:.3f} TB/s (runtime_probe read_sum_kernel, 2 GiB, best config)")
         bench_linear(stream, read_bw, args.m, args.quick, args.gmma, args.ops, peer)
     if not args.linear_only:
-        bench_attention(stream, args.quick, args.attn_splits)
+        bench_attention(stream, args.quick, args.attn_splits, args.attn_prefix, args.attn_model, args.attn_capacity)
         bench_sampling(stream)
 
 
