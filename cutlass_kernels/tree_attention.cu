@@ -11,9 +11,10 @@
 // online softmax in fp32 in base-2. n_prefix is read from device memory so a captured graph replays at
 // any prefix length. Long prefixes with few rows (decode, small trees) split the slots over blockIdx.z
 // (flash-decoding); the splits write (O/l, log2 sum) partials that attention_combine_kernel merges.
-// The grid's split count is sized for the largest prefix a graph will see; at replay the kernels use only
-// active_splits() of them, from the actual prefix (min_split_tiles key tiles per split at least; 0 = all),
-// so a short prefix is one block per row tile that writes O directly and the combine kernel exits at once.
+// The grid's split count is sized for the largest prefix a graph will see; at replay both kernels read how
+// many of them to use from split_table[key tiles] (the host's cost-model plan for every prefix length up to
+// the bucket's, runtime/dense_kernels.py attention_split_table), so a graph replays at any prefix with that
+// prefix's plan; one split writes O directly and the combine kernel exits at once. No table: all of them.
 #include <cuda_bf16.h>
 #include <cuda/std/cstdint>  // NVRTC has no <cstdint>
 using cuda::std::uint16_t;
@@ -57,10 +58,11 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
                                             d[0], d[1], d[2], d[3]);
 }
 
-// Splits that get work: each keeps >= min_split_tiles key tiles (0: every split of the grid).
-__device__ __forceinline__ int active_splits(int n_keys, int grid_splits, int min_split_tiles) {
+// Splits in use for n_keys keys: the plan's entry for that many key tiles (clamped to the grid), else all.
+__device__ __forceinline__ int active_splits(int n_keys, int grid_splits, const int* __restrict__ split_table) {
+  if (split_table == nullptr) return grid_splits;
   const int n_tiles = (n_keys + kTileKeys - 1) / kTileKeys;
-  return min_split_tiles > 0 ? max(1, min(grid_splits, n_tiles / min_split_tiles)) : grid_splits;
+  return max(1, min(grid_splits, __ldg(split_table + n_tiles)));
 }
 
 }  // namespace
@@ -76,7 +78,7 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
                       const int* __restrict__ n_prefix_ptr,
                       __nv_bfloat16* __restrict__ o, int ldo,
                       float* __restrict__ ws_o, float* __restrict__ ws_lse,
-                      int T, int Hq, int Hkv, float scale_log2, int min_split_tiles) {
+                      int T, int Hq, int Hkv, float scale_log2, const int* __restrict__ split_table) {
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   constexpr int kLd = D + 8;  // 16 B row pad: the 8 rows of an ldmatrix hit 8 different bank groups
@@ -92,7 +94,7 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
   const int n_prefix = *n_prefix_ptr;
   const int n_keys = n_prefix + T;
   const int n_tiles = (n_keys + kTileKeys - 1) / kTileKeys;
-  const int splits = active_splits(n_keys, gridDim.z, min_split_tiles);
+  const int splits = active_splits(n_keys, gridDim.z, split_table);
   if ((int)blockIdx.z >= splits) return;
   const int per_split = (n_tiles + splits - 1) / splits;
   const int tile_begin = blockIdx.z * per_split;
@@ -260,10 +262,10 @@ template <int D>
 __global__ void __launch_bounds__(D)
 attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_lse, int grid_splits,
                          __nv_bfloat16* __restrict__ o, int ldo, int T, int Hq, const int* __restrict__ n_prefix_ptr,
-                         int min_split_tiles) {
+                         const int* __restrict__ split_table) {
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
-  const int splits = active_splits(*n_prefix_ptr + T, grid_splits, min_split_tiles);
+  const int splits = active_splits(*n_prefix_ptr + T, grid_splits, split_table);
   if (splits == 1) return;  // the attention kernel wrote o itself
   const int qh = blockIdx.x;
   const int qi = qh / Hq, head = qh % Hq;
@@ -288,11 +290,11 @@ attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict
 
 template __global__ void tree_attention_kernel<64>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
     const __nv_bfloat16*, int, const uint32_t*, int, const int*, __nv_bfloat16*, int, float*, float*, int, int,
-    int, float, int);
+    int, float, const int*);
 template __global__ void tree_attention_kernel<128>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
     const __nv_bfloat16*, int, const uint32_t*, int, const int*, __nv_bfloat16*, int, float*, float*, int, int,
-    int, float, int);
+    int, float, const int*);
 template __global__ void attention_combine_kernel<64>(const float*, const float*, int, __nv_bfloat16*, int, int,
-    int, const int*, int);
+    int, const int*, const int*);
 template __global__ void attention_combine_kernel<128>(const float*, const float*, int, __nv_bfloat16*, int, int,
-    int, const int*, int);
+    int, const int*, const int*);

@@ -509,17 +509,54 @@ def attention_smem_bytes(head_dim: int) -> int:
     return 2 * 2 * ATTN_TILE_KEYS * (head_dim + 8) * 2  # K and V, two stages, padded rows
 
 
-ATTN_MIN_SPLIT_TILES = 4  # key tiles per KV split at least, in the plan and at replay (tree_attention.cu)
+# KV split plan of tree_attention_kernel: a cost model fitted to split sweeps on the H200 (docs/PERF.md, "Dense
+# attention split plan"). A block (4 warps, 64 query rows of one KV head) is latency-bound: each 64-key tile
+# costs about ATTN_TILE_US[D] whether its rows are full or not, and an SM runs as many blocks side by side as
+# their shared memory allows. The combine kernel reads every split's fp32 partials (ATTN_MERGE_BYTES_PER_US).
+ATTN_TILE_US = {64: 2.1, 128: 3.9}
+ATTN_SPLIT_OVERHEAD_TILES = 0.5   # per block: Q fragments, epilogue, partial stores
+ATTN_MERGE_US = 1.5
+ATTN_MERGE_BYTES_PER_US = 1.0e6
+ATTN_MAX_SPLITS = 64
 
 
-def attention_splits(T: int, Hq: int, Hkv: int, max_keys: int, sm_count: int) -> int:
-    """KV splits (the grid's z) so that the grid has at least ~2 blocks per SM, each split keeping >= 4 key
-    tiles of max_keys. Rounding the block count up past one resident wave measured faster on the H200 than
-    staying under it (a block of 4 warps is latency-bound, so an SM wants two of them). At replay the kernels
-    use only as many of them as the actual prefix gives 4 tiles each (active_splits in tree_attention.cu)."""
+def attention_splits(T: int, Hq: int, Hkv: int, n_keys: int, sm_count: int, D: int = 128) -> int:
+    """KV splits (blocks along z) for T queries over n_keys cache slots: the fewest whose time under the cost
+    model above is within 2% of the fastest."""
     blocks = -(-T * (Hq // Hkv) // ATTN_ROWS_PER_BLOCK) * Hkv
-    tiles = -(-max_keys // ATTN_TILE_KEYS)
-    return int(max(1, min(-(-2 * sm_count // blocks), tiles // ATTN_MIN_SPLIT_TILES, 64)))
+    tiles = max(1, -(-n_keys // ATTN_TILE_KEYS))
+    resident = max(1, (227 * 1024) // (attention_smem_bytes(D) + 1024))   # blocks per SM, by shared memory
+    tile_us = ATTN_TILE_US.get(D, ATTN_TILE_US[128] * D / 128)
+
+    def est_us(s: int) -> float:
+        waves = -(-blocks * s // (sm_count * resident))
+        us = waves * (-(-tiles // s) + ATTN_SPLIT_OVERHEAD_TILES) * tile_us
+        return us + (ATTN_MERGE_US + s * T * Hq * D * 4 / ATTN_MERGE_BYTES_PER_US if s > 1 else 0.0)
+
+    counts = range(1, min(tiles, ATTN_MAX_SPLITS) + 1)
+    best = min(est_us(s) for s in counts)
+    return next(s for s in counts if est_us(s) <= 1.02 * best)
+
+
+_split_tables: dict[tuple, tuple[DeviceArray, np.ndarray]] = {}
+
+
+def attention_split_table(T: int, Hq: int, Hkv: int, D: int, capacity: int, sm_count: int):
+    """The split plan for every prefix: int32 [capacity tiles + 1], entry n = attention_splits for n key
+    tiles, on the device (both attention kernels read the replayed prefix's entry, so a graph captured once
+    runs every prefix with its own plan) and on the host. Made (one upload) on the first call for a shape,
+    outside any capture; cached."""
+    from runtime.cuda import graph, to_device
+    key = (T, Hq, Hkv, D, capacity, sm_count)
+    hit = _split_tables.get(key)
+    if hit is None:
+        _need(not graph._active, "attention", "the KV split table for this shape is made on first use: run the "
+              "attention once before capturing it (as the engine's warm-up run does)")
+        tiles = -(-capacity // ATTN_TILE_KEYS)
+        plan = np.asarray([1] + [attention_splits(T, Hq, Hkv, n * ATTN_TILE_KEYS, sm_count, D)
+                                 for n in range(1, tiles + 1)], np.int32)
+        hit = _split_tables[key] = (to_device(plan), plan)
+    return hit
 
 
 def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_prefix, visibility: DeviceArray,
@@ -529,8 +566,9 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     """base.py `attention`: q [T, Hq, D] over cache slots [0, n_prefix + T) of k_cache/v_cache
     [cap, Hkv, D]; prefix slots visible to all, new slot n_prefix + j visible to query i iff bit j of
     visibility row i (uint32 [T, ceil(T/32)], on the device). n_prefix: int or int32 device scalar (then
-    pass max_keys, an upper bound on n_prefix + T, to size the KV split). A forced `splits` is used as given;
-    the planned count shrinks at replay to what the actual prefix fills (ATTN_MIN_SPLIT_TILES per split)."""
+    pass max_keys, an upper bound on n_prefix + T, to size the KV split grid). A forced `splits` runs exactly
+    that many; the planned grid is the most any prefix up to max_keys plans, and at replay the kernels use the
+    count planned for the actual prefix (attention_split_table)."""
     op = "attention"
     for a, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (out, "out")):
         _bf16(a, op, n)
@@ -555,10 +593,10 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(T <= max_keys <= cap, op, f"max_keys = {max_keys} must be in T..capacity = {T}..{cap}")
     n_prefix_dev = _scalar_on_device(n_prefix, "n_prefix", op)
     dev = get_device()
-    min_split_tiles = 0  # forced: every split of the grid gets its share
+    split_table = np.uint64(0)  # forced: the kernels use every split of the grid
     if splits is None:
-        splits = attention_splits(T, Hq, Hkv, max_keys, dev.sm_count)
-        min_split_tiles = ATTN_MIN_SPLIT_TILES
+        split_table, plan = attention_split_table(T, Hq, Hkv, D, cap, dev.sm_count)
+        splits = int(plan[:-(-max_keys // ATTN_TILE_KEYS) + 1].max())  # the most any prefix up to max_keys uses
     G = Hq // Hkv
     grid = (-(-T * G // ATTN_ROWS_PER_BLOCK), Hkv, splits)
     ws = ws or default_workspace()
@@ -576,12 +614,12 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     kern.launch(grid, 128,
                 [q, _i32(ldq or Hq * D), k_cache, _i32(ldk or Hkv * D), v_cache, _i32(ldv or Hkv * D),
                  visibility, _i32(words), n_prefix_dev, out, _i32(ldo), ws_o, ws_lse,
-                 _i32(T), _i32(Hq), _i32(Hkv), np.float32(scale / LN2), _i32(min_split_tiles)],
+                 _i32(T), _i32(Hq), _i32(Hkv), np.float32(scale / LN2), split_table],
                 smem=smem, stream=stream)
     if splits > 1:
         get_kernel("tree_attention", f"attention_combine_kernel<{D}>").launch(
             T * Hq, D, [ws_o, ws_lse, _i32(splits), out, _i32(ldo), _i32(T), _i32(Hq), n_prefix_dev,
-                        _i32(min_split_tiles)], stream=stream)
+                        split_table], stream=stream)
     return out
 
 

@@ -167,10 +167,12 @@ class MoeWeights:
 # Variant per token-bucket: (gate_up entry, down entry); template arguments MODE, RB, WN, KS, NTMAX, STAGES.
 # Picked per stage from tools/bench_moe.py on the H200 (docs/PERF.md, Kimi MoE section): the fastest variant
 # under uniform routing for T <= 128, and the 32-token-chunk variants above, which also win on skewed routing.
-# Down at T <= 16: the register-prefetch variant, 5-9% faster than the ring <1, 2, 2, 1, 1, 3> in two runs of
-# 2026-12-03 (T = 1: 30.1 vs 32.6-33.1 us, T = 4: 71.0 vs 77.4, T = 8: 149.0 vs 156.2, T = 16: 206.4 vs 217.9).
+# T <= 16: the two-buffer register variants (STAGES 1), faster than the STAGES 0 register prefetch in the
+# 2026-12-03 (4) run 1 (128 experts, uniform): gate_up T = 1 43.4 vs 46.6 us, T = 4 143.2 vs 144.0, T = 16
+# 444.4 vs 460.7; down 28.2 vs 30.3, 75.9 vs 82.6, 247.8 vs 273.3 (STAGES 0 had beaten the ring
+# <1, 2, 2, 1, 1, 3> by 5-9% in two runs before).
 DEFAULT_VARIANTS = {
-    16: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 0>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 0>"),
+    16: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1>"),
     128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 2, 1, 1, 3>"),
     1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 4, 3>"),
 }
@@ -396,10 +398,11 @@ MLA_GMMA_SPLIT_SMEM = MLA_GMMA_SMEM + _MLA_BM * 64 * 2 + 2 * _MLA_BM * 4   # + t
 _MLA_KERNELS = {"mma": ("mla_verify", "mla_attention_kernel", MLA_SMEM, _MLA_BN),
                 "gmma": ("mla_verify_sm90", "mla_attention_gmma_kernel<0>", MLA_GMMA_SMEM, MLA_GMMA_BN),
                 "gmma-split": ("mla_verify_sm90", "mla_attention_gmma_kernel<1>", MLA_GMMA_SPLIT_SMEM, MLA_GMMA_BN)}
-# Which attention kernel MlaAttention launches unless told: "auto" = "gmma" (wgmma) on sm_90a, else "mma"
-# (mma.sync, every arch); asking for "gmma" elsewhere is an error. DDTREE_MLA_KERNEL for A/B timing. H200
-# (2026-12-03 (3) run 10, same run): gmma 1.29-1.49x faster at budgets 16..256 (H = 64, 32k, b256 7295 ->
-# 4901 us; 4k b64 261 -> 185), 1.13-1.33x at budget 1 with H = 64, 0.96x at H = 8 / 4k / budget 1 (16.5 vs 15.8).
+# Which attention kernel MlaAttention launches unless told: "auto" = "gmma-split" (wgmma, S computed once)
+# on sm_90a, else "mma" (mma.sync, every arch); asking for a wgmma kernel elsewhere is an error.
+# DDTREE_MLA_KERNEL for A/B timing. H200 (2026-12-03 (3) run 10, same run): gmma 1.29-1.49x faster than mma
+# at budgets 16..256, 1.13-1.33x at budget 1 with H = 64. 2026-12-03 (4) run 1: gmma-split 1.09-1.30x faster
+# than gmma at every measured size (H = 64, 32k, b256 4854 -> 3769 us; H = 8, 4k, b1 14.2 -> 13.4).
 MLA_KERNEL = os.environ.get("DDTREE_MLA_KERNEL", "auto")
 
 
@@ -434,7 +437,7 @@ class MlaAttention:
     Buffers: .q bf16 [Tq, H, 576] (absorbed latent query + rope query), .out bf16 [Tq, H, 512]. The cache and
     mask are caller buffers. Shapes and prefix_len are fixed at construction (a graph bucket): a new prefix
     length needs a new MlaAttention (the KV split is sized from it). kernel: "auto" (MLA_KERNEL's default:
-    the wgmma kernel on sm_90a, mma.sync elsewhere), "mma", "gmma" or "gmma-split"; all give the same
+    "gmma-split" on sm_90a, mma.sync elsewhere), "mma", "gmma" or "gmma-split"; all give the same
     contract."""
 
     def __init__(self, tq: int, heads: int, kv, prefix_len: int, softmax_scale: float, mask=None,
@@ -461,7 +464,7 @@ class MlaAttention:
                              f"[{self.tq}, {need_words}]")
         dev = cuda.get_device()
         if self.kernel == "auto":
-            self.kernel = "gmma" if _family_runs_here("mla_verify_sm90", dev) else "mma"
+            self.kernel = "gmma-split" if _family_runs_here("mla_verify_sm90", dev) else "mma"
         family, entry, smem, tile = _MLA_KERNELS[self.kernel]
         if not _family_runs_here(family, dev):
             raise ValueError(f"kernel={self.kernel!r} is built for {_family_archs(family)}; this device is "

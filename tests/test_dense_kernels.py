@@ -308,16 +308,20 @@ def test_kv_compact(dk, ref):
         np.testing.assert_array_equal(c.download(), want)
 
 
-def test_attention_active_splits_follow_the_replayed_prefix(dk, ref):
-    """The planned split count is sized for max_keys; at replay only the splits the actual prefix fills
-    (ATTN_MIN_SPLIT_TILES key tiles each) run: one split writes O itself and the combine kernel exits,
-    several merge only their own partials. Poisoned partials and output at every replay."""
+def test_attention_split_plan_follows_the_replayed_prefix(dk, ref):
+    """The split grid is sized for max_keys; at replay both kernels take the count planned for the actual
+    prefix from the device split table: one split writes O itself and the combine kernel exits, several
+    merge only their own partials. Output and stale partials poisoned before every replay."""
     from runtime.cuda import Stream, capture, get_device, to_device
-    from runtime.dense_kernels import ATTN_MIN_SPLIT_TILES, ATTN_TILE_KEYS, Workspace, attention_splits
+    from runtime.dense_kernels import ATTN_TILE_KEYS, Workspace, attention_split_table
     rng = np.random.default_rng(23)
     T, Hq, Hkv, D, cap = 2, 9, 3, 64, 4096
-    planned = attention_splits(T, Hq, Hkv, cap, get_device().sm_count)
-    assert planned >= 8
+    plan = attention_split_table(T, Hq, Hkv, D, cap, get_device().sm_count)[1]
+    assert plan[1] == 1 and plan.max() >= 8, plan
+    # prefixes whose plan is 1 split, a middle count, the largest
+    picks = [int(np.argmax(plan == 1)), int(np.argmax(plan >= plan.max() // 2)), int(np.argmax(plan == plan.max()))]
+    prefixes = sorted({min(cap - T, n * ATTN_TILE_KEYS - T - 3) for n in picks if n * ATTN_TILE_KEYS - T - 3 >= 0})
+    assert len(prefixes) == 3, (plan, picks)
     k = round_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32))
     v = round_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32))
     vis = causal_visibility(T)
@@ -331,9 +335,7 @@ def test_attention_active_splits_follow_the_replayed_prefix(dk, ref):
     with capture(stream) as g:
         dk.attention(qd, kd, vd, n_prefix, visd, D ** -0.5, out, T=T, max_keys=cap, ws=ws, stream=stream)
     graph = g.instantiate()
-    tiles_per_split = ATTN_TILE_KEYS * ATTN_MIN_SPLIT_TILES
-    # one active split, two, about half, all of them
-    for prefix in (37, 2 * tiles_per_split + 5, planned // 2 * tiles_per_split, cap - T):
+    for prefix in prefixes:
         q = round_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32))
         qd.upload(to_bf16(q))
         n_prefix.upload(np.array([prefix], np.int32))
@@ -341,9 +343,22 @@ def test_attention_active_splits_follow_the_replayed_prefix(dk, ref):
         ws.scratch(0).fill_bytes(0xFF, stream=stream)  # stale partials must not be read
         graph.launch(stream)
         stream.synchronize()
+        splits = plan[-(-(prefix + T) // ATTN_TILE_KEYS)]
         assert_close(out.download(), ref.attention(q, k, v, prefix, vis, D ** -0.5),
-                     f"attention replay prefix={prefix} (grid splits {planned})", dtype="bf16",
+                     f"attention replay prefix={prefix} ({splits} of {plan.max()} splits)", dtype="bf16",
                      rtol=2 * BF16_RTOL, atol=2e-2)
+
+
+def test_attention_split_plan_model():
+    """The plan (CPU): one split for a short prefix or many rows, more splits as the prefix grows for few
+    rows, never more splits than key tiles, and the fewest within 2% of the model's best."""
+    from runtime.dense_kernels import ATTN_TILE_KEYS, attention_splits
+    assert attention_splits(1, 32, 8, 64, 132) == 1
+    decode = [attention_splits(1, 32, 8, n, 132) for n in (1024, 8192, 32768)]
+    assert decode == sorted(decode) and decode[-1] >= 16, decode
+    assert attention_splits(1025, 32, 8, 2048, 132) <= 2
+    for n in (100, 1000, 5000):
+        assert attention_splits(1, 9, 3, n, 132, 64) <= -(-n // ATTN_TILE_KEYS)
 
 
 def test_graph_replay_with_new_prefix_and_inputs(dk, ref):

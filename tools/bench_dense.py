@@ -267,9 +267,11 @@ def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 3276
             # planned (forced 0): the grid sized for max_keys (the engine's KV capacity with --attn-capacity),
             # of which the kernels use what this prefix fills ("a/b": active / grid); forced: exactly that many
             max_keys = max(prefix + T, capacity or 0)
-            grid_splits = forced or dk.attention_splits(T, Hq, Hkv, max_keys, get_device().sm_count)
-            active = min(grid_splits, max(1, -(-(prefix + T) // dk.ATTN_TILE_KEYS) // dk.ATTN_MIN_SPLIT_TILES))
-            splits = f"{active}/{grid_splits}" if not forced else str(forced)
+            if forced:
+                splits = str(forced)
+            else:
+                plan = dk.attention_split_table(T, Hq, Hkv, D, cap, get_device().sm_count)[1]
+                splits = f"{plan[-(-(prefix + T) // dk.ATTN_TILE_KEYS)]}/{plan[:-(-max_keys // dk.ATTN_TILE_KEYS) + 1].max()}"
             us = graph_time_us(lambda i, s: dk.attention(q, kv[i % copies][0], kv[i % copies][1], n_prefix, vis,
                                                          D ** -0.5, out, T=T, max_keys=max_keys, splits=forced or None,
                                                          stream=s),

@@ -78,8 +78,8 @@ def _label(name, args, kwargs, lin_names, sm_count) -> tuple[str, str]:
     if name == "attention":
         q, k_cache = args[0], args[1]
         T, max_keys = kwargs.get("T") or q.shape[0], kwargs.get("max_keys")
-        splits = dk.attention_splits(T, q.shape[-2], k_cache.shape[-2], max_keys, sm_count) if max_keys else "?"
-        return "attention", f"T={T} max_keys={max_keys} kv splits={splits} (+ combine when > 1)"
+        splits = dk.attention_splits(T, q.shape[-2], k_cache.shape[-2], max_keys, sm_count, q.shape[-1]) if max_keys else "?"
+        return "attention", f"T={T} max_keys={max_keys} kv splits planned at max_keys={splits} (+ combine when > 1)"
     return name, ""
 
 
