@@ -510,13 +510,15 @@ def attention_smem_bytes(head_dim: int) -> int:
 
 
 # KV split plan of tree_attention_kernel: a cost model fitted to split sweeps on the H200 (docs/PERF.md, "Dense
-# attention split plan"). A block (4 warps, 64 query rows of one KV head) is latency-bound: each 64-key tile
-# costs about ATTN_TILE_US[D] whether its rows are full or not, and an SM runs as many blocks side by side as
-# their shared memory allows. The combine kernel reads every split's fp32 partials (ATTN_MERGE_BYTES_PER_US).
-ATTN_TILE_US = {64: 2.1, 128: 3.9}
-ATTN_SPLIT_OVERHEAD_TILES = 0.5   # per block: Q fragments, epilogue, partial stores
+# attention split plan"; largest miss 6.5% over 30 shapes). A block (4 warps, 64 query rows of one KV head) is
+# latency-bound: a round of 64-key tiles over the blocks resident on an SM (ATTN_BLOCKS_PER_SM, registers and
+# shared memory) costs ATTN_ROUND_US whether the rows are full or not. The combine kernel pays a fixed cost, a
+# latency per split and a read of every split's fp32 partials.
+ATTN_ROUND_US = 2.5
+ATTN_BLOCKS_PER_SM = {64: 4, 128: 2}   # sm_90a: 128 / 206 registers x 128 threads (test_attention_occupancy)
 ATTN_MERGE_US = 1.5
-ATTN_MERGE_BYTES_PER_US = 1.0e6
+ATTN_MERGE_SPLIT_US = 0.2
+ATTN_MERGE_BYTES_PER_US = 4.0e6
 ATTN_MAX_SPLITS = 64
 
 
@@ -525,13 +527,13 @@ def attention_splits(T: int, Hq: int, Hkv: int, n_keys: int, sm_count: int, D: i
     model above is within 2% of the fastest."""
     blocks = -(-T * (Hq // Hkv) // ATTN_ROWS_PER_BLOCK) * Hkv
     tiles = max(1, -(-n_keys // ATTN_TILE_KEYS))
-    resident = max(1, (227 * 1024) // (attention_smem_bytes(D) + 1024))   # blocks per SM, by shared memory
-    tile_us = ATTN_TILE_US.get(D, ATTN_TILE_US[128] * D / 128)
+    resident = sm_count * ATTN_BLOCKS_PER_SM.get(D, 2)
 
     def est_us(s: int) -> float:
-        waves = -(-blocks * s // (sm_count * resident))
-        us = waves * (-(-tiles // s) + ATTN_SPLIT_OVERHEAD_TILES) * tile_us
-        return us + (ATTN_MERGE_US + s * T * Hq * D * 4 / ATTN_MERGE_BYTES_PER_US if s > 1 else 0.0)
+        us = -(-blocks * s // resident) * -(-tiles // s) * ATTN_ROUND_US
+        if s > 1:
+            us += ATTN_MERGE_US + s * ATTN_MERGE_SPLIT_US + s * T * Hq * D * 4 / ATTN_MERGE_BYTES_PER_US
+        return us
 
     counts = range(1, min(tiles, ATTN_MAX_SPLITS) + 1)
     best = min(est_us(s) for s in counts)

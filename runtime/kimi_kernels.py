@@ -195,6 +195,13 @@ def moe_ring_bytes(entry: str) -> int:
 # The defaults of MoeLayer are the plan measured fastest on the H200 (docs/PERF.md, run 6: the two-kernel
 # routing, separate combine, no PDL); the fused variants stay selectable for A/B timing.
 FUSE_COMBINE_MAX_TOKENS = 0
+# Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
+# >= GMMA_MIN_TOKENS tokens, 64-token passes. H200, 2026-12-03 (4) run 2, whole layer: skewed T = 64 839 ->
+# 815 us, T = 256 1509 -> 1420; uniform T = 64 1973 -> 1970, T = 256 2897 -> 2874; below 64 tokens the two
+# extra launches cost ~3 us and no expert is hot under uniform routing (T = 1: 83.8 -> 87.0).
+GMMA_AUTO_TOKENS = 64
+GMMA_MIN_TOKENS = 16
+GMMA_TILE = 64
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens
 
 
@@ -232,16 +239,21 @@ class MoeLayer:
     gmma_min_tokens (sm_90a): experts with at least that many tokens go through moe_gmma_kernel (weights
     dequantized once per stage into shared memory, wgmma over up to gmma_tile = 64/128/256 tokens per pass),
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones).
-    Built and tested, off by default until measured (PERF.md)."""
+    Default "auto": GMMA_MIN_TOKENS / GMMA_TILE from GMMA_AUTO_TOKENS tokens on where the kernel runs; None
+    turns it off."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
-                 pdl: bool = False, gmma_min_tokens: int | None = None, gmma_tile: int = 128):
+                 pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int = GMMA_TILE):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
+        if gmma_min_tokens == "auto":
+            gmma_min_tokens = GMMA_MIN_TOKENS if (T >= GMMA_AUTO_TOKENS and not early and w.inter % 64 == 0
+                                                  and w.hidden % 128 == 0
+                                                  and _family_runs_here("moe_int4_sm90", cuda.get_device())) else None
         if (not 1 <= topk <= min(16, E) or E > 512 or T < 1 or n_group < 1
                 or (n_group > 1 and (E % n_group or n_group > 32)) or not 1 <= topk_group <= n_group):
             raise ValueError(f"unsupported routing: T={T}, E={E}, topk={topk} (1..min(16, E)), n_group={n_group} "

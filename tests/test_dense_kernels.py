@@ -319,7 +319,7 @@ def test_attention_split_plan_follows_the_replayed_prefix(dk, ref):
     plan = attention_split_table(T, Hq, Hkv, D, cap, get_device().sm_count)[1]
     assert plan[1] == 1 and plan.max() >= 8, plan
     # prefixes whose plan is 1 split, a middle count, the largest
-    picks = [int(np.argmax(plan == 1)), int(np.argmax(plan >= plan.max() // 2)), int(np.argmax(plan == plan.max()))]
+    picks = [1, int(np.argmax(plan >= plan.max() // 2)), int(np.argmax(plan == plan.max()))]
     prefixes = sorted({min(cap - T, n * ATTN_TILE_KEYS - T - 3) for n in picks if n * ATTN_TILE_KEYS - T - 3 >= 0})
     assert len(prefixes) == 3, (plan, picks)
     k = round_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32))
@@ -347,6 +347,20 @@ def test_attention_split_plan_follows_the_replayed_prefix(dk, ref):
         assert_close(out.download(), ref.attention(q, k, v, prefix, vis, D ** -0.5),
                      f"attention replay prefix={prefix} ({splits} of {plan.max()} splits)", dtype="bf16",
                      rtol=2 * BF16_RTOL, atol=2e-2)
+
+
+def test_attention_occupancy_matches_the_split_plan(dk):
+    """The split plan assumes ATTN_BLOCKS_PER_SM resident attention blocks per SM; a kernel change that moves
+    the register count changes that, and the plan must follow."""
+    from runtime.cuda import get_kernel
+    for D, want in dk.ATTN_BLOCKS_PER_SM.items():
+        kern = get_kernel("tree_attention", f"tree_attention_kernel<{D}>")
+        smem = dk.attention_smem_bytes(D)
+        if smem > 48 * 1024:
+            kern.set_max_dynamic_smem(smem)
+        got = kern.blocks_per_sm(128, smem)
+        assert got == want, f"D = {D}: {got} resident blocks per SM ({kern.attribute('NUM_REGS')} registers), " \
+                            f"the plan assumes {want}"
 
 
 def test_attention_split_plan_model():

@@ -269,15 +269,16 @@ def time_plan(weights, T, E, x, logits, plan, iters):
 
 def launch_plans(default_fused_combine: bool):
     """(label, MoeLayer keyword arguments): the plan before issue 7's launch work, then one change at a time."""
-    before = dict(fused_routing=False, fuse_combine=False, early=False, pdl=False)
+    before = dict(fused_routing=False, fuse_combine=False, early=False, pdl=False, gmma_min_tokens=None)
     return [
         ("before", before),
         ("+route1", dict(before, fused_routing=True)),
         ("+foldcomb", dict(before, fused_routing=True, fuse_combine=True)),
-        ("+pdl", dict(fused_routing=True, fuse_combine=True, early=False, pdl=True)),
-        ("+early", dict(fused_routing=True, fuse_combine=True, early=True, pdl=True)),
+        ("+pdl", dict(fused_routing=True, fuse_combine=True, early=False, pdl=True, gmma_min_tokens=None)),
+        ("+early", dict(fused_routing=True, fuse_combine=True, early=True, pdl=True, gmma_min_tokens=None)),
         ("flip-comb",
          dict(fuse_combine=not default_fused_combine)),
+        ("no-gmma", dict(gmma_min_tokens=None)),   # the default plan without its wgmma hot-expert path
         # experts with >= 16 / 32 / 64 tokens on the wgmma kernel (sm_90a; elsewhere the row reads "failed")
         ("gmma>=16", dict(gmma_min_tokens=16, gmma_tile=64)),
         ("gmma>=32", dict(gmma_min_tokens=32, gmma_tile=128)),

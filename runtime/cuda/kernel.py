@@ -83,6 +83,11 @@ class Kernel:
         attr = getattr(drv.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")
         return check(drv.cuFuncGetAttribute(attr, self.function), f"cuFuncGetAttribute({name}, {self})")
 
+    def blocks_per_sm(self, block: int, smem: int = 0) -> int:
+        """Resident blocks per SM at this block size and dynamic shared memory (the driver's occupancy)."""
+        return check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, int(block), int(smem)),
+                     f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self})")
+
     def prepare(self, grid, block, args, smem: int = 0) -> "Launch":
         return Launch(self, grid, block, args, smem)
 
