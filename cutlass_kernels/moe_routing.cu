@@ -131,7 +131,7 @@ extern "C" __global__ void moe_topk_kernel(const float* __restrict__ logits, con
 // bits[E][ceil(T/32)] (ints).
 // The sorted position of (t, e) is off[e] + the number of earlier tokens that chose e: a popcount over e's
 // token bitmap (a token never picks an expert twice), so positions are deterministic without a serial scan.
-// The grouping, by one whole block (any size; 1024 threads in both kernels). topk_ids is read through L2
+// The grouping, by one whole block (at least E/32 warps; 1024 threads in both kernels). topk_ids is read through L2
 // (__ldcg): in moe_route_kernel other blocks of the same grid wrote it.
 __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, int T, int topk, int E, int num_slots,
                                             int* __restrict__ expert_count, int* __restrict__ slot_expert,
@@ -159,28 +159,35 @@ __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, in
     atomicOr(&bits[e * words + (t >> 5)], 1u << (t & 31));
   }
   __syncthreads();
-  if (warp == 0) {   // exclusive prefix sum over experts, 32 at a time; the active list by ballot
-    int carry = 0, active = 0;
-    for (int base = 0; base < E; base += 32) {
-      const int e = base + lane;
-      const int c = e < E ? cnt[e] : 0;
-      int incl = c;
+  // Exclusive prefix sum of the counts over experts and the active list (count > 0, increasing id): one warp
+  // per 32-expert chunk scans its chunk, then adds the totals of the chunks before it (E <= 512: <= 16 chunks).
+  const int chunks = (E + 31) / 32;
+  __shared__ int chunk_sum[16], chunk_act[16];
+  int c = 0, incl = 0;
+  unsigned mask = 0u;
+  const int e = warp * 32 + lane;
+  if (warp < chunks) {
+    c = e < E ? cnt[e] : 0;
+    incl = c;
 #pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
-      if (e < E) off[e] = carry + incl - c;
-      carry += __shfl_sync(0xffffffffu, incl, 31);
-      const unsigned mask = __ballot_sync(0xffffffffu, c > 0);
-      if (c > 0) {
-        const int i = active + __popc(mask & ((1u << lane) - 1u));
-        act[i] = e;
-        act_cnt[i] = c;
-      }
-      active += __popc(mask);
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
     }
-    if (lane == 0) *n_act = active;
+    mask = __ballot_sync(0xffffffffu, c > 0);
+    if (lane == 31) { chunk_sum[warp] = incl; chunk_act[warp] = __popc(mask); }
+  }
+  __syncthreads();
+  if (warp < chunks) {
+    int carry = 0, active = 0;
+    for (int w = 0; w < warp; ++w) { carry += chunk_sum[w]; active += chunk_act[w]; }
+    if (e < E) off[e] = carry + incl - c;
+    if (c > 0) {
+      const int i = active + __popc(mask & ((1u << lane) - 1u));
+      act[i] = e;
+      act_cnt[i] = c;
+    }
+    if (warp == chunks - 1 && lane == 0) *n_act = active + chunk_act[warp];
   }
   __syncthreads();
   for (int e = tid; e < E; e += blockDim.x) expert_count[e] = cnt[e];
