@@ -308,17 +308,6 @@ def test_moe_layer_variants(cuda_device, variant):
     _check_moe(45, 8, 1024, 1024, (f"moe_w4a16_kernel<{variant}", f"moe_w4a16_kernel<1{variant[1:]}"), topk=4)
 
 
-_DOWN_ONLY = [v for v in MOE_GEMM_VARIANTS
-              if v.startswith("moe_w4a16_kernel<1") and v.replace("<1", "<0", 1) not in MOE_GEMM_VARIANTS]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("down", _DOWN_ONLY)
-def test_moe_layer_down_only_variants(cuda_device, down):
-    """Down variants without a gate_up twin (odd or large RB), after the default gate_up."""
-    _check_moe(45, 8, 1024, 1024, ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", down), topk=4)
-
-
 @pytest.mark.gpu
 def test_moe_layer_real_shape_subset(cuda_device):
     """Kimi K2 shapes (7168 -> 2048) on 10 experts, top-8, with a shared-expert term."""
