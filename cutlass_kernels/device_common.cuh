@@ -47,28 +47,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-// mbarriers in shared memory (sm_90 and later): init with an arrival count, wait for a phase's parity.
-__device__ __forceinline__ void mbar_init(unsigned bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n"
-      "WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
-}
-// One arrival that also expects `bytes` of asynchronous (bulk copy) transactions on the barrier.
-__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Bulk global -> shared copy (the TMA unit, no tensor map): bytes % 16 == 0, both ends 16-byte aligned;
-// completes as transactions on mbarrier `bar`.
-__device__ __forceinline__ void bulk_copy_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 // Programmatic dependent launch (sm_90 and later; every arch we build). A kernel launched with the PDL
 // attribute may start while the previous kernel on the stream still runs; it must call grid_dependency_wait()
 // before it reads anything that kernel writes and before it writes anything (a buffer the previous kernel

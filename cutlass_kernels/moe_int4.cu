@@ -249,61 +249,6 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
   }
   cp_async_wait<0>();
 }
-
-// warp_gemm with the weight stream going through a per-warp shared-memory ring of S steps filled by bulk
-// copies (the TMA unit): lane 0 issues, per row block and step, one 2 KB copy of the 4 units' weights (the
-// warp's 32 lanes x 16 bytes of each unit are contiguous in the repacked layout) and one 512-byte copy of
-// the row block's scale superblock, all completing on the stage's mbarrier. S - 1 steps stay in flight for
-// two instructions per copy instead of one cp.async per lane and 16 bytes. bars: S mbarriers of this warp
-// (initialized once per kernel); phases: bit s = parity of stage s's next completion, carried over chunks.
-template <int RB, int NT, int S>
-__device__ __forceinline__ void warp_gemm_bulk(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
-                                               const uint4* const (&sp)[RB], const uint4* const (&xrow)[NT],
-                                               int u0, int u1, int lane, uint4* ring, unsigned bars,
-                                               unsigned& phases, bool dep_wait) {
-  constexpr int PER = kStep * RB + RB;   // 16-byte slots x 32 per step: weights [RB][kStep], scales [RB]
-  constexpr unsigned kStepBytes = RB * (kStep * 512 + 512);
-  const int t = lane & 3, g = lane >> 2;
-#pragma unroll
-  for (int j = 0; j < RB; ++j)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[j][n][c] = 0.f;
-  const int nsteps = (u1 - u0) / kStep;
-  const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
-  auto issue = [&](int i) {   // lane 0: its wp / sp are the row blocks' base addresses
-    const int u = u0 + i * kStep;
-    const unsigned bar = bars + (i % S) * 8;
-    const unsigned slot = ring_s + (i % S) * PER * 512;
-    ddtree::mbar_arrive_expect_tx(bar, kStepBytes);
-#pragma unroll
-    for (int j = 0; j < RB; ++j) {
-      ddtree::bulk_copy_g2s(slot + j * kStep * 512, wp[j] + u * 32, kStep * 512, bar);
-      ddtree::bulk_copy_g2s(slot + (kStep * RB + j) * 512, sp[j] + (u / 8) * 32, 512, bar);
-    }
-  };
-  if (lane == 0)
-    for (int i = 0; i < S - 1 && i < nsteps; ++i) issue(i);
-  if (dep_wait) dependency_wait();   // S - 1 weight steps in flight; activations only after the wait
-  const int sidx = (g * 2 + (t >> 1)) * 2;   // this lane's scale pair inside a superblock
-  for (int i = 0; i < nsteps; ++i) {
-    const int stage = i % S;
-    ddtree::mbar_wait(bars + stage * 8, (phases >> stage) & 1u);
-    phases ^= 1u << stage;
-    __syncwarp();   // every lane is done with step i - 1, whose slot the next copy overwrites
-    if (lane == 0 && i + S - 1 < nsteps) issue(i + S - 1);
-    const uint4* slot = ring + stage * PER * 32;
-    const int u = u0 + i * kStep;
-    uint4 sc[RB];
-#pragma unroll
-    for (int j = 0; j < RB; ++j) sc[j] = slot[(kStep * RB + j) * 32 + sidx + ((u / 4) & 1)];
-#pragma unroll
-    for (int uu = 0; uu < kStep; ++uu)
-      unit_mma<RB, NT>(acc, [&](int j) { return slot[(j * kStep + uu) * 32 + lane]; }, sc, uu, xrow, u + uu, t);
-  }
-  __syncwarp();   // the ring is free for the next chunk's copies
-}
 }  // namespace moe_int4
 
 namespace moe_int4 {
@@ -314,8 +259,7 @@ template <int MODE, int RB, int WN, int KS, int NT, int S>
 __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int ldx, const uint4* const (&wp)[RB],
                                            const uint4* const (&sp)[RB], int n_rows, int u0, int u1, int rb0,
                                            int c0, int count, int offset, const int* __restrict__ sorted_token,
-                                           void* __restrict__ out, float* red, uint4* ring, unsigned bars,
-                                           unsigned& phases, bool dep_wait) {
+                                           void* __restrict__ out, float* red, uint4* ring, bool dep_wait) {
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp % WN, ks = warp / WN;
@@ -335,8 +279,6 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
   float acc[RB][NT][4];
   if constexpr (S == 1) {
     warp_gemm_pingpong<RB, NT>(acc, wp, sp, xrow, u0, u1, lane, dep_wait);
-  } else if constexpr (S < -1) {
-    warp_gemm_bulk<RB, NT, -S>(acc, wp, sp, xrow, u0, u1, lane, ring, bars, phases, dep_wait);
   } else if constexpr (S > 1) {
     warp_gemm_async<RB, NT, S>(acc, wp, sp, xrow, u0, u1, lane, ring, dep_wait);
   } else {
@@ -441,8 +383,7 @@ __device__ __forceinline__ void combine4(const float* __restrict__ down_out, con
 // and the ks-th part of K; the KS partial sums meet in shared memory. The slot's tokens go through in
 // chunks of 8, 16 or 32 (NT = 1, 2, 4 tiles, at most NTMAX), the weights streamed once per chunk.
 // STAGES = 0: weights prefetched one step ahead in registers; 1: the same with two register buffers in turn
-// (no per-step copy); STAGES >= 2: through a cp.async ring; STAGES <= -2: through a ring of -STAGES steps
-// filled by bulk copies (warp_gemm_bulk).
+// (no per-step copy); STAGES >= 2: through a cp.async ring.
 // MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
 // tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
@@ -491,37 +432,23 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep;
 
     __shared__ float red[KS > 1 ? (KS - 1) * WN * RB * NTMAX * 4 * 32 : 1];
-    // |STAGES| >= 2: dynamic shared memory holds each warp's weight ring, |STAGES| x (4 RB + RB) x 32 x 16
-    // bytes; the bulk-copy ring (STAGES < 0) then each warp's |STAGES| mbarriers.
-    constexpr int NS = STAGES < 0 ? -STAGES : STAGES;
+    // STAGES > 0: dynamic shared memory holds each warp's weight ring, STAGES x (4 RB + RB) x 32 x 16 bytes.
     extern __shared__ uint4 moe_ring[];
-    uint4* ring = moe_ring + warp * NS * (kStep * RB + RB) * 32;
-    unsigned bars = 0u, phases = 0u;
-    if constexpr (STAGES < -1) {
-      bars = static_cast<unsigned>(__cvta_generic_to_shared(moe_ring + WN * KS * NS * (kStep * RB + RB) * 32)) +
-             warp * NS * 8;
-      if (lane == 0) {
-        for (int i = 0; i < NS; ++i) ddtree::mbar_init(bars + i * 8, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-      }
-      __syncwarp();
-    }
+    uint4* ring = moe_ring + warp * STAGES * (kStep * RB + RB) * 32;
     bool wait_first = pre;   // the first chunk waits once its first weights are in flight
     for (int c0 = 0; c0 < count;) {   // count is uniform over the block: every warp takes the same branches
       const int rem = count - c0;
       if (NTMAX >= 4 && rem > 16) {
         gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 4 ? 4 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
-                                                                  offset, sorted_token, out, red, ring, bars, phases,
-                                                                  wait_first);
+                                                                  offset, sorted_token, out, red, ring, wait_first);
         c0 += 32;
       } else if (NTMAX >= 2 && rem > 8) {
         gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 2 ? 2 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
-                                                                  offset, sorted_token, out, red, ring, bars, phases,
-                                                                  wait_first);
+                                                                  offset, sorted_token, out, red, ring, wait_first);
         c0 += 16;
       } else {
         gemm_chunk<MODE, RB, WN, KS, 1, STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
-                                                sorted_token, out, red, ring, bars, phases, wait_first);
+                                                sorted_token, out, red, ring, wait_first);
         c0 += 8;
       }
       wait_first = false;

@@ -175,8 +175,8 @@ register(KernelFamily(
 # ---------------------------------------------------------------- Kimi K2.x kernels (issue 7)
 # INT4 W4A16 grouped MoE GEMMs: moe_w4a16_kernel<MODE, RB, WN, KS, NTMAX, STAGES> (MODE 0 gate+up with
 # SiLU*up, 1 down; RB row blocks of 16 per warp, WN x KS warps per block, up to 8*NTMAX tokens per weight
-# pass; STAGES 0 = register prefetch, 1 = the same with two register buffers in turn, >= 2 a per-warp
-# cp.async ring of that many steps, <= -2 a per-warp ring of -STAGES steps filled by bulk copies).
+# pass; STAGES 0 = register prefetch, 1 = the same with two register buffers in turn, else a per-warp
+# cp.async ring of that many steps).
 # The curated table below is what runtime/kimi_kernels.py picks from (per token bucket); tools/bench_moe.py
 # times every entry. mma.sync m16n8k16 (CuTe SM80 atom) exists on every target arch.
 _MMA_SYNC_PTX = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"
@@ -184,8 +184,7 @@ MOE_GEMM_VARIANTS = tuple(
     f"moe_w4a16_kernel<{mode}, {rest}>" for mode in (0, 1)
     for rest in ("2, 4, 1, 1, 0", "2, 4, 1, 1, 3", "2, 4, 1, 1, 4", "2, 2, 1, 1, 3", "2, 2, 1, 1, 4", "2, 2, 1, 1, 6",
                  "2, 4, 1, 2, 0", "2, 4, 1, 2, 3", "2, 2, 1, 2, 3", "2, 4, 1, 4, 3",
-                 "2, 4, 1, 1, 1", "2, 4, 1, 2, 1",   # STAGES 1: register ping-pong
-                 "2, 4, 1, 1, -4", "2, 2, 1, 1, -4", "2, 2, 1, 1, -3"))   # bulk-copy rings (not yet measured)
+                 "2, 4, 1, 1, 1", "2, 4, 1, 2, 1"))   # STAGES 1: register ping-pong
 # Down only (MODE 1 allows odd RB): one row block per warp (twice the warps for small T), four per warp.
 MOE_GEMM_VARIANTS += ("moe_w4a16_kernel<1, 1, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 1, 8, 1, 1, 1>",
                       "moe_w4a16_kernel<1, 4, 2, 1, 1, 0>")

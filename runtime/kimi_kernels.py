@@ -184,12 +184,10 @@ def variant_params(entry: str) -> tuple[int, ...]:
 
 
 def moe_ring_bytes(entry: str) -> int:
-    """Dynamic shared memory of a variant: each warp's ring of |STAGES| steps (5 RB x 32 lanes x 16 B each),
-    plus |STAGES| 8-byte mbarriers per warp for the bulk-copy rings (STAGES < 0); none for the register
-    variants (STAGES 0 and 1)."""
+    """Dynamic shared memory of a variant: each warp's cp.async ring (STAGES x 5 RB x 32 lanes x 16 B);
+    none for the register variants (STAGES 0 and 1)."""
     _, rb, wn, ks, _, stages = variant_params(entry)
-    ring = wn * ks * abs(stages) * (4 * rb + rb) * 32 * 16 if abs(stages) > 1 else 0
-    return ring + (wn * ks * -stages * 8 if stages < -1 else 0)
+    return wn * ks * stages * (4 * rb + rb) * 32 * 16 if stages > 1 else 0
 
 
 # The combine is folded into the down GEMM (last block per column tile sums the tokens' expert outputs) up
