@@ -184,10 +184,7 @@ MOE_GEMM_VARIANTS = tuple(
     f"moe_w4a16_kernel<{mode}, {rest}>" for mode in (0, 1)
     for rest in ("2, 4, 1, 1, 0", "2, 4, 1, 1, 3", "2, 4, 1, 1, 4", "2, 2, 1, 1, 3", "2, 2, 1, 1, 4", "2, 2, 1, 1, 6",
                  "2, 4, 1, 2, 0", "2, 4, 1, 2, 3", "2, 2, 1, 2, 3", "2, 4, 1, 4, 3",
-                 "2, 4, 1, 1, 1", "2, 4, 1, 2, 1"))   # STAGES 1: register ping-pong
-# Down only (MODE 1 allows odd RB): one row block per warp (twice the warps for small T), four per warp.
-MOE_GEMM_VARIANTS += ("moe_w4a16_kernel<1, 1, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 1, 8, 1, 1, 1>",
-                      "moe_w4a16_kernel<1, 4, 2, 1, 1, 0>")
+                 "2, 4, 1, 1, 1", "2, 4, 1, 2, 1"))   # STAGES 1: register ping-pong (not yet measured)
 # (K split over the warps of a block, KS = 2 / 4, was measured at T = 1..16 and lost: PERF.md, 2026-12-03 (2).)
 register(KernelFamily(
     name="moe_int4",
