@@ -174,8 +174,6 @@ class CudaBackend(Backend):
         self.graphs = (os.environ.get("DDTREE_CUDA_GRAPHS", "1") != "0") if graphs is None else bool(graphs)
         # DDTREE_FUSE=0: norm_linear / swiglu_linear / rope_write_kv run as their unfused ops (A/B timing)
         self.fuse = os.environ.get("DDTREE_FUSE", "1") != "0"
-        # DDTREE_ATTN_PREFETCH=0: attention waits for the previous kernel before its first prefix load (A/B)
-        self.attn_prefetch = os.environ.get("DDTREE_ATTN_PREFETCH", "1") != "0"
         self.weights = _WeightPool()
         self._eager = _Eager()
         self._eager_ws = dk.Workspace()
@@ -507,7 +505,7 @@ class CudaBackend(Backend):
         # uploaded by the host before the graph launch (never written by a kernel).
         dk.attention(q, k_cache, v_cache, n_prefix, self._index(visibility, np.uint32), float(scale), out, T=T,
                      max_keys=max_keys, ldq=q.ld, ldk=k_cache.ld, ldv=v_cache.ld, ws=self._ws,
-                     prefix_stable=self.attn_prefetch and k_cache.bound_start is not None, stream=self.stream)
+                     prefix_stable=k_cache.bound_start is not None, stream=self.stream)
         return out
 
     def kv_compact(self, cache, src_slots, dst_start):
