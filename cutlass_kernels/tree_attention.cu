@@ -78,18 +78,9 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
                       const int* __restrict__ n_prefix_ptr,
                       __nv_bfloat16* __restrict__ o, int ldo,
                       float* __restrict__ ws_o, float* __restrict__ ws_lse,
-                      int T, int Hq, int Hkv, float scale_log2, const int* __restrict__ split_table,
-                      int prefix_stable) {
-  // PDL. prefix_stable == 0: nothing global is touched before the wait. prefix_stable == 1 (the caller's
-  // promise: the kernel launched just before this one writes neither *n_prefix_ptr nor cache rows below it;
-  // the models write only rows >= n_prefix right before attention): n_prefix is read and this block's first
-  // key tile, when it lies wholly in the prefix, is put in flight before the wait. Everything launched two
-  // or more kernels back has completed when this grid starts (every kernel of the runtime triggers its
-  // dependents only after its own wait), so those rows are final.
-  if (!prefix_stable) {
-    ddtree::grid_dependency_wait();
-    ddtree::launch_dependents();
-  }
+                      int T, int Hq, int Hkv, float scale_log2, const int* __restrict__ split_table) {
+  ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
+  ddtree::launch_dependents();
   constexpr int kLd = D + 8;  // 16 B row pad: the 8 rows of an ldmatrix hit 8 different bank groups
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16(*ks)[kTileKeys][kLd] = reinterpret_cast<__nv_bfloat16(*)[kTileKeys][kLd]>(smem_raw);
@@ -108,27 +99,6 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
   const int per_split = (n_tiles + splits - 1) / splits;
   const int tile_begin = blockIdx.z * per_split;
   const int tile_end = min(n_tiles, tile_begin + per_split);
-
-  auto load_tile = [&](int tile, int buf) {
-    const int key0 = tile * kTileKeys;
-    constexpr int kVecsPerRow = D / 8;
-    for (int i = threadIdx.x; i < kTileKeys * kVecsPerRow; i += kWarps * 32) {
-      const int r = i / kVecsPerRow, c = (i % kVecsPerRow) * 8;
-      const int key = key0 + r;
-      const bool ok = key < n_keys;
-      const size_t slot = ok ? (size_t)key : 0;
-      cp_async16(&ks[buf][r][c], k_cache + slot * ldk + kvh * D + c, ok);
-      cp_async16(&vs[buf][r][c], v_cache + slot * ldv + kvh * D + c, ok);
-    }
-    cp_async_commit();
-  };
-  // The first tile before the wait when it holds only prefix keys (see above); the rest after it.
-  const bool early_tile = prefix_stable && tile_begin < tile_end && (tile_begin + 1) * kTileKeys <= n_prefix;
-  if (early_tile) load_tile(tile_begin, 0);
-  if (prefix_stable) {
-    ddtree::grid_dependency_wait();
-    ddtree::launch_dependents();
-  }
 
   // This thread's two query rows (g and g+8 of the warp's 16).
   const int row_base = blockIdx.x * kTileRows + warp * kRowsPerWarp;
@@ -160,8 +130,21 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
     for (int c = 0; c < 4; ++c) oacc[j][c] = 0.f;
   float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
 
+  auto load_tile = [&](int tile, int buf) {
+    const int key0 = tile * kTileKeys;
+    constexpr int kVecsPerRow = D / 8;
+    for (int i = threadIdx.x; i < kTileKeys * kVecsPerRow; i += kWarps * 32) {
+      const int r = i / kVecsPerRow, c = (i % kVecsPerRow) * 8;
+      const int key = key0 + r;
+      const bool ok = key < n_keys;
+      const size_t slot = ok ? (size_t)key : 0;
+      cp_async16(&ks[buf][r][c], k_cache + slot * ldk + kvh * D + c, ok);
+      cp_async16(&vs[buf][r][c], v_cache + slot * ldv + kvh * D + c, ok);
+    }
+    cp_async_commit();
+  };
 
-  if (!early_tile && tile_begin < tile_end) load_tile(tile_begin, 0);
+  if (tile_begin < tile_end) load_tile(tile_begin, 0);
   for (int tile = tile_begin; tile < tile_end; ++tile) {
     const int buf = (tile - tile_begin) & 1;
     if (tile + 1 < tile_end) { load_tile(tile + 1, buf ^ 1); cp_async_wait<1>(); }
@@ -307,10 +290,10 @@ attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict
 
 template __global__ void tree_attention_kernel<64>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
     const __nv_bfloat16*, int, const uint32_t*, int, const int*, __nv_bfloat16*, int, float*, float*, int, int,
-    int, float, const int*, int);
+    int, float, const int*);
 template __global__ void tree_attention_kernel<128>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
     const __nv_bfloat16*, int, const uint32_t*, int, const int*, __nv_bfloat16*, int, float*, float*, int, int,
-    int, float, const int*, int);
+    int, float, const int*);
 template __global__ void attention_combine_kernel<64>(const float*, const float*, int, __nv_bfloat16*, int, int,
     int, const int*, const int*);
 template __global__ void attention_combine_kernel<128>(const float*, const float*, int, __nv_bfloat16*, int, int,

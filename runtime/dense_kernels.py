@@ -564,17 +564,13 @@ def attention_split_table(T: int, Hq: int, Hkv: int, D: int, capacity: int, sm_c
 def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_prefix, visibility: DeviceArray,
               scale: float, out: DeviceArray, *, T: int | None = None, max_keys: int | None = None,
               ldq: int | None = None, ldk: int | None = None, ldv: int | None = None, ldo: int | None = None,
-              splits: int | None = None, ws: Workspace | None = None, prefix_stable: bool = False,
-              stream=None) -> DeviceArray:
+              splits: int | None = None, ws: Workspace | None = None, stream=None) -> DeviceArray:
     """base.py `attention`: q [T, Hq, D] over cache slots [0, n_prefix + T) of k_cache/v_cache
     [cap, Hkv, D]; prefix slots visible to all, new slot n_prefix + j visible to query i iff bit j of
     visibility row i (uint32 [T, ceil(T/32)], on the device). n_prefix: int or int32 device scalar (then
     pass max_keys, an upper bound on n_prefix + T, to size the KV split grid). A forced `splits` runs exactly
     that many; the planned grid is the most any prefix up to max_keys plans, and at replay the kernels use the
-    count planned for the actual prefix (attention_split_table). prefix_stable: the caller promises that the
-    kernel launched just before writes neither n_prefix nor cache rows below it (true of the models, which
-    write rows >= n_prefix right before attention); the kernel then starts its first prefix tile's loads before
-    its programmatic-dependent-launch wait."""
+    count planned for the actual prefix (attention_split_table)."""
     op = "attention"
     for a, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (out, "out")):
         _bf16(a, op, n)
@@ -620,7 +616,7 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     kern.launch(grid, 128,
                 [q, _i32(ldq or Hq * D), k_cache, _i32(ldk or Hkv * D), v_cache, _i32(ldv or Hkv * D),
                  visibility, _i32(words), n_prefix_dev, out, _i32(ldo), ws_o, ws_lse,
-                 _i32(T), _i32(Hq), _i32(Hkv), np.float32(scale / LN2), split_table, _i32(int(bool(prefix_stable)))],
+                 _i32(T), _i32(Hq), _i32(Hkv), np.float32(scale / LN2), split_table],
                 smem=smem, stream=stream)
     if splits > 1:
         get_kernel("tree_attention", f"attention_combine_kernel<{D}>").launch(

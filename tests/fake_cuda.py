@@ -244,7 +244,7 @@ def install(monkeypatch) -> FakeDevice:
         return out
 
     def attention(q, k_cache, v_cache, n_prefix, visibility, scale, out, *, T=None, max_keys=None, ldq=None,
-                  ldk=None, ldv=None, ldo=None, splits=None, ws=None, prefix_stable=False, stream=None):
+                  ldk=None, ldv=None, ldo=None, splits=None, ws=None, stream=None):
         T = T if T is not None else q.shape[0]
         Hq, D = q.shape[-2], q.shape[-1]
         cap, Hkv, Dk = k_cache.shape[-3:]

@@ -192,9 +192,7 @@ class CudaBackend(Backend):
 
     @contextmanager
     def bind_start(self, caches, scalar: DeviceArray):
-        """KV caches write at / attend over the prefix length held in `scalar` (int32 device [1]). The scalar
-        is set from the host between steps, never by a kernel of the step (attention reads it before its
-        programmatic-dependent-launch wait)."""
+        """KV caches write at / attend over the prefix length held in `scalar` (int32 device [1])."""
         for c in caches:
             c.bound_start = scalar
         try:
@@ -501,11 +499,8 @@ class CudaBackend(Backend):
             n_prefix, max_keys = k_cache.bound_start, k_cache.shape[0]
         else:
             n_prefix, max_keys = int(n_prefix), None
-        # prefix_stable: the models write only cache rows >= n_prefix before attention, and a bound start is
-        # uploaded by the host before the graph launch (never written by a kernel).
         dk.attention(q, k_cache, v_cache, n_prefix, self._index(visibility, np.uint32), float(scale), out, T=T,
-                     max_keys=max_keys, ldq=q.ld, ldk=k_cache.ld, ldv=v_cache.ld, ws=self._ws,
-                     prefix_stable=k_cache.bound_start is not None, stream=self.stream)
+                     max_keys=max_keys, ldq=q.ld, ldk=k_cache.ld, ldv=v_cache.ld, ws=self._ws, stream=self.stream)
         return out
 
     def kv_compact(self, cache, src_slots, dst_start):
