@@ -171,9 +171,12 @@ class MoeWeights:
 # 2026-12-03 (4) run 1 (128 experts, uniform): gate_up T = 1 43.4 vs 46.6 us, T = 4 143.2 vs 144.0, T = 16
 # 444.4 vs 460.7; down 28.2 vs 30.3, 75.9 vs 82.6, 247.8 vs 273.3 (STAGES 0 had beaten the ring
 # <1, 2, 2, 1, 1, 3> by 5-9% in two runs before).
+# T = 17..128, down: the register-prefetch <1, 2, 4, 1, 1, 0> over the ring <1, 2, 2, 1, 1, 3>, faster in both
+# 2026-12-03 (4) runs 2 and 3 (T = 32 481 / 461 vs 490 / 500 us, T = 64 691 / 696 vs 732 / 795, T = 128
+# 872 / 858 vs 943 / 940); gate_up keeps the ring (fastest at 32..128 in both).
 DEFAULT_VARIANTS = {
     16: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1>"),
-    128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 2, 1, 1, 3>"),
+    128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 0>"),
     1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 4, 3>"),
 }
 

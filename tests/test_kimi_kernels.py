@@ -251,6 +251,7 @@ def _routing_layer(E, T, bias, topk, n_group, topk_group, **plan):
     dq = cuda.empty((E, hidden // 16, inter // 64, 32, 4), np.uint32)
     ds = cuda.empty((E, hidden // 16, inter // 512, 16, 8, 2), np.uint16)
     w = MoeWeights(E, hidden, inter, gq, gs, gq, gs, dq, ds)
+    plan.setdefault("gmma_min_tokens", None)   # routing stages only: no wgmma slot split
     return MoeLayer(w, T, bias, topk=topk, n_group=n_group, topk_group=topk_group, **plan)
 
 
