@@ -40,13 +40,21 @@ __device__ __forceinline__ void route_token(const float* __restrict__ logits, co
   const int lane = threadIdx.x & 31;
   const float NEG_INF = __int_as_float(0xff800000);
   float score[MAX_EXPERTS_PER_LANE], choice[MAX_EXPERTS_PER_LANE];   // expert e = lane + 32 * i
+  // Every load first, then the arithmetic: written as one loop, the compiler issued each logit and bias load
+  // right before its use, 32 dependent global round trips in a row (~11 us for one token, ncu on the H200).
+  float logit[MAX_EXPERTS_PER_LANE], corr[MAX_EXPERTS_PER_LANE];
+#pragma unroll
+  for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
+    const int e = lane + 32 * i;
+    logit[i] = e < E ? logits[(long long)tok * E + e] : 0.f;
+    corr[i] = e < E ? bias[e] : 0.f;
+  }
 #pragma unroll
   for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
     const int e = lane + 32 * i;
     if (e < E) {
-      const float l = logits[(long long)tok * E + e];
-      score[i] = 1.0f / (1.0f + __expf(-l));
-      choice[i] = score[i] + bias[e];
+      score[i] = 1.0f / (1.0f + __expf(-logit[i]));
+      choice[i] = score[i] + corr[i];
     } else {
       score[i] = 0.f;
       choice[i] = NEG_INF;
