@@ -25,6 +25,40 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return *reinterpret_cast<unsigned*>(&v);
 }
 
+// Online-softmax steps both kernels run per KV tile. (The mask-and-scale loop stays in each kernel: as a
+// shared helper it compiled differently, branches turned into predicated selects, and that is unmeasured.)
+
+// Over the 4 lanes of a quad (the threads that share a row).
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// A thread's S values as NJ groups of 4 reached through s_at(j, e): element (j, e) is row ri = e >> 1 (the m16n8
+// / wgmma accumulator layout). P = 2^(s - m) (0 where masked), added to the row sums l, packed bf16 as the A
+// registers of NJ / 2 k16 steps.
+template <int NJ, class SAt>
+__device__ __forceinline__ void exp_pack(SAt s_at, const float (&m)[2], float (&l)[2], unsigned (&pa)[NJ / 2][4]) {
+  const float NEG_INF = __int_as_float(0xff800000);
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    float e4[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ri = e >> 1;
+      const float x = s_at(j, e);
+      e4[e] = x == NEG_INF ? 0.f : exp2f(x - m[ri]);
+      l[ri] += e4[e];
+    }
+    pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16(e4[0], e4[1]);   // row g
+    pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(e4[2], e4[3]);   // row g + 8
+  }
+}
+
 // One row's result, NJ pairs of columns NJ * 8 * group + 8 j + 2 t (+ 1) with values o_of(j, 0 / 1): normalised
 // bf16 into out when the KV range is not split; else the unnormalised fp32 partial of this split, and (m, l)
 // from the group-0 thread with t == 0.

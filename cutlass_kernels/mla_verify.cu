@@ -159,6 +159,7 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
       }
 
     // Mask, scale (log2 domain), online softmax per row.
+    auto s_at = [&](int j, int c) -> float& { return s[j][c]; };
     float mnew[2] = {m[0], m[1]};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -175,25 +176,13 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
     float corr[2];
 #pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
-      mnew[ri] = fmaxf(mnew[ri], __shfl_xor_sync(0xffffffffu, mnew[ri], 1));
-      mnew[ri] = fmaxf(mnew[ri], __shfl_xor_sync(0xffffffffu, mnew[ri], 2));
+      mnew[ri] = mla_common::quad_max(mnew[ri]);
       corr[ri] = mnew[ri] == NEG_INF ? 1.f : exp2f(m[ri] - mnew[ri]);
       m[ri] = mnew[ri];
       l[ri] *= corr[ri];
     }
     uint32_t pa[2][4];   // P as A fragments for two k16 steps of positions
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float e[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int ri = c >> 1;
-        e[c] = s[j][c] == NEG_INF ? 0.f : exp2f(s[j][c] - m[ri]);
-        l[ri] += e[c];
-      }
-      pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16(e[0], e[1]);
-      pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(e[2], e[3]);
-    }
+    mla_common::exp_pack<4>(s_at, m, l, pa);
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       o[j][0] *= corr[0]; o[j][1] *= corr[0];
@@ -219,10 +208,7 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
 
   // Row sums: each lane has partial sums over its columns; reduce over the quad.
 #pragma unroll
-  for (int ri = 0; ri < 2; ++ri) {
-    l[ri] += __shfl_xor_sync(0xffffffffu, l[ri], 1);
-    l[ri] += __shfl_xor_sync(0xffffffffu, l[ri], 2);
-  }
+  for (int ri = 0; ri < 2; ++ri) l[ri] = mla_common::quad_sum(l[ri]);
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int row = my_row[ri];

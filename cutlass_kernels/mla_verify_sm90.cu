@@ -145,6 +145,7 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
     const int ps = p0 + (SPLIT_S ? wg * 32 : 0);   // position of this warpgroup's first S column
 
     // Mask, scale (log2 domain), online softmax per row (the 4 lanes of a quad share a row).
+    auto s_at = [&](int j, int e) -> float& { return s[4 * j + e]; };
     float mnew[2] = {m[0], m[1]};
 #pragma unroll
     for (int j = 0; j < SN / 8; ++j)
@@ -160,10 +161,7 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
       }
     float corr[2];
 #pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-      mnew[ri] = fmaxf(mnew[ri], __shfl_xor_sync(0xffffffffu, mnew[ri], 1));
-      mnew[ri] = fmaxf(mnew[ri], __shfl_xor_sync(0xffffffffu, mnew[ri], 2));
-    }
+    for (int ri = 0; ri < 2; ++ri) mnew[ri] = mla_common::quad_max(mnew[ri]);
     if constexpr (SPLIT_S) {   // the row max over both halves: fmaxf is exact, so both get the same value
       if (t == 0) {
         xchg[wg * 64 + warp * 16 + g] = mnew[0];
@@ -180,18 +178,7 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
       l[ri] *= corr[ri];
     }
     uint32_t pa[SN / 16][4];   // P as the A registers of k16 steps (positions 16 kk .. 16 kk + 15)
-#pragma unroll
-    for (int j = 0; j < SN / 8; ++j) {
-      float e4[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ri = e >> 1;
-        e4[e] = s[4 * j + e] == NEG_INF ? 0.f : exp2f(s[4 * j + e] - m[ri]);
-        l[ri] += e4[e];
-      }
-      pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16(e4[0], e4[1]);   // row g
-      pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(e4[2], e4[3]);   // row g + 8
-    }
+    mla_common::exp_pack<SN / 8>(s_at, m, l, pa);
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       o[4 * j + 0] *= corr[0]; o[4 * j + 1] *= corr[0];
@@ -235,10 +222,7 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
   ddtree::cp_async_wait<0>();   // (only matters when this split had no tile: the q copy is still in flight)
 
 #pragma unroll
-  for (int ri = 0; ri < 2; ++ri) {
-    l[ri] += __shfl_xor_sync(0xffffffffu, l[ri], 1);
-    l[ri] += __shfl_xor_sync(0xffffffffu, l[ri], 2);
-  }
+  for (int ri = 0; ri < 2; ++ri) l[ri] = mla_common::quad_sum(l[ri]);
   if constexpr (SPLIT_S) {   // each warpgroup summed its own positions: total = warpgroup 0's + 1's
     __syncthreads();         // the last tile's maxima have been read
     if (t == 0) {
