@@ -128,6 +128,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--no-plans", action="store_true", help="skip the launch-plan comparison")
+    ap.add_argument("--plans", default="", help="comma list of plan labels to time (default: all); a label ending in"
+                    " '*' selects every label that starts with the rest")
     ap.add_argument("--torch-only", metavar="JSON", help="time only the torch bf16 loop, write results here")
     ap.add_argument("--torch-json", metavar="JSON", help="torch loop times from a --torch-only run")
     args = ap.parse_args(argv)
@@ -206,7 +208,7 @@ def main(argv=None):
                 print("    variants: " + "; ".join(parts), flush=True)
             if not args.no_plans:
                 parts = []
-                for label, plan in launch_plans(layer.fuse_combine):
+                for label, plan in select_plans(launch_plans(layer.fuse_combine), args.plans):
                     try:
                         ms, stages = time_plan(weights, T, args.experts, x, logits, plan, args.iters)
                     except Exception as e:   # keep the run going: report and move on
@@ -226,7 +228,7 @@ def main(argv=None):
               f"{nbytes / (t_graph * 1e-3) / 1e12:6.2f} {nbytes / (t_graph * 1e-3) / bw * 100:6.1f} "
               f"{nbytes / (gemm * 1e-3) / bw * 100:8.1f} {t_torch * 1e3:9.0f} {t_torch / t_graph:7.1f}")
     if plan_rows:
-        labels = [label for label, _ in launch_plans(True)]
+        labels = list(dict.fromkeys(label for vals in plan_rows.values() for label in vals))
         print("\nlaunch plans, graph replay us (% read BW)")
         print(f"{'routing':8s} {'T':>4s} " + " ".join(f"{lb:>16s}" for lb in labels))
         for kind, T, distinct, nbytes, *_ in rows:
@@ -267,8 +269,22 @@ def time_plan(weights, T, E, x, logits, plan, iters):
     return times[0], list(zip(names, times[1:]))
 
 
+def select_plans(plans, spec: str):
+    """The plans named in spec ("a,b,l2-*"), all when spec is empty; an unknown name is an error."""
+    if not spec:
+        return plans
+    keep = []
+    for name in spec.split(","):
+        hit = [p for p in plans if (p[0].startswith(name[:-1]) if name.endswith("*") else p[0] == name)]
+        if not hit:
+            raise SystemExit(f"--plans: no plan {name!r}; known: {', '.join(p[0] for p in plans)}")
+        keep += [p for p in hit if p not in keep]
+    return keep
+
+
 def launch_plans(default_fused_combine: bool):
     """(label, MoeLayer keyword arguments): the plan before issue 7's launch work, then one change at a time."""
+    from runtime.kimi_kernels import L2Prefetch
     before = dict(fused_routing=False, fuse_combine=False, early=False, pdl=False, gmma_min_tokens=None)
     return [
         ("before", before),
@@ -283,6 +299,16 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=16", dict(gmma_min_tokens=16, gmma_tile=64)),
         ("gmma>=32", dict(gmma_min_tokens=32, gmma_tile=128)),
         ("gmma>=64", dict(gmma_min_tokens=64, gmma_tile=128)),
+        # L2 prefetching (MoeLayer l2_prefetch): gate_up pulls the first N units of each down row block into
+        # L2 ("ahead"), each warp its own last units ("own"); "+h": weights streamed evict_first, prefetches
+        # evict_last
+        *[(f"l2-ahead{n}{'+h' if h else ''}", dict(l2_prefetch=L2Prefetch(down_ahead=n, evict_first=h, evict_last=h)))
+          for n in (8, 16, 32) for h in (False, True)],
+        *[(f"l2-own{gu}/{dn}{'+h' if h else ''}",
+           dict(l2_prefetch=L2Prefetch(gate_up_own=gu, down_own=dn, evict_first=h, evict_last=h)))
+          for gu, dn in ((16, 8), (28, 16)) for h in (False, True)],
+        ("l2-own28/16+ahead16+h", dict(l2_prefetch=L2Prefetch(gate_up_own=28, down_own=16, down_ahead=16,
+                                                              evict_first=True, evict_last=True))),
     ]
 
 
