@@ -41,24 +41,8 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t policy) {
   return r;
 }
 
-// An L2 cache policy for all of the accessed bytes: 0 evict_normal, 1 evict_first, 2 evict_last.
-__device__ __forceinline__ uint64_t l2_policy(int priority) {
-  uint64_t p;
-  if (priority == 1)
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  else if (priority == 2)
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  else
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-
-// Pull `bytes` (multiple of 16, 16-byte aligned) into L2 through the copy engine: no registers, no shared
-// memory, nothing to wait for. The later ordinary loads of those bytes hit L2.
-__device__ __forceinline__ void l2_prefetch(const void* p, unsigned bytes, uint64_t policy) {
-  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p), "r"(bytes), "l"(policy)
-               : "memory");
-}
+using ddtree::l2_policy;
+using ddtree::l2_prefetch_bulk;
 
 // Activations and scales: small, reused by the other warps of the block, so keep them in L1.
 __device__ __forceinline__ uint4 ld_cached(const uint4* p) {
@@ -468,18 +452,18 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
       if (n > 0 && lane < 2 * RB) {
         const int j = lane % RB;
         if (lane < RB) {
-          l2_prefetch(wp[j] - lane + (u1 - n) * 32, n * 512, pf_pol);
+          l2_prefetch_bulk(wp[j] - lane + (u1 - n) * 32, n * 512, pf_pol);
         } else {   // the scale superblocks of those units, 512 bytes each
           const int sb0 = (u1 - n) / 8, sb1 = (u1 + 7) / 8;
-          l2_prefetch(sp[j] - (g * 2 + (t >> 1)) * 2 + sb0 * 32, (sb1 - sb0) * 512, pf_pol);
+          l2_prefetch_bulk(sp[j] - (g * 2 + (t >> 1)) * 2 + sb0 * 32, (sb1 - sb0) * 512, pf_pol);
         }
       }
       if (MODE == 0 && pf_units > 0) {
         const int supers_d = pf_units_total / 8, sb1 = (pf_units + 7) / 8;
         for (int r = blockIdx.x + gridDim.x * threadIdx.x; r < pf_rows; r += gridDim.x * blockDim.x) {
           const long long blk = (long long)expert * pf_rows + r;
-          l2_prefetch(pf_q + blk * pf_units_total * 32, pf_units * 512, pf_pol);
-          l2_prefetch(pf_s + blk * supers_d * 32, sb1 * 512, pf_pol);
+          l2_prefetch_bulk(pf_q + blk * pf_units_total * 32, pf_units * 512, pf_pol);
+          l2_prefetch_bulk(pf_s + blk * supers_d * 32, sb1 * 512, pf_pol);
         }
       }
     }

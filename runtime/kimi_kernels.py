@@ -213,11 +213,13 @@ class L2Prefetch:
     """L2 prefetching in the mma.sync MoE GEMMs (moe_int4.cu, kernel header): gate_up_own / down_own = K units
     (of 64) at the end of each warp's range per row block that the warp first asks the copy engine to pull
     into L2; down_ahead = K units at the start of each row block of the slot expert's down matrix that the
-    gate_up blocks prefetch for the down GEMM; evict_first: stream the weights with an L2 evict_first policy;
-    evict_last: the prefetches with evict_last. All zero / False: plain streaming."""
+    gate_up blocks prefetch for the down GEMM; gate_up_ahead = the same for gate / up, asked for by the routing's
+    grouping block as soon as it has the picks (moe_routing.cu); evict_first: stream the weights with an L2
+    evict_first policy; evict_last: the GEMMs' prefetches with evict_last. All zero / False: plain streaming."""
     gate_up_own: int = 0
     down_own: int = 0
     down_ahead: int = 0
+    gate_up_ahead: int = 0
     evict_first: bool = False
     evict_last: bool = False
 
@@ -284,7 +286,7 @@ class MoeLayer:
             raise ValueError(f"unsupported routing: T={T}, E={E}, topk={topk} (1..min(16, E)), n_group={n_group} "
                              f"(divides E, <= 32), topk_group={topk_group} (1..n_group)")
         l2_prefetch = l2_prefetch or NO_L2_PREFETCH
-        if min(l2_prefetch.gate_up_own, l2_prefetch.down_own, l2_prefetch.down_ahead) < 0:
+        if min(l2_prefetch.gate_up_own, l2_prefetch.down_own, l2_prefetch.down_ahead, l2_prefetch.gate_up_ahead) < 0:
             raise ValueError(f"l2_prefetch {l2_prefetch}: unit counts must be >= 0")
         if np.asarray(bias).size != E:
             raise ValueError(f"bias has {np.asarray(bias).size} entries, want E = {E}")
@@ -325,13 +327,17 @@ class MoeLayer:
                       I32(int(norm_topk_prob)), F32(routed_scaling_factor)]
         group_outs = [self.expert_count, self.slot_expert, self.slot_offset, self.slot_count, self.sorted_token,
                       self.assign_pos]
+        ahead = min(l2_prefetch.gate_up_ahead, w.hidden // 64)
+        null = np.uint64(0)
+        ahead_args = ([w.gate_q, w.gate_s, w.up_q, w.up_s] if ahead else [null] * 4) + [
+            I32(w.inter // 16), I32(w.hidden // 64), I32(ahead)]
         if self.fused_routing:
             route_k = cuda.get_kernel("moe_routing", "moe_route_kernel")
             if group_smem > 48 * 1024:
                 route_k.set_max_dynamic_smem(group_smem)
             routing = [route_k.prepare(((T + ROUTE_TOKENS_PER_BLOCK - 1) // ROUTE_TOKENS_PER_BLOCK,), (1024,), [
-                *route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs, self.route_ticket],
-                smem=group_smem)]
+                *route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs, self.route_ticket,
+                *ahead_args], smem=group_smem)]
         else:
             topk_k = cuda.get_kernel("moe_routing", "moe_topk_kernel")
             group_k = cuda.get_kernel("moe_routing", "moe_group_kernel")
@@ -340,7 +346,7 @@ class MoeLayer:
             routing = [
                 topk_k.prepare(((T + 3) // 4,), (128,), [*route_args, self.topk_ids, self.topk_w]),
                 group_k.prepare((1,), (1024,), [self.topk_ids, I32(T), I32(topk), I32(E), I32(self.num_slots),
-                                                *group_outs], smem=group_smem)]
+                                                *group_outs, *ahead_args], smem=group_smem)]
         gu_entry, dn_entry = variants or default_variants(T)
         self.variants = (gu_entry, dn_entry)
         self.stages = [("route", launch) for launch in routing]

@@ -384,8 +384,10 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
     plans = [dict(), dict(fused_routing=False, fuse_combine=False, early=False, pdl=False),
              dict(fuse_combine=True), dict(fuse_combine=False), dict(early=False), dict(pdl=False, fuse_combine=True),
              dict(fused_routing=True, fuse_combine=True, early=True, pdl=True),
-             dict(l2_prefetch=L2Prefetch(gate_up_own=3, down_own=5, down_ahead=4, evict_first=True, evict_last=True)),
-             dict(l2_prefetch=L2Prefetch(gate_up_own=100, down_own=100, down_ahead=100), early=True, pdl=True)]
+             dict(l2_prefetch=L2Prefetch(gate_up_own=3, down_own=5, down_ahead=4, gate_up_ahead=9, evict_first=True,
+                                         evict_last=True)),
+             dict(l2_prefetch=L2Prefetch(gate_up_own=100, down_own=100, down_ahead=100, gate_up_ahead=100),
+                  fused_routing=True, early=True, pdl=True)]
     outs = []
     for plan in plans:
         layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, **plan)

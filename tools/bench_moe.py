@@ -309,6 +309,11 @@ def launch_plans(default_fused_combine: bool):
           for gu, dn in ((16, 8), (28, 16)) for h in (False, True)],
         ("l2-own28/16+ahead16+h", dict(l2_prefetch=L2Prefetch(gate_up_own=28, down_own=16, down_ahead=16,
                                                               evict_first=True, evict_last=True))),
+        # the routing's grouping block prefetches the first units of the picked experts' gate / up rows
+        *[(f"l2-route{n}", dict(l2_prefetch=L2Prefetch(gate_up_ahead=n))) for n in (8, 16, 32)],
+        ("l2-route16+ahead16", dict(l2_prefetch=L2Prefetch(gate_up_ahead=16, down_ahead=16))),
+        ("l2-route16+ahead32+h", dict(l2_prefetch=L2Prefetch(gate_up_ahead=16, down_ahead=32, evict_first=True,
+                                                             evict_last=True))),
     ]
 
 
