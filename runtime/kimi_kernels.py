@@ -362,14 +362,14 @@ class MoeLayer:
                 [self.slot_count, self.cold_count, I32(self.num_slots), I32(gmma_min_tokens)])))
             # slots are ordered by count, most first: at most P // min_tokens of them can be hot
             hot = max(1, min(self.num_slots, P // gmma_min_tokens))
-            self.stages.append(("gate_up", self._gmma_launch(0, gmma_tile, hot, self.x, w.hidden, w.gate_q,
+            self.stages.append(("gate_up_hot", self._gmma_launch(0, gmma_tile, hot, self.x, w.hidden, w.gate_q,
                                                              w.gate_s, w.up_q, w.up_s, w.inter, w.hidden, self.h)))
         pf = self.l2_prefetch
         self.stages.append(("gate_up", self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q,
                                                          w.up_s, w.inter, w.hidden, self.h, counts=counts,
                                                          own_units=pf.gate_up_own, ahead_units=pf.down_ahead)))
         if gmma_min_tokens:
-            self.stages.append(("down", self._gmma_launch(1, gmma_tile, hot, self.h, w.inter, w.down_q, w.down_s,
+            self.stages.append(("down_hot", self._gmma_launch(1, gmma_tile, hot, self.h, w.inter, w.down_q, w.down_s,
                                                           w.down_q, w.down_s, w.hidden, w.inter, self.down_out)))
         self.stages.append(("down", self._gemm_launch(dn_entry, self.h, w.inter, w.down_q, w.down_s, w.down_q,
                                                       w.down_s, w.hidden, w.inter, self.down_out,
@@ -438,8 +438,8 @@ class MoeLayer:
                 I32(w.hidden // 16), I32(w.inter // 64), I32(ahead)]
 
     def forward(self, stream=None, stages=None):
-        """Launch the layer (or only the named stages: 'route', 'gate_up', 'down', 'combine'; with the
-        combine folded into down there is no 'combine' stage)."""
+        """Launch the layer (or only the named stages: 'route', 'gate_up_hot', 'gate_up', 'down_hot', 'down',
+        'combine'; the _hot ones exist with the wgmma hot-expert path, 'combine' unless it is folded into down)."""
         for name, launch in self.stages:
             if stages is None or name in stages:
                 launch(stream)

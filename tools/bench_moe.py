@@ -176,13 +176,15 @@ def main(argv=None):
                 print(f"{kind:8s} T={T:4d}: default plan failed ({type(e).__name__}: {e})", flush=True)
                 continue
             names = [name for name, _ in layer.stages]
-            st = {"route": 0.0, "gate_up": 0.0, "down": 0.0, "combine": 0.0, **dict(stage_times)}
-            gemm = st["gate_up"] + st["down"]
+            st = {"route": 0.0, "gate_up_hot": 0.0, "gate_up": 0.0, "down_hot": 0.0, "down": 0.0, "combine": 0.0,
+                  **dict(stage_times)}
+            gemm = st["gate_up_hot"] + st["gate_up"] + st["down_hot"] + st["down"]
             line = (f"{kind:8s} T={T:4d} experts={distinct:3d} max/expert={counts.max():4d} "
                     f"bytes={nbytes / 1e9:6.3f} GB | graph {t_graph * 1e3:8.1f} us "
                     f"({nbytes / (t_graph * 1e-3) / bw * 100:5.1f}% BW) | gemms {gemm * 1e3:8.1f} us "
                     f"({nbytes / (gemm * 1e-3) / bw * 100:5.1f}% BW) | route {st['route'] * 1e3:.1f} "
-                    f"gate_up {st['gate_up'] * 1e3:.1f} down {st['down'] * 1e3:.1f} combine {st['combine'] * 1e3:.1f} us "
+                    f"gate_up {st['gate_up_hot'] * 1e3:.1f}+{st['gate_up'] * 1e3:.1f} down {st['down_hot'] * 1e3:.1f}+"
+                    f"{st['down'] * 1e3:.1f} combine {st['combine'] * 1e3:.1f} us (hot + rest) "
                     f"[{layer.variants[0][16:]}, {layer.variants[1][16:]}] {len(names)} launches"
                     f"{' (combine in down)' if layer.fuse_combine else ''}")
             tt = torch_times.get(f"{kind}/{T}")
