@@ -301,6 +301,9 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=16", dict(gmma_min_tokens=16, gmma_tile=64)),
         ("gmma>=32", dict(gmma_min_tokens=32, gmma_tile=128)),
         ("gmma>=64", dict(gmma_min_tokens=64, gmma_tile=128)),
+        ("gmma>=16/128", dict(gmma_min_tokens=16, gmma_tile=128)),
+        ("gmma>=16/256", dict(gmma_min_tokens=16, gmma_tile=256)),
+        ("gmma>=32/256", dict(gmma_min_tokens=32, gmma_tile=256)),
         # L2 prefetching (MoeLayer l2_prefetch): gate_up pulls the first N units of each down row block into
         # L2 ("ahead"), each warp its own last units ("own"); "+h": weights streamed evict_first, prefetches
         # evict_last
