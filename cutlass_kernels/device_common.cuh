@@ -14,28 +14,6 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
   return v;
 }
 
-// An L2 cache policy covering all accessed bytes: priority 0 evict_normal, 1 evict_first, 2 evict_last.
-__device__ __forceinline__ uint64_t l2_policy(int priority) {
-  uint64_t p;
-  if (priority == 1)
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  else if (priority == 2)
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  else
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-
-// Pull `bytes` (a multiple of 16, 16-byte aligned) into L2 through the copy engine (sm_90 and later): no
-// registers, no shared memory, nothing to wait for; later ordinary loads of those bytes hit L2.
-__device__ __forceinline__ void l2_prefetch_bulk(const void* p, unsigned bytes, uint64_t policy) {
-  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p), "r"(bytes), "l"(policy)
-               : "memory");
-}
-__device__ __forceinline__ void l2_prefetch_bulk(const void* p, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
 // 8 bf16 in 16 bytes <-> 8 floats (pack rounds to nearest even).
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);

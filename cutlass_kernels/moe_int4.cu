@@ -32,17 +32,13 @@
 
 namespace moe_int4 {
 
-// Weight stream: skip L1 (read once), ask L2 for 256-byte lines (the warp reads 512 contiguous bytes), with
-// an L2 eviction policy (l2_policy: evict_normal unless the launch asks for evict_first).
-__device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t policy) {
+// Weight stream: skip L1 (read once), ask L2 for 256-byte lines (the warp reads 512 contiguous bytes).
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
-
-using ddtree::l2_policy;
-using ddtree::l2_prefetch_bulk;
 
 // Activations and scales: small, reused by the other warps of the block, so keep them in L1.
 __device__ __forceinline__ uint4 ld_cached(const uint4* p) {
@@ -118,11 +114,11 @@ __device__ __forceinline__ void unit_mma(float (&acc)[RB][NT][4], WeightOf w_of,
 // The register pipeline's loads of one step (4 units from un on): each row block's weights and scale word.
 template <int RB>
 __device__ __forceinline__ void load_weight_step(uint4 (&w)[kStep][RB], uint4 (&sc)[RB], const uint4* const (&wp)[RB],
-                                                 const uint4* const (&sp)[RB], int un, uint64_t pol) {
+                                                 const uint4* const (&sp)[RB], int un) {
 #pragma unroll
   for (int j = 0; j < RB; ++j) {
 #pragma unroll
-    for (int uu = 0; uu < kStep; ++uu) w[uu][j] = ld_stream(wp[j] + (un + uu) * 32, pol);
+    for (int uu = 0; uu < kStep; ++uu) w[uu][j] = ld_stream(wp[j] + (un + uu) * 32);
     sc[j] = ld_cached(sp[j] + (un / 8) * 32 + ((un / 4) & 1));
   }
 }
@@ -132,7 +128,7 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w)[kStep][RB], uint4 (&
 template <int RB, int NT>
 __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
                                           const uint4* const (&sp)[RB], const uint4* const (&xrow)[NT],
-                                          int u0, int u1, int lane, bool dep_wait, uint64_t pol) {
+                                          int u0, int u1, int lane, bool dep_wait) {
   const int t = lane & 3;
 #pragma unroll
   for (int j = 0; j < RB; ++j)
@@ -147,7 +143,7 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
 
   // Software pipeline: the weights and scales of step i+1 are in flight while step i computes.
   uint4 wn[kStep][RB], sn[RB];
-  load_weight_step(wn, sn, wp, sp, u0, pol);
+  load_weight_step(wn, sn, wp, sp, u0);
   if (dep_wait) dependency_wait();   // the first weights are in flight; activations only after the wait
   for (int u = u0; u < u1; u += kStep) {
     uint4 wc[kStep][RB], sc[RB];
@@ -157,7 +153,7 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
 #pragma unroll
       for (int uu = 0; uu < kStep; ++uu) wc[uu][j] = wn[uu][j];
     }
-    if (u + kStep < u1) load_weight_step(wn, sn, wp, sp, u + kStep, pol);
+    if (u + kStep < u1) load_weight_step(wn, sn, wp, sp, u + kStep);
 #pragma unroll
     for (int uu = 0; uu < kStep; ++uu)
       unit_mma<RB, NT>(acc, [&](int j) { return wc[uu][j]; }, sc, uu, xrow, u + uu, t);
@@ -170,7 +166,7 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
 template <int RB, int NT>
 __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
                                                    const uint4* const (&sp)[RB], const uint4* const (&xrow)[NT],
-                                                   int u0, int u1, int lane, bool dep_wait, uint64_t pol) {
+                                                   int u0, int u1, int lane, bool dep_wait) {
   const int t = lane & 3;
 #pragma unroll
   for (int j = 0; j < RB; ++j)
@@ -190,14 +186,14 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
       unit_mma<RB, NT, decltype(w_of), false>(acc, w_of, sc, uu, xrow, u + uu, t);
     }
   };
-  load_weight_step(wa, sa, wp, sp, u0, pol);
+  load_weight_step(wa, sa, wp, sp, u0);
   if (dep_wait) dependency_wait();   // the first weights are in flight; activations only after the wait
   for (int u = u0; u < u1; u += 2 * kStep) {
     const bool second = u + kStep < u1;
-    if (second) load_weight_step(wb, sb, wp, sp, u + kStep, pol);
+    if (second) load_weight_step(wb, sb, wp, sp, u + kStep);
     compute_step(wa, sa, u);
     if (!second) break;
-    if (u + 2 * kStep < u1) load_weight_step(wa, sa, wp, sp, u + 2 * kStep, pol);
+    if (u + 2 * kStep < u1) load_weight_step(wa, sa, wp, sp, u + 2 * kStep);
     compute_step(wb, sb, u + kStep);
   }
 }
@@ -263,8 +259,7 @@ template <int MODE, int RB, int WN, int KS, int NT, int S>
 __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int ldx, const uint4* const (&wp)[RB],
                                            const uint4* const (&sp)[RB], int n_rows, int u0, int u1, int rb0,
                                            int c0, int count, int offset, const int* __restrict__ sorted_token,
-                                           void* __restrict__ out, float* red, uint4* ring, bool dep_wait,
-                                           uint64_t pol) {
+                                           void* __restrict__ out, float* red, uint4* ring, bool dep_wait) {
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp % WN, ks = warp / WN;
@@ -283,11 +278,11 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
   }
   float acc[RB][NT][4];
   if constexpr (S == 1) {
-    warp_gemm_pingpong<RB, NT>(acc, wp, sp, xrow, u0, u1, lane, dep_wait, pol);
+    warp_gemm_pingpong<RB, NT>(acc, wp, sp, xrow, u0, u1, lane, dep_wait);
   } else if constexpr (S > 1) {
     warp_gemm_async<RB, NT, S>(acc, wp, sp, xrow, u0, u1, lane, ring, dep_wait);
   } else {
-    warp_gemm<RB, NT>(acc, wp, sp, xrow, u0, u1, lane, dep_wait, pol);
+    warp_gemm<RB, NT>(acc, wp, sp, xrow, u0, u1, lane, dep_wait);
   }
 
   if (KS > 1) {
@@ -392,12 +387,6 @@ __device__ __forceinline__ void combine4(const float* __restrict__ down_out, con
 // MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
 // tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
-// L2 (every variant; 0 / null turns each off): l2_hints bit 0 streams the weights with an evict_first policy,
-// bit 1 gives the prefetches below evict_last; pf_own_units: each warp first asks the copy engine to pull the
-// last pf_own_units K units of its range of each row block into L2 (more bytes in flight than the registers
-// hold); MODE 0: pf_q / pf_s = the down weights ([E, pf_rows, pf_units_total, 32] uint4 + scales), and the
-// blocks of a slot prefetch the first pf_units units of each of the slot expert's down row blocks, so that
-// down reads them from L2 (small T: gate_up leaves DRAM time idle, down starts cold).
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES>
 __global__ void __launch_bounds__(32 * WN * KS, STAGES == 1 ? 1 : 0)   // 1: room for both buffers
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
@@ -409,8 +398,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  void* __restrict__ out, int early,
                  const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                  const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int* __restrict__ tickets,
-                 int T, int topk, int l2_hints, int pf_own_units, const uint4* __restrict__ pf_q,
-                 const uint4* __restrict__ pf_s, int pf_rows, int pf_units_total, int pf_units) {
+                 int T, int topk) {
   using namespace moe_int4;
   static_assert(MODE == 1 || RB % 2 == 0, "gate_up pairs gate and up row blocks");
   static_assert(NTMAX == 1 || NTMAX == 2 || NTMAX == 4, "token tiles per chunk: 1, 2 or 4");
@@ -443,31 +431,6 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     const int steps = units / kStep;
     const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep;
 
-    // L2 prefetch (see the header): the last pf_own_units units of this warp's range of each row block, and
-    // (gate_up) the first pf_units of each row block of the slot expert's down matrix, spread over the grid.
-    const uint64_t pol = l2_policy(l2_hints & 1);
-    if (pf_own_units > 0 || pf_units > 0) {
-      const uint64_t pf_pol = l2_policy(l2_hints & 2);
-      const int n = min(pf_own_units, u1 - u0);
-      if (n > 0 && lane < 2 * RB) {
-        const int j = lane % RB;
-        if (lane < RB) {
-          l2_prefetch_bulk(wp[j] - lane + (u1 - n) * 32, n * 512, pf_pol);
-        } else {   // the scale superblocks of those units, 512 bytes each
-          const int sb0 = (u1 - n) / 8, sb1 = (u1 + 7) / 8;
-          l2_prefetch_bulk(sp[j] - (g * 2 + (t >> 1)) * 2 + sb0 * 32, (sb1 - sb0) * 512, pf_pol);
-        }
-      }
-      if (MODE == 0 && pf_units > 0) {
-        const int supers_d = pf_units_total / 8, sb1 = (pf_units + 7) / 8;
-        for (int r = blockIdx.x + gridDim.x * threadIdx.x; r < pf_rows; r += gridDim.x * blockDim.x) {
-          const long long blk = (long long)expert * pf_rows + r;
-          l2_prefetch_bulk(pf_q + blk * pf_units_total * 32, pf_units * 512, pf_pol);
-          l2_prefetch_bulk(pf_s + blk * supers_d * 32, sb1 * 512, pf_pol);
-        }
-      }
-    }
-
     __shared__ float red[KS > 1 ? (KS - 1) * WN * RB * NTMAX * 4 * 32 : 1];
     // STAGES > 0: dynamic shared memory holds each warp's weight ring, STAGES x (4 RB + RB) x 32 x 16 bytes.
     extern __shared__ uint4 moe_ring[];
@@ -477,15 +440,15 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
       const int rem = count - c0;
       if (NTMAX >= 4 && rem > 16) {
         gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 4 ? 4 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
-                                                                  offset, sorted_token, out, red, ring, wait_first, pol);
+                                                                  offset, sorted_token, out, red, ring, wait_first);
         c0 += 32;
       } else if (NTMAX >= 2 && rem > 8) {
         gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 2 ? 2 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
-                                                                  offset, sorted_token, out, red, ring, wait_first, pol);
+                                                                  offset, sorted_token, out, red, ring, wait_first);
         c0 += 16;
       } else {
         gemm_chunk<MODE, RB, WN, KS, 1, STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
-                                                sorted_token, out, red, ring, wait_first, pol);
+                                                sorted_token, out, red, ring, wait_first);
         c0 += 8;
       }
       wait_first = false;

@@ -13,8 +13,6 @@
 //   routes up to 2 tokens (same code as moe_topk_kernel), and the last block to finish (an atomic ticket,
 //   reset by that block for the next graph replay) does the grouping (same code as moe_group_kernel). For
 //   T <= 64 that is a single block and no ticket. Results are bit-identical to the two-kernel path.
-// Both grouping entries end with the AheadWeights fields (ahead_q0 null: off): the grouping block first asks
-//   the copy engine to pull the first units of the chosen experts' gate / up weights into L2, for gate_up.
 // Everything has a fixed launch shape for a token count, so the MoE layer is graph-capturable.
 // Programmatic dependent launch (family registered pdl=True): every entry waits for the previous kernel
 // (ddtree::grid_dependency_wait) before its first read of logits / ids and before any write; only the
@@ -143,37 +141,11 @@ extern "C" __global__ void moe_topk_kernel(const float* __restrict__ logits, con
 // token bitmap (a token never picks an expert twice), so positions are deterministic without a serial scan.
 // The grouping, by one whole block (at least E/32 warps; 1024 threads in both kernels). topk_ids is read through L2
 // (__ldcg): in moe_route_kernel other blocks of the same grid wrote it.
-// L2 prefetch of the next GEMM's weights (optional): gate and up of the chosen experts, in the kernel layout
-// of moe_int4.cu (packed [E, row_blocks, units, 32] uint4, scales [E, row_blocks, units / 8, 32] uint4).
-struct AheadWeights {
-  const uint4* q0;   // gate packed (null: no prefetch)
-  const uint4* s0;
-  const uint4* q1;   // up
-  const uint4* s1;
-  int row_blocks, units, pf_units;   // pf_units: the first units of each row block to pull into L2
-};
-
-// The first pf_units units (and their scale superblocks) of every gate / up row block of the experts picked in
-// ids[0..P): thread i takes (pick, row block) items i, i + blockDim.x, ... Picks of one expert by several
-// tokens ask again for the same lines (cheap: they are in L2 or on their way). The copy engine does the rest.
-__device__ __forceinline__ void prefetch_ahead(const AheadWeights& aw, const int* ids, int P) {
-  if (aw.q0 == nullptr || aw.pf_units <= 0) return;
-  const int n = min(aw.pf_units, aw.units), sbs = (n + 7) / 8, supers = aw.units / 8;
-  const long long items = (long long)P * 2 * aw.row_blocks;
-  for (long long i = threadIdx.x; i < items; i += blockDim.x) {
-    const int a = (int)(i / (2 * aw.row_blocks)), r = (int)(i % (2 * aw.row_blocks));
-    const int m = r >= aw.row_blocks, rb = r - m * aw.row_blocks;
-    const long long blk = (long long)ids[a] * aw.row_blocks + rb;
-    ddtree::l2_prefetch_bulk((m ? aw.q1 : aw.q0) + blk * aw.units * 32, n * 512u);
-    ddtree::l2_prefetch_bulk((m ? aw.s1 : aw.s0) + blk * supers * 32, sbs * 512u);
-  }
-}
-
 __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, int T, int topk, int E, int num_slots,
                                             int* __restrict__ expert_count, int* __restrict__ slot_expert,
                                             int* __restrict__ slot_offset, int* __restrict__ slot_count,
                                             int* __restrict__ sorted_token, int* __restrict__ assign_pos,
-                                            int* smem, const AheadWeights& ahead) {
+                                            int* smem) {
   const int P = T * topk;
   const int words = (T + 31) / 32;
   int* ids = smem;
@@ -189,7 +161,6 @@ __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, in
   for (int i = tid; i < E * words; i += blockDim.x) bits[i] = 0u;
   for (int s = tid; s < num_slots; s += blockDim.x) { slot_expert[s] = -1; slot_offset[s] = 0; slot_count[s] = 0; }
   __syncthreads();
-  prefetch_ahead(ahead, ids, P);   // first: DRAM works on gate_up's weights while the grouping runs
   for (int a = tid; a < P; a += blockDim.x) {
     const int e = ids[a], t = a / topk;
     atomicAdd(&cnt[e], 1);
@@ -256,15 +227,12 @@ __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, in
 extern "C" __global__ void __launch_bounds__(1024)
 moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int num_slots,
                  int* __restrict__ expert_count, int* __restrict__ slot_expert, int* __restrict__ slot_offset,
-                 int* __restrict__ slot_count, int* __restrict__ sorted_token, int* __restrict__ assign_pos,
-                 const uint4* ahead_q0, const uint4* ahead_s0, const uint4* ahead_q1, const uint4* ahead_s1,
-                 int ahead_row_blocks, int ahead_units, int ahead_pf_units) {
+                 int* __restrict__ slot_count, int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
   extern __shared__ int smem[];
   ddtree::grid_dependency_wait();
   ddtree::launch_dependents();
-  const AheadWeights ahead{ahead_q0, ahead_s0, ahead_q1, ahead_s1, ahead_row_blocks, ahead_units, ahead_pf_units};
   group_block(topk_ids, T, topk, E, num_slots, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
-              assign_pos, smem, ahead);
+              assign_pos, smem);
 }
 
 // Top-k and grouping in one launch. Grid: ceil(T / (32 * ROUTE_TOKENS_PER_WARP)) blocks of 1024 threads;
@@ -276,12 +244,9 @@ moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bia
                  int num_slots, int* __restrict__ topk_ids, float* __restrict__ topk_w,
                  int* __restrict__ expert_count, int* __restrict__ slot_expert, int* __restrict__ slot_offset,
                  int* __restrict__ slot_count, int* __restrict__ sorted_token, int* __restrict__ assign_pos,
-                 int* __restrict__ ticket,
-                 const uint4* ahead_q0, const uint4* ahead_s0, const uint4* ahead_q1, const uint4* ahead_s1,
-                 int ahead_row_blocks, int ahead_units, int ahead_pf_units) {
+                 int* __restrict__ ticket) {
   extern __shared__ int smem[];
   __shared__ int last;
-  const AheadWeights ahead{ahead_q0, ahead_s0, ahead_q1, ahead_s1, ahead_row_blocks, ahead_units, ahead_pf_units};
   ddtree::grid_dependency_wait();
   ddtree::launch_dependents();
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
@@ -303,5 +268,5 @@ moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bia
     __syncthreads();   // this block's topk_ids stores are visible to the whole block
   }
   group_block(topk_ids, T, topk, E, num_slots, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
-              assign_pos, smem, ahead);
+              assign_pos, smem);
 }

@@ -208,29 +208,6 @@ GMMA_TILE = 64
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens
 
 
-@dataclass(frozen=True)
-class L2Prefetch:
-    """L2 prefetching in the mma.sync MoE GEMMs (moe_int4.cu, kernel header): gate_up_own / down_own = K units
-    (of 64) at the end of each warp's range per row block that the warp first asks the copy engine to pull
-    into L2; down_ahead = K units at the start of each row block of the slot expert's down matrix that the
-    gate_up blocks prefetch for the down GEMM; gate_up_ahead = the same for gate / up, asked for by the routing's
-    grouping block as soon as it has the picks (moe_routing.cu); evict_first: stream the weights with an L2
-    evict_first policy; evict_last: the GEMMs' prefetches with evict_last. All zero / False: plain streaming."""
-    gate_up_own: int = 0
-    down_own: int = 0
-    down_ahead: int = 0
-    gate_up_ahead: int = 0
-    evict_first: bool = False
-    evict_last: bool = False
-
-    @property
-    def hints(self) -> int:
-        return int(self.evict_first) | 2 * int(self.evict_last)
-
-
-NO_L2_PREFETCH = L2Prefetch()
-
-
 def _without_pdl(launch):
     """Rebind a prepared launch as a plain launch (A/B timing of programmatic dependent launch)."""
     k = launch.kernel
@@ -272,8 +249,7 @@ class MoeLayer:
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
-                 pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int = GMMA_TILE,
-                 l2_prefetch: L2Prefetch | None = None):
+                 pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int = GMMA_TILE):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -285,9 +261,6 @@ class MoeLayer:
                 or (n_group > 1 and (E % n_group or n_group > 32)) or not 1 <= topk_group <= n_group):
             raise ValueError(f"unsupported routing: T={T}, E={E}, topk={topk} (1..min(16, E)), n_group={n_group} "
                              f"(divides E, <= 32), topk_group={topk_group} (1..n_group)")
-        l2_prefetch = l2_prefetch or NO_L2_PREFETCH
-        if min(l2_prefetch.gate_up_own, l2_prefetch.down_own, l2_prefetch.down_ahead, l2_prefetch.gate_up_ahead) < 0:
-            raise ValueError(f"l2_prefetch {l2_prefetch}: unit counts must be >= 0")
         if np.asarray(bias).size != E:
             raise ValueError(f"bias has {np.asarray(bias).size} entries, want E = {E}")
         if gmma_min_tokens is not None and (gmma_tile not in (64, 128, 256) or gmma_min_tokens < 1 or early
@@ -320,24 +293,19 @@ class MoeLayer:
         self.fused_routing = bool(fused_routing)
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
-        self.l2_prefetch = l2_prefetch
 
         group_smem = (P + 4 * E + 1 + E * ((T + 31) // 32)) * 4   # moe_routing.cu group_block's layout
         route_args = [self.logits, self.bias, I32(T), I32(E), I32(topk), I32(n_group), I32(topk_group),
                       I32(int(norm_topk_prob)), F32(routed_scaling_factor)]
         group_outs = [self.expert_count, self.slot_expert, self.slot_offset, self.slot_count, self.sorted_token,
                       self.assign_pos]
-        ahead = min(l2_prefetch.gate_up_ahead, w.hidden // 64)
-        null = np.uint64(0)
-        ahead_args = ([w.gate_q, w.gate_s, w.up_q, w.up_s] if ahead else [null] * 4) + [
-            I32(w.inter // 16), I32(w.hidden // 64), I32(ahead)]
         if self.fused_routing:
             route_k = cuda.get_kernel("moe_routing", "moe_route_kernel")
             if group_smem > 48 * 1024:
                 route_k.set_max_dynamic_smem(group_smem)
             routing = [route_k.prepare(((T + ROUTE_TOKENS_PER_BLOCK - 1) // ROUTE_TOKENS_PER_BLOCK,), (1024,), [
-                *route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs, self.route_ticket,
-                *ahead_args], smem=group_smem)]
+                *route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs, self.route_ticket],
+                smem=group_smem)]
         else:
             topk_k = cuda.get_kernel("moe_routing", "moe_topk_kernel")
             group_k = cuda.get_kernel("moe_routing", "moe_group_kernel")
@@ -346,7 +314,7 @@ class MoeLayer:
             routing = [
                 topk_k.prepare(((T + 3) // 4,), (128,), [*route_args, self.topk_ids, self.topk_w]),
                 group_k.prepare((1,), (1024,), [self.topk_ids, I32(T), I32(topk), I32(E), I32(self.num_slots),
-                                                *group_outs, *ahead_args], smem=group_smem)]
+                                                *group_outs], smem=group_smem)]
         gu_entry, dn_entry = variants or default_variants(T)
         self.variants = (gu_entry, dn_entry)
         self.stages = [("route", launch) for launch in routing]
@@ -364,17 +332,14 @@ class MoeLayer:
             hot = max(1, min(self.num_slots, P // gmma_min_tokens))
             self.stages.append(("gate_up_hot", self._gmma_launch(0, gmma_tile, hot, self.x, w.hidden, w.gate_q,
                                                              w.gate_s, w.up_q, w.up_s, w.inter, w.hidden, self.h)))
-        pf = self.l2_prefetch
         self.stages.append(("gate_up", self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q,
-                                                         w.up_s, w.inter, w.hidden, self.h, counts=counts,
-                                                         own_units=pf.gate_up_own, ahead_units=pf.down_ahead)))
+                                                         w.up_s, w.inter, w.hidden, self.h, counts=counts)))
         if gmma_min_tokens:
             self.stages.append(("down_hot", self._gmma_launch(1, gmma_tile, hot, self.h, w.inter, w.down_q, w.down_s,
                                                           w.down_q, w.down_s, w.hidden, w.inter, self.down_out)))
         self.stages.append(("down", self._gemm_launch(dn_entry, self.h, w.inter, w.down_q, w.down_s, w.down_q,
                                                       w.down_s, w.hidden, w.inter, self.down_out,
-                                                      early=self.early, combine=self.fuse_combine, counts=counts,
-                                                      own_units=pf.down_own)))
+                                                      early=self.early, combine=self.fuse_combine, counts=counts)))
         if not self.fuse_combine:
             self.stages.append(("combine", cuda.get_kernel("moe_int4", "moe_combine_kernel").prepare(
                 (T, (w.hidden // 4 + 255) // 256), (256,), [
@@ -396,12 +361,10 @@ class MoeLayer:
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset, self.slot_count,
             self.sorted_token, out, I32(self.gmma_min_tokens)], smem=smem)
 
-    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None,
-                     own_units=0, ahead_units=0):
+    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None):
         """One grouped GEMM launch. Down (MODE 1) only: early = start the weights before the PDL wait;
         combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared).
-        counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones).
-        own_units / ahead_units (gate_up only) / the layer's evict hints: L2Prefetch."""
+        counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones)."""
         cuda = _cuda()
         mode, rb, wn, ks, _, _ = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
@@ -409,8 +372,6 @@ class MoeLayer:
             raise ValueError(f"{entry}: N={n_rows} must be a multiple of {16 * rbm * wn} and K={k} of 512")
         if mode == 0 and (early or combine):
             raise ValueError(f"{entry}: early start and the folded combine are for the down GEMM only")
-        if mode == 1 and ahead_units:
-            raise ValueError(f"{entry}: the down GEMM has no next matrix to prefetch")
         grid = (n_rows // (16 * rbm * wn), self.num_slots)
         kernel = cuda.get_kernel("moe_int4", entry)
         smem = moe_ring_bytes(entry)
@@ -426,16 +387,8 @@ class MoeLayer:
             tail = [null, null, null, null, null, I32(0), I32(0)]
         return kernel.prepare(grid, (32 * wn * ks,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
-            self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail,
-            *self._l2_args(own_units, ahead_units)], smem=smem)
-
-    def _l2_args(self, own_units: int, ahead_units: int) -> list:
-        """The kernel's L2 arguments: hints, own units, then the down matrix to prefetch ahead (or nothing)."""
-        w = self.weights
-        ahead = min(int(ahead_units), w.inter // 64)
-        return [I32(self.l2_prefetch.hints), I32(own_units),
-                w.down_q if ahead else np.uint64(0), w.down_s if ahead else np.uint64(0),
-                I32(w.hidden // 16), I32(w.inter // 64), I32(ahead)]
+            self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail],
+            smem=smem)
 
     def forward(self, stream=None, stages=None):
         """Launch the layer (or only the named stages: 'route', 'gate_up_hot', 'gate_up', 'down_hot', 'down',

@@ -272,7 +272,7 @@ def time_plan(weights, T, E, x, logits, plan, iters):
 
 
 def select_plans(plans, spec: str):
-    """The plans named in spec ("a,b,l2-*"), all when spec is empty; an unknown name is an error."""
+    """The plans named in spec ("a,b,gmma*"), all when spec is empty; an unknown name is an error."""
     if not spec:
         return plans
     keep = []
@@ -286,7 +286,6 @@ def select_plans(plans, spec: str):
 
 def launch_plans(default_fused_combine: bool):
     """(label, MoeLayer keyword arguments): the plan before issue 7's launch work, then one change at a time."""
-    from runtime.kimi_kernels import L2Prefetch
     before = dict(fused_routing=False, fuse_combine=False, early=False, pdl=False, gmma_min_tokens=None)
     return [
         ("before", before),
@@ -304,21 +303,6 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=16/128", dict(gmma_min_tokens=16, gmma_tile=128)),
         ("gmma>=16/256", dict(gmma_min_tokens=16, gmma_tile=256)),
         ("gmma>=32/256", dict(gmma_min_tokens=32, gmma_tile=256)),
-        # L2 prefetching (MoeLayer l2_prefetch): gate_up pulls the first N units of each down row block into
-        # L2 ("ahead"), each warp its own last units ("own"); "+h": weights streamed evict_first, prefetches
-        # evict_last
-        *[(f"l2-ahead{n}{'+h' if h else ''}", dict(l2_prefetch=L2Prefetch(down_ahead=n, evict_first=h, evict_last=h)))
-          for n in (8, 16, 32) for h in (False, True)],
-        *[(f"l2-own{gu}/{dn}{'+h' if h else ''}",
-           dict(l2_prefetch=L2Prefetch(gate_up_own=gu, down_own=dn, evict_first=h, evict_last=h)))
-          for gu, dn in ((16, 8), (28, 16)) for h in (False, True)],
-        ("l2-own28/16+ahead16+h", dict(l2_prefetch=L2Prefetch(gate_up_own=28, down_own=16, down_ahead=16,
-                                                              evict_first=True, evict_last=True))),
-        # the routing's grouping block prefetches the first units of the picked experts' gate / up rows
-        *[(f"l2-route{n}", dict(l2_prefetch=L2Prefetch(gate_up_ahead=n))) for n in (8, 16, 32)],
-        ("l2-route16+ahead16", dict(l2_prefetch=L2Prefetch(gate_up_ahead=16, down_ahead=16))),
-        ("l2-route16+ahead32+h", dict(l2_prefetch=L2Prefetch(gate_up_ahead=16, down_ahead=32, evict_first=True,
-                                                             evict_last=True))),
     ]
 
 
