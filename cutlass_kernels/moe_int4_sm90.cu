@@ -15,8 +15,10 @@
 //   path of moe_int4.cu, and stores 4 x 16 bytes into the K-major 128-byte-swizzled bf16 W tile [128][64];
 // - the x rows (gathered through sorted_token for MODE 0) go in by cp.async, K-major swizzled [TN][64];
 // - wgmma m64nTNk16 x 4 (A = the warpgroup's 64 W rows, B = the tokens), fp32 accumulators in registers.
-// Two stage buffers: the dequantization of stage s+1 (and the packed load of stage s+2, one stage ahead in
-// registers) overlap the wgmma of stage s. The K order inside each 64-column unit is the repacked (permuted)
+// Three stage buffers: the dequantization of stage s+1 and the x load of stage s+2 overlap the wgmma of stage
+// s; the packed weights are loaded W_AHEAD (8) stages ahead into a register ring (one 16-byte load per thread
+// and stage: with only the next stage in flight every 64-k stage waited a full DRAM latency, ~1 us, and a hot
+// expert's 112 stages per token chunk took ~150 us, measured on the H200). The K order inside each 64-column unit is the repacked (permuted)
 // order for the weights' lanes, but every weight is stored at its physical column and x is read plainly, so
 // the dot product is the plain one.
 #include <cuda_bf16.h>
@@ -31,6 +33,8 @@ using cuda::std::uint64_t;
 namespace moe90 {
 constexpr int THREADS = 256;
 constexpr int W_TILE = 128 * 128;   // 128 rows x 64 k bf16
+constexpr int W_AHEAD = 8;          // stages of packed weights in flight per thread (a register ring)
+constexpr int BUFFERS = 3;          // W + x stage buffers in shared memory: x is loaded two stages ahead
 
 
 using ddtree::cp_async16_s;
@@ -78,23 +82,27 @@ __device__ __forceinline__ void dequant_store(uint32_t tile, uint4 w, uint32_t s
 
 // MODE 0: x bf16 [T, ldx] gathered by sorted_token, weights gate (wq0/ws0) and up (wq1/ws1), out h bf16
 // [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out fp32 [P, n_rows].
-// Grid (n_rows / (MODE 0 ? 64 : 128), slots); dynamic smem 1024 + 2 * (16384 + TN * 128).
+// Grid (n_rows / (MODE 0 ? 64 : 128), slots or items); dynamic smem 1024 + 3 * (16384 + TN * 128).
 template <int MODE, int TN>
 __global__ void __launch_bounds__(moe90::THREADS, 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                 const uint4* __restrict__ wq1, const uint4* __restrict__ ws1, int n_rows, int k,
                 const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
                 const int* __restrict__ slot_count, const int* __restrict__ sorted_token, void* __restrict__ out,
-                int min_count) {
+                int min_count, const int* __restrict__ item_slot, const int* __restrict__ item_chunk) {
   using namespace moe90;
   static_assert(TN == 64 || TN == 128 || TN == 256, "token tile");
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = W_TILE + X_TILE;
   constexpr int ACC = TN / 2;
   using O = typename ddtree::GmmaOp<TN>::type;
-  const int slot = blockIdx.y;
+  // item_slot null: block row y is slot y and runs all of its token chunks in turn; else it is item y, one
+  // TN-token chunk (item_chunk[y]) of slot item_slot[y], so a hot expert's chunks run on blocks side by side.
+  const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
   const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
   if (expert < 0 || count < min_count) return;   // the mma.sync kernel's slot
+  const int c_begin = item_slot != nullptr ? item_chunk[blockIdx.y] * TN : 0;
+  const int c_end = item_slot != nullptr ? min(count, c_begin + TN) : count;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
@@ -112,7 +120,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (t >> 1)) * 2;
   const int wrow = warp * 16 + g;   // this lane's first row in the W tile
 
-  for (int c0 = 0; c0 < count; c0 += TN) {
+  for (int c0 = c_begin; c0 < c_end; c0 += TN) {
     // x chunks of this thread: rows i = tid / 8 + 32 j, 16-byte unit tid % 8 of the 64-k stage
     auto load_x = [&](uint32_t tile, int u) {
 #pragma unroll
@@ -129,46 +137,66 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       acc[i] = 0.f;
       cute::warpgroup_fence_operand(acc[i]);
     }
-    // Prologue: stage 0 into buffer 0; the packed weights of stage 1 in registers.
-    uint4 wnext = load_w(wp, 0);
-    uint32_t snext = load_scale(sp, 0);
+    // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages 0 and 1
+    // (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with stage W_AHEAD.
+    uint4 wr[W_AHEAD];
+    uint32_t sr[W_AHEAD];
+#pragma unroll
+    for (int d = 0; d < W_AHEAD; ++d)
+      if (d < units) {
+        wr[d] = load_w(wp, d);
+        sr[d] = load_scale(sp, d);
+      }
     load_x(smem_base + W_TILE, 0);
     ddtree::cp_async_commit();
-    dequant_store(smem_base, wnext, snext, wrow, t);
-    if (units > 1) {
-      wnext = load_w(wp, 1);
-      snext = load_scale(sp, 1);
+    if (units > 1) load_x(smem_base + STAGE + W_TILE, 1);
+    ddtree::cp_async_commit();
+    dequant_store(smem_base, wr[0], sr[0], wrow, t);
+    if (W_AHEAD < units) {
+      wr[0] = load_w(wp, W_AHEAD);
+      sr[0] = load_scale(sp, W_AHEAD);
     }
-    ddtree::cp_async_wait<0>();
+    ddtree::cp_async_wait<1>();   // x of stage 0 (stage 1's may still be in flight)
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared / cp.async -> wgmma
     __syncthreads();
 
-    for (int u = 0; u < units; ++u) {
-      const uint32_t cur = smem_base + (u & 1) * STAGE, nxt = smem_base + ((u + 1) & 1) * STAGE;
-      cute::warpgroup_arrive();
-      const uint64_t da = sw128_desc(cur + wg * 64 * 128), db = sw128_desc(cur + W_TILE);
+    // Stage u: wgmma on buffer u % 3 while x of stage u + 2 loads into buffer (u + 2) % 3 (its last reader,
+    // stage u - 1's wgmma, retired before the barrier that ended stage u - 1) and W of stage u + 1 is
+    // dequantized into buffer (u + 1) % 3 from ring slot (u + 1) % W_AHEAD, which then takes stage
+    // u + 1 + W_AHEAD. Unrolled by W_AHEAD so the ring index is a constant.
+    for (int u0 = 0; u0 < units; u0 += W_AHEAD) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        ddtree::gmma_ss<O>(da + 2 * kk, db + 2 * kk, acc,
-                u == 0 && kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One,
-                cuda::std::make_integer_sequence<int, ACC>{});
-      cute::warpgroup_commit_batch();
-      if (u + 1 < units) {   // stage u + 1 into the other buffer (its wgmma, stage u - 1, has retired)
-        load_x(nxt + W_TILE, u + 1);
-        ddtree::cp_async_commit();
-        dequant_store(nxt, wnext, snext, wrow, t);
-        if (u + 2 < units) {
-          wnext = load_w(wp, u + 2);
-          snext = load_scale(sp, u + 2);
+      for (int d = 0; d < W_AHEAD; ++d) {
+        const int u = u0 + d;
+        if (u >= units) break;
+        const uint32_t cur = smem_base + (u % BUFFERS) * STAGE, nxt = smem_base + ((u + 1) % BUFFERS) * STAGE;
+        cute::warpgroup_arrive();
+        const uint64_t da = sw128_desc(cur + wg * 64 * 128), db = sw128_desc(cur + W_TILE);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          ddtree::gmma_ss<O>(da + 2 * kk, db + 2 * kk, acc,
+                  u == 0 && kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One,
+                  cuda::std::make_integer_sequence<int, ACC>{});
+        cute::warpgroup_commit_batch();
+        if (u + 2 < units) load_x(smem_base + ((u + 2) % BUFFERS) * STAGE + W_TILE, u + 2);
+        ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
+        if (u + 1 < units) {
+          const int slot = (d + 1) % W_AHEAD;   // stage u + 1 (u0 is a multiple of W_AHEAD): a constant once unrolled
+          dequant_store(nxt, wr[slot], sr[slot], wrow, t);
+          if (u + 1 + W_AHEAD < units) {
+            wr[slot] = load_w(wp, u + 1 + W_AHEAD);
+            sr[slot] = load_scale(sp, u + 1 + W_AHEAD);
+          }
         }
-      }
-      cute::warpgroup_wait<0>();
+        cute::warpgroup_wait<0>();
 #pragma unroll
-      for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
-      ddtree::cp_async_wait<0>();
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      __syncthreads();   // stage u + 1 complete; every warpgroup done with stage u
+        for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+        ddtree::cp_async_wait<1>();   // x of stage u + 1 has landed; stage u + 2's may still be in flight
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();   // stage u + 1 complete; every warpgroup done with stage u
+      }
     }
+    ddtree::cp_async_wait<0>();
 
     // Epilogue: acc[4j + 2i + b] = W row 16 (warp % 4) + g + 8i of the warpgroup's 64, token 8j + 2t + b.
     const int r_wg = (warp & 3) * 16 + g;

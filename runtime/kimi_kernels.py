@@ -241,7 +241,9 @@ class MoeLayer:
     pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter);
     gmma_min_tokens (sm_90a): experts with at least that many tokens go through moe_gmma_kernel (weights
     dequantized once per stage into shared memory, wgmma over up to gmma_tile = 64/128/256 tokens per pass),
-    the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones).
+    the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
+    gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
+    per slot runs its chunks in turn).
     Default "auto": GMMA_MIN_TOKENS / GMMA_TILE from GMMA_AUTO_TOKENS tokens on where the kernel runs; None
     turns it off."""
 
@@ -249,7 +251,8 @@ class MoeLayer:
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
-                 pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int = GMMA_TILE):
+                 pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int = GMMA_TILE,
+                 gmma_parallel_chunks: bool = True):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -330,6 +333,12 @@ class MoeLayer:
                 [self.slot_count, self.cold_count, I32(self.num_slots), I32(gmma_min_tokens)])))
             # slots are ordered by count, most first: at most P // min_tokens of them can be hot
             hot = max(1, min(self.num_slots, P // gmma_min_tokens))
+            self._gmma_items = None
+            if gmma_parallel_chunks:
+                # (slot, chunk) items: slot i (counts sorted, most first) has at most min(T, P // (i + 1)) tokens
+                items = [(i, c) for i in range(hot) for c in range(-(-min(T, P // (i + 1)) // gmma_tile))]
+                self._gmma_items = (cuda.to_device(np.array([i for i, _ in items], np.int32)),
+                                    cuda.to_device(np.array([c for _, c in items], np.int32)))
             self.stages.append(("gate_up_hot", self._gmma_launch(0, gmma_tile, hot, self.x, w.hidden, w.gate_q,
                                                              w.gate_s, w.up_q, w.up_s, w.inter, w.hidden, self.h)))
         self.stages.append(("gate_up", self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q,
@@ -355,11 +364,15 @@ class MoeLayer:
         """One moe_gmma_kernel launch over the first hot_slots slots (those with >= gmma_min_tokens tokens run)."""
         cuda = _cuda()
         kernel = cuda.get_kernel("moe_int4_sm90", f"moe_gmma_kernel<{mode}, {tn}>")
-        smem = 1024 + 2 * (128 * 128 + tn * 128)
+        items = self._gmma_items
+        rows_y = hot_slots if items is None else items[0].shape[0]
+        smem = 1024 + 3 * (128 * 128 + tn * 128)   # moe_int4_sm90.cu: 3 stage buffers of W [128][64] + x [tn][64]
         kernel.set_max_dynamic_smem(smem)
-        return kernel.prepare((n_rows // (64 if mode == 0 else 128), hot_slots), (256,), [
+        null = np.uint64(0)
+        return kernel.prepare((n_rows // (64 if mode == 0 else 128), rows_y), (256,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset, self.slot_count,
-            self.sorted_token, out, I32(self.gmma_min_tokens)], smem=smem)
+            self.sorted_token, out, I32(self.gmma_min_tokens), *(items if items is not None else (null, null))],
+            smem=smem)
 
     def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None):
         """One grouped GEMM launch. Down (MODE 1) only: early = start the weights before the PDL wait;

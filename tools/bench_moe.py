@@ -300,6 +300,8 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=16", dict(gmma_min_tokens=16, gmma_tile=64)),
         ("gmma>=32", dict(gmma_min_tokens=32, gmma_tile=128)),
         ("gmma>=64", dict(gmma_min_tokens=64, gmma_tile=128)),
+        ("gmma>=16/serial", dict(gmma_min_tokens=16, gmma_tile=64, gmma_parallel_chunks=False)),
+        ("gmma>=8", dict(gmma_min_tokens=8, gmma_tile=64)),
         ("gmma>=16/128", dict(gmma_min_tokens=16, gmma_tile=128)),
         ("gmma>=16/256", dict(gmma_min_tokens=16, gmma_tile=256)),
         ("gmma>=32/256", dict(gmma_min_tokens=32, gmma_tile=256)),
