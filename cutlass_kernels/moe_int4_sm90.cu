@@ -121,14 +121,21 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   const int wrow = warp * 16 + g;   // this lane's first row in the W tile
 
   for (int c0 = c_begin; c0 < c_end; c0 += TN) {
-    // x chunks of this thread: rows i = tid / 8 + 32 j, 16-byte unit tid % 8 of the 64-k stage
+    // x chunks of this thread: rows i = tid / 8 + 32 j, 16-byte unit tid % 8 of the 64-k stage. The row
+    // addresses once per chunk: looking sorted_token up inside load_x put a dependent global load in front of
+    // every stage's cp.async.
+    const uint16_t* xrow[TN / 32];
+#pragma unroll
+    for (int j = 0; j < TN / 32; ++j) {
+      const int i = tid / 8 + 32 * j;
+      const int row = c0 + i >= count ? 0 : MODE == 0 ? sorted_token[offset + c0 + i] : offset + c0 + i;
+      xrow[j] = x + (long long)row * ldx + (tid & 7) * 8;
+    }
     auto load_x = [&](uint32_t tile, int u) {
 #pragma unroll
       for (int j = 0; j < TN / 32; ++j) {
         const int i = tid / 8 + 32 * j, c = tid & 7;
-        const bool ok = c0 + i < count;
-        const int row = !ok ? 0 : MODE == 0 ? sorted_token[offset + c0 + i] : offset + c0 + i;
-        cp_async16_s(tile + i * 128 + ((c ^ (i & 7)) << 4), x + (long long)row * ldx + u * 64 + c * 8, ok);
+        cp_async16_s(tile + i * 128 + ((c ^ (i & 7)) << 4), xrow[j] + u * 64, c0 + i < count);
       }
     };
     float acc[ACC];
