@@ -459,6 +459,13 @@ def mla_splits(rows: int, kv_len: int, sm_count: int = 132) -> int:
     return next(s for s in counts if est_us(s) <= 1.02 * best)
 
 
+def mla_split_plan(splits: int, kv_len: int, tile: int) -> tuple[int, int]:
+    """(splits, positions per split) for a wanted split count: each split a whole number of `tile`-position
+    KV tiles; rounding the length up can leave the last splits empty, so the count is recomputed."""
+    split_len = math.ceil(kv_len / splits / tile) * tile
+    return math.ceil(kv_len / split_len), split_len
+
+
 class MlaAttention:
     """Absorbed MLA attention for Tq queries x H heads over a [prefix_len + Tq, 576] latent cache, with a
     tree mask (uint32 [Tq, W], bit j of row i: node j visible to query i) or causal (mask None: prefill).
@@ -497,9 +504,7 @@ class MlaAttention:
         if not _family_runs_here(family, dev):
             raise ValueError(f"kernel={self.kernel!r} is built for {_family_archs(family)}; this device is "
                              f"sm_{dev.arch}")
-        self.splits = splits or mla_splits(rows, kv_len, dev.sm_count)
-        split_len = math.ceil(kv_len / self.splits / tile) * tile
-        self.splits = math.ceil(kv_len / split_len)   # rounding split_len up to whole tiles can empty the last ones
+        self.splits, split_len = mla_split_plan(splits or mla_splits(rows, kv_len, dev.sm_count), kv_len, tile)
         self.q = cuda.empty((self.tq, self.heads, MLA_D), np.uint16)
         self.out = cuda.empty((self.tq, self.heads, MLA_DV), np.uint16)
         ws_splits = self.splits if self.splits > 1 else 1
