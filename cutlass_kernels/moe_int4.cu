@@ -340,7 +340,8 @@ constexpr int kMaxTopk = 16;
 template <bool CG>
 __device__ __forceinline__ void combine4(const float* __restrict__ down_out, const float* __restrict__ topk_w,
                                          const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
-                                         uint16_t* __restrict__ y, int n, int topk, int tok, int col) {
+                                         uint16_t* __restrict__ y, int n, int topk, int tok, int col,
+                                         int splits = 1, long long split_stride = 0) {
   float w[kMaxTopk];
   int pos[kMaxTopk];
   float4 v[kMaxTopk];
@@ -356,6 +357,13 @@ __device__ __forceinline__ void combine4(const float* __restrict__ down_out, con
       const float4* src = reinterpret_cast<const float4*>(down_out + (long long)pos[j] * n + col);
       v[j] = CG ? __ldcg(src) : *src;
     }
+  for (int z = 1; z < splits; ++z)   // the down GEMM's K-split partials, added in z order
+#pragma unroll
+    for (int j = 0; j < kMaxTopk; ++j)
+      if (j < topk) {
+        const float4 p = *reinterpret_cast<const float4*>(down_out + z * split_stride + (long long)pos[j] * n + col);
+        v[j].x += p.x; v[j].y += p.y; v[j].z += p.z; v[j].w += p.w;
+      }
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int j = 0; j < kMaxTopk; ++j)
@@ -384,7 +392,9 @@ __device__ __forceinline__ void combine4(const float* __restrict__ down_out, con
 // chunks of 8, 16 or 32 (NT = 1, 2, 4 tiles, at most NTMAX), the weights streamed once per chunk.
 // STAGES = 0: weights prefetched one step ahead in registers; 1: the same with two register buffers in turn
 // (no per-step copy); STAGES >= 2: through a cp.async ring.
-// MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
+// MODE 1 only: gridDim.z > 1 splits K over that many blocks, partials at out + z * split_stride (fp32
+// elements; moe_combine_kernel adds them; not with the folded combine, which reads one partial);
+// early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
 // tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES>
@@ -398,7 +408,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  void* __restrict__ out, int early,
                  const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                  const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int* __restrict__ tickets,
-                 int T, int topk) {
+                 int T, int topk, long long split_stride) {
   using namespace moe_int4;
   static_assert(MODE == 1 || RB % 2 == 0, "gate_up pairs gate and up row blocks");
   static_assert(NTMAX == 1 || NTMAX == 2 || NTMAX == 4, "token tiles per chunk: 1, 2 or 4");
@@ -429,7 +439,11 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     }
     // This warp's K range, in whole pipeline steps.
     const int steps = units / kStep;
-    const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep;
+    // K split over the KS warps of the block and (MODE 1) the gridDim.z blocks of a (column tile, slot):
+    // block z writes its partial sums to out + z * split_stride, the combine adds them in z order.
+    const int parts = KS * gridDim.z, part = blockIdx.z * KS + ks;
+    const int u0 = (steps * part / parts) * kStep, u1 = (steps * (part + 1) / parts) * kStep;
+    if (MODE == 1) out = reinterpret_cast<float*>(out) + blockIdx.z * split_stride;
 
     __shared__ float red[KS > 1 ? (KS - 1) * WN * RB * NTMAX * 4 * 32 : 1];
     // STAGES > 0: dynamic shared memory holds each warp's weight ring, STAGES x (4 RB + RB) x 32 x 16 bytes.
@@ -476,13 +490,15 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
   }
 }
 
-// y[t] = sum_j weight[t, j] * down_out[assign_pos[t, j]] (+ shared[t]), fp32 sum in a fixed order, bf16 out.
+// y[t] = sum_j weight[t, j] * down_out[assign_pos[t, j]] (+ shared[t]), fp32 sum in a fixed order, bf16 out;
+// down_out[p] is the sum of `splits` partials split_stride floats apart (the down GEMM's K split), in order.
 // One block per token, 4 consecutive columns per thread.
 extern "C" __global__ void moe_combine_kernel(const float* __restrict__ down_out, const float* __restrict__ topk_w,
                                               const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
-                                              uint16_t* __restrict__ y, int n, int topk) {
+                                              uint16_t* __restrict__ y, int n, int topk, int splits,
+                                              long long split_stride) {
   moe_int4::dependency_wait();
   const int tok = blockIdx.x;
   for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * 4; col < n; col += gridDim.y * blockDim.x * 4)
-    moe_int4::combine4<false>(down_out, topk_w, assign_pos, shared, y, n, topk, tok, col);
+    moe_int4::combine4<false>(down_out, topk_w, assign_pos, shared, y, n, topk, tok, col, splits, split_stride);
 }

@@ -387,8 +387,8 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
              dict(fuse_combine=True), dict(fuse_combine=False), dict(early=False), dict(pdl=False, fuse_combine=True),
              dict(fused_routing=True, fuse_combine=True, early=True, pdl=True)]
     outs = []
-    for plan in plans:
-        layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, **plan)
+    for plan in plans:   # one down partial in all (a K-split down sums in another order: test_moe_down_splits)
+        layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, **{"down_splits": 1, **plan})
         layer.x.upload(to_bf16(x))
         layer.logits.upload(logits)
         for a in (layer.h, layer.down_out, layer.y):
@@ -401,6 +401,15 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
     assert_close(outs[0], want, f"MoE T={T} default plan", dtype="bf16", rtol=RTOL, atol=RTOL, scale="mean")
     for plan, out in zip(plans[1:], outs[1:]):
         np.testing.assert_array_equal(out, outs[0], err_msg=f"plan {plan}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [2, 3, 4])
+def test_moe_down_splits(cuda_device, splits):
+    """The down GEMM's K split over blocks (partials added by the combine; 3 does not divide the 8 steps) vs
+    the float32 reference, poisoned partial buffers, at a few tokens per expert, twice."""
+    _check_moe(5, 8, 1024, 1024, None, topk=4, runs=2, down_splits=splits, gmma_min_tokens=None,
+               fuse_combine=False)
 
 
 @pytest.mark.gpu

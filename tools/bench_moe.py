@@ -300,6 +300,9 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=16", dict(gmma_min_tokens=16, gmma_tile=64)),
         ("gmma>=32", dict(gmma_min_tokens=32, gmma_tile=128)),
         ("gmma>=64", dict(gmma_min_tokens=64, gmma_tile=128)),
+        # the down GEMM's K over 2 / 4 blocks (combine adds the partials)
+        ("down/2", dict(down_splits=2, gmma_min_tokens=None, fuse_combine=False)),
+        ("down/4", dict(down_splits=4, gmma_min_tokens=None, fuse_combine=False)),
         ("gmma>=16/serial", dict(gmma_min_tokens=16, gmma_tile=64, gmma_parallel_chunks=False)),
         ("gmma>=8", dict(gmma_min_tokens=8, gmma_tile=64)),
         ("gmma>=16/128", dict(gmma_min_tokens=16, gmma_tile=128)),
