@@ -248,7 +248,8 @@ class MoeLayer:
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn). down_splits ("auto": DOWN_SPLITS by T): the down GEMM's K over that
-    many blocks, partials added by the combine (only with the separate combine and no wgmma path).
+    many blocks, partials added by the combine (only with the separate combine and no wgmma path);
+    gate_up_splits: the gate_up GEMM's K over that many blocks, the last of them adding the partials.
     Default "auto": GMMA_MIN_TOKENS / GMMA_TILE from GMMA_AUTO_TOKENS tokens on where the kernel runs; None
     turns it off."""
 
@@ -257,7 +258,7 @@ class MoeLayer:
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
                  pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int = GMMA_TILE,
-                 gmma_parallel_chunks: bool = True, down_splits: int | str = "auto"):
+                 gmma_parallel_chunks: bool = True, down_splits: int | str = "auto", gate_up_splits: int = 1):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -287,6 +288,9 @@ class MoeLayer:
             raise ValueError(f"down_splits={down_splits!r}: an int >= 1; above 1 only with the separate combine and "
                              f"without the wgmma hot-expert path (they read one down partial)")
         self.down_splits = down_splits
+        if not isinstance(gate_up_splits, int) or gate_up_splits < 1:
+            raise ValueError(f"gate_up_splits={gate_up_splits!r}: an int >= 1")
+        self.gate_up_splits = gate_up_splits
         self.T, self.E, self.topk = T, E, topk
         P = T * topk
         self.num_slots = min(E, P)
@@ -303,6 +307,9 @@ class MoeLayer:
         self.assign_pos = cuda.empty((T, topk), np.int32)
         self.h = cuda.empty((P, w.inter), np.uint16)
         self.down_out = cuda.empty((self.down_splits, P, w.hidden), np.float32)   # K-split partials
+        if self.gate_up_splits > 1:   # gate / up partials and the per-(slot, column tile) tickets
+            self._gu_split = (cuda.empty((self.gate_up_splits, P, 2 * w.inter), np.float32),
+                              cuda.empty((self.num_slots * w.inter,), np.int32).fill_bytes(0))
         self.y = cuda.empty((T, w.hidden), np.uint16)
         self.shared = shared
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
@@ -399,7 +406,7 @@ class MoeLayer:
             raise ValueError(f"{entry}: N={n_rows} must be a multiple of {16 * rbm * wn} and K={k} of 512")
         if mode == 0 and (early or combine):
             raise ValueError(f"{entry}: early start and the folded combine are for the down GEMM only")
-        splits = self.down_splits if mode == 1 else 1
+        splits = self.down_splits if mode == 1 else self.gate_up_splits
         if combine and splits > 1:
             raise ValueError(f"{entry}: the folded combine reads one partial; down_splits={splits}")
         grid = (n_rows // (16 * rbm * wn), self.num_slots, splits)
@@ -418,7 +425,8 @@ class MoeLayer:
         return kernel.prepare(grid, (32 * wn * ks,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
             self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail,
-            np.int64(self.T * self.topk * n_rows if splits > 1 else 0)], smem=smem)
+            np.int64((2 if mode == 0 else 1) * self.T * self.topk * n_rows if splits > 1 else 0),
+            *(self._gu_split if mode == 0 and splits > 1 else (null, null))], smem=smem)
 
     def forward(self, stream=None, stages=None):
         """Launch the layer (or only the named stages: 'route', 'gate_up_hot', 'gate_up', 'down_hot', 'down',

@@ -404,11 +404,12 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [2, 3, 4])
-def test_moe_down_splits(cuda_device, splits):
-    """The down GEMM's K split over blocks (partials added by the combine; 3 does not divide the 8 steps) vs
-    the float32 reference, poisoned partial buffers, at a few tokens per expert, twice."""
-    _check_moe(5, 8, 1024, 1024, None, topk=4, runs=2, down_splits=splits, gmma_min_tokens=None,
+@pytest.mark.parametrize("gu,down", [(1, 2), (1, 3), (1, 4), (2, 1), (3, 2), (4, 4)])
+def test_moe_k_splits(cuda_device, gu, down):
+    """The GEMMs' K split over blocks (down: partials added by the combine; gate_up: the last block of each
+    tile adds them and applies SiLU; 3 does not divide the steps) vs the float32 reference, poisoned
+    buffers, at a few tokens per expert, twice (the gate_up tickets reset themselves)."""
+    _check_moe(5, 8, 1024, 1024, None, topk=4, runs=2, down_splits=down, gate_up_splits=gu, gmma_min_tokens=None,
                fuse_combine=False)
 
 

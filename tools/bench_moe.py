@@ -303,6 +303,9 @@ def launch_plans(default_fused_combine: bool):
         # the down GEMM's K over 2 / 4 blocks (combine adds the partials)
         ("down/2", dict(down_splits=2, gmma_min_tokens=None, fuse_combine=False)),
         ("down/4", dict(down_splits=4, gmma_min_tokens=None, fuse_combine=False)),
+        ("gu/2", dict(gate_up_splits=2, gmma_min_tokens=None)),
+        ("gu/2+down/2", dict(gate_up_splits=2, down_splits=2, gmma_min_tokens=None, fuse_combine=False)),
+        ("gu/4+down/4", dict(gate_up_splits=4, down_splits=4, gmma_min_tokens=None, fuse_combine=False)),
         ("gmma>=16/serial", dict(gmma_min_tokens=16, gmma_tile=64, gmma_parallel_chunks=False)),
         ("gmma>=8", dict(gmma_min_tokens=8, gmma_tile=64)),
         ("gmma>=16/128", dict(gmma_min_tokens=16, gmma_tile=128)),
