@@ -15,10 +15,9 @@
 //   path of moe_int4.cu, and stores 4 x 16 bytes into the K-major 128-byte-swizzled bf16 W tile [128][64];
 // - the x rows (gathered through sorted_token for MODE 0) go in by cp.async, K-major swizzled [TN][64];
 // - wgmma m64nTNk16 x 4 (A = the warpgroup's 64 W rows, B = the tokens), fp32 accumulators in registers.
-// Three stage buffers: the dequantization of stage s+1 and the x load of stage s+2 overlap the wgmma of stage
-// s; the packed weights are loaded W_AHEAD (8) stages ahead into a register ring (one 16-byte load per thread
-// and stage: with only the next stage in flight every 64-k stage waited a full DRAM latency, ~1 us, and a hot
-// expert's 112 stages per token chunk took ~150 us, measured on the H200). The K order inside each 64-column unit is the repacked (permuted)
+// The dequantization of stage s+1 and the x load of stage s+1 (DEEP 0, two stage buffers) or s+2 (DEEP 1, three)
+// overlap the wgmma of stage s; the packed weights are loaded 1 (DEEP 0) or 8 (DEEP 1) stages ahead into a
+// register ring. Both are kept for A/B timing (docs/PERF.md). The K order inside each 64-column unit is the repacked (permuted)
 // order for the weights' lanes, but every weight is stored at its physical column and x is read plainly, so
 // the dot product is the plain one.
 #include <cuda_bf16.h>
@@ -33,8 +32,6 @@ using cuda::std::uint64_t;
 namespace moe90 {
 constexpr int THREADS = 256;
 constexpr int W_TILE = 128 * 128;   // 128 rows x 64 k bf16
-constexpr int W_AHEAD = 8;          // stages of packed weights in flight per thread (a register ring)
-constexpr int BUFFERS = 3;          // W + x stage buffers in shared memory: x is loaded two stages ahead
 
 
 using ddtree::cp_async16_s;
@@ -83,7 +80,7 @@ __device__ __forceinline__ void dequant_store(uint32_t tile, uint4 w, uint32_t s
 // MODE 0: x bf16 [T, ldx] gathered by sorted_token, weights gate (wq0/ws0) and up (wq1/ws1), out h bf16
 // [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out fp32 [P, n_rows].
 // Grid (n_rows / (MODE 0 ? 64 : 128), slots or items); dynamic smem 1024 + 3 * (16384 + TN * 128).
-template <int MODE, int TN>
+template <int MODE, int TN, int DEEP>
 __global__ void __launch_bounds__(moe90::THREADS, 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                 const uint4* __restrict__ wq1, const uint4* __restrict__ ws1, int n_rows, int k,
@@ -92,6 +89,9 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                 int min_count, const int* __restrict__ item_slot, const int* __restrict__ item_chunk) {
   using namespace moe90;
   static_assert(TN == 64 || TN == 128 || TN == 256, "token tile");
+  // DEEP 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers with x two stages
+  // ahead; DEEP 0: one stage ahead each, 2 buffers (fewer registers and 50 KB of shared memory)
+  constexpr int W_AHEAD = DEEP ? 8 : 1, BUFFERS = DEEP ? 3 : 2, X_AHEAD = BUFFERS - 1;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = W_TILE + X_TILE;
   constexpr int ACC = TN / 2;
@@ -154,16 +154,17 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         wr[d] = load_w(wp, d);
         sr[d] = load_scale(sp, d);
       }
-    load_x(smem_base + W_TILE, 0);
-    ddtree::cp_async_commit();
-    if (units > 1) load_x(smem_base + STAGE + W_TILE, 1);
-    ddtree::cp_async_commit();
+#pragma unroll
+    for (int a = 0; a < X_AHEAD; ++a) {
+      if (a < units) load_x(smem_base + a * STAGE + W_TILE, a);
+      ddtree::cp_async_commit();
+    }
     dequant_store(smem_base, wr[0], sr[0], wrow, t);
     if (W_AHEAD < units) {
       wr[0] = load_w(wp, W_AHEAD);
       sr[0] = load_scale(sp, W_AHEAD);
     }
-    ddtree::cp_async_wait<1>();   // x of stage 0 (stage 1's may still be in flight)
+    ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage 0 (later stages' may still be in flight)
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared / cp.async -> wgmma
     __syncthreads();
 
@@ -185,7 +186,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                   u == 0 && kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One,
                   cuda::std::make_integer_sequence<int, ACC>{});
         cute::warpgroup_commit_batch();
-        if (u + 2 < units) load_x(smem_base + ((u + 2) % BUFFERS) * STAGE + W_TILE, u + 2);
+        if (u + X_AHEAD < units) load_x(smem_base + ((u + X_AHEAD) % BUFFERS) * STAGE + W_TILE, u + X_AHEAD);
         ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
         if (u + 1 < units) {
           const int slot = (d + 1) % W_AHEAD;   // stage u + 1 (u0 is a multiple of W_AHEAD): a constant once unrolled
@@ -198,7 +199,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         cute::warpgroup_wait<0>();
 #pragma unroll
         for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
-        ddtree::cp_async_wait<1>();   // x of stage u + 1 has landed; stage u + 2's may still be in flight
+        ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage u + 1 has landed; later stages' may be in flight
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();   // stage u + 1 complete; every warpgroup done with stage u
       }

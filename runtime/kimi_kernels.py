@@ -247,9 +247,10 @@ class MoeLayer:
     dequantized once per stage into shared memory, wgmma over up to gmma_tile = 64/128/256 tokens per pass),
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
-    per slot runs its chunks in turn). down_splits ("auto": DOWN_SPLITS by T): the down GEMM's K over that
-    many blocks, partials added by the combine (only with the separate combine and no wgmma path);
-    gate_up_splits: the gate_up GEMM's K over that many blocks, the last of them adding the partials.
+    per slot runs its chunks in turn); gmma_deep: its weights 8 stages ahead (else 1), x 2 (else 1).
+    down_splits ("auto": DOWN_SPLITS by T): the down GEMM's K over that many blocks, partials added by the
+    combine (only with the separate combine and no wgmma path); gate_up_splits: the gate_up GEMM's K over
+    that many blocks, the last of them adding the partials.
     Default "auto": GMMA_MIN_TOKENS / GMMA_TILE from GMMA_AUTO_TOKENS tokens on where the kernel runs; None
     turns it off."""
 
@@ -258,7 +259,8 @@ class MoeLayer:
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
                  pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int = GMMA_TILE,
-                 gmma_parallel_chunks: bool = True, down_splits: int | str = "auto", gate_up_splits: int = 1):
+                 gmma_parallel_chunks: bool = False, gmma_deep: bool = False, down_splits: int | str = "auto",
+                 gate_up_splits: int = 1):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -342,6 +344,7 @@ class MoeLayer:
         self.variants = (gu_entry, dn_entry)
         self.stages = [("route", launch) for launch in routing]
         self.gmma_min_tokens = gmma_min_tokens
+        self.gmma_deep = bool(gmma_deep)
         counts = self.slot_count   # what the mma.sync kernels see
         if gmma_min_tokens:
             if not _family_runs_here("moe_int4_sm90", cuda.get_device()):
@@ -384,10 +387,11 @@ class MoeLayer:
     def _gmma_launch(self, mode, tn, hot_slots, x, ldx, q0, s0, q1, s1, n_rows, k, out):
         """One moe_gmma_kernel launch over the first hot_slots slots (those with >= gmma_min_tokens tokens run)."""
         cuda = _cuda()
-        kernel = cuda.get_kernel("moe_int4_sm90", f"moe_gmma_kernel<{mode}, {tn}>")
+        deep = int(self.gmma_deep)
+        kernel = cuda.get_kernel("moe_int4_sm90", f"moe_gmma_kernel<{mode}, {tn}, {deep}>")
         items = self._gmma_items
         rows_y = hot_slots if items is None else items[0].shape[0]
-        smem = 1024 + 3 * (128 * 128 + tn * 128)   # moe_int4_sm90.cu: 3 stage buffers of W [128][64] + x [tn][64]
+        smem = 1024 + (2 + deep) * (128 * 128 + tn * 128)   # moe_int4_sm90.cu: stage buffers of W [128][64] + x [tn][64]
         kernel.set_max_dynamic_smem(smem)
         null = np.uint64(0)
         return kernel.prepare((n_rows // (64 if mode == 0 else 128), rows_y), (256,), [

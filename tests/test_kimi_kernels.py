@@ -316,10 +316,10 @@ def test_moe_layer_real_shape_subset(cuda_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("parallel,deep", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("T,E,min_tokens,tile", [(200, 8, 64, 64), (200, 8, 90, 128), (300, 16, 40, 256),
                                                  (3, 8, 2, 64)])
-def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel):
+def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, deep):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
     hot and cold slots mixed; the chunks on blocks side by side or in turn), the rest on mma.sync: the layer
     vs the float32 reference, twice."""
@@ -327,7 +327,7 @@ def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, paralle
     if cuda.get_device().arch != "90a":
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
     _check_moe(T, E, 1024, 512, None, topk=4, gmma_min_tokens=min_tokens, gmma_tile=tile, runs=2,
-               gmma_parallel_chunks=parallel)
+               gmma_parallel_chunks=parallel, gmma_deep=deep)
 
 
 @pytest.mark.gpu
