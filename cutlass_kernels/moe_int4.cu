@@ -259,8 +259,7 @@ template <int MODE, int RB, int WN, int KS, int NT, int S>
 __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int ldx, const uint4* const (&wp)[RB],
                                            const uint4* const (&sp)[RB], int n_rows, int u0, int u1, int rb0,
                                            int c0, int count, int offset, const int* __restrict__ sorted_token,
-                                           void* __restrict__ out, float* red, uint4* ring, bool dep_wait,
-                                           float* __restrict__ part) {
+                                           void* __restrict__ out, float* red, uint4* ring, bool dep_wait) {
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp % WN, ks = warp / WN;
@@ -320,10 +319,7 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
 #pragma unroll
       for (int j = 0; j < RBM; ++j) {
         const int col = (rb0 + j) * 16 + g + 8 * (c >> 1);
-        if (MODE == 0 && part != nullptr) {   // a K-split partial: gate and up sums, SiLU after the sum
-          part[2 * orow + col] = acc[j][n][c];
-          part[2 * orow + n_rows + col] = acc[j + RBM][n][c];
-        } else if (MODE == 0) {
+        if (MODE == 0) {
           const float h = silu(acc[j][n][c]) * acc[j + RBM][n][c];
           reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(h);
         } else {
@@ -344,8 +340,7 @@ constexpr int kMaxTopk = 16;
 template <bool CG>
 __device__ __forceinline__ void combine4(const float* __restrict__ down_out, const float* __restrict__ topk_w,
                                          const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
-                                         uint16_t* __restrict__ y, int n, int topk, int tok, int col,
-                                         int splits = 1, long long split_stride = 0) {
+                                         uint16_t* __restrict__ y, int n, int topk, int tok, int col) {
   float w[kMaxTopk];
   int pos[kMaxTopk];
   float4 v[kMaxTopk];
@@ -361,13 +356,6 @@ __device__ __forceinline__ void combine4(const float* __restrict__ down_out, con
       const float4* src = reinterpret_cast<const float4*>(down_out + (long long)pos[j] * n + col);
       v[j] = CG ? __ldcg(src) : *src;
     }
-  for (int z = 1; z < splits; ++z)   // the down GEMM's K-split partials, added in z order
-#pragma unroll
-    for (int j = 0; j < kMaxTopk; ++j)
-      if (j < topk) {
-        const float4 p = *reinterpret_cast<const float4*>(down_out + z * split_stride + (long long)pos[j] * n + col);
-        v[j].x += p.x; v[j].y += p.y; v[j].z += p.z; v[j].w += p.w;
-      }
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int j = 0; j < kMaxTopk; ++j)
@@ -396,12 +384,7 @@ __device__ __forceinline__ void combine4(const float* __restrict__ down_out, con
 // chunks of 8, 16 or 32 (NT = 1, 2, 4 tiles, at most NTMAX), the weights streamed once per chunk.
 // STAGES = 0: weights prefetched one step ahead in registers; 1: the same with two register buffers in turn
 // (no per-step copy); STAGES >= 2: through a cp.async ring.
-// gridDim.z > 1 splits K over that many blocks: MODE 1 writes partials at out + z * split_stride (fp32
-// elements; moe_combine_kernel adds them; not with the folded combine, which reads one partial); MODE 0 writes
-// fp32 gate / up partials [P, 2 n_rows] at gu_part + z * split_stride and the last block of each (slot,
-// column tile) (gu_tickets [slots, gridDim.x], zero before the first launch) adds them and stores h.
-// MODE 1 only:
-// early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
+// MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
 // tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES>
@@ -415,8 +398,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  void* __restrict__ out, int early,
                  const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                  const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int* __restrict__ tickets,
-                 int T, int topk, long long split_stride, float* __restrict__ gu_part,
-                 int* __restrict__ gu_tickets) {
+                 int T, int topk) {
   using namespace moe_int4;
   static_assert(MODE == 1 || RB % 2 == 0, "gate_up pairs gate and up row blocks");
   static_assert(NTMAX == 1 || NTMAX == 2 || NTMAX == 4, "token tiles per chunk: 1, 2 or 4");
@@ -447,12 +429,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     }
     // This warp's K range, in whole pipeline steps.
     const int steps = units / kStep;
-    // K split over the KS warps of the block and the gridDim.z blocks of a (column tile, slot): block z
-    // writes its partial sums at + z * split_stride (MODE 1: out, added by the combine; MODE 0: gu_part).
-    const int k_parts = KS * gridDim.z, k_part = blockIdx.z * KS + ks;
-    const int u0 = (steps * k_part / k_parts) * kStep, u1 = (steps * (k_part + 1) / k_parts) * kStep;
-    if (MODE == 1) out = reinterpret_cast<float*>(out) + blockIdx.z * split_stride;
-    float* const part = MODE == 0 && gridDim.z > 1 ? gu_part + blockIdx.z * split_stride : nullptr;
+    const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep;
 
     __shared__ float red[KS > 1 ? (KS - 1) * WN * RB * NTMAX * 4 * 32 : 1];
     // STAGES > 0: dynamic shared memory holds each warp's weight ring, STAGES x (4 RB + RB) x 32 x 16 bytes.
@@ -463,44 +440,18 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
       const int rem = count - c0;
       if (NTMAX >= 4 && rem > 16) {
         gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 4 ? 4 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
-                                                                  offset, sorted_token, out, red, ring, wait_first, part);
+                                                                  offset, sorted_token, out, red, ring, wait_first);
         c0 += 32;
       } else if (NTMAX >= 2 && rem > 8) {
         gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 2 ? 2 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
-                                                                  offset, sorted_token, out, red, ring, wait_first, part);
+                                                                  offset, sorted_token, out, red, ring, wait_first);
         c0 += 16;
       } else {
         gemm_chunk<MODE, RB, WN, KS, 1, STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
-                                                sorted_token, out, red, ring, wait_first, part);
+                                                sorted_token, out, red, ring, wait_first);
         c0 += 8;
       }
       wait_first = false;
-    }
-    if (MODE == 0 && gridDim.z > 1) {
-      // K split (MODE 0): the last of the gridDim.z blocks of this (slot, column tile) adds the partials in z
-      // order and applies SiLU(gate) * up; it resets the ticket for the next launch (graph replay).
-      __shared__ int gu_last;
-      __threadfence();
-      __syncthreads();
-      int* ticket = gu_tickets + slot * gridDim.x + blockIdx.x;
-      if (threadIdx.x == 0) gu_last = atomicAdd(ticket, 1) == (int)gridDim.z - 1;
-      __syncthreads();
-      if (gu_last) {
-        __threadfence();
-        constexpr int kCols = 16 * RBM * WN;
-        for (int e = threadIdx.x; e < count * kCols; e += blockDim.x) {
-          const int i = e / kCols, col = blockIdx.x * kCols + e % kCols;
-          const long long at = (long long)(offset + i) * 2 * n_rows + col;
-          float gsum = 0.f, usum = 0.f;
-          for (int z = 0; z < (int)gridDim.z; ++z) {
-            gsum += __ldcg(gu_part + z * split_stride + at);
-            usum += __ldcg(gu_part + z * split_stride + at + n_rows);
-          }
-          reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + i) * n_rows + col] =
-              __float2bfloat16_rn(silu(gsum) * usum);
-        }
-        if (threadIdx.x == 0) *ticket = 0;
-      }
     }
   } else if (pre) {
     dependency_wait();   // an empty slot still waits before it touches the tickets
@@ -525,15 +476,13 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
   }
 }
 
-// y[t] = sum_j weight[t, j] * down_out[assign_pos[t, j]] (+ shared[t]), fp32 sum in a fixed order, bf16 out;
-// down_out[p] is the sum of `splits` partials split_stride floats apart (the down GEMM's K split), in order.
+// y[t] = sum_j weight[t, j] * down_out[assign_pos[t, j]] (+ shared[t]), fp32 sum in a fixed order, bf16 out.
 // One block per token, 4 consecutive columns per thread.
 extern "C" __global__ void moe_combine_kernel(const float* __restrict__ down_out, const float* __restrict__ topk_w,
                                               const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
-                                              uint16_t* __restrict__ y, int n, int topk, int splits,
-                                              long long split_stride) {
+                                              uint16_t* __restrict__ y, int n, int topk) {
   moe_int4::dependency_wait();
   const int tok = blockIdx.x;
   for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * 4; col < n; col += gridDim.y * blockDim.x * 4)
-    moe_int4::combine4<false>(down_out, topk_w, assign_pos, shared, y, n, topk, tok, col, splits, split_stride);
+    moe_int4::combine4<false>(down_out, topk_w, assign_pos, shared, y, n, topk, tok, col);
 }

@@ -202,10 +202,6 @@ FUSE_COMBINE_MAX_TOKENS = 0
 # >= GMMA_MIN_TOKENS tokens, 64-token passes. H200, 2026-12-03 (4) run 2, whole layer: skewed T = 64 839 ->
 # 815 us, T = 256 1509 -> 1420; uniform T = 64 1973 -> 1970, T = 256 2897 -> 2874; below 64 tokens the two
 # extra launches cost ~3 us and no expert is hot under uniform routing (T = 1: 83.8 -> 87.0).
-# The down GEMM's K (= inter, 2048) split over this many blocks per (column tile, slot), by token count (the
-# combine adds the fp32 partials in order): more warps with shorter weight streams where the grid is small.
-# Not yet measured: 1 everywhere until the H200 says otherwise.
-DOWN_SPLITS = {1 << 30: 1}
 GMMA_AUTO_TOKENS = 64
 GMMA_MIN_TOKENS = 16
 GMMA_TILE = 64
@@ -248,9 +244,6 @@ class MoeLayer:
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn); gmma_deep: its weights 8 stages ahead (else 1), x 2 (else 1).
-    down_splits ("auto": DOWN_SPLITS by T): the down GEMM's K over that many blocks, partials added by the
-    combine (only with the separate combine and no wgmma path); gate_up_splits: the gate_up GEMM's K over
-    that many blocks, the last of them adding the partials.
     Default "auto": GMMA_MIN_TOKENS / GMMA_TILE from GMMA_AUTO_TOKENS tokens on where the kernel runs; None
     turns it off."""
 
@@ -259,8 +252,7 @@ class MoeLayer:
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
                  pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int = GMMA_TILE,
-                 gmma_parallel_chunks: bool = False, gmma_deep: bool = False, down_splits: int | str = "auto",
-                 gate_up_splits: int = 1):
+                 gmma_parallel_chunks: bool = False, gmma_deep: bool = False):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -282,17 +274,6 @@ class MoeLayer:
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
             raise ValueError(f"shared expert output must be bf16 [T, hidden] = [{T}, {w.hidden}], got "
                              f"{shared.dtype} {shared.shape}")
-        fold = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
-        if down_splits == "auto":
-            down_splits = (next(v for bound, v in sorted(DOWN_SPLITS.items()) if T <= bound)
-                           if not fold and gmma_min_tokens is None else 1)
-        if not isinstance(down_splits, int) or down_splits < 1 or (down_splits > 1 and (fold or gmma_min_tokens)):
-            raise ValueError(f"down_splits={down_splits!r}: an int >= 1; above 1 only with the separate combine and "
-                             f"without the wgmma hot-expert path (they read one down partial)")
-        self.down_splits = down_splits
-        if not isinstance(gate_up_splits, int) or gate_up_splits < 1:
-            raise ValueError(f"gate_up_splits={gate_up_splits!r}: an int >= 1")
-        self.gate_up_splits = gate_up_splits
         self.T, self.E, self.topk = T, E, topk
         P = T * topk
         self.num_slots = min(E, P)
@@ -308,15 +289,12 @@ class MoeLayer:
         self.sorted_token = cuda.empty((P,), np.int32)
         self.assign_pos = cuda.empty((T, topk), np.int32)
         self.h = cuda.empty((P, w.inter), np.uint16)
-        self.down_out = cuda.empty((self.down_splits, P, w.hidden), np.float32)   # K-split partials
-        if self.gate_up_splits > 1:   # gate / up partials and the per-(slot, column tile) tickets
-            self._gu_split = (cuda.empty((self.gate_up_splits, P, 2 * w.inter), np.float32),
-                              cuda.empty((self.num_slots * w.inter,), np.int32).fill_bytes(0))
+        self.down_out = cuda.empty((P, w.hidden), np.float32)
         self.y = cuda.empty((T, w.hidden), np.uint16)
         self.shared = shared
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
         self.fused_routing = bool(fused_routing)
-        self.fuse_combine = fold
+        self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
 
         group_smem = (P + 4 * E + 1 + E * ((T + 31) // 32)) * 4   # moe_routing.cu group_block's layout
@@ -376,8 +354,7 @@ class MoeLayer:
             self.stages.append(("combine", cuda.get_kernel("moe_int4", "moe_combine_kernel").prepare(
                 (T, (w.hidden // 4 + 255) // 256), (256,), [
                     self.down_out, self.topk_w, self.assign_pos,
-                    shared if shared is not None else np.uint64(0), self.y, I32(w.hidden), I32(topk),
-                    I32(self.down_splits), np.int64(P * w.hidden)])))
+                    shared if shared is not None else np.uint64(0), self.y, I32(w.hidden), I32(topk)])))
         if not pdl:
             for _, launch in self.stages:
                 _without_pdl(launch)
@@ -391,7 +368,7 @@ class MoeLayer:
         kernel = cuda.get_kernel("moe_int4_sm90", f"moe_gmma_kernel<{mode}, {tn}, {deep}>")
         items = self._gmma_items
         rows_y = hot_slots if items is None else items[0].shape[0]
-        smem = 1024 + (2 + deep) * (128 * 128 + tn * 128)   # moe_int4_sm90.cu: stage buffers of W [128][64] + x [tn][64]
+        smem = 1024 + (2 + deep) * (128 * 128 + tn * 128)   # 2 or 3 stage buffers of W [128][64] + x [tn][64]
         kernel.set_max_dynamic_smem(smem)
         null = np.uint64(0)
         return kernel.prepare((n_rows // (64 if mode == 0 else 128), rows_y), (256,), [
@@ -410,10 +387,7 @@ class MoeLayer:
             raise ValueError(f"{entry}: N={n_rows} must be a multiple of {16 * rbm * wn} and K={k} of 512")
         if mode == 0 and (early or combine):
             raise ValueError(f"{entry}: early start and the folded combine are for the down GEMM only")
-        splits = self.down_splits if mode == 1 else self.gate_up_splits
-        if combine and splits > 1:
-            raise ValueError(f"{entry}: the folded combine reads one partial; down_splits={splits}")
-        grid = (n_rows // (16 * rbm * wn), self.num_slots, splits)
+        grid = (n_rows // (16 * rbm * wn), self.num_slots)
         kernel = cuda.get_kernel("moe_int4", entry)
         smem = moe_ring_bytes(entry)
         if smem > 48 * 1024:
@@ -428,9 +402,8 @@ class MoeLayer:
             tail = [null, null, null, null, null, I32(0), I32(0)]
         return kernel.prepare(grid, (32 * wn * ks,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
-            self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail,
-            np.int64((2 if mode == 0 else 1) * self.T * self.topk * n_rows if splits > 1 else 0),
-            *(self._gu_split if mode == 0 and splits > 1 else (null, null))], smem=smem)
+            self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail],
+            smem=smem)
 
     def forward(self, stream=None, stages=None):
         """Launch the layer (or only the named stages: 'route', 'gate_up_hot', 'gate_up', 'down_hot', 'down',

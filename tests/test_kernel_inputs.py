@@ -153,10 +153,6 @@ def test_kimi_entry_points():
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_tile=100)
     with pytest.raises(ValueError, match="early=True"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, early=True)
-    with pytest.raises(ValueError, match="down_splits=2"):
-        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, down_splits=2, fuse_combine=True)
-    with pytest.raises(ValueError, match="down_splits=0"):
-        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, down_splits=0)
     kv = fake((100, 576))
     with pytest.raises(ValueError, match="kernel='wgmma'"):
         kk.MlaAttention(8, 8, kv, 10, 0.1, kernel="wgmma")

@@ -300,12 +300,6 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=16", dict(gmma_min_tokens=16, gmma_tile=64)),
         ("gmma>=32", dict(gmma_min_tokens=32, gmma_tile=128)),
         ("gmma>=64", dict(gmma_min_tokens=64, gmma_tile=128)),
-        # the down GEMM's K over 2 / 4 blocks (combine adds the partials)
-        ("down/2", dict(down_splits=2, gmma_min_tokens=None, fuse_combine=False)),
-        ("down/4", dict(down_splits=4, gmma_min_tokens=None, fuse_combine=False)),
-        ("gu/2", dict(gate_up_splits=2, gmma_min_tokens=None)),
-        ("gu/2+down/2", dict(gate_up_splits=2, down_splits=2, gmma_min_tokens=None, fuse_combine=False)),
-        ("gu/4+down/4", dict(gate_up_splits=4, down_splits=4, gmma_min_tokens=None, fuse_combine=False)),
         ("gmma>=16/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_parallel_chunks=True)),
         ("gmma>=16/deep", dict(gmma_min_tokens=16, gmma_tile=64, gmma_deep=True)),
         ("gmma>=64/deep", dict(gmma_min_tokens=64, gmma_tile=128, gmma_deep=True)),
