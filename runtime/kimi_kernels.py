@@ -424,7 +424,7 @@ MLA_GMMA_BN = 64
 MLA_GMMA_SMEM = 1024 + 3 * _MLA_BM * MLA_D * 2
 MLA_GMMA_SPLIT_SMEM = MLA_GMMA_SMEM + _MLA_BM * 64 * 2 + 2 * _MLA_BM * 4   # + the P tile, maxima / sums
 # kernel name -> (family, entry, dynamic smem, KV positions per tile): "gmma-split" computes S once (split by
-# positions over the two warpgroups, P through shared memory): built and GPU-tested, opt-in until measured
+# positions over the two warpgroups, P through shared memory), the sm_90a default (MLA_KERNEL below)
 _MLA_KERNELS = {"mma": ("mla_verify", "mla_attention_kernel", MLA_SMEM, _MLA_BN),
                 "gmma": ("mla_verify_sm90", "mla_attention_gmma_kernel<0>", MLA_GMMA_SMEM, MLA_GMMA_BN),
                 "gmma-split": ("mla_verify_sm90", "mla_attention_gmma_kernel<1>", MLA_GMMA_SPLIT_SMEM, MLA_GMMA_BN)}
@@ -436,7 +436,8 @@ _MLA_KERNELS = {"mma": ("mla_verify", "mla_attention_kernel", MLA_SMEM, _MLA_BN)
 MLA_KERNEL = os.environ.get("DDTREE_MLA_KERNEL", "auto")
 
 
-# mla_splits' cost model, from H200 sweeps of tools/bench_mla.py --splits (2026-12-03 (3) runs 2-3): a block
+# mla_splits' cost model, from H200 sweeps of tools/bench_mla.py --splits (2026-12-03 (3) runs 2-3, mma.sync;
+# it also picks within 6% of the best count for gmma-split, 2026-12-03 (5) run 2): a block
 # (one per SM: 165 KB of shared memory) costs ~3 us plus ~3.8 us per 32-row KV tile; blocks past one wave run
 # as further waves; the merge costs ~3 us plus the fp32 partials written and read back (rows x 512 x 8 bytes
 # per split) at ~2.5 TB/s.
