@@ -199,12 +199,15 @@ def moe_ring_bytes(entry: str) -> int:
 # routing, separate combine, no PDL); the fused variants stay selectable for A/B timing.
 FUSE_COMBINE_MAX_TOKENS = 0
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
-# >= GMMA_MIN_TOKENS tokens, 64-token passes. H200, 2026-12-03 (4) run 2, whole layer: skewed T = 64 839 ->
-# 815 us, T = 256 1509 -> 1420; uniform T = 64 1973 -> 1970, T = 256 2897 -> 2874; below 64 tokens the two
-# extra launches cost ~3 us and no expert is hot under uniform routing (T = 1: 83.8 -> 87.0).
+# >= min tokens, tile-token passes, (min, tile) from GMMA_AUTO by T, the deep pipeline (DEEP = 1). H200,
+# 2026-12-03 (4) run 2, whole layer: skewed T = 64 839 -> 815 us, T = 256 1509 -> 1420; uniform T = 64 1973 ->
+# 1970; below 64 tokens the two extra launches cost ~3 us and no expert is hot under uniform routing.
+# 2026-12-03 (5) runs 4-5 (same-run A/B): T = 256 skewed >= 64 tokens in 128-token passes 1374 / 1452 us vs
+# >= 16 in 64-token passes 1591 / 1649 and no wgmma 1490 / 1760; T = 64 skewed >= 16 / 64-token 754 (deep) vs
+# 778 without; deep vs one-stage pipeline 754 vs 793 (T = 64), 1354 vs 1374 (T = 256, >= 64).
 GMMA_AUTO_TOKENS = 64
-GMMA_MIN_TOKENS = 16
-GMMA_TILE = 64
+GMMA_AUTO = {255: (16, 64), 1 << 30: (64, 128)}   # T bound -> (min tokens per expert, tokens per pass)
+GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens
 
 
@@ -243,23 +246,26 @@ class MoeLayer:
     dequantized once per stage into shared memory, wgmma over up to gmma_tile = 64/128/256 tokens per pass),
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
-    per slot runs its chunks in turn); gmma_deep: its weights 8 stages ahead (else 1), x 2 (else 1).
-    Default "auto": GMMA_MIN_TOKENS / GMMA_TILE from GMMA_AUTO_TOKENS tokens on where the kernel runs; None
-    turns it off."""
+    per slot runs its chunks in turn); gmma_deep (default): its weights 8 stages ahead (else 1), x 2 (else 1).
+    Default "auto": GMMA_AUTO's (min tokens, tile) by T, from GMMA_AUTO_TOKENS tokens on, where the kernel runs;
+    None turns it off."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
-                 pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int = GMMA_TILE,
-                 gmma_parallel_chunks: bool = False, gmma_deep: bool = False):
+                 pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
+                 gmma_parallel_chunks: bool = False, gmma_deep: bool = True):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
         if gmma_min_tokens == "auto":
-            gmma_min_tokens = GMMA_MIN_TOKENS if (T >= GMMA_AUTO_TOKENS and not early and w.inter % 64 == 0
-                                                  and w.hidden % 128 == 0
-                                                  and _family_runs_here("moe_int4_sm90", cuda.get_device())) else None
+            auto_min, auto_tile = next(v for bound, v in sorted(GMMA_AUTO.items()) if T <= bound)
+            gmma_min_tokens = auto_min if (T >= GMMA_AUTO_TOKENS and not early and w.inter % 64 == 0
+                                           and w.hidden % 128 == 0
+                                           and _family_runs_here("moe_int4_sm90", cuda.get_device())) else None
+            gmma_tile = gmma_tile or auto_tile
+        gmma_tile = gmma_tile or GMMA_TILE
         if (not 1 <= topk <= min(16, E) or E > 512 or T < 1 or n_group < 1
                 or (n_group > 1 and (E % n_group or n_group > 32)) or not 1 <= topk_group <= n_group):
             raise ValueError(f"unsupported routing: T={T}, E={E}, topk={topk} (1..min(16, E)), n_group={n_group} "
