@@ -9,7 +9,8 @@
 // kernel sees (count < min_count ? count : 0), so each slot is done by exactly one of the two kernels.
 //
 // Block: 2 warpgroups, 128 weight rows (MODE 0: 64 gate rows = warpgroup 0, the same 64 up rows = warpgroup 1;
-// MODE 1: 128 down rows) x up to TN tokens; token chunks of TN loop inside the block. Per 64-k stage:
+// MODE 1: 128 down rows) x up to TN tokens; token chunks of TN loop inside the block (or, with the (slot, chunk)
+// item list, one chunk per block). Per 64-k stage:
 // - warp w dequantizes 16-row block w of the tile: lane (g, t) reads its 16 packed bytes (4 words = rows g and
 //   g + 8, physical columns 16t .. 16t + 15 of the unit) and its scale word, converts with the lop3/bf16x2
 //   path of moe_int4.cu, and stores 4 x 16 bytes into the K-major 128-byte-swizzled bf16 W tile [128][64];
@@ -17,9 +18,9 @@
 // - wgmma m64nTNk16 x 4 (A = the warpgroup's 64 W rows, B = the tokens), fp32 accumulators in registers.
 // The dequantization of stage s+1 and the x load of stage s+1 (DEEP 0, two stage buffers) or s+2 (DEEP 1, three)
 // overlap the wgmma of stage s; the packed weights are loaded 1 (DEEP 0) or 8 (DEEP 1) stages ahead into a
-// register ring. Both are kept for A/B timing (docs/PERF.md). The K order inside each 64-column unit is the repacked (permuted)
-// order for the weights' lanes, but every weight is stored at its physical column and x is read plainly, so
-// the dot product is the plain one.
+// register ring. DEEP 1 is the default (1.5-5% faster on the H200); DEEP 0 stays for A/B timing (docs/PERF.md).
+// The K order inside each 64-column unit is the repacked (permuted) order for the weights' lanes, but every
+// weight is stored at its physical column and x is read plainly, so the dot product is the plain one.
 #include <cuda_bf16.h>
 #include <cuda/std/cstdint>  // NVRTC has no <cstdint>
 #include <cuda/std/utility>
