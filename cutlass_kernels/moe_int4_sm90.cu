@@ -80,7 +80,7 @@ __device__ __forceinline__ void dequant_store(uint32_t tile, uint4 w, uint32_t s
 
 // MODE 0: x bf16 [T, ldx] gathered by sorted_token, weights gate (wq0/ws0) and up (wq1/ws1), out h bf16
 // [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out fp32 [P, n_rows].
-// Grid (n_rows / (MODE 0 ? 64 : 128), slots or items); dynamic smem 1024 + 3 * (16384 + TN * 128).
+// Grid (n_rows / (MODE 0 ? 64 : 128), slots or items); dynamic smem 1024 + (2 + DEEP) * (16384 + TN * 128).
 template <int MODE, int TN, int DEEP>
 __global__ void __launch_bounds__(moe90::THREADS, 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
@@ -145,8 +145,9 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       acc[i] = 0.f;
       cute::warpgroup_fence_operand(acc[i]);
     }
-    // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages 0 and 1
-    // (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with stage W_AHEAD.
+    // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
+    // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with
+    // stage W_AHEAD.
     uint4 wr[W_AHEAD];
     uint32_t sr[W_AHEAD];
 #pragma unroll
@@ -169,10 +170,10 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared / cp.async -> wgmma
     __syncthreads();
 
-    // Stage u: wgmma on buffer u % 3 while x of stage u + 2 loads into buffer (u + 2) % 3 (its last reader,
-    // stage u - 1's wgmma, retired before the barrier that ended stage u - 1) and W of stage u + 1 is
-    // dequantized into buffer (u + 1) % 3 from ring slot (u + 1) % W_AHEAD, which then takes stage
-    // u + 1 + W_AHEAD. Unrolled by W_AHEAD so the ring index is a constant.
+    // Stage u: wgmma on buffer u % BUFFERS while x of stage u + X_AHEAD loads into buffer (u + X_AHEAD) %
+    // BUFFERS (its last reader, stage u - 1's wgmma when DEEP, retired before the barrier that ended stage
+    // u - 1) and W of stage u + 1 is dequantized into buffer (u + 1) % BUFFERS from ring slot (u + 1) %
+    // W_AHEAD, which then takes stage u + 1 + W_AHEAD. Unrolled by W_AHEAD so the ring index is a constant.
     for (int u0 = 0; u0 < units; u0 += W_AHEAD) {
 #pragma unroll
       for (int d = 0; d < W_AHEAD; ++d) {
