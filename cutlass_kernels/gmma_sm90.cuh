@@ -34,6 +34,18 @@ DDTREE_GMMA_OP(192)
 DDTREE_GMMA_OP(256)
 #undef DDTREE_GMMA_OP
 
+// The same with A from registers (K-major, the only RS layout), B K-major in shared memory.
+template <int TN> struct GmmaRsOp;
+#define DDTREE_GMMA_RS_OP(N)                                                                       \
+  template <> struct GmmaRsOp<N> {                                                                 \
+    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,       \
+                                                                  cute::SM90::GMMA::Major::K>;     \
+  };
+DDTREE_GMMA_RS_OP(64)
+DDTREE_GMMA_RS_OP(128)
+DDTREE_GMMA_RS_OP(256)
+#undef DDTREE_GMMA_RS_OP
+
 // One wgmma with both operands in shared memory, all of the thread's accumulators (acc[0 .. sizeof...(I))).
 template <class Op, int... I>
 __device__ __forceinline__ void gmma_ss(cuda::std::uint64_t da, cuda::std::uint64_t db, float* acc,

@@ -76,12 +76,119 @@ __device__ __forceinline__ void dequant_store(uint32_t tile, uint4 w, uint32_t s
     st_shared16(tile + r1 * 128 + unit, hi[4 * h], hi[4 * h + 1], hi[4 * h + 2], hi[4 * h + 3]);
   }
 }
+
+// PIPE 2: the lane's 16 bytes dequantized straight into wgmma A fragments (m64k16, the mma.sync m16n8k16 A
+// layout per warp). Lane t of a quad holds columns 16t .. 16t + 15 of the unit, i.e. all of k16 step t for rows
+// g and g + 8; step j's fragment wants columns 16j + 2t, +1, +8, +9 from every lane of the quad. Each word s
+// holds columns 4s .. 4s + 3 of the lane's 16, row g in nibbles 0 (+0), 4 (+1), 2 (+2), 6 (+3) and row g + 8 in
+// nibbles 1, 5, 3, 7, so byte b of a word is (column 2b' (b = b' or b' + 2)) of both rows: the 4 bytes lane t'
+// wants from step t (columns 2t', 2t' + 1 from word t' / 2, 2t' + 8, + 9 from word 2 + t' / 2) are one prmt,
+// laid out so that nibble pairs (0, 4), (1, 5), (2, 6), (3, 7) are a0 .. a3. A 4 x 4 transpose over the quad
+// (two xor-shuffle rounds) then gives lane t' the word of every step j. a[j] = step j's A fragment.
+__device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_group, uint32_t sc_hi_group, int t,
+                                             uint32_t (&a)[4][4]) {
+  const uint32_t d0 = __byte_perm(w.x, w.z, 0x6240), d1 = __byte_perm(w.x, w.z, 0x7351);   // for lanes t' = 0, 1
+  const uint32_t d2 = __byte_perm(w.y, w.w, 0x6240), d3 = __byte_perm(w.y, w.w, 0x7351);   // for lanes t' = 2, 3
+  const bool b0 = t & 1, b1 = t & 2;
+  // Round 1 (lanes t, t ^ 1): send the words for the partner's column parity, keep ours.
+  const uint32_t r0 = __shfl_xor_sync(0xffffffffu, b0 ? d0 : d1, 1), r1 = __shfl_xor_sync(0xffffffffu, b0 ? d2 : d3, 1);
+  const uint32_t k0 = b0 ? d1 : d0, k1 = b0 ? d3 : d2;
+  // Steps (t & 2) + 0 / + 1 (even / odd) of the words for lanes b0 (x) and b0 + 2 (y).
+  const uint32_t xe = b0 ? r0 : k0, xo = b0 ? k0 : r0, ye = b0 ? r1 : k1, yo = b0 ? k1 : r1;
+  // Round 2 (lanes t, t ^ 2): keep the words for lane t, send the ones for lane t ^ 2.
+  const uint32_t s0 = __shfl_xor_sync(0xffffffffu, b1 ? xe : ye, 2), s1 = __shfl_xor_sync(0xffffffffu, b1 ? xo : yo, 2);
+  const uint32_t m0 = b1 ? ye : xe, m1 = b1 ? yo : xo;
+  const uint32_t q[4] = {b1 ? s0 : m0, b1 ? s1 : m1, b1 ? m0 : s0, b1 ? m1 : s1};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {   // steps 0, 1: columns 0 .. 31 of the unit (scale group 0), steps 2, 3: group 1
+    const uint32_t sw = j < 2 ? sc_lo_group : sc_hi_group;
+    const uint32_t s_lo = __byte_perm(sw, 0, 0x1010), s_hi = __byte_perm(sw, 0, 0x3232);
+    a[j][0] = dequant_bf16x2(nib_to_bf16x2_biased(q[j]), s_lo);          // row g, columns 16j + 2t, + 1
+    a[j][1] = dequant_bf16x2(nib_to_bf16x2_biased(q[j] >> 4), s_hi);     // row g + 8
+    a[j][2] = dequant_bf16x2(nib_to_bf16x2_biased(q[j] >> 8), s_lo);     // row g, columns 16j + 8 + 2t, + 1
+    a[j][3] = dequant_bf16x2(nib_to_bf16x2_biased(q[j] >> 12), s_hi);    // row g + 8
+  }
+}
 }  // namespace moe90
+
+// PIPE 2 main loop over the k units of one token chunk: the warpgroup's 64 weight rows dequantized into A
+// registers (dequant_frag), x [TN][64] in a BUFFERS-deep shared ring loaded X_AHEAD stages ahead, wgmma with A
+// from registers. Two A register sets in turn, so stage u + 1 is dequantized while stage u's wgmma runs, and
+// one wgmma batch stays in flight across the per-stage barrier (wait<1>, not <0>): the tensor cores are not
+// drained every stage. Buffer reuse: x of stage u + X_AHEAD goes into the buffer stage u + X_AHEAD - BUFFERS
+// (= u - 2) read, retired by every warpgroup's wait<1> of stage u - 1 before that stage's barrier.
+template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, class LoadX>
+__device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
+                                                         int units, uint32_t smem_base, LoadX&& load_x) {
+  static_assert(W_AHEAD % 2 == 0 && X_AHEAD + 2 <= BUFFERS, "ring sizes");
+  using Op = typename ddtree::GmmaRsOp<TN>::type;
+  constexpr int X_TILE = TN * 128, ACC = TN / 2;
+  uint4 wr[W_AHEAD];
+  uint32_t s0r[W_AHEAD], s1r[W_AHEAD];   // scale words of the unit's column groups 0 and 1
+#pragma unroll
+  for (int d = 0; d < W_AHEAD; ++d)
+    if (d < units) {
+      wr[d] = moe90::load_w(wp, d);
+      s0r[d] = moe90::load_scale(sp, d);
+      s1r[d] = moe90::load_scale(sp + 2, d);
+    }
+#pragma unroll
+  for (int a = 0; a < X_AHEAD; ++a) {
+    if (a < units) load_x(smem_base + a * X_TILE, a);
+    ddtree::cp_async_commit();
+  }
+  uint32_t a_frag[2][4][4];
+  moe90::dequant_frag(wr[0], s0r[0], s1r[0], t, a_frag[0]);
+  if (W_AHEAD < units) {
+    wr[0] = moe90::load_w(wp, W_AHEAD);
+    s0r[0] = moe90::load_scale(sp, W_AHEAD);
+    s1r[0] = moe90::load_scale(sp + 2, W_AHEAD);
+  }
+  ddtree::cp_async_wait<X_AHEAD - 1>();
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
+  __syncthreads();
+  for (int u0 = 0; u0 < units; u0 += W_AHEAD) {
+#pragma unroll
+    for (int d = 0; d < W_AHEAD; ++d) {   // unrolled: ring slot and A set are constants
+      const int u = u0 + d;
+      if (u >= units) break;
+      const uint64_t db = ddtree::sw128_desc(smem_base + (u % BUFFERS) * X_TILE);
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        ddtree::gmma_rs<Op>(a_frag[d & 1][kk], db + 2 * kk, acc, cuda::std::make_integer_sequence<int, ACC>{});
+      cute::warpgroup_commit_batch();
+      if (u + X_AHEAD < units) load_x(smem_base + ((u + X_AHEAD) % BUFFERS) * X_TILE, u + X_AHEAD);
+      ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
+      cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its A set and x buffer are free
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+      if (u + 1 < units) {
+        const int slot = (d + 1) % W_AHEAD;
+        moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a_frag[(d + 1) & 1]);
+        if (u + 1 + W_AHEAD < units) {
+          wr[slot] = moe90::load_w(wp, u + 1 + W_AHEAD);
+          s0r[slot] = moe90::load_scale(sp, u + 1 + W_AHEAD);
+          s1r[slot] = moe90::load_scale(sp + 2, u + 1 + W_AHEAD);
+        }
+      }
+      ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage u + 1 has landed
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncthreads();
+    }
+  }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+}
 
 // MODE 0: x bf16 [T, ldx] gathered by sorted_token, weights gate (wq0/ws0) and up (wq1/ws1), out h bf16
 // [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out fp32 [P, n_rows].
-// Grid (n_rows / (MODE 0 ? 64 : 128), slots or items); dynamic smem 1024 + (2 + DEEP) * (16384 + TN * 128).
-template <int MODE, int TN, int DEEP>
+// Grid (n_rows / (MODE 0 ? 64 : 128), slots or items); dynamic smem 1024 + (2 + PIPE) * (16384 + TN * 128) for
+// PIPE 0 / 1, 1024 + 4 * TN * 128 for PIPE 2 (moe_gmma_smem_bytes in runtime/kimi_kernels.py).
+template <int MODE, int TN, int PIPE>
 __global__ void __launch_bounds__(moe90::THREADS, 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                 const uint4* __restrict__ wq1, const uint4* __restrict__ ws1, int n_rows, int k,
@@ -90,11 +197,14 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                 int min_count, const int* __restrict__ item_slot, const int* __restrict__ item_chunk) {
   using namespace moe90;
   static_assert(TN == 64 || TN == 128 || TN == 256, "token tile");
-  // DEEP 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers with x two stages
-  // ahead; DEEP 0: one stage ahead each, 2 buffers (fewer registers and 50 KB of shared memory)
-  constexpr int W_AHEAD = DEEP ? 8 : 1, BUFFERS = DEEP ? 3 : 2, X_AHEAD = BUFFERS - 1;
+  static_assert(PIPE >= 0 && PIPE <= 2, "pipeline");
+  // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
+  // stages ahead; PIPE 0: one stage ahead each, 2 buffers (fewer registers and 50 KB of shared memory).
+  // PIPE 2: no W tile; x only, 4 buffers, two stages ahead; weights 8 (TN 256: 4) stages ahead.
+  constexpr int W_AHEAD = PIPE == 0 ? 1 : PIPE == 2 && TN == 256 ? 4 : 8;
+  constexpr int BUFFERS = PIPE == 2 ? 4 : PIPE ? 3 : 2, X_AHEAD = PIPE == 2 ? 2 : BUFFERS - 1;
   constexpr int X_TILE = TN * 128;
-  constexpr int STAGE = W_TILE + X_TILE;
+  constexpr int STAGE = (PIPE == 2 ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
   using O = typename ddtree::GmmaOp<TN>::type;
   // item_slot null: block row y is slot y and runs all of its token chunks in turn; else it is item y, one
@@ -118,7 +228,8 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   const bool second = MODE == 0 && warp >= 4;
   const long long blk = (long long)expert * row_blocks + rb;
   const uint4* wp = (second ? wq1 : wq0) + blk * units * 32 + lane;
-  const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (t >> 1)) * 2;
+  // PIPE 0 / 1: the scale word of the lane's own group (t >> 1); PIPE 2: both groups' (sp, sp + 2)
+  const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (PIPE == 2 ? 0 : t >> 1)) * 2;
   const int wrow = warp * 16 + g;   // this lane's first row in the W tile
 
   for (int c0 = c_begin; c0 < c_end; c0 += TN) {
@@ -145,65 +256,69 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       acc[i] = 0.f;
       cute::warpgroup_fence_operand(acc[i]);
     }
-    // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
-    // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with
-    // stage W_AHEAD.
-    uint4 wr[W_AHEAD];
-    uint32_t sr[W_AHEAD];
-#pragma unroll
-    for (int d = 0; d < W_AHEAD; ++d)
-      if (d < units) {
-        wr[d] = load_w(wp, d);
-        sr[d] = load_scale(sp, d);
-      }
-#pragma unroll
-    for (int a = 0; a < X_AHEAD; ++a) {
-      if (a < units) load_x(smem_base + a * STAGE + W_TILE, a);
-      ddtree::cp_async_commit();
-    }
-    dequant_store(smem_base, wr[0], sr[0], wrow, t);
-    if (W_AHEAD < units) {
-      wr[0] = load_w(wp, W_AHEAD);
-      sr[0] = load_scale(sp, W_AHEAD);
-    }
-    ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage 0 (later stages' may still be in flight)
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared / cp.async -> wgmma
-    __syncthreads();
-
-    // Stage u: wgmma on buffer u % BUFFERS while x of stage u + X_AHEAD loads into buffer (u + X_AHEAD) %
-    // BUFFERS (its last reader, stage u - 1's wgmma when DEEP, retired before the barrier that ended stage
-    // u - 1) and W of stage u + 1 is dequantized into buffer (u + 1) % BUFFERS from ring slot (u + 1) %
-    // W_AHEAD, which then takes stage u + 1 + W_AHEAD. Unrolled by W_AHEAD so the ring index is a constant.
-    for (int u0 = 0; u0 < units; u0 += W_AHEAD) {
-#pragma unroll
-      for (int d = 0; d < W_AHEAD; ++d) {
-        const int u = u0 + d;
-        if (u >= units) break;
-        const uint32_t cur = smem_base + (u % BUFFERS) * STAGE, nxt = smem_base + ((u + 1) % BUFFERS) * STAGE;
-        cute::warpgroup_arrive();
-        const uint64_t da = sw128_desc(cur + wg * 64 * 128), db = sw128_desc(cur + W_TILE);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          ddtree::gmma_ss<O>(da + 2 * kk, db + 2 * kk, acc,
-                  u == 0 && kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One,
-                  cuda::std::make_integer_sequence<int, ACC>{});
-        cute::warpgroup_commit_batch();
-        if (u + X_AHEAD < units) load_x(smem_base + ((u + X_AHEAD) % BUFFERS) * STAGE + W_TILE, u + X_AHEAD);
-        ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
-        if (u + 1 < units) {
-          const int slot = (d + 1) % W_AHEAD;   // stage u + 1 (u0 is a multiple of W_AHEAD): a constant once unrolled
-          dequant_store(nxt, wr[slot], sr[slot], wrow, t);
-          if (u + 1 + W_AHEAD < units) {
-            wr[slot] = load_w(wp, u + 1 + W_AHEAD);
-            sr[slot] = load_scale(sp, u + 1 + W_AHEAD);
-          }
+    if constexpr (PIPE == 2) {
+      gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD>(acc, wp, sp, t, units, smem_base, load_x);
+    } else {
+      // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
+      // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with
+      // stage W_AHEAD.
+      uint4 wr[W_AHEAD];
+      uint32_t sr[W_AHEAD];
+  #pragma unroll
+      for (int d = 0; d < W_AHEAD; ++d)
+        if (d < units) {
+          wr[d] = load_w(wp, d);
+          sr[d] = load_scale(sp, d);
         }
-        cute::warpgroup_wait<0>();
-#pragma unroll
-        for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
-        ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage u + 1 has landed; later stages' may be in flight
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();   // stage u + 1 complete; every warpgroup done with stage u
+  #pragma unroll
+      for (int a = 0; a < X_AHEAD; ++a) {
+        if (a < units) load_x(smem_base + a * STAGE + STAGE - X_TILE, a);
+        ddtree::cp_async_commit();
+      }
+      dequant_store(smem_base, wr[0], sr[0], wrow, t);
+      if (W_AHEAD < units) {
+        wr[0] = load_w(wp, W_AHEAD);
+        sr[0] = load_scale(sp, W_AHEAD);
+      }
+      ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage 0 (later stages' may still be in flight)
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared / cp.async -> wgmma
+      __syncthreads();
+
+      // Stage u: wgmma on buffer u % BUFFERS while x of stage u + X_AHEAD loads into buffer (u + X_AHEAD) %
+      // BUFFERS (its last reader, stage u - 1's wgmma when DEEP, retired before the barrier that ended stage
+      // u - 1) and W of stage u + 1 is dequantized into buffer (u + 1) % BUFFERS from ring slot (u + 1) %
+      // W_AHEAD, which then takes stage u + 1 + W_AHEAD. Unrolled by W_AHEAD so the ring index is a constant.
+      for (int u0 = 0; u0 < units; u0 += W_AHEAD) {
+  #pragma unroll
+        for (int d = 0; d < W_AHEAD; ++d) {
+          const int u = u0 + d;
+          if (u >= units) break;
+          const uint32_t cur = smem_base + (u % BUFFERS) * STAGE, nxt = smem_base + ((u + 1) % BUFFERS) * STAGE;
+          cute::warpgroup_arrive();
+          const uint64_t da = sw128_desc(cur + wg * 64 * 128), db = sw128_desc(cur + W_TILE);
+  #pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            ddtree::gmma_ss<O>(da + 2 * kk, db + 2 * kk, acc,
+                    u == 0 && kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One,
+                    cuda::std::make_integer_sequence<int, ACC>{});
+          cute::warpgroup_commit_batch();
+          if (u + X_AHEAD < units) load_x(smem_base + ((u + X_AHEAD) % BUFFERS) * STAGE + W_TILE, u + X_AHEAD);
+          ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
+          if (u + 1 < units) {
+            const int slot = (d + 1) % W_AHEAD;   // stage u + 1 (u0 is a multiple of W_AHEAD): a constant once unrolled
+            dequant_store(nxt, wr[slot], sr[slot], wrow, t);
+            if (u + 1 + W_AHEAD < units) {
+              wr[slot] = load_w(wp, u + 1 + W_AHEAD);
+              sr[slot] = load_scale(sp, u + 1 + W_AHEAD);
+            }
+          }
+          cute::warpgroup_wait<0>();
+  #pragma unroll
+          for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+          ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage u + 1 has landed; later stages' may be in flight
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          __syncthreads();   // stage u + 1 complete; every warpgroup done with stage u
+        }
       }
     }
     ddtree::cp_async_wait<0>();

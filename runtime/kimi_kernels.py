@@ -208,6 +208,19 @@ FUSE_COMBINE_MAX_TOKENS = 0
 GMMA_AUTO_TOKENS = 64
 GMMA_AUTO = {255: (16, 64), 1 << 30: (64, 128)}   # T bound -> (min tokens per expert, tokens per pass)
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
+# moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
+# buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
+# flight across the stage barrier).
+GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A"}
+GMMA_PIPE = 1
+
+
+def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
+    """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
+    x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2)."""
+    if pipe == 2:
+        return 1024 + 4 * tile * 128
+    return 1024 + (2 + pipe) * (128 * 128 + tile * 128)
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens
 
 
@@ -246,7 +259,8 @@ class MoeLayer:
     dequantized once per stage into shared memory, wgmma over up to gmma_tile = 64/128/256 tokens per pass),
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
-    per slot runs its chunks in turn); gmma_deep (default): its weights 8 stages ahead (else 1), x 2 (else 1).
+    per slot runs its chunks in turn); gmma_pipe: moe_gmma_kernel's pipeline (GMMA_PIPES: 0 shallow, 1 deep,
+    2 register A), default GMMA_PIPE.
     Default "auto": GMMA_AUTO's (min tokens, tile) by T, from GMMA_AUTO_TOKENS tokens on, where the kernel runs;
     None turns it off."""
 
@@ -255,7 +269,7 @@ class MoeLayer:
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
                  pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
-                 gmma_parallel_chunks: bool = False, gmma_deep: bool = True):
+                 gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -328,7 +342,9 @@ class MoeLayer:
         self.variants = (gu_entry, dn_entry)
         self.stages = [("route", launch) for launch in routing]
         self.gmma_min_tokens = gmma_min_tokens
-        self.gmma_deep = bool(gmma_deep)
+        self.gmma_pipe = GMMA_PIPE if gmma_pipe is None else int(gmma_pipe)
+        if self.gmma_pipe not in GMMA_PIPES:
+            raise ValueError(f"gmma_pipe={gmma_pipe}: want one of {sorted(GMMA_PIPES)}")
         counts = self.slot_count   # what the mma.sync kernels see
         if gmma_min_tokens:
             if not _family_runs_here("moe_int4_sm90", cuda.get_device()):
@@ -370,11 +386,10 @@ class MoeLayer:
     def _gmma_launch(self, mode, tn, hot_slots, x, ldx, q0, s0, q1, s1, n_rows, k, out):
         """One moe_gmma_kernel launch over the first hot_slots slots (those with >= gmma_min_tokens tokens run)."""
         cuda = _cuda()
-        deep = int(self.gmma_deep)
-        kernel = cuda.get_kernel("moe_int4_sm90", f"moe_gmma_kernel<{mode}, {tn}, {deep}>")
+        kernel = cuda.get_kernel("moe_int4_sm90", f"moe_gmma_kernel<{mode}, {tn}, {self.gmma_pipe}>")
         items = self._gmma_items
         rows_y = hot_slots if items is None else items[0].shape[0]
-        smem = 1024 + (2 + deep) * (128 * 128 + tn * 128)   # 2 or 3 stage buffers of W [128][64] + x [tn][64]
+        smem = moe_gmma_smem_bytes(tn, self.gmma_pipe)
         kernel.set_max_dynamic_smem(smem)
         null = np.uint64(0)
         return kernel.prepare((n_rows // (64 if mode == 0 else 128), rows_y), (256,), [

@@ -152,6 +152,67 @@ def test_gmma_dequant_tile_matches_weights():
                                           err_msg=f"row blocks {rb0}.., unit {u}")
 
 
+def _byte_perm(x, y, sel):
+    """__byte_perm: byte i of the result = byte (sel >> 4i) & 7 of the 8 bytes y:x (x the low four)."""
+    src = x | (y << 32)
+    return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def emulate_gmma_a_fragments(packed, scales, rb, u):
+    """moe_gmma_kernel<_, _, 2>'s dequant_frag for one warp (16-row block rb, 64-k unit u): the prmt's, the two
+    xor-shuffle rounds over each quad and the dequantization, lane by lane. Returns the [16, 64] block the A
+    fragments say: a[j][i] of lane (g, t) = rows g (i even) / g + 8 (i odd), columns 16j + 2t (+ 8 for i >= 2)."""
+    sc = from_bf16(scales).reshape(scales.shape)
+    d = {}
+    for lane in range(32):
+        w = [int(v) for v in packed[rb, u, lane]]
+        d[lane] = [_byte_perm(w[0], w[2], 0x6240), _byte_perm(w[0], w[2], 0x7351),
+                   _byte_perm(w[1], w[3], 0x6240), _byte_perm(w[1], w[3], 0x7351)]
+    sel = lambda c, a, b: a if c else b
+    stage1 = {}
+    for lane in range(32):
+        t, b0 = lane % 4, lane & 1
+        dd, pd = d[lane], d[lane ^ 1]
+        pb0 = (lane ^ 1) & 1
+        r0, r1 = sel(pb0, pd[0], pd[1]), sel(pb0, pd[2], pd[3])   # what the partner sends
+        k0, k1 = sel(b0, dd[1], dd[0]), sel(b0, dd[3], dd[2])
+        stage1[lane] = (sel(b0, r0, k0), sel(b0, k0, r0), sel(b0, r1, k1), sel(b0, k1, r1))
+    block = np.full((16, 64), np.nan, np.float32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        b1 = t & 2
+        xe, xo, ye, yo = stage1[lane]
+        pxe, pxo, pye, pyo = stage1[lane ^ 2]
+        pb1 = (lane ^ 2) & 2
+        s0, s1 = sel(pb1, pxe, pye), sel(pb1, pxo, pyo)
+        m0, m1 = sel(b1, ye, xe), sel(b1, yo, xo)
+        q = [sel(b1, s0, m0), sel(b1, s1, m1), sel(b1, m0, s0), sel(b1, m1, s1)]
+        for j in range(4):
+            s_row = sc[rb, u // 8, 2 * g + (j >> 1), u % 8]             # (row g, row g + 8), group j // 2
+            for i in range(4):
+                nib = (q[j] >> (4 * i)) & 0xF, (q[j] >> (4 * i + 16)) & 0xF
+                row, col = g + 8 * (i & 1), 16 * j + 2 * t + 8 * (i >> 1)
+                for e in range(2):
+                    assert np.isnan(block[row, col + e]), "written twice"
+                    block[row, col + e] = (nib[e] - 8) * s_row[i & 1]
+    return round_bf16(block)
+
+
+def test_gmma_register_fragments_match_weights():
+    """moe_gmma_kernel's register-A path (PIPE 2): every lane's fragments, after the quad transpose, hold the
+    plain weights at physical columns, so x is read unpermuted, for several units and row blocks."""
+    rng = np.random.default_rng(9)
+    n, k = 64, 1024
+    wp, ws = random_int4(rng, n, k)
+    packed, scales = repack_int4_experts(wp, ws, (n, k))
+    dense = round_bf16(unpack_int4(wp, ws, (n, k)))
+    for rb in (0, 3):
+        for u in (0, 5, 8, 15):
+            got = emulate_gmma_a_fragments(packed, scales, rb, u)
+            np.testing.assert_array_equal(got, dense[16 * rb:16 * rb + 16, 64 * u:64 * u + 64],
+                                          err_msg=f"row block {rb}, unit {u}")
+
+
 def test_mla_split_s_p_tile_mapping():
     """mla_attention_gmma_kernel<1>: each warpgroup stores its half of P from the S accumulator layout
     (pa[kk][2h + ri] = rows g / g + 8, positions 32 wg + 16 kk + 8 h + 2t, + 1) into 16-byte units
@@ -316,18 +377,18 @@ def test_moe_layer_real_shape_subset(cuda_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("parallel,deep", [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize("parallel,pipe", [(False, 1), (True, 1), (False, 0), (False, 2), (True, 2)])
 @pytest.mark.parametrize("T,E,min_tokens,tile", [(200, 8, 64, 64), (200, 8, 90, 128), (300, 16, 40, 256),
                                                  (3, 8, 2, 64)])
-def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, deep):
+def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
-    hot and cold slots mixed; the chunks on blocks side by side or in turn), the rest on mma.sync: the layer
-    vs the float32 reference, twice."""
+    hot and cold slots mixed; the chunks on blocks side by side or in turn; each pipeline), the rest on
+    mma.sync: the layer vs the float32 reference, twice."""
     from runtime import cuda
     if cuda.get_device().arch != "90a":
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
     _check_moe(T, E, 1024, 512, None, topk=4, gmma_min_tokens=min_tokens, gmma_tile=tile, runs=2,
-               gmma_parallel_chunks=parallel, gmma_deep=deep)
+               gmma_parallel_chunks=parallel, gmma_pipe=pipe)
 
 
 @pytest.mark.gpu
