@@ -189,7 +189,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 // Grid (n_rows / (MODE 0 ? 64 : 128), slots or items); dynamic smem 1024 + (2 + PIPE) * (16384 + TN * 128) for
 // PIPE 0 / 1, 1024 + 4 * TN * 128 for PIPE 2 (moe_gmma_smem_bytes in runtime/kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
-__global__ void __launch_bounds__(moe90::THREADS, 1)
+__global__ void __launch_bounds__(moe90::THREADS, PIPE == 3 ? 2 : 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                 const uint4* __restrict__ wq1, const uint4* __restrict__ ws1, int n_rows, int k,
                 const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
@@ -197,14 +197,16 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                 int min_count, const int* __restrict__ item_slot, const int* __restrict__ item_chunk) {
   using namespace moe90;
   static_assert(TN == 64 || TN == 128 || TN == 256, "token tile");
-  static_assert(PIPE >= 0 && PIPE <= 2, "pipeline");
+  static_assert(PIPE >= 0 && PIPE <= 3, "pipeline");
+  static_assert(PIPE != 3 || TN == 64, "two blocks per SM only fit 64-token tiles");
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
   // stages ahead; PIPE 0: one stage ahead each, 2 buffers (fewer registers and 50 KB of shared memory).
   // PIPE 2: no W tile; x only, 4 buffers, two stages ahead; weights 8 (TN 256: 4) stages ahead.
-  constexpr int W_AHEAD = PIPE == 0 ? 1 : PIPE == 2 && TN == 256 ? 4 : 8;
-  constexpr int BUFFERS = PIPE == 2 ? 4 : PIPE ? 3 : 2, X_AHEAD = PIPE == 2 ? 2 : BUFFERS - 1;
+  constexpr bool RA = PIPE >= 2;   // register A (PIPE 3: the same with two blocks per SM, 4 stages ahead)
+  constexpr int W_AHEAD = PIPE == 0 ? 1 : (PIPE == 2 && TN == 256) || PIPE == 3 ? 4 : 8;
+  constexpr int BUFFERS = RA ? 4 : PIPE ? 3 : 2, X_AHEAD = RA ? 2 : BUFFERS - 1;
   constexpr int X_TILE = TN * 128;
-  constexpr int STAGE = (PIPE == 2 ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
+  constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
   using O = typename ddtree::GmmaOp<TN>::type;
   // item_slot null: block row y is slot y and runs all of its token chunks in turn; else it is item y, one
@@ -229,7 +231,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   const long long blk = (long long)expert * row_blocks + rb;
   const uint4* wp = (second ? wq1 : wq0) + blk * units * 32 + lane;
   // PIPE 0 / 1: the scale word of the lane's own group (t >> 1); PIPE 2: both groups' (sp, sp + 2)
-  const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (PIPE == 2 ? 0 : t >> 1)) * 2;
+  const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (RA ? 0 : t >> 1)) * 2;
   const int wrow = warp * 16 + g;   // this lane's first row in the W tile
 
   for (int c0 = c_begin; c0 < c_end; c0 += TN) {
@@ -256,7 +258,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       acc[i] = 0.f;
       cute::warpgroup_fence_operand(acc[i]);
     }
-    if constexpr (PIPE == 2) {
+    if constexpr (RA) {
       gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD>(acc, wp, sp, t, units, smem_base, load_x);
     } else {
       // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages

@@ -211,14 +211,14 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
 # flight across the stage barrier).
-GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A"}
+GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64-token tiles)"}
 GMMA_PIPE = 1
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2)."""
-    if pipe == 2:
+    if pipe >= 2:
         return 1024 + 4 * tile * 128
     return 1024 + (2 + pipe) * (128 * 128 + tile * 128)
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens
@@ -343,8 +343,9 @@ class MoeLayer:
         self.stages = [("route", launch) for launch in routing]
         self.gmma_min_tokens = gmma_min_tokens
         self.gmma_pipe = GMMA_PIPE if gmma_pipe is None else int(gmma_pipe)
-        if self.gmma_pipe not in GMMA_PIPES:
-            raise ValueError(f"gmma_pipe={gmma_pipe}: want one of {sorted(GMMA_PIPES)}")
+        if self.gmma_pipe not in GMMA_PIPES or (self.gmma_pipe == 3 and gmma_min_tokens and gmma_tile != 64):
+            raise ValueError(f"gmma_pipe={gmma_pipe} with gmma_tile={gmma_tile}: want one of {sorted(GMMA_PIPES)} "
+                             f"(3 with 64-token tiles only)")
         counts = self.slot_count   # what the mma.sync kernels see
         if gmma_min_tokens:
             if not _family_runs_here("moe_int4_sm90", cuda.get_device()):

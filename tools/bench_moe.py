@@ -309,6 +309,11 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=64/ra", dict(gmma_min_tokens=64, gmma_tile=128, gmma_pipe=2)),
         ("gmma>=64/256/ra", dict(gmma_min_tokens=64, gmma_tile=256, gmma_pipe=2)),
         ("gmma>=32/256/ra", dict(gmma_min_tokens=32, gmma_tile=256, gmma_pipe=2)),
+        ("gmma>=64/64/ra", dict(gmma_min_tokens=64, gmma_tile=64, gmma_pipe=2)),
+        # register A with two blocks per SM (64-token tiles)
+        ("gmma>=16/ra2", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=3)),
+        ("gmma>=32/ra2", dict(gmma_min_tokens=32, gmma_tile=64, gmma_pipe=3)),
+        ("gmma>=64/64/ra2", dict(gmma_min_tokens=64, gmma_tile=64, gmma_pipe=3)),
         ("gmma>=8", dict(gmma_min_tokens=8, gmma_tile=64)),
         ("gmma>=16/128", dict(gmma_min_tokens=16, gmma_tile=128)),
         ("gmma>=16/256", dict(gmma_min_tokens=16, gmma_tile=256)),
