@@ -198,12 +198,12 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   using namespace moe90;
   static_assert(TN == 64 || TN == 128 || TN == 256, "token tile");
   static_assert(PIPE >= 0 && PIPE <= 3, "pipeline");
-  static_assert(PIPE != 3 || TN == 64, "two blocks per SM only fit 64-token tiles");
+  static_assert(PIPE != 3 || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
   // stages ahead; PIPE 0: one stage ahead each, 2 buffers (fewer registers and 50 KB of shared memory).
   // PIPE 2: no W tile; x only, 4 buffers, two stages ahead; weights 8 (TN 256: 4) stages ahead.
   constexpr bool RA = PIPE >= 2;   // register A (PIPE 3: the same with two blocks per SM, 4 stages ahead)
-  constexpr int W_AHEAD = PIPE == 0 ? 1 : (PIPE == 2 && TN == 256) || PIPE == 3 ? 4 : 8;
+  constexpr int W_AHEAD = PIPE == 0 ? 1 : PIPE == 3 && TN == 128 ? 2 : (PIPE == 2 && TN == 256) || PIPE == 3 ? 4 : 8;
   constexpr int BUFFERS = RA ? 4 : PIPE ? 3 : 2, X_AHEAD = RA ? 2 : BUFFERS - 1;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
@@ -245,12 +245,13 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       const int row = c0 + i >= count ? 0 : MODE == 0 ? sorted_token[offset + c0 + i] : offset + c0 + i;
       xrow[j] = x + (long long)row * ldx + (tid & 7) * 8;
     }
+    // Row i's unit c lands at i * 128 + ((c ^ (i % 8)) << 4); i % 8 is the same for every j, so the offset is
+    // one register plus the constant 4096 j (the compiler did not see that and swizzled per j, every stage).
+    const uint32_t x_off = (tid / 8) * 128 + (((tid & 7) ^ ((tid / 8) & 7)) << 4);
     auto load_x = [&](uint32_t tile, int u) {
 #pragma unroll
-      for (int j = 0; j < TN / 32; ++j) {
-        const int i = tid / 8 + 32 * j, c = tid & 7;
-        cp_async16_s(tile + i * 128 + ((c ^ (i & 7)) << 4), xrow[j] + u * 64, c0 + i < count);
-      }
+      for (int j = 0; j < TN / 32; ++j)
+        cp_async16_s(tile + x_off + 4096 * j, xrow[j] + u * 64, c0 + tid / 8 + 32 * j < count);
     };
     float acc[ACC];
 #pragma unroll

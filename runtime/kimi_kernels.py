@@ -211,7 +211,7 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
 # flight across the stage barrier).
-GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64-token tiles)"}
+GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)"}
 GMMA_PIPE = 1
 
 
@@ -234,6 +234,13 @@ def _without_pdl(launch):
     finally:
         k.pdl = saved
     return launch
+
+
+def _stream_wait(stream, event):
+    """stream (a Stream, a raw CUstream or None = the default stream) waits for event."""
+    cuda = _cuda()
+    cuda.check(cuda.device.driver().cuStreamWaitEvent(cuda.stream.stream_handle(stream), event.handle, 0),
+               "cuStreamWaitEvent")
 
 
 def default_variants(tokens: int) -> tuple[str, str]:
@@ -260,7 +267,9 @@ class MoeLayer:
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn); gmma_pipe: moe_gmma_kernel's pipeline (GMMA_PIPES: 0 shallow, 1 deep,
-    2 register A), default GMMA_PIPE.
+    2 register A), default GMMA_PIPE; gmma_overlap: the hot chain (gate_up_hot -> down_hot) on a second stream,
+    forked after the routing and joined before the combine, so the compute-bound wgmma kernels run beside
+    the memory-bound mma.sync ones (both are captured as parallel graph branches).
     Default "auto": GMMA_AUTO's (min tokens, tile) by T, from GMMA_AUTO_TOKENS tokens on, where the kernel runs;
     None turns it off."""
 
@@ -269,7 +278,8 @@ class MoeLayer:
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
                  pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
-                 gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None):
+                 gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
+                 gmma_overlap: bool = False):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -343,9 +353,9 @@ class MoeLayer:
         self.stages = [("route", launch) for launch in routing]
         self.gmma_min_tokens = gmma_min_tokens
         self.gmma_pipe = GMMA_PIPE if gmma_pipe is None else int(gmma_pipe)
-        if self.gmma_pipe not in GMMA_PIPES or (self.gmma_pipe == 3 and gmma_min_tokens and gmma_tile != 64):
+        if self.gmma_pipe not in GMMA_PIPES or (self.gmma_pipe == 3 and gmma_min_tokens and gmma_tile > 128):
             raise ValueError(f"gmma_pipe={gmma_pipe} with gmma_tile={gmma_tile}: want one of {sorted(GMMA_PIPES)} "
-                             f"(3 with 64-token tiles only)")
+                             f"(3 with 64- or 128-token tiles)")
         counts = self.slot_count   # what the mma.sync kernels see
         if gmma_min_tokens:
             if not _family_runs_here("moe_int4_sm90", cuda.get_device()):
@@ -382,6 +392,13 @@ class MoeLayer:
             for _, launch in self.stages:
                 _without_pdl(launch)
         self.launches = [launch for _, launch in self.stages]
+        if gmma_overlap and self.fuse_combine:
+            raise ValueError("gmma_overlap: the combine folded into the cold down GEMM would not wait for the "
+                             "hot chain; use the separate combine (fuse_combine=False)")
+        self.gmma_overlap = bool(gmma_overlap) and bool(gmma_min_tokens)
+        if self.gmma_overlap:   # a side stream and the fork / join events, made once
+            self._side = cuda.Stream()
+            self._fork, self._join = cuda.Event(timing=False), cuda.Event(timing=False)
         cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
     def _gmma_launch(self, mode, tn, hot_slots, x, ldx, q0, s0, q1, s1, n_rows, k, out):
@@ -430,8 +447,29 @@ class MoeLayer:
     def forward(self, stream=None, stages=None):
         """Launch the layer (or only the named stages: 'route', 'gate_up_hot', 'gate_up', 'down_hot', 'down',
         'combine'; the _hot ones exist with the wgmma hot-expert path, 'combine' unless it is folded into down)."""
+        if self.gmma_overlap and stages is None:
+            self._forward_overlapped(stream)
+            return
         for name, launch in self.stages:
             if stages is None or name in stages:
+                launch(stream)
+
+    def _forward_overlapped(self, stream):
+        """route on `stream`; fork: the _hot stages on the side stream, gate_up / down on `stream`; join; combine."""
+        for name, launch in self.stages:
+            if name == "route":
+                launch(stream)
+        self._fork.record(stream)
+        _stream_wait(self._side, self._fork)
+        for name, launch in self.stages:
+            if name.endswith("_hot"):
+                launch(self._side)
+            elif name in ("gate_up", "down"):
+                launch(stream)
+        self._join.record(self._side)
+        _stream_wait(stream, self._join)
+        for name, launch in self.stages:
+            if name == "combine":
                 launch(stream)
 
 

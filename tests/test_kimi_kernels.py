@@ -377,31 +377,36 @@ def test_moe_layer_real_shape_subset(cuda_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,E,min_tokens,tile,parallel,pipe", [
-    (T, E, m, tile, parallel, pipe)
+@pytest.mark.parametrize("T,E,min_tokens,tile,parallel,pipe,overlap", [
+    (T, E, m, tile, parallel, pipe, overlap)
     for T, E, m, tile in [(200, 8, 64, 64), (200, 8, 90, 128), (300, 16, 40, 256), (3, 8, 2, 64)]
-    for parallel, pipe in [(False, 1), (True, 1), (False, 0), (False, 2), (True, 2), (False, 3)]
-    if pipe != 3 or tile == 64])
-def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe):
+    for parallel, pipe, overlap in [(False, 1, False), (True, 1, False), (False, 0, False), (False, 2, False),
+                                    (True, 2, False), (False, 3, False), (False, 3, True), (True, 2, True)]
+    if pipe != 3 or tile <= 128])
+def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe, overlap):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
-    hot and cold slots mixed; the chunks on blocks side by side or in turn; each pipeline), the rest on
-    mma.sync: the layer vs the float32 reference, twice."""
+    hot and cold slots mixed; the chunks on blocks side by side or in turn; each pipeline; the hot chain on
+    its own stream beside the cold one or not), the rest on mma.sync: the layer vs the float32 reference,
+    twice."""
     from runtime import cuda
     if cuda.get_device().arch != "90a":
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
     _check_moe(T, E, 1024, 512, None, topk=4, gmma_min_tokens=min_tokens, gmma_tile=tile, runs=2,
-               gmma_parallel_chunks=parallel, gmma_pipe=pipe)
+               gmma_parallel_chunks=parallel, gmma_pipe=pipe, gmma_overlap=overlap)
 
 
 @pytest.mark.gpu
-def test_moe_graph_replay_gmma_hot_experts(cuda_device):
+@pytest.mark.parametrize("plan", [dict(), dict(gmma_pipe=3, gmma_overlap=True)])
+def test_moe_graph_replay_gmma_hot_experts(cuda_device, plan):
+    """The layer with wgmma hot experts captured once and replayed with new inputs (the overlapped plan's
+    hot chain is a parallel branch of the graph)."""
     from runtime import cuda
     from runtime.kimi_kernels import MoeLayer
     if cuda.get_device().arch != "90a":
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
     rng = np.random.default_rng(14)
     dense, w = make_moe(rng, 8, 512, 512)
-    layer = MoeLayer(w, 96, np.zeros(8, np.float32), topk=4, gmma_min_tokens=40, gmma_tile=64)
+    layer = MoeLayer(w, 96, np.zeros(8, np.float32), topk=4, gmma_min_tokens=40, gmma_tile=64, **plan)
     _check_graph_replay(layer, dense, rng, T=96, E=8, hidden=512, topk=4, trials=2)
 
 
