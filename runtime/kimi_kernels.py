@@ -199,20 +199,24 @@ def moe_ring_bytes(entry: str) -> int:
 # routing, separate combine, no PDL); the fused variants stay selectable for A/B timing.
 FUSE_COMBINE_MAX_TOKENS = 0
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
-# >= min tokens, tile-token passes, (min, tile) from GMMA_AUTO by T, the deep pipeline (DEEP = 1). H200,
+# >= min tokens, tile-token passes, (min, tile) from GMMA_AUTO by T, the pipeline GMMA_PIPE. H200,
 # 2026-12-03 (4) run 2, whole layer: skewed T = 64 839 -> 815 us, T = 256 1509 -> 1420; uniform T = 64 1973 ->
 # 1970; below 64 tokens the two extra launches cost ~3 us and no expert is hot under uniform routing.
 # 2026-12-03 (5) runs 4-5 (same-run A/B): T = 256 skewed >= 64 tokens in 128-token passes 1374 / 1452 us vs
 # >= 16 in 64-token passes 1591 / 1649 and no wgmma 1490 / 1760; T = 64 skewed >= 16 / 64-token 754 (deep) vs
 # 778 without; deep vs one-stage pipeline 754 vs 793 (T = 64), 1354 vs 1374 (T = 256, >= 64).
+# 2026-12-03 (6) run 3 (same run, skewed, layer us): the register-A kernel with two blocks per SM (PIPE 3) on
+# experts with >= 16 tokens in 64-token passes, beside the cold chain on a second stream: T = 64 628.5 / 128
+# 849.8 / 256 1202.3 vs the previous default 748.1 / 988.3 / ~1338 and no wgmma 777.9 / 1337.6 / 1485.0.
 GMMA_AUTO_TOKENS = 64
-GMMA_AUTO = {255: (16, 64), 1 << 30: (64, 128)}   # T bound -> (min tokens per expert, tokens per pass)
+GMMA_AUTO = {1 << 30: (16, 64)}   # T bound -> (min tokens per expert, tokens per pass)
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
 # flight across the stage barrier).
 GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)"}
-GMMA_PIPE = 1
+GMMA_PIPE = 3
+GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
@@ -267,7 +271,8 @@ class MoeLayer:
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn); gmma_pipe: moe_gmma_kernel's pipeline (GMMA_PIPES: 0 shallow, 1 deep,
-    2 register A), default GMMA_PIPE; gmma_overlap: the hot chain (gate_up_hot -> down_hot) on a second stream,
+    2 register A, 3 the same with two blocks per SM), default GMMA_PIPE; gmma_overlap (default GMMA_OVERLAP
+    unless the combine is folded into down): the hot chain (gate_up_hot -> down_hot) on a second stream,
     forked after the routing and joined before the combine, so the compute-bound wgmma kernels run beside
     the memory-bound mma.sync ones (both are captured as parallel graph branches).
     Default "auto": GMMA_AUTO's (min tokens, tile) by T, from GMMA_AUTO_TOKENS tokens on, where the kernel runs;
@@ -279,7 +284,7 @@ class MoeLayer:
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
                  pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
-                 gmma_overlap: bool = False):
+                 gmma_overlap: bool | None = None):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -392,6 +397,8 @@ class MoeLayer:
             for _, launch in self.stages:
                 _without_pdl(launch)
         self.launches = [launch for _, launch in self.stages]
+        if gmma_overlap is None:
+            gmma_overlap = GMMA_OVERLAP and not self.fuse_combine
         if gmma_overlap and self.fuse_combine:
             raise ValueError("gmma_overlap: the combine folded into the cold down GEMM would not wait for the "
                              "hot chain; use the separate combine (fuse_combine=False)")
