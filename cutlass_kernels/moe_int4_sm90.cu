@@ -357,6 +357,228 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Warp-specialized variant (moe_gmma_ws_kernel): the RA / SS kernels above issue the dequantization and the
+// wgmma from the same 8 warps, and ncu shows them bound by those warps' own instruction latency (0.3 issued per
+// scheduler per cycle, 1 or 2 warps each), not by the tensor cores. Here warpgroup 0 only dequantizes: each
+// warp two 16-row blocks of the 128-row W tile per 64-k stage into a ring of WS_STAGES shared buffers (full /
+// empty mbarriers per buffer); warpgroups 1 and 2 only load x and issue wgmma, each for half of the chunk's TN
+// tokens against all 128 rows (two m64 wgmmas per k16: MODE 0 gate and up rows, so SiLU(gate) * up is formed in
+// registers; MODE 1 down rows 0-63 and 64-127). Each consumer warpgroup keeps its own x ring (4 buffers, 2 stages
+// ahead, a 128-thread named barrier per stage) and one wgmma batch in flight.
+namespace moe90 {
+constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WAHEAD = 4;
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
+}
+// Wait until the phase of the given parity has completed (a fresh barrier: parity 1 passes at once).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+}  // namespace moe90
+
+// Grid as moe_gmma_kernel; block 384; dynamic smem moe_gmma_ws_smem_bytes (runtime/kimi_kernels.py) = 1024 +
+// WS_STAGES * 16384 (W) + 2 * WS_XBUF * (TN / 2) * 128 (x) + 2 * WS_STAGES * 8 (barriers).
+template <int MODE, int TN>
+__global__ void __launch_bounds__(moe90::WS_THREADS, 1)
+moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0,
+                   const uint4* __restrict__ ws0, const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
+                   int n_rows, int k, const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
+                   const int* __restrict__ slot_count, const int* __restrict__ sorted_token, void* __restrict__ out,
+                   int min_count, const int* __restrict__ item_slot, const int* __restrict__ item_chunk) {
+  using namespace moe90;
+  static_assert(TN == 128 || TN == 256, "token tile: two consumer halves of 64 / 128");
+  constexpr int HN = TN / 2, ACC = HN / 2, X_TILE = HN * 128;
+  using O = typename ddtree::GmmaOp<HN>::type;
+  const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
+  const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
+  if (expert < 0 || count < min_count) return;   // the mma.sync kernel's slot
+  const int c_begin = item_slot != nullptr ? item_chunk[blockIdx.y] * TN : 0;
+  const int c_end = item_slot != nullptr ? min(count, c_begin + TN) : count;
+  const int units = k / 64;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  const uint32_t w_ring = smem_base, x_ring = smem_base + WS_STAGES * W_TILE;
+  const uint32_t bars = x_ring + 2 * WS_XBUF * X_TILE;   // full[WS_STAGES], then empty[WS_STAGES]
+  const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  if (tid == 0) {
+    for (int b = 0; b < WS_STAGES; ++b) {
+      mbar_init(bars + 8 * b, 128);                    // full: every producer thread, after its stores
+      mbar_init(bars + 8 * (WS_STAGES + b), 8);        // empty: lane 0 of each consumer warp
+    }
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // Producer. Warp w: tile rows 16w .. (row block rb0) and 64 + 16w .. (rb1): MODE 0 the gate and up rows of
+    // the block's 64 output rows, MODE 1 down rows.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 96;");
+    const int row_blocks = n_rows / 16, supers = k / 512;
+    const int rb0 = MODE == 0 ? blockIdx.x * 4 + warp : blockIdx.x * 8 + warp;
+    const int rb1 = MODE == 0 ? rb0 : rb0 + 4;
+    const long long blk0 = (long long)expert * row_blocks + rb0, blk1 = (long long)expert * row_blocks + rb1;
+    const uint4* wp0 = wq0 + blk0 * units * 32 + lane;
+    const uint4* wp1 = (MODE == 0 ? wq1 : wq0) + blk1 * units * 32 + lane;
+    const int soff = (g * 2 + (t >> 1)) * 2;
+    const uint4* sp0 = ws0 + blk0 * supers * 32 + soff;
+    const uint4* sp1 = (MODE == 0 ? ws1 : ws0) + blk1 * supers * 32 + soff;
+    int gs = 0;   // stage counter over all chunks: buffer gs % WS_STAGES, its use number gs / WS_STAGES
+    for (int c0 = c_begin; c0 < c_end; c0 += TN) {
+      uint4 w0[WS_WAHEAD], w1[WS_WAHEAD];
+      uint32_t s0[WS_WAHEAD], s1[WS_WAHEAD];
+#pragma unroll
+      for (int d = 0; d < WS_WAHEAD; ++d)
+        if (d < units) {
+          w0[d] = load_w(wp0, d);
+          w1[d] = load_w(wp1, d);
+          s0[d] = load_scale(sp0, d);
+          s1[d] = load_scale(sp1, d);
+        }
+      for (int u0 = 0; u0 < units; u0 += WS_WAHEAD) {
+#pragma unroll
+        for (int d = 0; d < WS_WAHEAD; ++d, ++gs) {
+          const int u = u0 + d;
+          if (u >= units) break;
+          const int b = gs % WS_STAGES;
+          mbar_wait(bars + 8 * (WS_STAGES + b), ((gs / WS_STAGES) & 1) ^ 1);
+          const uint32_t tile = w_ring + b * W_TILE;
+          dequant_store(tile, w0[d], s0[d], 16 * warp + g, t);
+          dequant_store(tile, w1[d], s1[d], 64 + 16 * warp + g, t);
+          if (u + WS_WAHEAD < units) {
+            w0[d] = load_w(wp0, u + WS_WAHEAD);
+            w1[d] = load_w(wp1, u + WS_WAHEAD);
+            s0[d] = load_scale(sp0, u + WS_WAHEAD);
+            s1[d] = load_scale(sp1, u + WS_WAHEAD);
+          }
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared -> the consumers' wgmma
+          mbar_arrive(bars + 8 * b);
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers: warpgroup cw = wg - 1 takes tokens cw * HN .. + HN - 1 of each chunk.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
+  const int cw = wg - 1, ctid = tid - 128 * wg, cwarp = warp & 3;
+  const uint32_t my_x = x_ring + cw * WS_XBUF * X_TILE;
+  const uint32_t x_off = (ctid / 8) * 128 + (((ctid & 7) ^ ((ctid / 8) & 7)) << 4);   // row ctid / 8 + 16 j
+  int gs = 0;
+  for (int c0 = c_begin; c0 < c_end; c0 += TN) {
+    const int h0 = c0 + cw * HN;   // this warpgroup's first token of the chunk
+    const bool idle = h0 >= count;
+    const uint16_t* xrow[HN / 16];
+#pragma unroll
+    for (int j = 0; j < HN / 16; ++j) {
+      const int i = h0 + ctid / 8 + 16 * j;
+      const int row = i >= count ? 0 : MODE == 0 ? sorted_token[offset + i] : offset + i;
+      xrow[j] = x + (long long)row * ldx + (ctid & 7) * 8;
+    }
+    auto load_x = [&](int u) {
+      const uint32_t tile = my_x + (u % WS_XBUF) * X_TILE;
+#pragma unroll
+      for (int j = 0; j < HN / 16; ++j)
+        cp_async16_s(tile + x_off + 2048 * j, xrow[j] + u * 64, h0 + ctid / 8 + 16 * j < count);
+    };
+    float acc0[ACC], acc1[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) {
+      acc0[i] = 0.f;
+      acc1[i] = 0.f;
+    }
+    if (idle) {   // no tokens in this half: release every stage the producer fills
+      for (int u = 0; u < units; ++u, ++gs) {
+        const int b = gs % WS_STAGES;
+        mbar_wait(bars + 8 * b, (gs / WS_STAGES) & 1);
+        if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + b));
+      }
+      continue;
+    }
+#pragma unroll
+    for (int a = 0; a < WS_XAHEAD; ++a) {
+      if (a < units) load_x(a);
+      ddtree::cp_async_commit();
+    }
+    for (int u = 0; u < units; ++u, ++gs) {
+      const int b = gs % WS_STAGES;
+      ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
+      mbar_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
+      const uint32_t wt = w_ring + b * W_TILE;
+      const uint64_t da0 = sw128_desc(wt), da1 = sw128_desc(wt + 64 * 128);
+      const uint64_t db = sw128_desc(my_x + (u % WS_XBUF) * X_TILE);
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) {
+        cute::warpgroup_fence_operand(acc0[i]);
+        cute::warpgroup_fence_operand(acc1[i]);
+      }
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        ddtree::gmma_ss<O>(da0 + 2 * kk, db + 2 * kk, acc0, cute::SM90::GMMA::ScaleOut::One,
+                           cuda::std::make_integer_sequence<int, ACC>{});
+        ddtree::gmma_ss<O>(da1 + 2 * kk, db + 2 * kk, acc1, cute::SM90::GMMA::ScaleOut::One,
+                           cuda::std::make_integer_sequence<int, ACC>{});
+      }
+      cute::warpgroup_commit_batch();
+      if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (see the barrier)
+      ddtree::cp_async_commit();
+      cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its W buffer goes back to the producer
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) {
+        cute::warpgroup_fence_operand(acc0[i]);
+        cute::warpgroup_fence_operand(acc1[i]);
+      }
+      if (u > 0 && lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
+    }
+    cute::warpgroup_wait<0>();
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) {
+      cute::warpgroup_fence_operand(acc0[i]);
+      cute::warpgroup_fence_operand(acc1[i]);
+    }
+    if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
+    ddtree::cp_async_wait<0>();
+    named_barrier(1 + cw, 128);   // every warp done reading this chunk's x before the next chunk's loads
+
+    // Epilogue: acc[4j + 2i + b] = row 16 cwarp + g + 8i of the m64 tile, token 8j + 2t + b of the half.
+    const int r = cwarp * 16 + g;
+#pragma unroll
+    for (int j = 0; j < HN / 8; ++j)
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) {
+        const int tok = h0 + 8 * j + 2 * t + bb;
+        if (tok >= count) continue;
+        const long long orow = (long long)(offset + tok) * n_rows;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int a = 4 * j + 2 * i + bb;
+          if constexpr (MODE == 0) {
+            reinterpret_cast<__nv_bfloat16*>(out)[orow + blockIdx.x * 64 + r + 8 * i] =
+                __float2bfloat16_rn(silu(acc0[a]) * acc1[a]);
+          } else {
+            float* o = reinterpret_cast<float*>(out) + orow + blockIdx.x * 128 + r + 8 * i;
+            o[0] = acc0[a];
+            o[64] = acc1[a];
+          }
+        }
+      }
+  }
+}
+
 // cold_count[s] = slot_count[s] when below min_count (the mma.sync kernel's slots), else 0 (this file's).
 extern "C" __global__ void moe_slot_split_kernel(const int* __restrict__ slot_count, int* __restrict__ cold_count,
                                                  int slots, int min_count) {

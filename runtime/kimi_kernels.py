@@ -214,14 +214,19 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
 # flight across the stage barrier).
-GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)"}
+# 4: warp-specialized (moe_gmma_ws_kernel: one warpgroup dequantizes into a shared ring, two issue wgmma on
+# half the tile's tokens each; 128/256-token tiles).
+GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)",
+              4: "warp-specialized (128/256-token tiles)"}
 GMMA_PIPE = 3
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
-    x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2)."""
+    x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3; PIPE 4 below)."""
+    if pipe == 4:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
+        return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     if pipe >= 2:
         return 1024 + 4 * tile * 128
     return 1024 + (2 + pipe) * (128 * 128 + tile * 128)
@@ -358,9 +363,10 @@ class MoeLayer:
         self.stages = [("route", launch) for launch in routing]
         self.gmma_min_tokens = gmma_min_tokens
         self.gmma_pipe = GMMA_PIPE if gmma_pipe is None else int(gmma_pipe)
-        if self.gmma_pipe not in GMMA_PIPES or (self.gmma_pipe == 3 and gmma_min_tokens and gmma_tile > 128):
+        if self.gmma_pipe not in GMMA_PIPES or (gmma_min_tokens and (
+                (self.gmma_pipe == 3 and gmma_tile > 128) or (self.gmma_pipe == 4 and gmma_tile < 128))):
             raise ValueError(f"gmma_pipe={gmma_pipe} with gmma_tile={gmma_tile}: want one of {sorted(GMMA_PIPES)} "
-                             f"(3 with 64- or 128-token tiles)")
+                             f"(3 with 64- or 128-token tiles, 4 with 128 or 256)")
         counts = self.slot_count   # what the mma.sync kernels see
         if gmma_min_tokens:
             if not _family_runs_here("moe_int4_sm90", cuda.get_device()):
@@ -409,15 +415,18 @@ class MoeLayer:
         cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
     def _gmma_launch(self, mode, tn, hot_slots, x, ldx, q0, s0, q1, s1, n_rows, k, out):
-        """One moe_gmma_kernel launch over the first hot_slots slots (those with >= gmma_min_tokens tokens run)."""
+        """One moe_gmma_kernel (moe_gmma_ws_kernel with PIPE 4) launch over the first hot_slots slots (those with
+        >= gmma_min_tokens tokens run)."""
         cuda = _cuda()
-        kernel = cuda.get_kernel("moe_int4_sm90", f"moe_gmma_kernel<{mode}, {tn}, {self.gmma_pipe}>")
+        ws = self.gmma_pipe == 4
+        kernel = cuda.get_kernel("moe_int4_sm90", f"moe_gmma_ws_kernel<{mode}, {tn}>" if ws else
+                                 f"moe_gmma_kernel<{mode}, {tn}, {self.gmma_pipe}>")
         items = self._gmma_items
         rows_y = hot_slots if items is None else items[0].shape[0]
         smem = moe_gmma_smem_bytes(tn, self.gmma_pipe)
         kernel.set_max_dynamic_smem(smem)
         null = np.uint64(0)
-        return kernel.prepare((n_rows // (64 if mode == 0 else 128), rows_y), (256,), [
+        return kernel.prepare((n_rows // (64 if mode == 0 else 128), rows_y), (384 if ws else 256,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset, self.slot_count,
             self.sorted_token, out, I32(self.gmma_min_tokens), *(items if items is not None else (null, null))],
             smem=smem)

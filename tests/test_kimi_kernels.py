@@ -381,8 +381,9 @@ def test_moe_layer_real_shape_subset(cuda_device):
     (T, E, m, tile, parallel, pipe, overlap)
     for T, E, m, tile in [(200, 8, 64, 64), (200, 8, 90, 128), (300, 16, 40, 256), (3, 8, 2, 64)]
     for parallel, pipe, overlap in [(False, 1, False), (True, 1, False), (False, 0, False), (False, 2, False),
-                                    (True, 2, False), (False, 3, False), (False, 3, True), (True, 2, True)]
-    if pipe != 3 or tile <= 128])
+                                    (True, 2, False), (False, 3, False), (False, 3, True), (True, 2, True),
+                                    (False, 4, False), (True, 4, False), (False, 4, True)]
+    if (pipe != 3 or tile <= 128) and (pipe != 4 or tile >= 128)])
 def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe, overlap):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
     hot and cold slots mixed; the chunks on blocks side by side or in turn; each pipeline; the hot chain on
@@ -396,7 +397,8 @@ def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, paralle
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [dict(), dict(gmma_pipe=3, gmma_overlap=True)])
+@pytest.mark.parametrize("plan", [dict(), dict(gmma_pipe=3, gmma_overlap=True),
+                                  dict(gmma_pipe=4, gmma_tile=128, gmma_overlap=True)])
 def test_moe_graph_replay_gmma_hot_experts(cuda_device, plan):
     """The layer with wgmma hot experts captured once and replayed with new inputs (the overlapped plan's
     hot chain is a parallel branch of the graph)."""

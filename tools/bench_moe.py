@@ -321,6 +321,12 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=64/ra/ov", dict(gmma_min_tokens=64, gmma_tile=128, gmma_pipe=2, gmma_overlap=True)),
         ("gmma>=16/ov", dict(gmma_min_tokens=16, gmma_tile=64, gmma_overlap=True)),
         ("gmma>=16/128/ra2", dict(gmma_min_tokens=16, gmma_tile=128, gmma_pipe=3)),
+        # warp-specialized (PIPE 4): 128- / 256-token tiles, with and without the second stream
+        ("gmma>=16/128/ws", dict(gmma_min_tokens=16, gmma_tile=128, gmma_pipe=4, gmma_overlap=False)),
+        ("gmma>=16/128/ws/ov", dict(gmma_min_tokens=16, gmma_tile=128, gmma_pipe=4)),
+        ("gmma>=32/128/ws/ov", dict(gmma_min_tokens=32, gmma_tile=128, gmma_pipe=4)),
+        ("gmma>=64/256/ws/ov", dict(gmma_min_tokens=64, gmma_tile=256, gmma_pipe=4)),
+        ("gmma>=96/256/ws/ov", dict(gmma_min_tokens=96, gmma_tile=256, gmma_pipe=4)),
         ("gmma>=64/128/ra2", dict(gmma_min_tokens=64, gmma_tile=128, gmma_pipe=3)),
         ("gmma>=64/128/ra2/ov", dict(gmma_min_tokens=64, gmma_tile=128, gmma_pipe=3, gmma_overlap=True)),
         ("gmma>=8", dict(gmma_min_tokens=8, gmma_tile=64)),
