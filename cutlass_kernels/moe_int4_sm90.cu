@@ -368,6 +368,11 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
 // ahead, a 128-thread named barrier per stage) and one wgmma batch in flight.
 namespace moe90 {
 constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WAHEAD = 4;
+// Registers after setmaxnreg: the CTA's pool is what it launched with (168 per thread at 384 threads, the
+// launch bound), and setmaxnreg.inc waits until the pool has them, so the two sides must fit it exactly or
+// the consumers wait forever (96 / 208 did: 9216 freed, 10240 asked).
+constexpr int WS_PRODUCER_REGS = 120, WS_CONSUMER_REGS = 192;
+static_assert(128 * WS_PRODUCER_REGS + 256 * WS_CONSUMER_REGS <= WS_THREADS * 168, "register pool");
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -424,7 +429,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   if (wg == 0) {
     // Producer. Warp w: tile rows 16w .. (row block rb0) and 64 + 16w .. (rb1): MODE 0 the gate and up rows of
     // the block's 64 output rows, MODE 1 down rows.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 96;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS));
     const int row_blocks = n_rows / 16, supers = k / 512;
     const int rb0 = MODE == 0 ? blockIdx.x * 4 + warp : blockIdx.x * 8 + warp;
     const int rb1 = MODE == 0 ? rb0 : rb0 + 4;
@@ -471,7 +476,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   }
 
   // Consumers: warpgroup cw = wg - 1 takes tokens cw * HN .. + HN - 1 of each chunk.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
   const int cw = wg - 1, ctid = tid - 128 * wg, cwarp = warp & 3;
   const uint32_t my_x = x_ring + cw * WS_XBUF * X_TILE;
   const uint32_t x_off = (ctid / 8) * 128 + (((ctid & 7) ^ ((ctid / 8) & 7)) << 4);   // row ctid / 8 + 16 j
