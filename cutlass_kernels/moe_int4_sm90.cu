@@ -367,7 +367,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
 // registers; MODE 1 down rows 0-63 and 64-127). Each consumer warpgroup keeps its own x ring (4 buffers, 2 stages
 // ahead, a 128-thread named barrier per stage) and one wgmma batch in flight.
 namespace moe90 {
-constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WAHEAD = 4;
+constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WAHEAD = 8;
 // Registers after setmaxnreg: the CTA's pool is what it launched with (168 per thread at 384 threads, the
 // launch bound), and setmaxnreg.inc waits until the pool has them, so the two sides must fit it exactly or
 // the consumers wait forever (96 / 208 did: 9216 freed, 10240 asked).
