@@ -311,6 +311,12 @@ class MoeLayer:
             raise ValueError(f"gmma_min_tokens={gmma_min_tokens}, gmma_tile={gmma_tile}, early={early}: want tokens "
                              f">= 1, a tile of 64/128/256, no early down start, inter % 64 == 0 and hidden % 128 "
                              f"== 0 (got {w.inter}, {w.hidden})")
+        # the default pipeline, or register A at one block per SM for 256-token tiles (PIPE 3 stops at 128)
+        pipe = (GMMA_PIPE if gmma_tile <= 128 else 2) if gmma_pipe is None else int(gmma_pipe)
+        if pipe not in GMMA_PIPES or (gmma_min_tokens and ((pipe == 3 and gmma_tile > 128) or
+                                                           (pipe == 4 and gmma_tile < 128))):
+            raise ValueError(f"gmma_pipe={gmma_pipe} with gmma_tile={gmma_tile}: want one of {sorted(GMMA_PIPES)} "
+                             f"(3 with 64- or 128-token tiles, 4 with 128 or 256)")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
             raise ValueError(f"shared expert output must be bf16 [T, hidden] = [{T}, {w.hidden}], got "
                              f"{shared.dtype} {shared.shape}")
@@ -362,11 +368,7 @@ class MoeLayer:
         self.variants = (gu_entry, dn_entry)
         self.stages = [("route", launch) for launch in routing]
         self.gmma_min_tokens = gmma_min_tokens
-        self.gmma_pipe = GMMA_PIPE if gmma_pipe is None else int(gmma_pipe)
-        if self.gmma_pipe not in GMMA_PIPES or (gmma_min_tokens and (
-                (self.gmma_pipe == 3 and gmma_tile > 128) or (self.gmma_pipe == 4 and gmma_tile < 128))):
-            raise ValueError(f"gmma_pipe={gmma_pipe} with gmma_tile={gmma_tile}: want one of {sorted(GMMA_PIPES)} "
-                             f"(3 with 64- or 128-token tiles, 4 with 128 or 256)")
+        self.gmma_pipe = pipe
         counts = self.slot_count   # what the mma.sync kernels see
         if gmma_min_tokens:
             if not _family_runs_here("moe_int4_sm90", cuda.get_device()):

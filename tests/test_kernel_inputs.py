@@ -151,6 +151,12 @@ def test_kimi_entry_points():
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, shared=fake((4, 256)))
     with pytest.raises(ValueError, match="gmma_tile=100"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_tile=100)
+    with pytest.raises(ValueError, match="gmma_pipe=4 with gmma_tile=64"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_tile=64, gmma_pipe=4)
+    with pytest.raises(ValueError, match="gmma_pipe=3 with gmma_tile=256"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_tile=256, gmma_pipe=3)
+    with pytest.raises(ValueError, match="gmma_pipe=7"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_pipe=7)
     with pytest.raises(ValueError, match="early=True"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, early=True)
     kv = fake((100, 576))
