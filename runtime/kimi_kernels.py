@@ -199,7 +199,7 @@ def moe_ring_bytes(entry: str) -> int:
 # routing, separate combine, no PDL); the fused variants stay selectable for A/B timing.
 FUSE_COMBINE_MAX_TOKENS = 0
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
-# >= min tokens, tile-token passes, (min, tile) from GMMA_AUTO by T, the pipeline GMMA_PIPE. H200,
+# >= min tokens, tile-token passes, pipeline PIPE, (min, tile, pipe) from GMMA_AUTO by T. H200,
 # 2026-12-03 (4) run 2, whole layer: skewed T = 64 839 -> 815 us, T = 256 1509 -> 1420; uniform T = 64 1973 ->
 # 1970; below 64 tokens the two extra launches cost ~3 us and no expert is hot under uniform routing.
 # 2026-12-03 (5) runs 4-5 (same-run A/B): T = 256 skewed >= 64 tokens in 128-token passes 1374 / 1452 us vs
@@ -208,8 +208,12 @@ FUSE_COMBINE_MAX_TOKENS = 0
 # 2026-12-03 (6) run 3 (same run, skewed, layer us): the register-A kernel with two blocks per SM (PIPE 3) on
 # experts with >= 16 tokens in 64-token passes, beside the cold chain on a second stream: T = 64 628.5 / 128
 # 849.8 / 256 1202.3 vs the previous default 748.1 / 988.3 / ~1338 and no wgmma 777.9 / 1337.6 / 1485.0.
+# 2026-12-03 (6) run 6 (same run, skewed): T = 256 the warp-specialized kernel (PIPE 4) on experts with >= 64
+# tokens in 256-token passes 1127.5 us vs 1195.0 for the PIPE 3 plan; T = 64 PIPE 4 on >= 16 in 128-token
+# passes 667.5 vs 627.1 (small experts leave a consumer warpgroup idle; PIPE 3 stays below T = 256).
 GMMA_AUTO_TOKENS = 64
-GMMA_AUTO = {1 << 30: (16, 64)}   # T bound -> (min tokens per expert, tokens per pass)
+# T bound -> (min tokens per expert, tokens per pass, PIPE)
+GMMA_AUTO = {255: (16, 64, 3), 1 << 30: (64, 256, 4)}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
@@ -276,12 +280,12 @@ class MoeLayer:
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn); gmma_pipe: moe_gmma_kernel's pipeline (GMMA_PIPES: 0 shallow, 1 deep,
-    2 register A, 3 the same with two blocks per SM), default GMMA_PIPE; gmma_overlap (default GMMA_OVERLAP
-    unless the combine is folded into down): the hot chain (gate_up_hot -> down_hot) on a second stream,
+    2 register A, 3 the same with two blocks per SM, 4 warp-specialized), default GMMA_PIPE; gmma_overlap
+    (default GMMA_OVERLAP unless the combine is folded into down): the hot chain (gate_up_hot -> down_hot) on a second stream,
     forked after the routing and joined before the combine, so the compute-bound wgmma kernels run beside
     the memory-bound mma.sync ones (both are captured as parallel graph branches).
-    Default "auto": GMMA_AUTO's (min tokens, tile) by T, from GMMA_AUTO_TOKENS tokens on, where the kernel runs;
-    None turns it off."""
+    Default "auto": GMMA_AUTO's (min tokens, tile, pipeline) by T, from GMMA_AUTO_TOKENS tokens on, where the
+    kernel runs; None turns it off."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
@@ -294,11 +298,15 @@ class MoeLayer:
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
         if gmma_min_tokens == "auto":
-            auto_min, auto_tile = next(v for bound, v in sorted(GMMA_AUTO.items()) if T <= bound)
+            auto_min, auto_tile, auto_pipe = next(v for bound, v in sorted(GMMA_AUTO.items()) if T <= bound)
             gmma_min_tokens = auto_min if (T >= GMMA_AUTO_TOKENS and not early and w.inter % 64 == 0
                                            and w.hidden % 128 == 0
                                            and _family_runs_here("moe_int4_sm90", cuda.get_device())) else None
-            gmma_tile = gmma_tile or auto_tile
+            if gmma_tile is None and gmma_pipe is None:
+                gmma_tile, gmma_pipe = auto_tile, auto_pipe
+            elif gmma_tile is None:   # a pipeline asked for: the auto tile where it fits, else 128 (fits all)
+                fits = not ((gmma_pipe == 3 and auto_tile > 128) or (gmma_pipe == 4 and auto_tile < 128))
+                gmma_tile = auto_tile if fits else 128
         gmma_tile = gmma_tile or GMMA_TILE
         if (not 1 <= topk <= min(16, E) or E > 512 or T < 1 or n_group < 1
                 or (n_group > 1 and (E % n_group or n_group > 32)) or not 1 <= topk_group <= n_group):
