@@ -5,8 +5,9 @@
 //
 // Same weight layout (runtime/kimi_kernels.py repack_int4_experts), same slot list, same outputs as
 // moe_w4a16_kernel: MODE 0 (gate_up) h[pos, col] = SiLU(gate) * up, bf16; MODE 1 (down) out[pos, row] fp32.
-// A slot runs here when its token count >= min_count; moe_slot_split_kernel writes the counts the mma.sync
-// kernel sees (count < min_count ? count : 0), so each slot is done by exactly one of the two kernels.
+// A slot runs here when min_count <= its token count < max_count (launches for several tiers of counts may
+// split the hot slots between pipelines); moe_slot_split_kernel writes the counts the mma.sync kernel sees
+// (count < the lowest tier's min_count ? count : 0), so each slot is done by exactly one kernel.
 //
 // Block: 2 warpgroups, 128 weight rows (MODE 0: 64 gate rows = warpgroup 0, the same 64 up rows = warpgroup 1;
 // MODE 1: 128 down rows) x up to TN tokens; token chunks of TN loop inside the block (or, with the (slot, chunk)
@@ -194,7 +195,8 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                 const uint4* __restrict__ wq1, const uint4* __restrict__ ws1, int n_rows, int k,
                 const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
                 const int* __restrict__ slot_count, const int* __restrict__ sorted_token, void* __restrict__ out,
-                int min_count, const int* __restrict__ item_slot, const int* __restrict__ item_chunk) {
+                int min_count, int max_count, const int* __restrict__ item_slot,
+                const int* __restrict__ item_chunk) {
   using namespace moe90;
   static_assert(TN == 64 || TN == 128 || TN == 256, "token tile");
   static_assert(PIPE >= 0 && PIPE <= 3, "pipeline");
@@ -213,7 +215,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   // TN-token chunk (item_chunk[y]) of slot item_slot[y], so a hot expert's chunks run on blocks side by side.
   const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
   const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
-  if (expert < 0 || count < min_count) return;   // the mma.sync kernel's slot
+  if (expert < 0 || count < min_count || count >= max_count) return;   // another kernel's slot
   const int c_begin = item_slot != nullptr ? item_chunk[blockIdx.y] * TN : 0;
   const int c_end = item_slot != nullptr ? min(count, c_begin + TN) : count;
 
@@ -400,14 +402,15 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
                    const uint4* __restrict__ ws0, const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
                    int n_rows, int k, const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
                    const int* __restrict__ slot_count, const int* __restrict__ sorted_token, void* __restrict__ out,
-                   int min_count, const int* __restrict__ item_slot, const int* __restrict__ item_chunk) {
+                   int min_count, int max_count, const int* __restrict__ item_slot,
+                   const int* __restrict__ item_chunk) {
   using namespace moe90;
   static_assert(TN == 128 || TN == 256, "token tile: two consumer halves of 64 / 128");
   constexpr int HN = TN / 2, ACC = HN / 2, X_TILE = HN * 128;
   using O = typename ddtree::GmmaOp<HN>::type;
   const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
   const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
-  if (expert < 0 || count < min_count) return;   // the mma.sync kernel's slot
+  if (expert < 0 || count < min_count || count >= max_count) return;   // another kernel's slot
   const int c_begin = item_slot != nullptr ? item_chunk[blockIdx.y] * TN : 0;
   const int c_end = item_slot != nullptr ? min(count, c_begin + TN) : count;
   const int units = k / 64;

@@ -285,7 +285,9 @@ class MoeLayer:
     a second stream, forked after the routing and joined before the combine, so the compute-bound wgmma
     kernels run beside the memory-bound mma.sync ones (both are captured as parallel graph branches).
     Default "auto": GMMA_AUTO's (min tokens, tile, pipeline) by T, from GMMA_AUTO_TOKENS tokens on, where the
-    kernel runs; None turns it off."""
+    kernel runs; None turns it off. gmma_tiers (instead of gmma_min_tokens / gmma_tile / gmma_pipe): several
+    (min tokens, tile, pipeline) tiers, e.g. [(64, 256, 4), (16, 64, 3)]: each slot runs in the tier with the
+    largest minimum it reaches, slots below every minimum on mma.sync."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
@@ -293,38 +295,45 @@ class MoeLayer:
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
                  pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
-                 gmma_overlap: bool | None = None):
+                 gmma_overlap: bool | None = None, gmma_tiers=None):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
-        if gmma_min_tokens == "auto":
-            auto_min, auto_tile, auto_pipe = next(v for bound, v in sorted(GMMA_AUTO.items()) if T <= bound)
-            gmma_min_tokens = auto_min if (T >= GMMA_AUTO_TOKENS and not early and w.inter % 64 == 0
-                                           and w.hidden % 128 == 0
-                                           and _family_runs_here("moe_int4_sm90", cuda.get_device())) else None
-            if gmma_tile is None and gmma_pipe is None:
-                gmma_tile, gmma_pipe = auto_tile, auto_pipe
-            elif gmma_tile is None:   # a pipeline asked for: the auto tile where it fits, else 128 (fits all)
-                fits = not ((gmma_pipe == 3 and auto_tile > 128) or (gmma_pipe == 4 and auto_tile < 128))
-                gmma_tile = auto_tile if fits else 128
-        gmma_tile = gmma_tile or GMMA_TILE
         if (not 1 <= topk <= min(16, E) or E > 512 or T < 1 or n_group < 1
                 or (n_group > 1 and (E % n_group or n_group > 32)) or not 1 <= topk_group <= n_group):
             raise ValueError(f"unsupported routing: T={T}, E={E}, topk={topk} (1..min(16, E)), n_group={n_group} "
                              f"(divides E, <= 32), topk_group={topk_group} (1..n_group)")
         if np.asarray(bias).size != E:
             raise ValueError(f"bias has {np.asarray(bias).size} entries, want E = {E}")
-        if gmma_min_tokens is not None and (gmma_tile not in (64, 128, 256) or gmma_min_tokens < 1 or early
-                                            or w.inter % 64 or w.hidden % 128):
-            raise ValueError(f"gmma_min_tokens={gmma_min_tokens}, gmma_tile={gmma_tile}, early={early}: want tokens "
-                             f">= 1, a tile of 64/128/256, no early down start, inter % 64 == 0 and hidden % 128 "
-                             f"== 0 (got {w.inter}, {w.hidden})")
-        # the default pipeline, or register A at one block per SM for 256-token tiles (PIPE 3 stops at 128)
-        pipe = (GMMA_PIPE if gmma_tile <= 128 else 2) if gmma_pipe is None else int(gmma_pipe)
-        if pipe not in GMMA_PIPES or (gmma_min_tokens and ((pipe == 3 and gmma_tile > 128) or
-                                                           (pipe == 4 and gmma_tile < 128))):
-            raise ValueError(f"gmma_pipe={gmma_pipe} with gmma_tile={gmma_tile}: want one of {sorted(GMMA_PIPES)} "
-                             f"(3 with 64- or 128-token tiles, 4 with 128 or 256)")
+        if gmma_tiers is not None:
+            if gmma_min_tokens != "auto" or gmma_tile is not None or gmma_pipe is not None:
+                raise ValueError("gmma_tiers replaces gmma_min_tokens / gmma_tile / gmma_pipe: give one or the other")
+            tiers = sorted(((int(m), int(tile), int(pipe)) for m, tile, pipe in gmma_tiers), reverse=True)
+            if len({m for m, _, _ in tiers}) != len(tiers):
+                raise ValueError(f"gmma_tiers={gmma_tiers}: two tiers with the same minimum token count")
+        else:
+            if gmma_min_tokens == "auto":
+                auto_min, auto_tile, auto_pipe = next(v for bound, v in sorted(GMMA_AUTO.items()) if T <= bound)
+                gmma_min_tokens = auto_min if (T >= GMMA_AUTO_TOKENS and not early and w.inter % 64 == 0
+                                               and w.hidden % 128 == 0
+                                               and _family_runs_here("moe_int4_sm90", cuda.get_device())) else None
+                if gmma_tile is None and gmma_pipe is None:
+                    gmma_tile, gmma_pipe = auto_tile, auto_pipe
+                elif gmma_tile is None:   # a pipeline asked for: the auto tile where it fits, else 128 (fits all)
+                    fits = not ((gmma_pipe == 3 and auto_tile > 128) or (gmma_pipe == 4 and auto_tile < 128))
+                    gmma_tile = auto_tile if fits else 128
+            gmma_tile = gmma_tile or GMMA_TILE
+            # the default pipeline, or register A at one block per SM for 256-token tiles (PIPE 3 stops at 128)
+            tiers = [] if gmma_min_tokens is None else [(gmma_min_tokens, gmma_tile, (
+                GMMA_PIPE if gmma_tile <= 128 else 2) if gmma_pipe is None else int(gmma_pipe))]
+        for m, tile, pipe in tiers:
+            if tile not in (64, 128, 256) or m < 1 or early or w.inter % 64 or w.hidden % 128:
+                raise ValueError(f"gmma_min_tokens={m}, gmma_tile={tile}, early={early}: want tokens >= 1, a tile "
+                                 f"of 64/128/256, no early down start, inter % 64 == 0 and hidden % 128 == 0 (got "
+                                 f"{w.inter}, {w.hidden})")
+            if pipe not in GMMA_PIPES or (pipe == 3 and tile > 128) or (pipe == 4 and tile < 128):
+                raise ValueError(f"gmma_pipe={pipe} with gmma_tile={tile}: want one of {sorted(GMMA_PIPES)} "
+                                 f"(3 with 64- or 128-token tiles, 4 with 128 or 256)")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
             raise ValueError(f"shared expert output must be bf16 [T, hidden] = [{T}, {w.hidden}], got "
                              f"{shared.dtype} {shared.shape}")
@@ -375,32 +384,38 @@ class MoeLayer:
         gu_entry, dn_entry = variants or default_variants(T)
         self.variants = (gu_entry, dn_entry)
         self.stages = [("route", launch) for launch in routing]
-        self.gmma_min_tokens = gmma_min_tokens
-        self.gmma_pipe = pipe
+        # hot tiers, most tokens first: tier i takes the slots with min_i <= count < min_{i - 1}
+        self.gmma_tiers = tiers
+        self.gmma_min_tokens = tiers[-1][0] if tiers else None
         counts = self.slot_count   # what the mma.sync kernels see
-        if gmma_min_tokens:
+        hot_launches = []          # (tier args) per tier
+        if tiers:
             if not _family_runs_here("moe_int4_sm90", cuda.get_device()):
                 raise ValueError(f"gmma_min_tokens: the wgmma MoE kernel is built for "
                                  f"{_family_archs('moe_int4_sm90')}; this device is sm_{cuda.get_device().arch}")
             counts = self.cold_count = cuda.empty((self.num_slots,), np.int32)
             self.stages.append(("route", cuda.get_kernel("moe_int4_sm90", "moe_slot_split_kernel").prepare(
                 ((self.num_slots + 255) // 256,), (256,),
-                [self.slot_count, self.cold_count, I32(self.num_slots), I32(gmma_min_tokens)])))
-            # slots are ordered by count, most first: at most P // min_tokens of them can be hot
-            hot = max(1, min(self.num_slots, P // gmma_min_tokens))
-            self._gmma_items = None
-            if gmma_parallel_chunks:
-                # (slot, chunk) items: slot i (counts sorted, most first) has at most min(T, P // (i + 1)) tokens
-                items = [(i, c) for i in range(hot) for c in range(-(-min(T, P // (i + 1)) // gmma_tile))]
-                self._gmma_items = (cuda.to_device(np.array([i for i, _ in items], np.int32)),
-                                    cuda.to_device(np.array([c for _, c in items], np.int32)))
-            self.stages.append(("gate_up_hot", self._gmma_launch(0, gmma_tile, hot, self.x, w.hidden, w.gate_q,
-                                                             w.gate_s, w.up_q, w.up_s, w.inter, w.hidden, self.h)))
+                [self.slot_count, self.cold_count, I32(self.num_slots), I32(self.gmma_min_tokens)])))
+            for i, (m, tile, pipe) in enumerate(tiers):
+                top = tiers[i - 1][0] if i else 1 << 30
+                # slots are ordered by count, most first: at most P // m of them can have m tokens
+                hot = max(1, min(self.num_slots, P // m))
+                items = None
+                if gmma_parallel_chunks:
+                    # (slot, chunk) items: slot s (sorted, most first) has at most min(T, P // (s + 1), top - 1)
+                    items = [(j, c) for j in range(hot) for c in range(-(-min(T, P // (j + 1), top - 1) // tile))]
+                    items = (cuda.to_device(np.array([j for j, _ in items], np.int32)),
+                             cuda.to_device(np.array([c for _, c in items], np.int32)))
+                hot_launches.append((m, top, tile, pipe, hot, items))
+            for tier in hot_launches:
+                self.stages.append(("gate_up_hot", self._gmma_launch(0, tier, self.x, w.hidden, w.gate_q, w.gate_s,
+                                                                     w.up_q, w.up_s, w.inter, w.hidden, self.h)))
         self.stages.append(("gate_up", self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q,
                                                          w.up_s, w.inter, w.hidden, self.h, counts=counts)))
-        if gmma_min_tokens:
-            self.stages.append(("down_hot", self._gmma_launch(1, gmma_tile, hot, self.h, w.inter, w.down_q, w.down_s,
-                                                          w.down_q, w.down_s, w.hidden, w.inter, self.down_out)))
+        for tier in hot_launches:
+            self.stages.append(("down_hot", self._gmma_launch(1, tier, self.h, w.inter, w.down_q, w.down_s,
+                                                              w.down_q, w.down_s, w.hidden, w.inter, self.down_out)))
         self.stages.append(("down", self._gemm_launch(dn_entry, self.h, w.inter, w.down_q, w.down_s, w.down_q,
                                                       w.down_s, w.hidden, w.inter, self.down_out,
                                                       early=self.early, combine=self.fuse_combine, counts=counts)))
@@ -418,27 +433,28 @@ class MoeLayer:
         if gmma_overlap and self.fuse_combine:
             raise ValueError("gmma_overlap: the combine folded into the cold down GEMM would not wait for the "
                              "hot chain; use the separate combine (fuse_combine=False)")
-        self.gmma_overlap = bool(gmma_overlap) and bool(gmma_min_tokens)
+        self.gmma_overlap = bool(gmma_overlap) and bool(tiers)
         if self.gmma_overlap:   # a side stream and the fork / join events, made once
             self._side = cuda.Stream()
             self._fork, self._join = cuda.Event(timing=False), cuda.Event(timing=False)
         cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
-    def _gmma_launch(self, mode, tn, hot_slots, x, ldx, q0, s0, q1, s1, n_rows, k, out):
-        """One moe_gmma_kernel (moe_gmma_ws_kernel with PIPE 4) launch over the first hot_slots slots (those with
-        >= gmma_min_tokens tokens run)."""
+    def _gmma_launch(self, mode, tier, x, ldx, q0, s0, q1, s1, n_rows, k, out):
+        """One moe_gmma_kernel (moe_gmma_ws_kernel with PIPE 4) launch for a hot tier (min, top, tile, pipe, rows,
+        items): its grid rows are the first `rows` slots (or the (slot, chunk) items); slots with min <= count <
+        top run."""
         cuda = _cuda()
-        ws = self.gmma_pipe == 4
+        min_count, top, tn, pipe, rows, items = tier
+        ws = pipe == 4
         kernel = cuda.get_kernel("moe_int4_sm90", f"moe_gmma_ws_kernel<{mode}, {tn}>" if ws else
-                                 f"moe_gmma_kernel<{mode}, {tn}, {self.gmma_pipe}>")
-        items = self._gmma_items
-        rows_y = hot_slots if items is None else items[0].shape[0]
-        smem = moe_gmma_smem_bytes(tn, self.gmma_pipe)
+                                 f"moe_gmma_kernel<{mode}, {tn}, {pipe}>")
+        rows_y = rows if items is None else items[0].shape[0]
+        smem = moe_gmma_smem_bytes(tn, pipe)
         kernel.set_max_dynamic_smem(smem)
         null = np.uint64(0)
         return kernel.prepare((n_rows // (64 if mode == 0 else 128), rows_y), (384 if ws else 256,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset, self.slot_count,
-            self.sorted_token, out, I32(self.gmma_min_tokens), *(items if items is not None else (null, null))],
+            self.sorted_token, out, I32(min_count), I32(top), *(items if items is not None else (null, null))],
             smem=smem)
 
     def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None):

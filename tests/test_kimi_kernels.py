@@ -397,6 +397,22 @@ def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, paralle
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T,E,tiers,parallel,overlap", [
+    (200, 16, [(64, 128, 4), (16, 64, 3)], False, True),
+    (200, 16, [(64, 128, 4), (16, 64, 3)], True, False),
+    (300, 16, [(90, 256, 4), (40, 128, 2)], False, True),
+    (300, 16, [(100, 128, 1), (60, 64, 3), (20, 64, 0)], False, False)])
+def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap):
+    """Hot slots split between pipelines by token count (each slot in the tier with the largest minimum it
+    reaches, the rest on mma.sync): the layer vs the float32 reference, twice."""
+    from runtime import cuda
+    if cuda.get_device().arch != "90a":
+        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
+    _check_moe(T, E, 1024, 512, None, topk=4, gmma_tiers=tiers, runs=2, gmma_parallel_chunks=parallel,
+               gmma_overlap=overlap)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("plan", [dict(), dict(gmma_pipe=3, gmma_overlap=True),
                                   dict(gmma_pipe=4, gmma_tile=128, gmma_overlap=True)])
 def test_moe_graph_replay_gmma_hot_experts(cuda_device, plan):

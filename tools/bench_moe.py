@@ -327,6 +327,10 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=32/128/ws/ov", dict(gmma_min_tokens=32, gmma_tile=128, gmma_pipe=4)),
         ("gmma>=64/256/ws/ov", dict(gmma_min_tokens=64, gmma_tile=256, gmma_pipe=4)),
         ("gmma>=96/256/ws/ov", dict(gmma_min_tokens=96, gmma_tile=256, gmma_pipe=4)),
+        # tiers: the warp-specialized kernel for the largest experts, register A (2 blocks / SM) below
+        ("tiers64ws/16ra2", dict(gmma_tiers=[(64, 256, 4), (16, 64, 3)])),
+        ("tiers128ws/16ra2", dict(gmma_tiers=[(128, 256, 4), (16, 64, 3)])),
+        ("tiers64ws128/16ra2", dict(gmma_tiers=[(64, 128, 4), (16, 64, 3)])),
         ("gmma>=64/128/ra2", dict(gmma_min_tokens=64, gmma_tile=128, gmma_pipe=3)),
         ("gmma>=64/128/ra2/ov", dict(gmma_min_tokens=64, gmma_tile=128, gmma_pipe=3, gmma_overlap=True)),
         ("gmma>=8", dict(gmma_min_tokens=8, gmma_tile=64)),
