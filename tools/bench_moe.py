@@ -12,7 +12,9 @@ INT4 codes); scales are random positive bf16 of the checkpoint's magnitude.
 Launch plans (unless --no-plans): the whole layer graph-replayed with each MoeLayer plan, in the same run:
 "before" (moe_topk + moe_group, gate_up, down, moe_combine; no PDL), then one change at a time: fused
 routing, combine folded into down, PDL, early weight start in down (= the default plan at small T), and the
-default plan with the combine choice flipped (to place FUSE_COMBINE_MAX_TOKENS).
+default plan with the combine choice flipped (to place FUSE_COMBINE_MAX_TOKENS); then the wgmma hot-expert
+plans (gmma>=N: experts with >= N tokens on moe_int4_sm90.cu; /128, /256 token tiles; /ra, /ra2, /ws, /shallow
+the pipeline; /ov the hot chain on a second stream; tiers...: pipelines split by token count).
 
 The torch loop runs in its own process (torch and the runtime's CUDA wheels in one process clashed on the
 device image); both processes route the same logits (seeded per routing and T), so the ratio compares the
