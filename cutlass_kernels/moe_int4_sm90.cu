@@ -1,7 +1,7 @@
 // INT4 (W4A16) grouped MoE GEMMs on Hopper GMMA (wgmma), sm_90a only, for experts with many tokens (skewed
-// routing, prefill): the weights are dequantized ONCE per 64-k stage into shared memory as bf16 and every
-// token of the chunk (up to TN) is multiplied against them by wgmma, where moe_int4.cu's mma.sync kernels
-// dequantize again for every 8..32-token chunk (PERF: a hot expert with 236 tokens is compute-bound there).
+// routing, prefill): each 64-k stage of the weights is dequantized ONCE per chunk of up to TN tokens and
+// multiplied against all of them by wgmma, where moe_int4.cu's mma.sync kernels dequantize again for every
+// 8..32-token chunk (PERF: a hot expert with 236 tokens is compute-bound there).
 //
 // Same weight layout (runtime/kimi_kernels.py repack_int4_experts), same slot list, same outputs as
 // moe_w4a16_kernel: MODE 0 (gate_up) h[pos, col] = SiLU(gate) * up, bf16; MODE 1 (down) out[pos, row] fp32.
@@ -9,19 +9,22 @@
 // split the hot slots between pipelines); moe_slot_split_kernel writes the counts the mma.sync kernel sees
 // (count < the lowest tier's min_count ? count : 0), so each slot is done by exactly one kernel.
 //
-// Block: 2 warpgroups, 128 weight rows (MODE 0: 64 gate rows = warpgroup 0, the same 64 up rows = warpgroup 1;
-// MODE 1: 128 down rows) x up to TN tokens; token chunks of TN loop inside the block (or, with the (slot, chunk)
-// item list, one chunk per block). Per 64-k stage:
-// - warp w dequantizes 16-row block w of the tile: lane (g, t) reads its 16 packed bytes (4 words = rows g and
-//   g + 8, physical columns 16t .. 16t + 15 of the unit) and its scale word, converts with the lop3/bf16x2
-//   path of moe_int4.cu, and stores 4 x 16 bytes into the K-major 128-byte-swizzled bf16 W tile [128][64];
-// - the x rows (gathered through sorted_token for MODE 0) go in by cp.async, K-major swizzled [TN][64];
-// - wgmma m64nTNk16 x 4 (A = the warpgroup's 64 W rows, B = the tokens), fp32 accumulators in registers.
-// The dequantization of stage s+1 and the x load of stage s+1 (DEEP 0, two stage buffers) or s+2 (DEEP 1, three)
-// overlap the wgmma of stage s; the packed weights are loaded 1 (DEEP 0) or 8 (DEEP 1) stages ahead into a
-// register ring. DEEP 1 is the default (1.5-5% faster on the H200); DEEP 0 stays for A/B timing (docs/PERF.md).
+// Two kernels, five pipelines (PIPE; runtime/kimi_kernels.py GMMA_PIPES, measurements in docs/PERF.md):
+// moe_gmma_kernel<MODE, TN, PIPE>: 2 warpgroups, 128 weight rows (MODE 0: 64 gate rows = warpgroup 0, the same
+// 64 up rows = warpgroup 1; MODE 1: 128 down rows) x up to TN tokens; token chunks of TN loop inside the block
+// (or, with the (slot, chunk) item list, one chunk per block). Every warp dequantizes its 16-row block: lane
+// (g, t) reads its 16 packed bytes (rows g and g + 8, physical columns 16t .. 16t + 15 of the unit) and its
+// scale word and converts with the lop3/bf16x2 path of moe_int4.cu; the x rows (gathered through sorted_token
+// for MODE 0) go in by cp.async, K-major 128-byte-swizzled [TN][64].
+// - PIPE 0 / 1 (shared A): the bf16 weights go into a swizzled W tile [128][64] and wgmma reads both operands
+//   from shared memory; weights 1 / 8 stages ahead in a register ring, 2 / 3 stage buffers.
+// - PIPE 2 / 3 (register A): the weights become wgmma A fragments in registers (a quad transpose by shuffles,
+//   dequant_frag), x alone in a 4-buffer ring, one wgmma batch in flight across the stage barrier; PIPE 3 is
+//   the same at two blocks per SM (64/128-token tiles).
+// moe_gmma_ws_kernel<MODE, TN> (PIPE 4): warp-specialized, one warpgroup dequantizing into a shared W ring
+// (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment below).
 // The K order inside each 64-column unit is the repacked (permuted) order for the weights' lanes, but every
-// weight is stored at its physical column and x is read plainly, so the dot product is the plain one.
+// weight lands at its physical column (tile or fragment) and x is read plainly, so the dot product is plain.
 #include <cuda_bf16.h>
 #include <cuda/std/cstdint>  // NVRTC has no <cstdint>
 #include <cuda/std/utility>
