@@ -293,7 +293,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       __syncthreads();
 
       // Stage u: wgmma on buffer u % BUFFERS while x of stage u + X_AHEAD loads into buffer (u + X_AHEAD) %
-      // BUFFERS (its last reader, stage u - 1's wgmma when DEEP, retired before the barrier that ended stage
+      // BUFFERS (its last reader, stage u - 1's wgmma with PIPE 1, retired before the barrier that ended stage
       // u - 1) and W of stage u + 1 is dequantized into buffer (u + 1) % BUFFERS from ring slot (u + 1) %
       // W_AHEAD, which then takes stage u + 1 + W_AHEAD. Unrolled by W_AHEAD so the ring index is a constant.
       for (int u0 = 0; u0 < units; u0 += W_AHEAD) {
