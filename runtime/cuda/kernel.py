@@ -63,9 +63,11 @@ def load_module(family: str, arch: str | None = None):
 
 
 class Kernel:
-    def __init__(self, family: str, entry: str, function, arch: str, pdl: bool = False):
+    def __init__(self, family: str, entry: str, function, arch: str, pdl: bool = False,
+                 param_sizes: tuple[int, ...] | None = None):
         self.family, self.entry, self.function, self.arch = family, entry, function, arch
         self.pdl = bool(pdl) and _PDL_ENABLED  # launched with programmatic stream serialization
+        self.param_sizes = param_sizes  # bytes per parameter (PTX signature); Launch checks the arguments
 
     def __repr__(self):
         return f"Kernel({self.family}:{self.entry}, sm_{self.arch})"
@@ -117,7 +119,8 @@ def get_kernel(family: str, entry: str, arch: str | None = None) -> Kernel:
                                    f"{', '.join(compiled.lowered)}")
                 fn = check(driver().cuModuleGetFunction(module, compiled.lowered[entry].encode()),
                            f"cuModuleGetFunction({family}:{entry})")
-                k = _kernels[key] = Kernel(family, entry, fn, arch, pdl=_family_pdl(family))
+                k = _kernels[key] = Kernel(family, entry, fn, arch, pdl=_family_pdl(family),
+                                           param_sizes=compiled.param_sizes.get(compiled.lowered[entry]))
     return k
 
 
@@ -135,6 +138,22 @@ def _slot_bytes(arg, i: int) -> bytes:
         raise TypeError(f"kernel argument {i}: bare Python {type(arg).__name__} {arg!r}; wrap it in the numpy "
                         f"type of the kernel parameter (np.int32, np.int64, np.float32, np.uint64 ...)")
     raise TypeError(f"kernel argument {i}: cannot pass {type(arg).__name__}")
+
+
+def check_arguments(kernel, args):
+    """The arguments against the kernel's parameter list (sizes in bytes, from its PTX signature): the count
+    must match (the driver reads exactly that many slots) and no value may be wider than its parameter (it
+    would be cut). Narrower is allowed: the 8-byte slot is zero-extended (np.int32 counts into a long long)."""
+    sizes = getattr(kernel, "param_sizes", None)
+    if sizes is None:
+        return
+    if len(args) != len(sizes):
+        raise TypeError(f"{kernel}: takes {len(sizes)} arguments, got {len(args)}")
+    for i, (arg, size) in enumerate(zip(args, sizes)):
+        width = 8 if getattr(arg, "ptr", None) is not None else getattr(arg, "itemsize", 8)
+        if width > size:
+            raise TypeError(f"{kernel}: argument {i} is a {width}-byte {type(arg).__name__} for a {size}-byte "
+                            f"parameter")
 
 
 def _slot_value(arg, i: int) -> np.ndarray:
@@ -188,6 +207,7 @@ class Launch:
     def __init__(self, kernel: Kernel, grid, block, args, smem: int = 0):
         self.kernel, self.grid, self.block, self.smem = kernel, _dim3(grid), _dim3(block), int(smem)
         self.args = list(args)
+        check_arguments(kernel, self.args)
         n = len(self.args)
         # one array: n value slots, then the n addresses of those slots (the void** the driver reads)
         packed = np.empty(2 * max(n, 1), np.uint64)

@@ -11,6 +11,7 @@ We always ship CUBIN: the driver may be older than NVRTC, so PTX JIT is never re
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -183,6 +184,32 @@ class CompiledModule:
 
     def sass(self) -> str:
         return disassemble(self.cubin)
+
+    @functools.cached_property
+    def param_sizes(self) -> dict[str, tuple[int, ...]]:
+        """Mangled entry symbol -> its parameters' sizes in bytes, in order (from the PTX signatures)."""
+        return ptx_entry_params(self.ptx)
+
+
+_PTX_PARAM_TYPE = re.compile(r"\.[bsuf](8|16|32|64)\b")
+
+
+def ptx_entry_params(ptx: str) -> dict[str, tuple[int, ...]]:
+    """Each `.entry`'s parameter sizes in bytes, in order: `.param .u64 .ptr .align 1 name` is 8, `.param .u32
+    name` 4, `.param .align 8 .b8 name[16]` (a struct by value) 16."""
+    out = {}
+    for m in re.finditer(r"\.entry\s+([\w$.]+)\s*\(([^)]*)\)", ptx):
+        sizes = []
+        for decl in m.group(2).split(","):
+            if ".param" not in decl:
+                continue
+            t = _PTX_PARAM_TYPE.search(decl)
+            if t is None:
+                raise ValueError(f"PTX entry {m.group(1)}: cannot read the parameter type of {decl.strip()!r}")
+            count = re.search(r"\[(\d+)\]\s*$", decl.strip())
+            sizes.append(int(t.group(1)) // 8 * (int(count.group(1)) if count else 1))
+        out[m.group(1)] = tuple(sizes)
+    return out
 
 
 def resolve_arch(arch: str | None) -> str:

@@ -1,0 +1,110 @@
+"""Kernel arguments against the kernels' PTX signatures, without a GPU: the parser, the check every Launch
+runs, and every launch the Kimi MoE layer prepares (each plan, tier and pipeline) checked against the sm_90a
+build of its kernel, so a kernel parameter added on one side only fails here instead of on the device."""
+import types
+
+import numpy as np
+import pytest
+
+from runtime import kimi_kernels as kk
+from runtime.cuda import DeviceArray
+from runtime.cuda.kernel import Launch, check_arguments
+from runtime.cuda.nvrtc import compile_family, ptx_entry_params
+
+PTX = """
+.visible .entry _Z3fooPKfi(
+\t.param .u64 .ptr .align 1 _Z3fooPKfi_param_0,
+\t.param .u32 _Z3fooPKfi_param_1,
+\t.param .align 8 .b8 _Z3fooPKfi_param_2[16]
+)
+.maxntid 128, 1, 1
+{
+\tret;
+}
+.visible .entry noop()
+{
+\tret;
+}
+"""
+
+
+def test_ptx_entry_params():
+    assert ptx_entry_params(PTX) == {"_Z3fooPKfi": (8, 4, 16), "noop": ()}
+
+
+def test_ptx_entry_params_of_real_kernels():
+    probe = compile_family("runtime_probe", "90a", progress=False)
+    sizes = {entry: probe.param_sizes[sym] for entry, sym in probe.lowered.items()}
+    assert sizes["read_sum_kernel"] == (8, 8, 8)          # (const uint4*, long long, unsigned*)
+    assert sizes["noop_kernel"] == (8, 4)
+
+
+class _Kernel:
+    def __init__(self, sizes):
+        self.param_sizes, self.function, self.pdl = sizes, None, False
+
+    def __repr__(self):
+        return "k"
+
+
+def test_check_arguments():
+    ptr = DeviceArray(0x1000, (4,), np.float32)
+    check_arguments(_Kernel((8, 4, 8)), [ptr, np.int32(1), np.int32(2)])   # narrower is zero-extended
+    with pytest.raises(TypeError, match="takes 3 arguments, got 2"):
+        check_arguments(_Kernel((8, 4, 8)), [ptr, np.int32(1)])
+    with pytest.raises(TypeError, match="argument 1 is a 8-byte int64 for a 4-byte"):
+        check_arguments(_Kernel((8, 4)), [ptr, np.int64(1)])
+    with pytest.raises(TypeError, match="takes 1 arguments, got 2"):
+        Launch(_Kernel((8,)), 1, 32, [ptr, ptr])
+    check_arguments(types.SimpleNamespace(), [ptr])    # a kernel without a known signature: not checked
+
+
+class _FakeArray:
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype, self.ptr = tuple(np.atleast_1d(shape)), np.dtype(dtype), 0x7F0000000000
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def fill_bytes(self, value):
+        return self
+
+
+def _checking_cuda(prepared):
+    """Stands in for runtime.cuda in kimi_kernels: arrays point nowhere, and every prepared launch is a real
+    Launch (its arguments checked) of a kernel carrying the sm_90a PTX signature of that entry."""
+    modules = {}
+
+    def get_kernel(family, entry):
+        if family not in modules:
+            modules[family] = compile_family(family, "90a", progress=False)
+        m = modules[family]
+        k = types.SimpleNamespace(family=family, entry=entry, function=None, pdl=False,
+                                  param_sizes=m.param_sizes[m.lowered[entry]],
+                                  set_max_dynamic_smem=lambda n: None)
+        k.prepare = lambda grid, block, args, smem=0: prepared.append(Launch(k, grid, block, args, smem)) or \
+            prepared[-1]
+        return k
+
+    nothing = types.SimpleNamespace(synchronize=lambda: None, record=lambda *a: None, wait=lambda *a: None)
+    return types.SimpleNamespace(
+        empty=_FakeArray, to_device=lambda a: _FakeArray(np.asarray(a).shape, np.asarray(a).dtype),
+        get_kernel=get_kernel, get_device=lambda: types.SimpleNamespace(arch="90a"),
+        default_stream=lambda: nothing, Stream=lambda: nothing, Event=lambda timing=True: nothing)
+
+
+@pytest.mark.parametrize("T,plan", [
+    (1, {}), (64, {}), (256, {}), (256, dict(gmma_min_tokens=None)),
+    (8, dict(fused_routing=True, fuse_combine=True, early=True, pdl=True, gmma_min_tokens=None)),
+    (128, dict(gmma_tiers=[(64, 256, 4), (16, 64, 3)], gmma_parallel_chunks=True)),
+    (300, dict(gmma_tiers=[(100, 128, 1), (60, 64, 2), (20, 64, 0)])),
+    (96, dict(gmma_min_tokens=40, gmma_tile=128, gmma_pipe=4, gmma_overlap=False)),
+])
+def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
+    prepared = []
+    monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda(prepared))
+    E, hidden, inter = 384, 7168, 2048
+    w = kk.MoeWeights(E, hidden, inter, *(_FakeArray((1,), np.uint8) for _ in range(6)))
+    layer = kk.MoeLayer(w, T, np.zeros(E, np.float32), shared=None, **plan)
+    names = [name for name, _ in layer.stages]
+    assert len(prepared) >= len(names) >= 3 and "gate_up" in names and "down" in names
+    if plan.get("gmma_tiers"):
+        assert names.count("gate_up_hot") == len(plan["gmma_tiers"])
