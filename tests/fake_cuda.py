@@ -318,8 +318,24 @@ def install(monkeypatch) -> FakeDevice:
     # Each stand-in first runs the real entry point with launches that do nothing, so its argument checks
     # (shapes, dtypes, strides, host values during a capture) see exactly what the backend passes.
     class NoLaunch:
-        def launch(self, *args, **kwargs):
-            pass
+        """Launches nothing, but checks the arguments against the kernel's sm_90a PTX signature (count and widths,
+        runtime.cuda.kernel.check_arguments), so a parameter added on one side only fails on the CPU too."""
+        modules = {}
+
+        def __init__(self, family, entry):
+            from runtime.cuda.nvrtc import compile_family
+            if family not in self.modules:
+                self.modules[family] = compile_family(family, dev.device.arch, progress=False)
+            m = self.modules[family]
+            self.family, self.entry, self.function, self.pdl = family, entry, None, False
+            self.param_sizes = m.param_sizes[m.lowered[entry]]
+
+        def __repr__(self):
+            return f"{self.family}:{self.entry}"
+
+        def launch(self, grid, block, args, smem=0, stream=None):
+            from runtime.cuda.kernel import check_arguments
+            check_arguments(self, list(args))
 
         def set_max_dynamic_smem(self, nbytes):
             pass
@@ -330,8 +346,8 @@ def install(monkeypatch) -> FakeDevice:
             return fake(*args, **kwargs)
         return run
 
-    monkeypatch.setattr(dk, "get_kernel", lambda family, entry, arch=None: NoLaunch())
-    monkeypatch.setattr(dg, "get_kernel", lambda family, entry, arch=None: NoLaunch())
+    monkeypatch.setattr(dk, "get_kernel", lambda family, entry, arch=None: NoLaunch(family, entry))
+    monkeypatch.setattr(dg, "get_kernel", lambda family, entry, arch=None: NoLaunch(family, entry))
     monkeypatch.setattr(dg, "device_cluster_slots", lambda cfg, smem: dg._cluster_slots(cfg[4], 1, 132))
     for name, fn in dict(linear=linear, embedding=embedding, rmsnorm=rmsnorm, rope=rope, rope_qkv_cache=rope_qkv_cache,
                          swiglu=swiglu, add=add,
