@@ -82,12 +82,13 @@ def _checking_cuda(prepared):
                                   set_max_dynamic_smem=lambda n: None)
         k.prepare = lambda grid, block, args, smem=0: prepared.append(Launch(k, grid, block, args, smem)) or \
             prepared[-1]
+        k.launch = lambda grid, block, args, smem=0, stream=None: k.prepare(grid, block, args, smem)
         return k
 
     nothing = types.SimpleNamespace(synchronize=lambda: None, record=lambda *a: None, wait=lambda *a: None)
     return types.SimpleNamespace(
         empty=_FakeArray, to_device=lambda a: _FakeArray(np.asarray(a).shape, np.asarray(a).dtype),
-        get_kernel=get_kernel, get_device=lambda: types.SimpleNamespace(arch="90a"),
+        get_kernel=get_kernel, get_device=lambda: types.SimpleNamespace(arch="90a", sm_count=132),
         default_stream=lambda: nothing, Stream=lambda: nothing, Event=lambda timing=True: nothing)
 
 
@@ -108,3 +109,18 @@ def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
     assert len(prepared) >= len(names) >= 3 and "gate_up" in names and "down" in names
     if plan.get("gmma_tiers"):
         assert names.count("gate_up_hot") == len(plan["gmma_tiers"])
+
+
+@pytest.mark.parametrize("kernel", ["mma", "gmma", "gmma-split"])
+@pytest.mark.parametrize("tq,heads,prefix,masked,splits", [(1, 64, 4000, True, None), (65, 8, 300, True, 1),
+                                                           (40, 8, 77, False, 4)])
+def test_mla_launches_match_kernel_signatures(monkeypatch, kernel, tq, heads, prefix, masked, splits):
+    prepared = []
+    monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda(prepared))
+    kv = _FakeArray((prefix + tq, kk.MLA_D), np.uint16)
+    mask = _FakeArray((tq, (tq + 31) // 32), np.uint32) if masked else None
+    attn = kk.MlaAttention(tq, heads, kv, prefix, 0.1, mask=mask, splits=splits, kernel=kernel)
+    assert len(prepared) == (2 if attn.splits > 1 else 1)
+    x, w, y = (_FakeArray((4096,), np.uint16) for _ in range(3))
+    kk.mla_head_gemm(x, w, y, tq, heads, 512, 128, 128, 512, 512 * 128, 128, 1)
+    assert len(prepared) == (3 if attn.splits > 1 else 2)
