@@ -392,14 +392,30 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
       " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
 }
+// f(integral_constant<int, 16 n16>) for n16 = 1 .. MAXN / 16 (a switch unrolled at compile time).
+template <int MAXN, int N = 16, class F>
+__device__ __forceinline__ void dispatch_n16(int n16, F&& f) {
+  if constexpr (N < MAXN) {
+    if (n16 * 16 <= N) {
+      f(cuda::std::integral_constant<int, N>{});
+      return;
+    }
+    dispatch_n16<MAXN, N + 16>(n16, f);
+  } else {
+    f(cuda::std::integral_constant<int, MAXN>{});
+  }
+}
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 }  // namespace moe90
 
-// Grid as moe_gmma_kernel; block 384; dynamic smem moe_gmma_ws_smem_bytes (runtime/kimi_kernels.py) = 1024 +
+// Grid as moe_gmma_kernel; block 384; dynamic smem moe_gmma_smem_bytes (runtime/kimi_kernels.py) = 1024 +
 // WS_STAGES * 16384 (W) + 2 * WS_XBUF * (TN / 2) * 128 (x) + 2 * WS_STAGES * 8 (barriers).
-template <int MODE, int TN>
+// NSTEP 0: every wgmma is N = TN / 2 (a half's padding tokens computed too); NSTEP 16: N is the half's token
+// count rounded up to 16 (one stage loop per N, dispatch_n16), so a 133-token expert in a 256-token tile costs
+// 128 + 16 token columns, not 256.
+template <int MODE, int TN, int NSTEP>
 __global__ void __launch_bounds__(moe90::WS_THREADS, 1)
 moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0,
                    const uint4* __restrict__ ws0, const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
@@ -409,8 +425,8 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
                    const int* __restrict__ item_chunk) {
   using namespace moe90;
   static_assert(TN == 128 || TN == 256, "token tile: two consumer halves of 64 / 128");
+  static_assert(NSTEP == 0 || NSTEP == 16, "N step");
   constexpr int HN = TN / 2, ACC = HN / 2, X_TILE = HN * 128;
-  using O = typename ddtree::GmmaOp<HN>::type;
   const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
   const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
   if (expert < 0 || count < min_count || count >= max_count) return;   // another kernel's slot
@@ -490,6 +506,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   for (int c0 = c_begin; c0 < c_end; c0 += TN) {
     const int h0 = c0 + cw * HN;   // this warpgroup's first token of the chunk
     const bool idle = h0 >= count;
+    const int valid = min(HN, count - h0);   // its tokens in this chunk (NSTEP 16: the wgmma N)
     const uint16_t* xrow[HN / 16];
 #pragma unroll
     for (int j = 0; j < HN / 16; ++j) {
@@ -522,44 +539,54 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
       if (a < units) load_x(a);
       ddtree::cp_async_commit();
     }
-    for (int u = 0; u < units; ++u, ++gs) {
-      const int b = gs % WS_STAGES;
-      ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
-      mbar_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
-      const uint32_t wt = w_ring + b * W_TILE;
-      const uint64_t da0 = sw128_desc(wt), da1 = sw128_desc(wt + 64 * 128);
-      const uint64_t db = sw128_desc(my_x + (u % WS_XBUF) * X_TILE);
-#pragma unroll
+    // The stage loop for wgmma N (a constant inside: a run-time N chosen per wgmma made ptxas serialize them).
+    auto stage_loop = [&](auto n_tokens) {
+      constexpr int N = decltype(n_tokens)::value;
+      using ON = typename ddtree::GmmaOp<N>::type;
+      for (int u = 0; u < units; ++u, ++gs) {
+        const int b = gs % WS_STAGES;
+        ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
+        mbar_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
+        const uint32_t wt = w_ring + b * W_TILE;
+        const uint64_t da0 = sw128_desc(wt), da1 = sw128_desc(wt + 64 * 128);
+        const uint64_t db = sw128_desc(my_x + (u % WS_XBUF) * X_TILE);
+  #pragma unroll
+        for (int i = 0; i < ACC; ++i) {
+          cute::warpgroup_fence_operand(acc0[i]);
+          cute::warpgroup_fence_operand(acc1[i]);
+        }
+        cute::warpgroup_arrive();
+  #pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          ddtree::gmma_ss<ON>(da0 + 2 * kk, db + 2 * kk, acc0, cute::SM90::GMMA::ScaleOut::One,
+                              cuda::std::make_integer_sequence<int, N / 2>{});
+          ddtree::gmma_ss<ON>(da1 + 2 * kk, db + 2 * kk, acc1, cute::SM90::GMMA::ScaleOut::One,
+                              cuda::std::make_integer_sequence<int, N / 2>{});
+        }
+        cute::warpgroup_commit_batch();
+        if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (see the barrier)
+        ddtree::cp_async_commit();
+        cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its W buffer goes back to the producer
+  #pragma unroll
+        for (int i = 0; i < ACC; ++i) {
+          cute::warpgroup_fence_operand(acc0[i]);
+          cute::warpgroup_fence_operand(acc1[i]);
+        }
+        if (u > 0 && lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
+      }
+      cute::warpgroup_wait<0>();
+  #pragma unroll
       for (int i = 0; i < ACC; ++i) {
         cute::warpgroup_fence_operand(acc0[i]);
         cute::warpgroup_fence_operand(acc1[i]);
       }
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        ddtree::gmma_ss<O>(da0 + 2 * kk, db + 2 * kk, acc0, cute::SM90::GMMA::ScaleOut::One,
-                           cuda::std::make_integer_sequence<int, ACC>{});
-        ddtree::gmma_ss<O>(da1 + 2 * kk, db + 2 * kk, acc1, cute::SM90::GMMA::ScaleOut::One,
-                           cuda::std::make_integer_sequence<int, ACC>{});
-      }
-      cute::warpgroup_commit_batch();
-      if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (see the barrier)
-      ddtree::cp_async_commit();
-      cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its W buffer goes back to the producer
-#pragma unroll
-      for (int i = 0; i < ACC; ++i) {
-        cute::warpgroup_fence_operand(acc0[i]);
-        cute::warpgroup_fence_operand(acc1[i]);
-      }
-      if (u > 0 && lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
-    }
-    cute::warpgroup_wait<0>();
-#pragma unroll
-    for (int i = 0; i < ACC; ++i) {
-      cute::warpgroup_fence_operand(acc0[i]);
-      cute::warpgroup_fence_operand(acc1[i]);
+    };
+    if constexpr (NSTEP == 0) {
+      stage_loop(cuda::std::integral_constant<int, HN>{});
+    } else {
+      dispatch_n16<HN>((valid + 15) / 16, stage_loop);
     }
     if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
     ddtree::cp_async_wait<0>();

@@ -198,8 +198,9 @@ register(KernelFamily(
 # shared memory, or into wgmma A registers with PIPE 2): moe_gmma_kernel<MODE, TN, PIPE>, plus the slot split
 # between it and moe_w4a16_kernel. sm_90a only.
 MOE_GMMA_VARIANTS = tuple(f"moe_gmma_kernel<{mode}, {tn}, {pipe}>" for mode in (0, 1) for tn in (64, 128, 256)
-                          for pipe in (0, 1, 2)) + ("moe_gmma_kernel<0, 64, 3>", "moe_gmma_kernel<1, 64, 3>", "moe_gmma_kernel<0, 128, 3>", "moe_gmma_kernel<1, 128, 3>") + tuple(
-    f"moe_gmma_ws_kernel<{mode}, {tn}>" for mode in (0, 1) for tn in (128, 256))
+                          for pipe in (0, 1, 2)) + tuple(
+    f"moe_gmma_kernel<{mode}, {tn}, 3>" for mode in (0, 1) for tn in (64, 128)) + tuple(
+    f"moe_gmma_ws_kernel<{mode}, {tn}, {nstep}>" for mode in (0, 1) for tn in (128, 256) for nstep in (0, 16))
 register(KernelFamily(
     name="moe_int4_sm90",
     source="moe_int4_sm90.cu",

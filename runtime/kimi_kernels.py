@@ -220,8 +220,9 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # flight across the stage barrier).
 # 4: warp-specialized (moe_gmma_ws_kernel: one warpgroup dequantizes into a shared ring, two issue wgmma on
 # half the tile's tokens each; 128/256-token tiles).
+# 5: the same with the wgmma N cut to each half's token count (rounded up to 16) instead of the full half.
 GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)",
-              4: "warp-specialized (128/256-token tiles)"}
+              4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count"}
 GMMA_PIPE = 3
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
@@ -229,7 +230,7 @@ GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3; PIPE 4 below)."""
-    if pipe == 4:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
+    if pipe >= 4:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     if pipe >= 2:
         return 1024 + 4 * tile * 128
@@ -320,7 +321,7 @@ class MoeLayer:
                 if gmma_tile is None and gmma_pipe is None:
                     gmma_tile, gmma_pipe = auto_tile, auto_pipe
                 elif gmma_tile is None:   # a pipeline asked for: the auto tile where it fits, else 128 (fits all)
-                    fits = not ((gmma_pipe == 3 and auto_tile > 128) or (gmma_pipe == 4 and auto_tile < 128))
+                    fits = not ((gmma_pipe == 3 and auto_tile > 128) or (gmma_pipe >= 4 and auto_tile < 128))
                     gmma_tile = auto_tile if fits else 128
             gmma_tile = gmma_tile or GMMA_TILE
             # the default pipeline, or register A at one block per SM for 256-token tiles (PIPE 3 stops at 128)
@@ -331,9 +332,9 @@ class MoeLayer:
                 raise ValueError(f"gmma_min_tokens={m}, gmma_tile={tile}, early={early}: want tokens >= 1, a tile "
                                  f"of 64/128/256, no early down start, inter % 64 == 0 and hidden % 128 == 0 (got "
                                  f"{w.inter}, {w.hidden})")
-            if pipe not in GMMA_PIPES or (pipe == 3 and tile > 128) or (pipe == 4 and tile < 128):
+            if pipe not in GMMA_PIPES or (pipe == 3 and tile > 128) or (pipe >= 4 and tile < 128):
                 raise ValueError(f"gmma_pipe={pipe} with gmma_tile={tile}: want one of {sorted(GMMA_PIPES)} "
-                                 f"(3 with 64- or 128-token tiles, 4 with 128 or 256)")
+                                 f"(3 with 64- or 128-token tiles, 4 / 5 with 128 or 256)")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
             raise ValueError(f"shared expert output must be bf16 [T, hidden] = [{T}, {w.hidden}], got "
                              f"{shared.dtype} {shared.shape}")
@@ -445,9 +446,10 @@ class MoeLayer:
         top run."""
         cuda = _cuda()
         min_count, top, tn, pipe, rows, items = tier
-        ws = pipe == 4
-        kernel = cuda.get_kernel("moe_int4_sm90", f"moe_gmma_ws_kernel<{mode}, {tn}>" if ws else
-                                 f"moe_gmma_kernel<{mode}, {tn}, {pipe}>")
+        ws = pipe >= 4
+        entry = (f"moe_gmma_ws_kernel<{mode}, {tn}, {16 if pipe == 5 else 0}>" if ws else
+                 f"moe_gmma_kernel<{mode}, {tn}, {pipe}>")
+        kernel = cuda.get_kernel("moe_int4_sm90", entry)
         rows_y = rows if items is None else items[0].shape[0]
         smem = moe_gmma_smem_bytes(tn, pipe)
         kernel.set_max_dynamic_smem(smem)

@@ -382,8 +382,9 @@ def test_moe_layer_real_shape_subset(cuda_device):
     for T, E, m, tile in [(200, 8, 64, 64), (200, 8, 90, 128), (300, 16, 40, 256), (3, 8, 2, 64)]
     for parallel, pipe, overlap in [(False, 1, False), (True, 1, False), (False, 0, False), (False, 2, False),
                                     (True, 2, False), (False, 3, False), (False, 3, True), (True, 2, True),
-                                    (False, 4, False), (True, 4, False), (False, 4, True)]
-    if (pipe != 3 or tile <= 128) and (pipe != 4 or tile >= 128)])
+                                    (False, 4, False), (True, 4, False), (False, 4, True), (False, 5, False),
+                                    (True, 5, True)]
+    if (pipe != 3 or tile <= 128) and (pipe < 4 or tile >= 128)])
 def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe, overlap):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
     hot and cold slots mixed; the chunks on blocks side by side or in turn; each pipeline; the hot chain on
@@ -401,7 +402,8 @@ def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, paralle
     (200, 16, [(64, 128, 4), (16, 64, 3)], False, True),
     (200, 16, [(64, 128, 4), (16, 64, 3)], True, False),
     (300, 16, [(90, 256, 4), (40, 128, 2)], False, True),
-    (300, 16, [(100, 128, 1), (60, 64, 3), (20, 64, 0)], False, False)])
+    (300, 16, [(100, 128, 1), (60, 64, 3), (20, 64, 0)], False, False),
+    (300, 16, [(64, 256, 5), (16, 64, 3)], False, True)])
 def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap):
     """Hot slots split between pipelines by token count (each slot in the tier with the largest minimum it
     reaches, the rest on mma.sync): the layer vs the float32 reference, twice."""

@@ -333,6 +333,11 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64ws/16ra2", dict(gmma_tiers=[(64, 256, 4), (16, 64, 3)])),
         ("tiers128ws/16ra2", dict(gmma_tiers=[(128, 256, 4), (16, 64, 3)])),
         ("tiers64ws128/16ra2", dict(gmma_tiers=[(64, 128, 4), (16, 64, 3)])),
+        # PIPE 5: the warp-specialized kernel with the wgmma N cut to each half's token count
+        ("gmma>=64/256/wsn", dict(gmma_min_tokens=64, gmma_tile=256, gmma_pipe=5)),
+        ("tiers64wsn/16ra2", dict(gmma_tiers=[(64, 256, 5), (16, 64, 3)])),
+        ("tiers32wsn/8ra2", dict(gmma_tiers=[(32, 256, 5), (8, 64, 3)])),
+        ("gmma>=8/ra2", dict(gmma_min_tokens=8, gmma_tile=64, gmma_pipe=3)),
         ("gmma>=64/128/ra2", dict(gmma_min_tokens=64, gmma_tile=128, gmma_pipe=3)),
         ("gmma>=64/128/ra2/ov", dict(gmma_min_tokens=64, gmma_tile=128, gmma_pipe=3, gmma_overlap=True)),
         ("gmma>=8", dict(gmma_min_tokens=8, gmma_tile=64)),
