@@ -272,13 +272,13 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       // stage W_AHEAD.
       uint4 wr[W_AHEAD];
       uint32_t sr[W_AHEAD];
-  #pragma unroll
+#pragma unroll
       for (int d = 0; d < W_AHEAD; ++d)
         if (d < units) {
           wr[d] = load_w(wp, d);
           sr[d] = load_scale(sp, d);
         }
-  #pragma unroll
+#pragma unroll
       for (int a = 0; a < X_AHEAD; ++a) {
         if (a < units) load_x(smem_base + a * STAGE + STAGE - X_TILE, a);
         ddtree::cp_async_commit();
@@ -297,14 +297,14 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       // u - 1) and W of stage u + 1 is dequantized into buffer (u + 1) % BUFFERS from ring slot (u + 1) %
       // W_AHEAD, which then takes stage u + 1 + W_AHEAD. Unrolled by W_AHEAD so the ring index is a constant.
       for (int u0 = 0; u0 < units; u0 += W_AHEAD) {
-  #pragma unroll
+#pragma unroll
         for (int d = 0; d < W_AHEAD; ++d) {
           const int u = u0 + d;
           if (u >= units) break;
           const uint32_t cur = smem_base + (u % BUFFERS) * STAGE, nxt = smem_base + ((u + 1) % BUFFERS) * STAGE;
           cute::warpgroup_arrive();
           const uint64_t da = sw128_desc(cur + wg * 64 * 128), db = sw128_desc(cur + W_TILE);
-  #pragma unroll
+#pragma unroll
           for (int kk = 0; kk < 4; ++kk)
             ddtree::gmma_ss<O>(da + 2 * kk, db + 2 * kk, acc,
                     u == 0 && kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One,
@@ -321,7 +321,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
             }
           }
           cute::warpgroup_wait<0>();
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
           ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage u + 1 has landed; later stages' may be in flight
           asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -552,13 +552,13 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
         const uint32_t wt = w_ring + b * W_TILE;
         const uint64_t da0 = sw128_desc(wt), da1 = sw128_desc(wt + 64 * 128);
         const uint64_t db = sw128_desc(my_x + (u % WS_XBUF) * X_TILE);
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < ACC; ++i) {
           cute::warpgroup_fence_operand(acc0[i]);
           cute::warpgroup_fence_operand(acc1[i]);
         }
         cute::warpgroup_arrive();
-  #pragma unroll
+#pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           ddtree::gmma_ss<ON>(da0 + 2 * kk, db + 2 * kk, acc0, cute::SM90::GMMA::ScaleOut::One,
                               cuda::std::make_integer_sequence<int, N / 2>{});
@@ -569,7 +569,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
         if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (see the barrier)
         ddtree::cp_async_commit();
         cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its W buffer goes back to the producer
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < ACC; ++i) {
           cute::warpgroup_fence_operand(acc0[i]);
           cute::warpgroup_fence_operand(acc1[i]);
@@ -577,7 +577,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
         if (u > 0 && lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
       }
       cute::warpgroup_wait<0>();
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < ACC; ++i) {
         cute::warpgroup_fence_operand(acc0[i]);
         cute::warpgroup_fence_operand(acc1[i]);
