@@ -217,7 +217,7 @@ GMMA_AUTO = {255: (16, 64, 3), 1 << 30: (64, 256, 4)}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
-# flight across the stage barrier).
+# flight across the stage barrier), 3 the same at two blocks per SM.
 # 4: warp-specialized (moe_gmma_ws_kernel: one warpgroup dequantizes into a shared ring, two issue wgmma on
 # half the tile's tokens each; 128/256-token tiles).
 # 5: the same with the wgmma N cut to each half's token count (rounded up to 16) instead of the full half.
@@ -281,7 +281,8 @@ class MoeLayer:
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn); gmma_pipe: moe_gmma_kernel's pipeline (GMMA_PIPES: 0 shallow, 1 deep,
-    2 register A, 3 the same with two blocks per SM, 4 warp-specialized), default GMMA_PIPE; gmma_overlap
+    2 register A, 3 the same with two blocks per SM, 4 warp-specialized, 5 the same with N per token count),
+    default GMMA_PIPE; gmma_overlap
     (default GMMA_OVERLAP unless the combine is folded into down): the hot chain (gate_up_hot -> down_hot) on
     a second stream, forked after the routing and joined before the combine, so the compute-bound wgmma
     kernels run beside the memory-bound mma.sync ones (both are captured as parallel graph branches).
@@ -441,7 +442,7 @@ class MoeLayer:
         cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
     def _gmma_launch(self, mode, tier, x, ldx, q0, s0, q1, s1, n_rows, k, out):
-        """One moe_gmma_kernel (moe_gmma_ws_kernel with PIPE 4) launch for a hot tier (min, top, tile, pipe, rows,
+        """One moe_gmma_kernel (moe_gmma_ws_kernel with PIPE 4 / 5) launch for a hot tier (min, top, tile, pipe, rows,
         items): its grid rows are the first `rows` slots (or the (slot, chunk) items); slots with min <= count <
         top run."""
         cuda = _cuda()
