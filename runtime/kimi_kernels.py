@@ -282,10 +282,10 @@ class MoeLayer:
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn); gmma_pipe: moe_gmma_kernel's pipeline (GMMA_PIPES: 0 shallow, 1 deep,
     2 register A, 3 the same with two blocks per SM, 4 warp-specialized, 5 the same with N per token count),
-    default GMMA_PIPE; gmma_overlap
-    (default GMMA_OVERLAP unless the combine is folded into down): the hot chain (gate_up_hot -> down_hot) on
-    a second stream, forked after the routing and joined before the combine, so the compute-bound wgmma
-    kernels run beside the memory-bound mma.sync ones (both are captured as parallel graph branches).
+    default GMMA_PIPE; gmma_overlap (default GMMA_OVERLAP unless the combine is folded into down): the hot
+    chain (gate_up_hot -> down_hot) on a second stream, forked after the routing and joined before the
+    combine, so the compute-bound wgmma kernels run beside the memory-bound mma.sync ones (both are captured
+    as parallel graph branches).
     Default "auto": GMMA_AUTO's (min tokens, tile, pipeline) by T, from GMMA_AUTO_TOKENS tokens on, where the
     kernel runs; None turns it off. gmma_tiers (instead of gmma_min_tokens / gmma_tile / gmma_pipe): several
     (min tokens, tile, pipeline) tiers, e.g. [(64, 256, 4), (16, 64, 3)]: each slot runs in the tier with the
