@@ -190,15 +190,15 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 
 // MODE 0: x bf16 [T, ldx] gathered by sorted_token, weights gate (wq0/ws0) and up (wq1/ws1), out h bf16
 // [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out fp32 [P, n_rows].
-// Grid (n_rows / (MODE 0 ? 64 : 128), slots or items); dynamic smem 1024 + (2 + PIPE) * (16384 + TN * 128) for
-// PIPE 0 / 1, 1024 + 4 * TN * 128 for PIPE 2 (moe_gmma_smem_bytes in runtime/kimi_kernels.py).
+// Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + (2 + PIPE) *
+// (16384 + TN * 128) for PIPE 0 / 1, 1024 + 4 * TN * 128 for PIPE 2 / 3 (moe_gmma_smem_bytes in kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
 __global__ void __launch_bounds__(moe90::THREADS, PIPE == 3 ? 2 : 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                 const uint4* __restrict__ wq1, const uint4* __restrict__ ws1, int n_rows, int k,
                 const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
                 const int* __restrict__ slot_count, const int* __restrict__ sorted_token, void* __restrict__ out,
-                int min_count, int max_count, const int* __restrict__ item_slot,
+                int min_count, int max_count, int n_items, const int* __restrict__ item_slot,
                 const int* __restrict__ item_chunk) {
   using namespace moe90;
   static_assert(TN == 64 || TN == 128 || TN == 256, "token tile");
@@ -214,150 +214,156 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
   using O = typename ddtree::GmmaOp<TN>::type;
-  // item_slot null: block row y is slot y and runs all of its token chunks in turn; else it is item y, one
-  // TN-token chunk (item_chunk[y]) of slot item_slot[y], so a hot expert's chunks run on blocks side by side.
-  const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
-  const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
-  if (expert < 0 || count < min_count || count >= max_count) return;   // another kernel's slot
-  const int c_begin = item_slot != nullptr ? item_chunk[blockIdx.y] * TN : 0;
-  const int c_end = item_slot != nullptr ? min(count, c_begin + TN) : count;
+  // Rows y = blockIdx.y, + gridDim.y, .. < n_items (one pass when the grid has n_items rows). item_slot null:
+  // row y is slot y and runs all of its token chunks in turn; else it is item y, one TN-token chunk
+  // (item_chunk[y]) of slot item_slot[y], so a hot expert's chunks run on blocks side by side. Slots are sorted
+  // by count, most first (items by slot): the first slot below min_count ends the block's rows.
+  for (int y = blockIdx.y; y < n_items; y += gridDim.y) {
+    const int slot = item_slot != nullptr ? item_slot[y] : y;
+    const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
+    if (expert < 0 || count < min_count) break;   // the mma.sync kernel's slot, and so are all later ones
+    if (count >= max_count) continue;              // a higher tier's slot
+    const int c_begin = item_slot != nullptr ? item_chunk[y] * TN : 0;
+    const int c_end = item_slot != nullptr ? min(count, c_begin + TN) : count;
 
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-  float* const stg = reinterpret_cast<float*>(smem_raw + (smem_base - static_cast<uint32_t>(
-      __cvta_generic_to_shared(smem_raw))));   // epilogue staging [TN][64 + 4] over the stage buffers
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+    float* const stg = reinterpret_cast<float*>(smem_raw + (smem_base - static_cast<uint32_t>(
+        __cvta_generic_to_shared(smem_raw))));   // epilogue staging [TN][64 + 4] over the stage buffers
 
-  const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int row_blocks = n_rows / 16, units = k / 64, supers = k / 512;
-  // This warp's 16-row block of the 128-row tile (MODE 0: warps 0-3 gate, 4-7 the same rows of up).
-  const int rb = MODE == 0 ? blockIdx.x * 4 + (warp & 3) : blockIdx.x * 8 + warp;
-  const bool second = MODE == 0 && warp >= 4;
-  const long long blk = (long long)expert * row_blocks + rb;
-  const uint4* wp = (second ? wq1 : wq0) + blk * units * 32 + lane;
-  // PIPE 0 / 1: the scale word of the lane's own group (t >> 1); PIPE 2: both groups' (sp, sp + 2)
-  const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (RA ? 0 : t >> 1)) * 2;
-  const int wrow = warp * 16 + g;   // this lane's first row in the W tile
+    const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int row_blocks = n_rows / 16, units = k / 64, supers = k / 512;
+    // This warp's 16-row block of the 128-row tile (MODE 0: warps 0-3 gate, 4-7 the same rows of up).
+    const int rb = MODE == 0 ? blockIdx.x * 4 + (warp & 3) : blockIdx.x * 8 + warp;
+    const bool second = MODE == 0 && warp >= 4;
+    const long long blk = (long long)expert * row_blocks + rb;
+    const uint4* wp = (second ? wq1 : wq0) + blk * units * 32 + lane;
+    // PIPE 0 / 1: the scale word of the lane's own group (t >> 1); PIPE 2: both groups' (sp, sp + 2)
+    const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (RA ? 0 : t >> 1)) * 2;
+    const int wrow = warp * 16 + g;   // this lane's first row in the W tile
 
-  for (int c0 = c_begin; c0 < c_end; c0 += TN) {
-    // x chunks of this thread: rows i = tid / 8 + 32 j, 16-byte unit tid % 8 of the 64-k stage. The row
-    // addresses once per chunk: looking sorted_token up inside load_x put a dependent global load in front of
-    // every stage's cp.async.
-    const uint16_t* xrow[TN / 32];
+    for (int c0 = c_begin; c0 < c_end; c0 += TN) {
+      // x chunks of this thread: rows i = tid / 8 + 32 j, 16-byte unit tid % 8 of the 64-k stage. The row
+      // addresses once per chunk: looking sorted_token up inside load_x put a dependent global load in front of
+      // every stage's cp.async.
+      const uint16_t* xrow[TN / 32];
 #pragma unroll
-    for (int j = 0; j < TN / 32; ++j) {
-      const int i = tid / 8 + 32 * j;
-      const int row = c0 + i >= count ? 0 : MODE == 0 ? sorted_token[offset + c0 + i] : offset + c0 + i;
-      xrow[j] = x + (long long)row * ldx + (tid & 7) * 8;
-    }
-    // Row i's unit c lands at i * 128 + ((c ^ (i % 8)) << 4); i % 8 is the same for every j, so the offset is
-    // one register plus the constant 4096 j (the compiler did not see that and swizzled per j, every stage).
-    const uint32_t x_off = (tid / 8) * 128 + (((tid & 7) ^ ((tid / 8) & 7)) << 4);
-    auto load_x = [&](uint32_t tile, int u) {
-#pragma unroll
-      for (int j = 0; j < TN / 32; ++j)
-        cp_async16_s(tile + x_off + 4096 * j, xrow[j] + u * 64, c0 + tid / 8 + 32 * j < count);
-    };
-    float acc[ACC];
-#pragma unroll
-    for (int i = 0; i < ACC; ++i) {
-      acc[i] = 0.f;
-      cute::warpgroup_fence_operand(acc[i]);
-    }
-    if constexpr (RA) {
-      gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD>(acc, wp, sp, t, units, smem_base, load_x);
-    } else {
-      // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
-      // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with
-      // stage W_AHEAD.
-      uint4 wr[W_AHEAD];
-      uint32_t sr[W_AHEAD];
-#pragma unroll
-      for (int d = 0; d < W_AHEAD; ++d)
-        if (d < units) {
-          wr[d] = load_w(wp, d);
-          sr[d] = load_scale(sp, d);
-        }
-#pragma unroll
-      for (int a = 0; a < X_AHEAD; ++a) {
-        if (a < units) load_x(smem_base + a * STAGE + STAGE - X_TILE, a);
-        ddtree::cp_async_commit();
+      for (int j = 0; j < TN / 32; ++j) {
+        const int i = tid / 8 + 32 * j;
+        const int row = c0 + i >= count ? 0 : MODE == 0 ? sorted_token[offset + c0 + i] : offset + c0 + i;
+        xrow[j] = x + (long long)row * ldx + (tid & 7) * 8;
       }
-      dequant_store(smem_base, wr[0], sr[0], wrow, t);
-      if (W_AHEAD < units) {
-        wr[0] = load_w(wp, W_AHEAD);
-        sr[0] = load_scale(sp, W_AHEAD);
+      // Row i's unit c lands at i * 128 + ((c ^ (i % 8)) << 4); i % 8 is the same for every j, so the offset is
+      // one register plus the constant 4096 j (the compiler did not see that and swizzled per j, every stage).
+      const uint32_t x_off = (tid / 8) * 128 + (((tid & 7) ^ ((tid / 8) & 7)) << 4);
+      auto load_x = [&](uint32_t tile, int u) {
+#pragma unroll
+        for (int j = 0; j < TN / 32; ++j)
+          cp_async16_s(tile + x_off + 4096 * j, xrow[j] + u * 64, c0 + tid / 8 + 32 * j < count);
+      };
+      float acc[ACC];
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) {
+        acc[i] = 0.f;
+        cute::warpgroup_fence_operand(acc[i]);
       }
-      ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage 0 (later stages' may still be in flight)
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared / cp.async -> wgmma
-      __syncthreads();
-
-      // Stage u: wgmma on buffer u % BUFFERS while x of stage u + X_AHEAD loads into buffer (u + X_AHEAD) %
-      // BUFFERS (its last reader, stage u - 1's wgmma with PIPE 1, retired before the barrier that ended stage
-      // u - 1) and W of stage u + 1 is dequantized into buffer (u + 1) % BUFFERS from ring slot (u + 1) %
-      // W_AHEAD, which then takes stage u + 1 + W_AHEAD. Unrolled by W_AHEAD so the ring index is a constant.
-      for (int u0 = 0; u0 < units; u0 += W_AHEAD) {
+      if constexpr (RA) {
+        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD>(acc, wp, sp, t, units, smem_base, load_x);
+      } else {
+        // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
+        // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with
+        // stage W_AHEAD.
+        uint4 wr[W_AHEAD];
+        uint32_t sr[W_AHEAD];
 #pragma unroll
-        for (int d = 0; d < W_AHEAD; ++d) {
-          const int u = u0 + d;
-          if (u >= units) break;
-          const uint32_t cur = smem_base + (u % BUFFERS) * STAGE, nxt = smem_base + ((u + 1) % BUFFERS) * STAGE;
-          cute::warpgroup_arrive();
-          const uint64_t da = sw128_desc(cur + wg * 64 * 128), db = sw128_desc(cur + W_TILE);
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            ddtree::gmma_ss<O>(da + 2 * kk, db + 2 * kk, acc,
-                    u == 0 && kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One,
-                    cuda::std::make_integer_sequence<int, ACC>{});
-          cute::warpgroup_commit_batch();
-          if (u + X_AHEAD < units) load_x(smem_base + ((u + X_AHEAD) % BUFFERS) * STAGE + W_TILE, u + X_AHEAD);
-          ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
-          if (u + 1 < units) {
-            const int slot = (d + 1) % W_AHEAD;   // stage u + 1 (u0 is a multiple of W_AHEAD): a constant once unrolled
-            dequant_store(nxt, wr[slot], sr[slot], wrow, t);
-            if (u + 1 + W_AHEAD < units) {
-              wr[slot] = load_w(wp, u + 1 + W_AHEAD);
-              sr[slot] = load_scale(sp, u + 1 + W_AHEAD);
-            }
+        for (int d = 0; d < W_AHEAD; ++d)
+          if (d < units) {
+            wr[d] = load_w(wp, d);
+            sr[d] = load_scale(sp, d);
           }
-          cute::warpgroup_wait<0>();
 #pragma unroll
-          for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
-          ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage u + 1 has landed; later stages' may be in flight
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          __syncthreads();   // stage u + 1 complete; every warpgroup done with stage u
+        for (int a = 0; a < X_AHEAD; ++a) {
+          if (a < units) load_x(smem_base + a * STAGE + STAGE - X_TILE, a);
+          ddtree::cp_async_commit();
+        }
+        dequant_store(smem_base, wr[0], sr[0], wrow, t);
+        if (W_AHEAD < units) {
+          wr[0] = load_w(wp, W_AHEAD);
+          sr[0] = load_scale(sp, W_AHEAD);
+        }
+        ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage 0 (later stages' may still be in flight)
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared / cp.async -> wgmma
+        __syncthreads();
+
+        // Stage u: wgmma on buffer u % BUFFERS while x of stage u + X_AHEAD loads into buffer (u + X_AHEAD) %
+        // BUFFERS (its last reader, stage u - 1's wgmma with PIPE 1, retired before the barrier that ended stage
+        // u - 1) and W of stage u + 1 is dequantized into buffer (u + 1) % BUFFERS from ring slot (u + 1) %
+        // W_AHEAD, which then takes stage u + 1 + W_AHEAD. Unrolled by W_AHEAD so the ring index is a constant.
+        for (int u0 = 0; u0 < units; u0 += W_AHEAD) {
+#pragma unroll
+          for (int d = 0; d < W_AHEAD; ++d) {
+            const int u = u0 + d;
+            if (u >= units) break;
+            const uint32_t cur = smem_base + (u % BUFFERS) * STAGE, nxt = smem_base + ((u + 1) % BUFFERS) * STAGE;
+            cute::warpgroup_arrive();
+            const uint64_t da = sw128_desc(cur + wg * 64 * 128), db = sw128_desc(cur + W_TILE);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+              ddtree::gmma_ss<O>(da + 2 * kk, db + 2 * kk, acc,
+                      u == 0 && kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One,
+                      cuda::std::make_integer_sequence<int, ACC>{});
+            cute::warpgroup_commit_batch();
+            if (u + X_AHEAD < units) load_x(smem_base + ((u + X_AHEAD) % BUFFERS) * STAGE + W_TILE, u + X_AHEAD);
+            ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
+            if (u + 1 < units) {
+              // stage u + 1's ring slot (u0 is a multiple of W_AHEAD): a constant once unrolled
+              const int ring = (d + 1) % W_AHEAD;
+              dequant_store(nxt, wr[ring], sr[ring], wrow, t);
+              if (u + 1 + W_AHEAD < units) {
+                wr[ring] = load_w(wp, u + 1 + W_AHEAD);
+                sr[ring] = load_scale(sp, u + 1 + W_AHEAD);
+              }
+            }
+            cute::warpgroup_wait<0>();
+#pragma unroll
+            for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+            ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage u + 1 has landed; later stages' may be in flight
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncthreads();   // stage u + 1 complete; every warpgroup done with stage u
+          }
         }
       }
-    }
-    ddtree::cp_async_wait<0>();
+      ddtree::cp_async_wait<0>();
 
-    // Epilogue: acc[4j + 2i + b] = W row 16 (warp % 4) + g + 8i of the warpgroup's 64, token 8j + 2t + b.
-    const int r_wg = (warp & 3) * 16 + g;
-    auto for_each_output = [&](auto&& f) {   // f(token of the chunk, row of the warpgroup's 64, value)
+      // Epilogue: acc[4j + 2i + b] = W row 16 (warp % 4) + g + 8i of the warpgroup's 64, token 8j + 2t + b.
+      const int r_wg = (warp & 3) * 16 + g;
+      auto for_each_output = [&](auto&& f) {   // f(token of the chunk, row of the warpgroup's 64, value)
 #pragma unroll
-      for (int j = 0; j < TN / 8; ++j)
+        for (int j = 0; j < TN / 8; ++j)
 #pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          const int tok = 8 * j + 2 * t + b;
-          if (c0 + tok >= count) continue;
+          for (int b = 0; b < 2; ++b) {
+            const int tok = 8 * j + 2 * t + b;
+            if (c0 + tok >= count) continue;
 #pragma unroll
-          for (int i = 0; i < 2; ++i) f(tok, r_wg + 8 * i, acc[4 * j + 2 * i + b]);
-        }
-    };
-    if constexpr (MODE == 0) {   // warpgroup 1's up sums meet warpgroup 0's gate sums in shared memory
-      constexpr int LD = 64 + 4;
-      if (wg == 1) for_each_output([&](int tok, int r, float up) { stg[tok * LD + r] = up; });
-      __syncthreads();
-      if (wg == 0)
-        for_each_output([&](int tok, int r, float gate) {
-          reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + c0 + tok) * n_rows + blockIdx.x * 64 + r] =
-              __float2bfloat16_rn(silu(gate) * stg[tok * LD + r]);
+            for (int i = 0; i < 2; ++i) f(tok, r_wg + 8 * i, acc[4 * j + 2 * i + b]);
+          }
+      };
+      if constexpr (MODE == 0) {   // warpgroup 1's up sums meet warpgroup 0's gate sums in shared memory
+        constexpr int LD = 64 + 4;
+        if (wg == 1) for_each_output([&](int tok, int r, float up) { stg[tok * LD + r] = up; });
+        __syncthreads();
+        if (wg == 0)
+          for_each_output([&](int tok, int r, float gate) {
+            reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + c0 + tok) * n_rows + blockIdx.x * 64 + r] =
+                __float2bfloat16_rn(silu(gate) * stg[tok * LD + r]);
+          });
+        __syncthreads();   // the staging (stage buffers) is free again for the next chunk
+      } else {
+        for_each_output([&](int tok, int r, float v) {
+          reinterpret_cast<float*>(out)[(long long)(offset + c0 + tok) * n_rows + blockIdx.x * 128 + wg * 64 + r] = v;
         });
-      __syncthreads();   // the staging (stage buffers) is free again for the next chunk
-    } else {
-      for_each_output([&](int tok, int r, float v) {
-        reinterpret_cast<float*>(out)[(long long)(offset + c0 + tok) * n_rows + blockIdx.x * 128 + wg * 64 + r] = v;
-      });
+      }
     }
   }
 }

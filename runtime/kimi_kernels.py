@@ -289,7 +289,9 @@ class MoeLayer:
     Default "auto": GMMA_AUTO's (min tokens, tile, pipeline) by T, from GMMA_AUTO_TOKENS tokens on, where the
     kernel runs; None turns it off. gmma_tiers (instead of gmma_min_tokens / gmma_tile / gmma_pipe): several
     (min tokens, tile, pipeline) tiers, e.g. [(64, 256, 4), (16, 64, 3)]: each slot runs in the tier with the
-    largest minimum it reaches, slots below every minimum on mma.sync."""
+    largest minimum it reaches, slots below every minimum on mma.sync. gmma_grid_rows (PIPE 0-3): at most that
+    many block rows in the hot grids, each walking every gmma_grid_rows-th slot and stopping at the first cold
+    one (default: one row per possibly hot slot)."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
@@ -297,7 +299,7 @@ class MoeLayer:
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
                  pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
-                 gmma_overlap: bool | None = None, gmma_tiers=None):
+                 gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -336,6 +338,8 @@ class MoeLayer:
             if pipe not in GMMA_PIPES or (pipe == 3 and tile > 128) or (pipe >= 4 and tile < 128):
                 raise ValueError(f"gmma_pipe={pipe} with gmma_tile={tile}: want one of {sorted(GMMA_PIPES)} "
                                  f"(3 with 64- or 128-token tiles, 4 / 5 with 128 or 256)")
+        if gmma_grid_rows is not None and int(gmma_grid_rows) < 1:
+            raise ValueError(f"gmma_grid_rows={gmma_grid_rows}: want >= 1 block rows (or None: one per slot)")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
             raise ValueError(f"shared expert output must be bf16 [T, hidden] = [{T}, {w.hidden}], got "
                              f"{shared.dtype} {shared.shape}")
@@ -389,6 +393,7 @@ class MoeLayer:
         # hot tiers, most tokens first: tier i takes the slots with min_i <= count < min_{i - 1}
         self.gmma_tiers = tiers
         self.gmma_min_tokens = tiers[-1][0] if tiers else None
+        self.gmma_grid_rows = gmma_grid_rows
         counts = self.slot_count   # what the mma.sync kernels see
         hot_launches = []          # (tier args) per tier
         if tiers:
@@ -451,14 +456,17 @@ class MoeLayer:
         entry = (f"moe_gmma_ws_kernel<{mode}, {tn}, {16 if pipe == 5 else 0}>" if ws else
                  f"moe_gmma_kernel<{mode}, {tn}, {pipe}>")
         kernel = cuda.get_kernel("moe_int4_sm90", entry)
-        rows_y = rows if items is None else items[0].shape[0]
+        n_items = rows if items is None else items[0].shape[0]
+        # moe_gmma_kernel walks rows y, y + gridDim.y, ..: gmma_grid_rows caps the grid (fewer empty blocks when
+        # most of the P // min_tokens possible hot slots are cold); the WS kernel takes one row per block
+        grid_y = n_items if ws or not self.gmma_grid_rows else min(n_items, self.gmma_grid_rows)
         smem = moe_gmma_smem_bytes(tn, pipe)
         kernel.set_max_dynamic_smem(smem)
         null = np.uint64(0)
-        return kernel.prepare((n_rows // (64 if mode == 0 else 128), rows_y), (384 if ws else 256,), [
+        return kernel.prepare((n_rows // (64 if mode == 0 else 128), grid_y), (384 if ws else 256,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset, self.slot_count,
-            self.sorted_token, out, I32(min_count), I32(top), *(items if items is not None else (null, null))],
-            smem=smem)
+            self.sorted_token, out, I32(min_count), I32(top), *(() if ws else (I32(n_items),)),
+            *(items if items is not None else (null, null))], smem=smem)
 
     def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None):
         """One grouped GEMM launch. Down (MODE 1) only: early = start the weights before the PDL wait;

@@ -404,14 +404,16 @@ def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, paralle
     (300, 16, [(90, 256, 4), (40, 128, 2)], False, True),
     (300, 16, [(100, 128, 1), (60, 64, 3), (20, 64, 0)], False, False),
     (300, 16, [(64, 256, 5), (16, 64, 3)], False, True)])
-def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap):
+@pytest.mark.parametrize("grid_rows", [None, 3])
+def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_rows):
     """Hot slots split between pipelines by token count (each slot in the tier with the largest minimum it
-    reaches, the rest on mma.sync): the layer vs the float32 reference, twice."""
+    reaches, the rest on mma.sync; with grid_rows, the non-WS tiers' blocks each walk every third slot or
+    item): the layer vs the float32 reference, twice."""
     from runtime import cuda
     if cuda.get_device().arch != "90a":
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
     _check_moe(T, E, 1024, 512, None, topk=4, gmma_tiers=tiers, runs=2, gmma_parallel_chunks=parallel,
-               gmma_overlap=overlap)
+               gmma_overlap=overlap, gmma_grid_rows=grid_rows)
 
 
 @pytest.mark.gpu

@@ -99,6 +99,7 @@ def _checking_cuda(prepared):
     (300, dict(gmma_tiers=[(100, 128, 1), (60, 64, 2), (20, 64, 0)])),
     (96, dict(gmma_min_tokens=40, gmma_tile=128, gmma_pipe=4, gmma_overlap=False)),
     (256, dict(gmma_tiers=[(64, 256, 5), (8, 64, 3)])),
+    (256, dict(gmma_tiers=[(64, 256, 4), (16, 64, 3)], gmma_grid_rows=8)),
 ])
 def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
     prepared = []

@@ -338,6 +338,9 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64wsn/16ra2", dict(gmma_tiers=[(64, 256, 5), (16, 64, 3)])),
         ("tiers32wsn/8ra2", dict(gmma_tiers=[(32, 256, 5), (8, 64, 3)])),
         ("gmma>=8/ra2", dict(gmma_min_tokens=8, gmma_tile=64, gmma_pipe=3)),
+        # hot grids capped at 8 / 16 block rows walking the slots (fewer blocks that find a cold slot and exit)
+        ("gmma>=16/ra2/rows8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=3, gmma_grid_rows=8)),
+        ("tiers64wsn/16ra2/rows16", dict(gmma_tiers=[(64, 256, 5), (16, 64, 3)], gmma_grid_rows=16)),
         ("gmma>=64/128/ra2", dict(gmma_min_tokens=64, gmma_tile=128, gmma_pipe=3)),
         ("gmma>=64/128/ra2/ov", dict(gmma_min_tokens=64, gmma_tile=128, gmma_pipe=3, gmma_overlap=True)),
         ("gmma>=8", dict(gmma_min_tokens=8, gmma_tile=64)),
