@@ -41,7 +41,7 @@ def test_ptx_entry_params_of_real_kernels():
 
 class _Kernel:
     def __init__(self, sizes):
-        self.param_sizes, self.function, self.pdl = sizes, None, False
+        self.param_sizes, self.function, self.pdl, self.checked_types = sizes, None, False, set()
 
     def __repr__(self):
         return "k"
@@ -57,6 +57,11 @@ def test_check_arguments():
     with pytest.raises(TypeError, match="takes 1 arguments, got 2"):
         Launch(_Kernel((8,)), 1, 32, [ptr, ptr])
     check_arguments(types.SimpleNamespace(), [ptr])    # a kernel without a known signature: not checked
+    k = _Kernel((8, 4))
+    check_arguments(k, [ptr, np.int32(1)])              # passes, and is remembered by its type list
+    check_arguments(k, [ptr, np.int32(7)])
+    with pytest.raises(TypeError, match="argument 1 is a 8-byte"):
+        check_arguments(k, [ptr, np.int64(1)])          # another type list: checked again
 
 
 class _FakeArray:
