@@ -62,4 +62,23 @@ __device__ __forceinline__ void gmma_rs(const cuda::std::uint32_t (&a)[4], cuda:
   Op::fma(a[0], a[1], a[2], a[3], db, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
 }
 
+// mbarriers in shared memory (CTA scope). arrive releases and try_wait acquires (the PTX defaults, spelled
+// out); mbar_wait spins until the phase of the given parity has completed (a fresh barrier: parity 1 passes).
+__device__ __forceinline__ void mbar_init(cuda::std::uint32_t bar, cuda::std::uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(cuda::std::uint32_t bar) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
+}
+// One arrival when all of this thread's earlier cp.async copies have landed (count them in the init).
+__device__ __forceinline__ void mbar_arrive_cp_async(cuda::std::uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(cuda::std::uint32_t bar, cuda::std::uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+
 }  // namespace ddtree

@@ -385,19 +385,9 @@ constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WA
 constexpr int WS_PRODUCER_REGS = 120, WS_CONSUMER_REGS = 192;
 static_assert(128 * WS_PRODUCER_REGS + 256 * WS_CONSUMER_REGS <= WS_THREADS * 168, "register pool");
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
-}
-// Wait until the phase of the given parity has completed (a fresh barrier: parity 1 passes at once).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
-}
+using ddtree::mbar_arrive;
+using ddtree::mbar_init;
+using ddtree::mbar_wait;
 // f(integral_constant<int, 16 n16>) for n16 = 1 .. MAXN / 16 (a switch unrolled at compile time).
 template <int MAXN, int N = 16, class F>
 __device__ __forceinline__ void dispatch_n16(int n16, F&& f) {
