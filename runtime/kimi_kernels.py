@@ -250,13 +250,6 @@ def _without_pdl(launch):
     return launch
 
 
-def _stream_wait(stream, event):
-    """stream (a Stream, a raw CUstream or None = the default stream) waits for event."""
-    cuda = _cuda()
-    cuda.check(cuda.device.driver().cuStreamWaitEvent(cuda.stream.stream_handle(stream), event.handle, 0),
-               "cuStreamWaitEvent")
-
-
 def default_variants(tokens: int) -> tuple[str, str]:
     for bound in sorted(DEFAULT_VARIANTS):
         if tokens <= bound:
@@ -509,18 +502,19 @@ class MoeLayer:
 
     def _forward_overlapped(self, stream):
         """route on `stream`; fork: the _hot stages on the side stream, gate_up / down on `stream`; join; combine."""
+        cuda = _cuda()
         for name, launch in self.stages:
             if name == "route":
                 launch(stream)
         self._fork.record(stream)
-        _stream_wait(self._side, self._fork)
+        self._side.wait(self._fork)
         for name, launch in self.stages:
             if name.endswith("_hot"):
                 launch(self._side)
             elif name in ("gate_up", "down"):
                 launch(stream)
         self._join.record(self._side)
-        _stream_wait(stream, self._join)
+        cuda.stream.wait_event(stream, self._join)
         for name, launch in self.stages:
             if name == "combine":
                 launch(stream)

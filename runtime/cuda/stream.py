@@ -22,7 +22,7 @@ class Stream:
         check(driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
     def wait(self, event: "Event"):
-        check(driver().cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
+        wait_event(self, event)
 
     def close(self):
         if getattr(self, "handle", None) is not None:
@@ -56,6 +56,12 @@ def stream_handle(stream) -> object:
     if stream is None:
         return default_stream().handle
     return getattr(stream, "handle", stream)
+
+
+def wait_event(stream, event: "Event"):
+    """Work queued on `stream` (a Stream, a raw CUstream or None = default_stream()) after this call waits for
+    `event`; inside a capture this is a graph edge (how a forked branch joins back)."""
+    check(driver().cuStreamWaitEvent(stream_handle(stream), event.handle, 0), "cuStreamWaitEvent")
 
 
 class Event:
