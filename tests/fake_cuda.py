@@ -328,7 +328,8 @@ def install(monkeypatch) -> FakeDevice:
                 self.modules[family] = compile_family(family, dev.device.arch, progress=False)
             m = self.modules[family]
             self.family, self.entry, self.function, self.pdl = family, entry, None, False
-            self.param_sizes = m.param_sizes[m.lowered[entry]]
+            self.param_sizes = m.entry_param_sizes(entry)
+            assert self.param_sizes is not None, f"{family}:{entry}: no signature in the PTX"
 
         def __repr__(self):
             return f"{self.family}:{self.entry}"

@@ -34,9 +34,8 @@ def test_ptx_entry_params():
 
 def test_ptx_entry_params_of_real_kernels():
     probe = compile_family("runtime_probe", "90a", progress=False)
-    sizes = {entry: probe.param_sizes[sym] for entry, sym in probe.lowered.items()}
-    assert sizes["read_sum_kernel"] == (8, 8, 8)          # (const uint4*, long long, unsigned*)
-    assert sizes["noop_kernel"] == (8, 4)
+    assert probe.entry_param_sizes("read_sum_kernel") == (8, 8, 8)   # (const uint4*, long long, unsigned*)
+    assert probe.entry_param_sizes("noop_kernel") == (8, 4)
 
 
 class _Kernel:
@@ -82,8 +81,9 @@ def _checking_cuda(prepared):
         if family not in modules:
             modules[family] = compile_family(family, "90a", progress=False)
         m = modules[family]
-        k = types.SimpleNamespace(family=family, entry=entry, function=None, pdl=False,
-                                  param_sizes=m.param_sizes[m.lowered[entry]],
+        sizes = m.entry_param_sizes(entry)
+        assert sizes is not None, f"{family}:{entry}: no signature in the PTX"
+        k = types.SimpleNamespace(family=family, entry=entry, function=None, pdl=False, param_sizes=sizes,
                                   set_max_dynamic_smem=lambda n: None)
         k.prepare = lambda grid, block, args, smem=0: prepared.append(Launch(k, grid, block, args, smem)) or \
             prepared[-1]

@@ -121,7 +121,7 @@ def get_kernel(family: str, entry: str, arch: str | None = None) -> Kernel:
                 fn = check(driver().cuModuleGetFunction(module, compiled.lowered[entry].encode()),
                            f"cuModuleGetFunction({family}:{entry})")
                 k = _kernels[key] = Kernel(family, entry, fn, arch, pdl=_family_pdl(family),
-                                           param_sizes=compiled.param_sizes.get(compiled.lowered[entry]))
+                                           param_sizes=compiled.entry_param_sizes(entry))
     return k
 
 

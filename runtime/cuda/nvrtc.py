@@ -190,6 +190,10 @@ class CompiledModule:
         """Mangled entry symbol -> its parameters' sizes in bytes, in order (from the PTX signatures)."""
         return ptx_entry_params(self.ptx)
 
+    def entry_param_sizes(self, entry: str) -> tuple[int, ...] | None:
+        """The parameter sizes of a registered entry ("moe_gmma_kernel<0, 64, 3>"), None if the PTX lacks it."""
+        return self.param_sizes.get(self.lowered[entry])
+
 
 _PTX_PARAM_TYPE = re.compile(r"\.[bsuf](8|16|32|64)\b")
 
