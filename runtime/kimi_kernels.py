@@ -227,6 +227,11 @@ GMMA_PIPE = 3
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
 
+def _pipe_takes_tile(pipe: int, tile: int) -> bool:
+    """PIPE 3 (two blocks per SM) is built for 64/128-token tiles, the warp-specialized 4/5 for 128/256."""
+    return not ((pipe == 3 and tile > 128) or (pipe >= 4 and tile < 128))
+
+
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3; PIPE 4 below)."""
@@ -317,8 +322,7 @@ class MoeLayer:
                 if gmma_tile is None and gmma_pipe is None:
                     gmma_tile, gmma_pipe = auto_tile, auto_pipe
                 elif gmma_tile is None:   # a pipeline asked for: the auto tile where it fits, else 128 (fits all)
-                    fits = not ((gmma_pipe == 3 and auto_tile > 128) or (gmma_pipe >= 4 and auto_tile < 128))
-                    gmma_tile = auto_tile if fits else 128
+                    gmma_tile = auto_tile if _pipe_takes_tile(gmma_pipe, auto_tile) else 128
             gmma_tile = gmma_tile or GMMA_TILE
             # the default pipeline, or register A at one block per SM for 256-token tiles (PIPE 3 stops at 128)
             tiers = [] if gmma_min_tokens is None else [(gmma_min_tokens, gmma_tile, (
@@ -328,7 +332,7 @@ class MoeLayer:
                 raise ValueError(f"gmma_min_tokens={m}, gmma_tile={tile}, early={early}: want tokens >= 1, a tile "
                                  f"of 64/128/256, no early down start, inter % 64 == 0 and hidden % 128 == 0 (got "
                                  f"{w.inter}, {w.hidden})")
-            if pipe not in GMMA_PIPES or (pipe == 3 and tile > 128) or (pipe >= 4 and tile < 128):
+            if pipe not in GMMA_PIPES or not _pipe_takes_tile(pipe, tile):
                 raise ValueError(f"gmma_pipe={pipe} with gmma_tile={tile}: want one of {sorted(GMMA_PIPES)} "
                                  f"(3 with 64- or 128-token tiles, 4 / 5 with 128 or 256)")
         if gmma_grid_rows is not None and int(gmma_grid_rows) < 1:
