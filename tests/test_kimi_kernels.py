@@ -109,6 +109,13 @@ def test_layout_matches_mma_fragment_math():
     assert_close(got, want, "emulated kernel GEMV", rtol=1e-2, atol=1e-2, scale="mean")
 
 
+def repacked_with_dense(rng, n, k):
+    """Random INT4 weights [n, k] in the kernel layout (packed, scales) and as the bf16 matrix they stand for."""
+    wp, ws = random_int4(rng, n, k)
+    packed, scales = repack_int4_experts(wp, ws, (n, k))
+    return packed, scales, round_bf16(unpack_int4(wp, ws, (n, k)))
+
+
 def emulate_gmma_w_tile(packed, scales, rb0, u):
     """The bf16 W tile [128 rows][64 columns] that moe_gmma_kernel's dequant_store writes for 16-row blocks
     rb0 .. rb0 + 7 and 64-k unit u, read back through the 128-byte swizzle: each lane (g, t) of warp w decodes
@@ -140,11 +147,7 @@ def emulate_gmma_w_tile(packed, scales, rb0, u):
 def test_gmma_dequant_tile_matches_weights():
     """moe_gmma_kernel's dequantize-to-shared-memory mapping gives the plain weight rows at their physical
     columns (so x is read unpermuted), for every unit of a superblock and a second superblock."""
-    rng = np.random.default_rng(8)
-    n, k = 256, 1024
-    wp, ws = random_int4(rng, n, k)
-    packed, scales = repack_int4_experts(wp, ws, (n, k))
-    dense = round_bf16(unpack_int4(wp, ws, (n, k)))
+    packed, scales, dense = repacked_with_dense(np.random.default_rng(8), 256, 1024)
     for rb0 in (0, 8):
         for u in (0, 3, 7, 9, 15):
             got = emulate_gmma_w_tile(packed, scales, rb0, u)
@@ -201,11 +204,7 @@ def emulate_gmma_a_fragments(packed, scales, rb, u):
 def test_gmma_register_fragments_match_weights():
     """moe_gmma_kernel's register-A path (PIPE 2): every lane's fragments, after the quad transpose, hold the
     plain weights at physical columns, so x is read unpermuted, for several units and row blocks."""
-    rng = np.random.default_rng(9)
-    n, k = 64, 1024
-    wp, ws = random_int4(rng, n, k)
-    packed, scales = repack_int4_experts(wp, ws, (n, k))
-    dense = round_bf16(unpack_int4(wp, ws, (n, k)))
+    packed, scales, dense = repacked_with_dense(np.random.default_rng(9), 64, 1024)
     for rb in (0, 3):
         for u in (0, 5, 8, 15):
             got = emulate_gmma_a_fragments(packed, scales, rb, u)
