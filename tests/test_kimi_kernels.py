@@ -427,7 +427,7 @@ def test_moe_graph_replay_gmma_hot_experts(cuda_device, plan):
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
     rng = np.random.default_rng(14)
     dense, w = make_moe(rng, 8, 512, 512)
-    layer = MoeLayer(w, 96, np.zeros(8, np.float32), topk=4, gmma_min_tokens=40, gmma_tile=64, **plan)
+    layer = MoeLayer(w, 96, np.zeros(8, np.float32), topk=4, **{"gmma_min_tokens": 40, "gmma_tile": 64, **plan})
     _check_graph_replay(layer, dense, rng, T=96, E=8, hidden=512, topk=4, trials=2)
 
 
