@@ -72,24 +72,53 @@ __device__ __forceinline__ void dependency_wait() {
 constexpr int kUnit = 64;        // K columns per 16-byte lane load
 constexpr int kSuper = 512;      // K columns per scale superblock
 constexpr int kStep = 4;         // K units per pipeline step (one 16-byte scale load per row block)
+template <int N>
+struct TileCount {               // a token tile count as a type (one instantiation per chunk size)
+  static constexpr int value = N;
+};
 
-// One 64-wide K unit u of RB row blocks x NT token tiles: load the lane's activation fragments, then per row
-// block j dequantize its 16 weight bytes w_of(j) with scale word uu of sc[j] and multiply them in.
-template <int RB, int NT, class WeightOf, bool PAD_ZERO = true>
-__device__ __forceinline__ void unit_mma(float (&acc)[RB][NT][4], WeightOf w_of, const uint4 (&sc)[RB], int uu,
-                                         const uint4* const (&xrow)[NT], int u, int t) {
-  uint4 xa[NT][2];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    if (!PAD_ZERO || xrow[n] != nullptr) {   // PAD_ZERO false: padding tokens point at a real row
+// The lane's activation fragments of token tile n, unit u (columns 16t..16t+15 of the permuted unit) from
+// the rows in global memory: xrow[n] = token g of tile n, or nullptr for padding (zeros; PAD_ZERO false:
+// padding tokens point at a real row, whose outputs are never stored).
+template <int NT, bool PAD_ZERO>
+struct XFromGlobal {
+  const uint4* const (&xrow)[NT];
+  int t;
+  __device__ __forceinline__ void operator()(int n, int u, uint4 (&xa)[2]) const {
+    if (!PAD_ZERO || xrow[n] != nullptr) {
       const uint4* p = xrow[n] + u * (kUnit / 8) + t * 2;
-      xa[n][0] = ld_cached(p);
-      xa[n][1] = ld_cached(p + 1);
+      xa[0] = ld_cached(p);
+      xa[1] = ld_cached(p + 1);
     } else {
-      xa[n][0] = make_uint4(0, 0, 0, 0);
-      xa[n][1] = make_uint4(0, 0, 0, 0);
+      xa[0] = make_uint4(0, 0, 0, 0);
+      xa[1] = make_uint4(0, 0, 0, 0);
     }
   }
+};
+
+// The same fragments from the chunk's activations staged in shared memory (XS variants, stage_x_tile), u
+// counted from the staged piece's first unit: row r = 8n + g holds row_chunks 16-byte chunks, chunk c stored
+// at c ^ (r & 1) so that the two tokens g, g + 1 a quarter warp reads land in different banks. Padding rows
+// hold stale values; their outputs are never stored.
+struct XFromShared {
+  const uint4* xs;
+  int row_chunks, g, t;
+  __device__ __forceinline__ void operator()(int n, int u, uint4 (&xa)[2]) const {
+    const int r = 8 * n + g, c = u * (kUnit / 8) + t * 2;
+    const uint4* row = xs + r * row_chunks;
+    xa[0] = row[c ^ (r & 1)];
+    xa[1] = row[(c + 1) ^ (r & 1)];
+  }
+};
+
+// One 64-wide K unit u of RB row blocks x NT token tiles: fetch the lane's activation fragments (x_of), then
+// per row block j dequantize its 16 weight bytes w_of(j) with scale word uu of sc[j] and multiply them in.
+template <int RB, int NT, class WeightOf, class XOf>
+__device__ __forceinline__ void unit_mma(float (&acc)[RB][NT][4], WeightOf w_of, const uint4 (&sc)[RB], int uu,
+                                         const XOf& x_of, int u) {
+  uint4 xa[NT][2];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) x_of(n, u, xa[n]);
 #pragma unroll
   for (int j = 0; j < RB; ++j) {
     const uint4 w = w_of(j);
@@ -124,12 +153,11 @@ __device__ __forceinline__ void load_weight_step(uint4 (&w)[kStep][RB], uint4 (&
 }
 
 // Per-warp work for NT token tiles (8 tokens each): accumulate RB row blocks over K units [u0, u1).
-// xrow[nt]: this lane's activation row (token g of tile nt) or nullptr when the token is padding.
-template <int RB, int NT>
+// x_of: the lane's activation fragments (XFromGlobal / XFromShared).
+template <int RB, int NT, class XOf>
 __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
-                                          const uint4* const (&sp)[RB], const uint4* const (&xrow)[NT],
-                                          int u0, int u1, int lane, bool dep_wait) {
-  const int t = lane & 3;
+                                          const uint4* const (&sp)[RB], const XOf& x_of,
+                                          int u0, int u1, bool dep_wait) {
 #pragma unroll
   for (int j = 0; j < RB; ++j)
 #pragma unroll
@@ -156,18 +184,30 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
     if (u + kStep < u1) load_weight_step(wn, sn, wp, sp, u + kStep);
 #pragma unroll
     for (int uu = 0; uu < kStep; ++uu)
-      unit_mma<RB, NT>(acc, [&](int j) { return wc[uu][j]; }, sc, uu, xrow, u + uu, t);
+      unit_mma<RB, NT>(acc, [&](int j) { return wc[uu][j]; }, sc, uu, x_of, u + uu);
   }
 }
 
 // warp_gemm with two register buffers used in turn (the step loop unrolled by two), so no copy of the
 // prefetched weights per step: the copy wc = wn of warp_gemm costs ~40 register moves per step in SASS
 // (sm_90a, <0, 2, 4, 1, 1, 0>: 943 instructions per step, issue-bound at T = 1). STAGES = 1 variants.
-template <int RB, int NT>
+// XP > 0 (the XS variants' pieces): stage_x(p) stages the chunk's activations of K piece p (units/XP units of
+// each group) in shared memory: piece 0 once the first weights are in flight (and after the dependency
+// wait), before any activation is read, each later piece when the stream reaches it (the weights of the
+// next step already in flight); x_of then counts units from the piece's first.
+// RG > 1 (row groups): [u0, u1) spans RG groups of groups.units K units; group r reads the weights and scales
+// r * groups.w_stride / s_stride further on, and its sums go to group_end(acc, r) before they restart, except
+// the last group's, which stay in acc. One unbroken weight stream per warp over RG row groups: the pipeline's
+// fill and drain are paid once, not per group.
+struct RowGroups {
+  int units;
+  long long w_stride, s_stride;
+};
+template <int RB, int NT, int RG, int XP, class XOf, class StageX, class GroupEnd>
 __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
-                                                   const uint4* const (&sp)[RB], const uint4* const (&xrow)[NT],
-                                                   int u0, int u1, int lane, bool dep_wait) {
-  const int t = lane & 3;
+                                                   const uint4* const (&sp)[RB], const XOf& x_of,
+                                                   int u0, int u1, bool dep_wait, StageX stage_x,
+                                                   const RowGroups& groups, GroupEnd group_end) {
 #pragma unroll
   for (int j = 0; j < RB; ++j)
 #pragma unroll
@@ -179,21 +219,52 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
     return;
   }
   uint4 wa[kStep][RB], sa[RB], wb[kStep][RB], sb[RB];
-  auto compute_step = [&](const uint4 (&w)[kStep][RB], const uint4 (&sc)[RB], int u) {
+  auto load_step = [&](uint4 (&w)[kStep][RB], uint4 (&sc)[RB], int u) {
+    if constexpr (RG == 1) {
+      load_weight_step(w, sc, wp, sp, u);
+    } else {
+      const int r = u / groups.units;
+      const uint4* wq[RB];
+      const uint4* sq[RB];
 #pragma unroll
-    for (int uu = 0; uu < kStep; ++uu) {
-      auto w_of = [&](int j) { return w[uu][j]; };
-      unit_mma<RB, NT, decltype(w_of), false>(acc, w_of, sc, uu, xrow, u + uu, t);
+      for (int j = 0; j < RB; ++j) {
+        wq[j] = wp[j] + r * groups.w_stride;
+        sq[j] = sp[j] + r * groups.s_stride;
+      }
+      load_weight_step(w, sc, wq, sq, u - r * groups.units);
     }
   };
-  load_weight_step(wa, sa, wp, sp, u0);
+  auto compute_step = [&](const uint4 (&w)[kStep][RB], const uint4 (&sc)[RB], int u) {
+    const int r = RG == 1 ? 0 : u / groups.units, ul = u - r * groups.units;
+    int ux = ul;   // the unit as x_of counts it
+    if constexpr (XP > 0) {
+      const int piece_units = groups.units / XP, p = ul / piece_units;
+      ux = ul - p * piece_units;
+      if (XP > 1 && ux == 0 && u != u0) stage_x(p);   // one piece (XP 1) stays for every row group
+    }
+#pragma unroll
+    for (int uu = 0; uu < kStep; ++uu) {
+      unit_mma<RB, NT>(acc, [&](int j) { return w[uu][j]; }, sc, uu, x_of, ux + uu);
+    }
+    if (RG > 1 && ul + kStep == groups.units && u + kStep < u1) {
+      group_end(acc, r);
+#pragma unroll
+      for (int j = 0; j < RB; ++j)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[j][n][c] = 0.f;
+    }
+  };
+  load_step(wa, sa, u0);
   if (dep_wait) dependency_wait();   // the first weights are in flight; activations only after the wait
+  if constexpr (XP > 0) stage_x(0);
   for (int u = u0; u < u1; u += 2 * kStep) {
     const bool second = u + kStep < u1;
-    if (second) load_weight_step(wb, sb, wp, sp, u + kStep);
+    if (second) load_step(wb, sb, u + kStep);
     compute_step(wa, sa, u);
     if (!second) break;
-    if (u + 2 * kStep < u1) load_weight_step(wa, sa, wp, sp, u + 2 * kStep);
+    if (u + 2 * kStep < u1) load_step(wa, sa, u + 2 * kStep);
     compute_step(wb, sb, u + kStep);
   }
 }
@@ -205,12 +276,11 @@ using ddtree::cp_async_wait;
 // warp_gemm with the weight stream going through a per-warp shared-memory ring of S steps (cp.async):
 // S-1 steps (4 KB each for RB = 2) stay in flight without holding registers. Every lane reads back only the
 // 16-byte slots it copied itself, so the lane's own cp.async.wait_group is the only synchronisation.
-template <int RB, int NT, int S>
+template <int RB, int NT, int S, class XOf>
 __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
-                                                const uint4* const (&sp)[RB], const uint4* const (&xrow)[NT],
+                                                const uint4* const (&sp)[RB], const XOf& x_of,
                                                 int u0, int u1, int lane, uint4* ring, bool dep_wait) {
   constexpr int PER = kStep * RB + RB;   // 16-byte slots per lane per step: weights, then scales
-  const int t = lane & 3;
 #pragma unroll
   for (int j = 0; j < RB; ++j)
 #pragma unroll
@@ -243,7 +313,7 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
     for (int j = 0; j < RB; ++j) sc[j] = slot[(kStep * RB + j) * 32];
 #pragma unroll
     for (int uu = 0; uu < kStep; ++uu)
-      unit_mma<RB, NT>(acc, [&](int j) { return slot[(j * kStep + uu) * 32]; }, sc, uu, xrow, u + uu, t);
+      unit_mma<RB, NT>(acc, [&](int j) { return slot[(j * kStep + uu) * 32]; }, sc, uu, x_of, u + uu);
     if (i + S - 1 < nsteps) issue(i + S - 1);   // overwrites the slot read in step i - 1 (already consumed)
     cp_async_commit();
   }
@@ -253,36 +323,93 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
 
 namespace moe_int4 {
 
+// XS variants: K piece `piece` (of XS, each k / XS wide) of the chunk's real tokens' activation rows (c0 ..
+// c0 + 8 NT - 1, below count) copied into shared memory by the whole block, in XFromShared's layout; first
+// every warp is done with the previous piece. One copy per block instead of one read per warp: the
+// activations' L2 traffic (beside the weight stream through the same L2) shrinks by the block's warp count.
+template <int MODE, int NT, int XS>
+__device__ __forceinline__ void stage_x_tile(uint4* xs, const uint16_t* __restrict__ x, int ldx, int k, int c0,
+                                             int count, int offset, const int* __restrict__ sorted_token,
+                                             int piece) {
+  __syncthreads();
+  const int rows = min(8 * NT, count - c0), row_chunks = k / 8 / XS;
+  for (int r = 0; r < rows; ++r) {
+    const int row = MODE == 0 ? sorted_token[offset + c0 + r] : offset + c0 + r;
+    const uint4* src = reinterpret_cast<const uint4*>(x + (long long)row * ldx) + piece * row_chunks;
+    for (int c = threadIdx.x; c < row_chunks; c += blockDim.x) cp_async16(xs + r * row_chunks + (c ^ (r & 1)), src + c);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+}
+
 // One chunk of up to 8*NT tokens of a slot: stream the block's weights once, reduce the KS partial sums in
 // shared memory, store (MODE 0: h = SiLU(gate) * up as bf16; MODE 1: fp32).
-template <int MODE, int RB, int WN, int KS, int NT, int S>
+// XS: the activations come from shared memory (stage_x_tile into xs), else each warp reads them from global.
+// RG > 1: the warp's RG row groups (groups: K units per group, pointer strides; rb0 + r * rb_stride is group
+// r's first row block) in one weight stream, each group stored as it completes.
+template <int MODE, int RB, int WN, int KS, int NT, int S, int XS, int RG>
 __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int ldx, const uint4* const (&wp)[RB],
-                                           const uint4* const (&sp)[RB], int n_rows, int u0, int u1, int rb0,
-                                           int c0, int count, int offset, const int* __restrict__ sorted_token,
-                                           void* __restrict__ out, float* red, uint4* ring, bool dep_wait) {
+                                           const uint4* const (&sp)[RB], int n_rows, int k, int u0, int u1,
+                                           int rb0, int c0, int count, int offset,
+                                           const int* __restrict__ sorted_token, void* __restrict__ out, float* red,
+                                           uint4* ring, uint4* xs, bool dep_wait, const RowGroups& groups,
+                                           int rb_stride) {
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp % WN, ks = warp / WN;
   const int g = lane >> 2, t = lane & 3;
-  const uint4* xrow[NT];
+  // Lane (g, t) holds rows g and g+8 of each row block for tokens 2t and 2t+1 of each tile.
+  auto store = [&](const float (&acc)[RB][NT][4], int rb_first) {
 #pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int i = c0 + n * 8 + g;
-    const int pos = offset + i;
-    const int row = MODE == 0 ? (i < count ? sorted_token[pos] : 0) : pos;
-    // STAGES 1: a padding token reads a real row (token 0 / the chunk's first position; its outputs are never
-    // stored), so the unit loop needs no null test and no zeroing
-    const int pad_row = MODE == 0 ? 0 : offset + c0;
-    xrow[n] = i < count ? reinterpret_cast<const uint4*>(x + (long long)row * ldx)
-            : S == 1 ? reinterpret_cast<const uint4*>(x + (long long)pad_row * ldx) : nullptr;
-  }
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int i = c0 + n * 8 + 2 * t + (c & 1);
+        if (i >= count) continue;
+        const long long orow = (long long)(offset + i) * n_rows;
+#pragma unroll
+        for (int j = 0; j < RBM; ++j) {
+          const int col = (rb_first + j) * 16 + g + 8 * (c >> 1);
+          if (MODE == 0) {
+            const float h = silu(acc[j][n][c]) * acc[j + RBM][n][c];
+            reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(h);
+          } else {
+            reinterpret_cast<float*>(out)[orow + col] = acc[j][n][c];
+          }
+        }
+      }
+  };
+  auto group_end = [&](const float (&acc)[RB][NT][4], int r) { store(acc, rb0 + r * rb_stride); };
+  static_assert(RG == 1 || (S == 1 && KS == 1), "row groups: the register ping-pong pipeline, whole K per warp");
   float acc[RB][NT][4];
-  if constexpr (S == 1) {
-    warp_gemm_pingpong<RB, NT>(acc, wp, sp, xrow, u0, u1, lane, dep_wait);
-  } else if constexpr (S > 1) {
-    warp_gemm_async<RB, NT, S>(acc, wp, sp, xrow, u0, u1, lane, ring, dep_wait);
+  if constexpr (XS) {
+    static_assert(S == 1 && KS == 1, "XS: the register ping-pong pipeline, whole K per warp");
+    const XFromShared x_of{xs, k / 8 / XS, g, t};
+    warp_gemm_pingpong<RB, NT, RG, XS>(acc, wp, sp, x_of, u0, u1, dep_wait, [&](int piece) {
+      stage_x_tile<MODE, NT, XS>(xs, x, ldx, k, c0, count, offset, sorted_token, piece);
+    }, groups, group_end);
   } else {
-    warp_gemm<RB, NT>(acc, wp, sp, xrow, u0, u1, lane, dep_wait);
+    const uint4* xrow[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int i = c0 + n * 8 + g;
+      const int pos = offset + i;
+      const int row = MODE == 0 ? (i < count ? sorted_token[pos] : 0) : pos;
+      // STAGES 1: a padding token reads a real row (token 0 / the chunk's first position; its outputs are never
+      // stored), so the unit loop needs no null test and no zeroing
+      const int pad_row = MODE == 0 ? 0 : offset + c0;
+      xrow[n] = i < count ? reinterpret_cast<const uint4*>(x + (long long)row * ldx)
+              : S == 1 ? reinterpret_cast<const uint4*>(x + (long long)pad_row * ldx) : nullptr;
+    }
+    const XFromGlobal<NT, S != 1> x_of{xrow, t};
+    if constexpr (S == 1) {
+      warp_gemm_pingpong<RB, NT, RG, 0>(acc, wp, sp, x_of, u0, u1, dep_wait, [](int) {}, groups, group_end);
+    } else if constexpr (S > 1) {
+      warp_gemm_async<RB, NT, S>(acc, wp, sp, x_of, u0, u1, lane, ring, dep_wait);
+    } else {
+      warp_gemm<RB, NT>(acc, wp, sp, x_of, u0, u1, dep_wait);
+    }
   }
 
   if (KS > 1) {
@@ -308,25 +435,7 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
           for (int c = 0; c < 4; ++c)
             acc[j][n][c] += red[((((p - 1) * WN + wn) * RB + j) * NT * 4 + n * 4 + c) * 32 + lane];
   }
-  // Lane (g, t) holds rows g and g+8 of each row block for tokens 2t and 2t+1 of each tile.
-#pragma unroll
-  for (int n = 0; n < NT; ++n)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int i = c0 + n * 8 + 2 * t + (c & 1);
-      if (i >= count) continue;
-      const long long orow = (long long)(offset + i) * n_rows;
-#pragma unroll
-      for (int j = 0; j < RBM; ++j) {
-        const int col = (rb0 + j) * 16 + g + 8 * (c >> 1);
-        if (MODE == 0) {
-          const float h = silu(acc[j][n][c]) * acc[j + RBM][n][c];
-          reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(h);
-        } else {
-          reinterpret_cast<float*>(out)[orow + col] = acc[j][n][c];
-        }
-      }
-    }
+  store(acc, rb0 + (RG - 1) * rb_stride);   // the last (only) group
 }
 
 }  // namespace moe_int4
@@ -383,11 +492,15 @@ __device__ __forceinline__ void combine4(const float* __restrict__ down_out, con
 // and the ks-th part of K; the KS partial sums meet in shared memory. The slot's tokens go through in
 // chunks of 8, 16 or 32 (NT = 1, 2, 4 tiles, at most NTMAX), the weights streamed once per chunk.
 // STAGES = 0: weights prefetched one step ahead in registers; 1: the same with two register buffers in turn
-// (no per-step copy); STAGES >= 2: through a cp.async ring.
+// (no per-step copy); STAGES >= 2: through a cp.async ring. XS > 0 (STAGES 1, KS 1): each chunk's activations
+// are staged in dynamic shared memory by the block in XS pieces along K (8 NTMAX x k / XS bf16 at a time)
+// instead of read by every warp.
+// RG > 1 (STAGES 1, KS 1): the block covers RG row groups of WN x RB row blocks, each warp streaming its RG
+// groups back to back (grid.x = rows / (16 RBM WN RG)).
 // MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
 // tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
-template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES>
+template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1>
 __global__ void __launch_bounds__(32 * WN * KS, STAGES == 1 ? 1 : 0)   // 1: room for both buffers
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
@@ -415,7 +528,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     const int wn = warp % WN, ks = warp / WN;
     const int g = lane >> 2, t = lane & 3;
     const int row_blocks = n_rows / 16, units = k / kUnit, supers = k / kSuper;
-    const int rb0 = (blockIdx.x * WN + wn) * RBM;
+    const int rb0 = (blockIdx.x * RG * WN + wn) * RBM;   // row group r: rb0 + r * WN * RBM
 
     const uint4* wp[RB];
     const uint4* sp[RB];
@@ -429,29 +542,33 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     }
     // This warp's K range, in whole pipeline steps.
     const int steps = units / kStep;
-    const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep;
+    const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep + (RG - 1) * units;
+    const RowGroups groups{units, (long long)WN * RBM * units * 32, (long long)WN * RBM * supers * 32};
 
     __shared__ float red[KS > 1 ? (KS - 1) * WN * RB * NTMAX * 4 * 32 : 1];
-    // STAGES > 0: dynamic shared memory holds each warp's weight ring, STAGES x (4 RB + RB) x 32 x 16 bytes.
+    // STAGES > 1: dynamic shared memory holds each warp's weight ring, STAGES x (4 RB + RB) x 32 x 16 bytes;
+    // XS: the activation tile (moe_ring itself).
     extern __shared__ uint4 moe_ring[];
     uint4* ring = moe_ring + warp * STAGES * (kStep * RB + RB) * 32;
     bool wait_first = pre;   // the first chunk waits once its first weights are in flight
-    for (int c0 = 0; c0 < count;) {   // count is uniform over the block: every warp takes the same branches
+    int c0 = 0;
+    auto chunk = [&](auto nt) {   // one chunk of 8 nt tokens from c0 on
+      constexpr int NT = decltype(nt)::value;
+      gemm_chunk<MODE, RB, WN, KS, NT, STAGES, XS, RG>(x, ldx, wp, sp, n_rows, k, u0, u1, rb0, c0, count, offset,
+                                                       sorted_token, out, red, ring, moe_ring, wait_first, groups,
+                                                       WN * RBM);
+      c0 += 8 * NT;
+      wait_first = false;
+    };
+    while (c0 < count) {   // count is uniform over the block: every warp takes the same branches
       const int rem = count - c0;
       if (NTMAX >= 4 && rem > 16) {
-        gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 4 ? 4 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
-                                                                  offset, sorted_token, out, red, ring, wait_first);
-        c0 += 32;
+        chunk(TileCount<(NTMAX >= 4 ? 4 : 1)>{});
       } else if (NTMAX >= 2 && rem > 8) {
-        gemm_chunk<MODE, RB, WN, KS, (NTMAX >= 2 ? 2 : 1), STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count,
-                                                                  offset, sorted_token, out, red, ring, wait_first);
-        c0 += 16;
+        chunk(TileCount<(NTMAX >= 2 ? 2 : 1)>{});
       } else {
-        gemm_chunk<MODE, RB, WN, KS, 1, STAGES>(x, ldx, wp, sp, n_rows, u0, u1, rb0, c0, count, offset,
-                                                sorted_token, out, red, ring, wait_first);
-        c0 += 8;
+        chunk(TileCount<1>{});
       }
-      wait_first = false;
     }
   } else if (pre) {
     dependency_wait();   // an empty slot still waits before it touches the tickets
@@ -467,7 +584,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     __syncthreads();
     if (!last_flag) return;
     __threadfence();
-    constexpr int kCols = 16 * RB * WN, kQuads = kCols / 4;
+    constexpr int kCols = 16 * RB * WN * RG, kQuads = kCols / 4;
     const int col0 = blockIdx.x * kCols;
     for (int i = threadIdx.x; i < T * kQuads; i += blockDim.x)
       combine4<true>(reinterpret_cast<const float*>(out), topk_w, assign_pos, shared, y, n_rows, topk,

@@ -182,9 +182,19 @@ register(KernelFamily(
 _MMA_SYNC_PTX = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"
 MOE_GEMM_VARIANTS = tuple(
     f"moe_w4a16_kernel<{mode}, {rest}>" for mode in (0, 1)
-    for rest in ("2, 4, 1, 1, 0", "2, 4, 1, 1, 3", "2, 4, 1, 1, 4", "2, 2, 1, 1, 3", "2, 2, 1, 1, 4", "2, 2, 1, 1, 6",
-                 "2, 4, 1, 2, 0", "2, 4, 1, 2, 3", "2, 2, 1, 2, 3", "2, 4, 1, 4, 3",
-                 "2, 4, 1, 1, 1", "2, 4, 1, 2, 1"))   # STAGES 1: register ping-pong (not yet measured)
+    for rest in ("2, 4, 1, 1, 0", "2, 4, 1, 1, 3", "2, 2, 1, 1, 3", "2, 4, 1, 2, 0", "2, 4, 1, 2, 3", "2, 2, 1, 2, 3",
+                 "2, 4, 1, 4, 3", "2, 4, 1, 1, 1",
+                 # XS: activations staged once per block in shared memory (8 NTMAX x K bf16: gate_up's 7168-wide
+                 # rows fit one 8-token tile)
+                 "2, 4, 1, 1, 1, 1", "2, 8, 1, 1, 1, 1",
+                 # ... in 2 / 4 pieces along K (gate_up's 7168-wide rows: 57 / 29 KB per 8 tokens)
+                 "2, 4, 1, 1, 1, 4", "2, 4, 1, 2, 1, 4", "2, 4, 1, 4, 1, 4", "2, 2, 1, 2, 1, 2", "2, 4, 1, 2, 1, 2",
+                 # RG: each warp streams RG row groups back to back (one pipeline fill per RG groups)
+                 "2, 4, 1, 1, 1, 0, 2") + (
+        ("2, 4, 1, 2, 1, 1", "2, 4, 1, 4, 1, 1", "2, 4, 1, 2, 1, 0, 4", "2, 4, 1, 2, 1, 1, 2", "2, 4, 1, 2, 1, 1, 4",
+         "2, 4, 1, 1, 1, 1, 4") if mode else ()))
+# Measured and dropped (H200, 2026-12-03 (7) run 3, uniform T = 16..256, % of read BW per stage): the deeper
+# cp.async rings STAGES 4 / 6 (43-68%) and the two-tile ping-pong <2, 4, 1, 2, 1> (58-73%).
 # (K split over the warps of a block, KS = 2 / 4, was measured at T = 1..16 and lost: PERF.md, 2026-12-03 (2).)
 register(KernelFamily(
     name="moe_int4",

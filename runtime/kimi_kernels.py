@@ -164,7 +164,8 @@ class MoeWeights:
         return cls(e, hidden, inter, *d)
 
 
-# Variant per token-bucket: (gate_up entry, down entry); template arguments MODE, RB, WN, KS, NTMAX, STAGES.
+# Variant per token-bucket: (gate_up entry, down entry); template arguments MODE, RB, WN, KS, NTMAX, STAGES
+# (, XS, RG: variant_params).
 # Picked per stage from tools/bench_moe.py on the H200 (docs/PERF.md, Kimi MoE section): the fastest variant
 # under uniform routing for T <= 128, and the 32-token-chunk variants above, which also win on skewed routing.
 # T <= 16: the two-buffer register variants (STAGES 1), faster than the STAGES 0 register prefetch in the
@@ -174,22 +175,31 @@ class MoeWeights:
 # T = 17..128, down: the register-prefetch <1, 2, 4, 1, 1, 0> over the ring <1, 2, 2, 1, 1, 3>, faster in both
 # 2026-12-03 (4) runs 2 and 3 (T = 32 481 / 461 vs 490 / 500 us, T = 64 691 / 696 vs 732 / 795, T = 128
 # 872 / 858 vs 943 / 940); gate_up keeps the ring (fastest at 32..128 in both).
+# T > 16, down: the activations staged once per block in shared memory (XS), 2026-12-03 (7) run 5, whole layer
+# (default gmma plan), same run: uniform T = 64 / 128 / 256 1883 / 2402 / 2751 us with the previous down
+# variants, 1833 / 2306 (four row groups per warp, <1, 2, 4, 1, 1, 1, 1, 4>) and 2683 (16-token chunks,
+# <1, 2, 4, 1, 2, 1, 1>); skewed T = 256 1128 -> 1126 (the 16-token chunks; the 8-token row groups 1219).
 DEFAULT_VARIANTS = {
     16: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1>"),
-    128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 0>"),
-    1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 4, 3>"),
+    128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
+    1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),
 }
 
 
 def variant_params(entry: str) -> tuple[int, ...]:
-    """"moe_w4a16_kernel<0, 2, 4, 1, 1, 3>" -> (MODE, RB, WN, KS, NTMAX, STAGES)."""
-    return tuple(int(v) for v in entry[entry.index("<") + 1:entry.index(">")].split(","))
+    """"moe_w4a16_kernel<0, 2, 4, 1, 1, 3>" -> (MODE, RB, WN, KS, NTMAX, STAGES, XS, RG); the template's
+    defaults XS = 0, RG = 1 where the name leaves them out."""
+    params = tuple(int(v) for v in entry[entry.index("<") + 1:entry.index(">")].split(","))
+    return params + (0, 1)[len(params) - 6:]
 
 
-def moe_ring_bytes(entry: str) -> int:
-    """Dynamic shared memory of a variant: each warp's cp.async ring (STAGES x 5 RB x 32 lanes x 16 B);
-    none for the register variants (STAGES 0 and 1)."""
-    _, rb, wn, ks, _, stages = variant_params(entry)
+def moe_smem_bytes(entry: str, k: int) -> int:
+    """Dynamic shared memory of a variant at reduction width k: each warp's cp.async ring (STAGES x 5 RB x 32
+    lanes x 16 B; none for the register pipelines, STAGES 0 and 1), or with XS the activation tile of one token
+    chunk and K piece (8 NTMAX rows of k / XS bf16)."""
+    _, rb, wn, ks, ntmax, stages, xs, _ = variant_params(entry)
+    if xs:
+        return 8 * ntmax * (k // xs) * 2
     return wn * ks * stages * (4 * rb + rb) * 32 * 16 if stages > 1 else 0
 
 
@@ -211,9 +221,11 @@ FUSE_COMBINE_MAX_TOKENS = 0
 # 2026-12-03 (6) run 6 (same run, skewed): T = 256 the warp-specialized kernel (PIPE 4) on experts with >= 64
 # tokens in 256-token passes 1127.5 us vs 1195.0 for the PIPE 3 plan; T = 64 PIPE 4 on >= 16 in 128-token
 # passes 667.5 vs 627.1 (small experts leave a consumer warpgroup idle; PIPE 3 stays below T = 256).
+# 2026-12-03 (7) run 2 (same run, skewed T = 256): PIPE 5 (wgmma N cut to the token count) 1118.6 us vs 1132.3
+# for PIPE 4, gate_up_hot 212.8 vs 231.9 us; uniform T = 256 2762.4 vs 2901.2.
 GMMA_AUTO_TOKENS = 64
 # T bound -> (min tokens per expert, tokens per pass, PIPE)
-GMMA_AUTO = {255: (16, 64, 3), 1 << 30: (64, 256, 4)}
+GMMA_AUTO = {255: (16, 64, 3), 1 << 30: (64, 256, 5)}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
@@ -470,15 +482,23 @@ class MoeLayer:
         combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared).
         counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones)."""
         cuda = _cuda()
-        mode, rb, wn, ks, _, _ = variant_params(entry)
+        mode, rb, wn, ks, _, stages, xs, rg = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
-        if n_rows % (16 * rbm * wn) or k % 512:
-            raise ValueError(f"{entry}: N={n_rows} must be a multiple of {16 * rbm * wn} and K={k} of 512")
+        block_rows = 16 * rbm * wn * rg
+        if n_rows % block_rows or k % 512:
+            raise ValueError(f"{entry}: N={n_rows} must be a multiple of {block_rows} and K={k} of 512")
         if mode == 0 and (early or combine):
             raise ValueError(f"{entry}: early start and the folded combine are for the down GEMM only")
-        grid = (n_rows // (16 * rbm * wn), self.num_slots)
+        grid = (n_rows // block_rows, self.num_slots)
+        if (xs or rg > 1) and (stages != 1 or ks != 1):
+            raise ValueError(f"{entry}: staged activations (XS) and row groups (RG) need STAGES 1 and KS 1")
+        if xs and k % (256 * xs):
+            raise ValueError(f"{entry}: K={k} does not split into {xs} pieces of whole 4-unit steps")
         kernel = cuda.get_kernel("moe_int4", entry)
-        smem = moe_ring_bytes(entry)
+        smem = moe_smem_bytes(entry, k)
+        if smem > cuda.get_device().smem_optin_bytes:
+            raise ValueError(f"{entry}: {smem} bytes of shared memory at K={k}, more than the device's "
+                             f"{cuda.get_device().smem_optin_bytes}")
         if smem > 48 * 1024:
             kernel.set_max_dynamic_smem(smem)
         null = np.uint64(0)

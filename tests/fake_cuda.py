@@ -29,7 +29,7 @@ class FakeDevice:
         self.top = 0
         self.capturing: list | None = None
         self.host_blocks: dict = {}
-        self.device = SimpleNamespace(name="fake", cc=(9, 0), arch="90a", sm_count=132, ordinal=0,
+        self.device = SimpleNamespace(name="fake", cc=(9, 0), arch="90a", sm_count=132, ordinal=0, smem_optin_bytes=232448,
                                       synchronize=lambda: None)
 
     # ---- memory ---------------------------------------------------------------------------------------------

@@ -362,17 +362,33 @@ def test_moe_layer_small(cuda_device, T, E, hidden, inter, variants):
     _check_moe(T, E, hidden, inter, variants, topk=4)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", [v.split("<")[1] for v in MOE_GEMM_VARIANTS if v.startswith("moe_w4a16_kernel<0")])
-def test_moe_layer_variants(cuda_device, variant):
-    """Every gate_up/down pair of the registry table, with tokens per expert spanning 1..4 tiles."""
-    _check_moe(45, 8, 1024, 1024, (f"moe_w4a16_kernel<{variant}", f"moe_w4a16_kernel<1{variant[1:]}"), topk=4)
+def _variant_pairs():
+    """(gate_up, down) pairs covering every registry variant: each gate_up with the down of the same
+    parameters, each down without such a twin with the first gate_up."""
+    gate_up = [v for v in MOE_GEMM_VARIANTS if v.startswith("moe_w4a16_kernel<0")]
+    down = [v for v in MOE_GEMM_VARIANTS if v.startswith("moe_w4a16_kernel<1")]
+    twin = {v: v.replace("<0", "<1", 1) for v in gate_up}
+    return ([(g, twin[g] if twin[g] in down else down[0]) for g in gate_up] +
+            [(gate_up[0], d) for d in down if d not in twin.values()])
 
 
 @pytest.mark.gpu
-def test_moe_layer_real_shape_subset(cuda_device):
-    """Kimi K2 shapes (7168 -> 2048) on 10 experts, top-8, with a shared-expert term."""
-    _check_moe(9, 10, 7168, 2048, None, topk=8, shared=True)
+@pytest.mark.parametrize("variants", _variant_pairs(), ids=lambda p: f"{p[0][16:]}+{p[1][16:]}")
+def test_moe_layer_variants(cuda_device, variants):
+    """Every gate_up and down variant of the registry table, with tokens per expert spanning 1..4 tiles."""
+    _check_moe(45, 8, 1024, 1024, variants, topk=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variants", [None, ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1>",
+                                             "moe_w4a16_kernel<1, 2, 4, 1, 4, 1, 1>"),
+                                      ("moe_w4a16_kernel<0, 2, 4, 1, 4, 1, 4>",
+                                       "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1, 4>")])
+def test_moe_layer_real_shape_subset(cuda_device, variants):
+    """Kimi K2 shapes (7168 -> 2048) on 10 experts, top-8, with a shared-expert term; the defaults, and the
+    staged-activation variants at their largest tiles (gate_up's 8 x 7168 and down's 32 x 2048 bf16), in K
+    pieces and with row groups."""
+    _check_moe(9 if variants is None else 40, 10, 7168, 2048, variants, topk=8, shared=True)
 
 
 @pytest.mark.gpu

@@ -93,7 +93,7 @@ def _checking_cuda(prepared):
     nothing = types.SimpleNamespace(synchronize=lambda: None, record=lambda *a: None, wait=lambda *a: None)
     return types.SimpleNamespace(
         empty=_FakeArray, to_device=lambda a: _FakeArray(np.asarray(a).shape, np.asarray(a).dtype),
-        get_kernel=get_kernel, get_device=lambda: types.SimpleNamespace(arch="90a", sm_count=132),
+        get_kernel=get_kernel, get_device=lambda: types.SimpleNamespace(arch="90a", sm_count=132, smem_optin_bytes=232448),
         default_stream=lambda: nothing, Stream=lambda: nothing, Event=lambda timing=True: nothing)
 
 

@@ -250,7 +250,13 @@ def time_plan(weights, T, E, x, logits, plan, iters):
     import gc
     from runtime import cuda
     from runtime.bf16 import to_bf16
-    from runtime.kimi_kernels import MoeLayer
+    from runtime.kimi_kernels import MoeLayer, default_variants
+    if "gate_up" in plan or "down" in plan:   # one GEMM's variant by its parameters, the other T's default
+        plan = dict(plan)
+        gate_up, down = default_variants(T)
+        variants = (f"moe_w4a16_kernel<{plan.pop('gate_up')}>" if "gate_up" in plan else gate_up,
+                    f"moe_w4a16_kernel<{plan.pop('down')}>" if "down" in plan else down)
+        plan["variants"] = variants
     layer = MoeLayer(weights, T, np.zeros(E, np.float32), **plan)
     layer.x.upload(to_bf16(x))
     layer.logits.upload(logits)
@@ -347,6 +353,26 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=16/128", dict(gmma_min_tokens=16, gmma_tile=128)),
         ("gmma>=16/256", dict(gmma_min_tokens=16, gmma_tile=256)),
         ("gmma>=32/256", dict(gmma_min_tokens=32, gmma_tile=256)),
+        # one GEMM's variant replaced ("down"/"gate_up" = the moe_w4a16_kernel parameters; the other stays T's
+        # default): staged activations (XS), row groups (RG)
+        ("dn-pp", dict(down="1, 2, 4, 1, 1, 1")),
+        ("dn-xs", dict(down="1, 2, 4, 1, 1, 1, 1")),
+        ("dn-xs2", dict(down="1, 2, 4, 1, 2, 1, 1")),
+        ("dn-xs-rg4", dict(down="1, 2, 4, 1, 1, 1, 1, 4")),
+        ("dn-xs2-rg2", dict(down="1, 2, 4, 1, 2, 1, 1, 2")),
+        ("dn-xs2-rg4", dict(down="1, 2, 4, 1, 2, 1, 1, 4")),
+        ("dn-rg4", dict(down="1, 2, 4, 1, 2, 1, 0, 4")),
+        ("gu-rg2", dict(gate_up="0, 2, 4, 1, 1, 1, 0, 2")),
+        ("gu-xs4", dict(gate_up="0, 2, 4, 1, 1, 1, 4")),
+        ("gu-xs4-2", dict(gate_up="0, 2, 4, 1, 2, 1, 4")),
+        ("gu-xs4-4", dict(gate_up="0, 2, 4, 1, 4, 1, 4")),
+        ("gu-xs2-2", dict(gate_up="0, 2, 4, 1, 2, 1, 2")),
+        ("gu-xs2-2w2", dict(gate_up="0, 2, 2, 1, 2, 1, 2")),
+        ("dn-old", dict(down="1, 2, 4, 1, 1, 0")),
+        ("dn-old256", dict(down="1, 2, 4, 1, 4, 3")),
+        ("dn-xs2p2", dict(down="1, 2, 4, 1, 2, 1, 2")),
+        ("gu-ring1", dict(gate_up="0, 2, 2, 1, 1, 3")),
+        ("gu-ring2", dict(gate_up="0, 2, 2, 1, 2, 3")),
     ]
 
 
