@@ -179,8 +179,11 @@ class MoeWeights:
 # (default gmma plan), same run: uniform T = 64 / 128 / 256 1883 / 2402 / 2751 us with the previous down
 # variants, 1833 / 2306 (four row groups per warp, <1, 2, 4, 1, 1, 1, 1, 4>) and 2683 (16-token chunks,
 # <1, 2, 4, 1, 2, 1, 1>); skewed T = 256 1128 -> 1126 (the 16-token chunks; the 8-token row groups 1219).
+# T <= 16, down: XS too, run 7: uniform T = 1 / 2 / 4 / 8 / 16 78.5 / 141.6 / 235.2 / 401.6 / 688.8 us vs
+# 79.6 / 143.6 / 237.3 / 404.8 / 698.8 with <1, 2, 4, 1, 1, 1>, skewed 83.0 / 129.6 / 163.4 / 184.3 / 300.1 vs
+# 81.8 / 130.2 / 164.0 / 186.4 / 303.7.
 DEFAULT_VARIANTS = {
-    16: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1>"),
+    16: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),
 }
