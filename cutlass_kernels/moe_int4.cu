@@ -96,7 +96,7 @@ struct XFromGlobal {
   }
 };
 
-// The same fragments from the chunk's activations staged in shared memory (XS variants, stage_x_tile), u
+// The same fragments from the chunk's activations staged in shared memory (XS variants, stage_x_piece), u
 // counted from the staged piece's first unit: row r = 8n + g holds row_chunks 16-byte chunks, chunk c stored
 // at c ^ (r & 1) so that the two tokens g, g + 1 a quarter warp reads land in different banks. Padding rows
 // hold stale values; their outputs are never stored.
@@ -191,10 +191,10 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
 // warp_gemm with two register buffers used in turn (the step loop unrolled by two), so no copy of the
 // prefetched weights per step: the copy wc = wn of warp_gemm costs ~40 register moves per step in SASS
 // (sm_90a, <0, 2, 4, 1, 1, 0>: 943 instructions per step, issue-bound at T = 1). STAGES = 1 variants.
-// XP > 0 (the XS variants' pieces): stage_x(p) stages the chunk's activations of K piece p (units/XP units of
-// each group) in shared memory: piece 0 once the first weights are in flight (and after the dependency
-// wait), before any activation is read, each later piece when the stream reaches it (the weights of the
-// next step already in flight); x_of then counts units from the piece's first.
+// XP > 0 (the XS variants' pieces): stage_x(q) makes piece q of the chunk's activations (row group q / XP, K
+// piece q % XP, units / XP units) ready in shared memory: piece 0 once the first weights are in flight (and
+// after the dependency wait), before any activation is read, each later piece when the stream reaches it;
+// x_of then counts units from the piece's first, plus units / XP for odd q (the second buffer).
 // RG > 1 (row groups): [u0, u1) spans RG groups of groups.units K units; group r reads the weights and scales
 // r * groups.w_stride / s_stride further on, and its sums go to group_end(acc, r) before they restart, except
 // the last group's, which stay in acc. One unbroken weight stream per warp over RG row groups: the pipeline's
@@ -237,10 +237,11 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
   auto compute_step = [&](const uint4 (&w)[kStep][RB], const uint4 (&sc)[RB], int u) {
     const int r = RG == 1 ? 0 : u / groups.units, ul = u - r * groups.units;
     int ux = ul;   // the unit as x_of counts it
-    if constexpr (XP > 0) {
-      const int piece_units = groups.units / XP, p = ul / piece_units;
+    if constexpr (XP > 1) {   // (one piece, XP 1, stays for every row group)
+      const int piece_units = groups.units / XP, p = ul / piece_units, q = r * XP + p;
       ux = ul - p * piece_units;
-      if (XP > 1 && ux == 0 && u != u0) stage_x(p);   // one piece (XP 1) stays for every row group
+      if (ux == 0 && u != u0) stage_x(q);
+      ux += (q & 1) * piece_units;   // piece q's buffer
     }
 #pragma unroll
     for (int uu = 0; uu < kStep; ++uu) {
@@ -323,29 +324,48 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
 
 namespace moe_int4 {
 
-// XS variants: K piece `piece` (of XS, each k / XS wide) of the chunk's real tokens' activation rows (c0 ..
-// c0 + 8 NT - 1, below count) copied into shared memory by the whole block, in XFromShared's layout; first
-// every warp is done with the previous piece. One copy per block instead of one read per warp: the
-// activations' L2 traffic (beside the weight stream through the same L2) shrinks by the block's warp count.
+// XS variants: the chunk's real tokens' activation rows (c0 .. c0 + 8 NT - 1, below count) go into shared
+// memory once per block instead of being read by every warp: the activations' L2 traffic (beside the weight
+// stream through the same L2) shrinks by the block's warp count. XS = 1: the whole K; XS > 1: XS pieces of
+// k / XS, two buffers side by side in each row (XFromShared's row of 2 k / XS), the next piece copied while
+// the current one is read.
+// issue_x_piece: the cp.async copies of piece `piece` into buffer `buf` (every thread its share, one group).
 template <int MODE, int NT, int XS>
-__device__ __forceinline__ void stage_x_tile(uint4* xs, const uint16_t* __restrict__ x, int ldx, int k, int c0,
-                                             int count, int offset, const int* __restrict__ sorted_token,
-                                             int piece) {
-  __syncthreads();
-  const int rows = min(8 * NT, count - c0), row_chunks = k / 8 / XS;
+__device__ __forceinline__ void issue_x_piece(uint4* xs, const uint16_t* __restrict__ x, int ldx, int k, int c0,
+                                              int count, int offset, const int* __restrict__ sorted_token,
+                                              int piece, int buf) {
+  const int rows = min(8 * NT, count - c0), piece_chunks = k / 8 / XS;
+  const int row_chunks = XS > 1 ? 2 * piece_chunks : piece_chunks;
   for (int r = 0; r < rows; ++r) {
     const int row = MODE == 0 ? sorted_token[offset + c0 + r] : offset + c0 + r;
-    const uint4* src = reinterpret_cast<const uint4*>(x + (long long)row * ldx) + piece * row_chunks;
-    for (int c = threadIdx.x; c < row_chunks; c += blockDim.x) cp_async16(xs + r * row_chunks + (c ^ (r & 1)), src + c);
+    const uint4* src = reinterpret_cast<const uint4*>(x + (long long)row * ldx) + piece * piece_chunks;
+    uint4* dst = xs + r * row_chunks;
+    for (int c = threadIdx.x; c < piece_chunks; c += blockDim.x)
+      cp_async16(dst + ((buf * piece_chunks + c) ^ (r & 1)), src + c);
   }
   cp_async_commit();
+}
+
+// Piece q of the chunk's run of RG x XS pieces (row group q / XS, K piece q % XS, buffer q % 2) ready for
+// every warp: q = 0 first waits for every warp to be done with the previous chunk and copies it; later pieces
+// were copied one piece ahead. Then the copy of piece q + 1 starts, into the buffer of piece q - 1, which every
+// warp is done with (they are all past the barrier, at piece q).
+template <int MODE, int NT, int XS, int RG>
+__device__ __forceinline__ void stage_x_piece(uint4* xs, const uint16_t* __restrict__ x, int ldx, int k, int c0,
+                                              int count, int offset, const int* __restrict__ sorted_token, int q) {
+  if (q == 0) {
+    __syncthreads();
+    issue_x_piece<MODE, NT, XS>(xs, x, ldx, k, c0, count, offset, sorted_token, 0, 0);
+  }
   cp_async_wait<0>();
   __syncthreads();
+  if (XS > 1 && q + 1 < RG * XS)
+    issue_x_piece<MODE, NT, XS>(xs, x, ldx, k, c0, count, offset, sorted_token, (q + 1) % XS, (q + 1) & 1);
 }
 
 // One chunk of up to 8*NT tokens of a slot: stream the block's weights once, reduce the KS partial sums in
 // shared memory, store (MODE 0: h = SiLU(gate) * up as bf16; MODE 1: fp32).
-// XS: the activations come from shared memory (stage_x_tile into xs), else each warp reads them from global.
+// XS: the activations come from shared memory (stage_x_piece into xs), else each warp reads them from global.
 // RG > 1: the warp's RG row groups (groups: K units per group, pointer strides; rb0 + r * rb_stride is group
 // r's first row block) in one weight stream, each group stored as it completes.
 template <int MODE, int RB, int WN, int KS, int NT, int S, int XS, int RG>
@@ -385,9 +405,9 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
   float acc[RB][NT][4];
   if constexpr (XS) {
     static_assert(S == 1 && KS == 1, "XS: the register ping-pong pipeline, whole K per warp");
-    const XFromShared x_of{xs, k / 8 / XS, g, t};
-    warp_gemm_pingpong<RB, NT, RG, XS>(acc, wp, sp, x_of, u0, u1, dep_wait, [&](int piece) {
-      stage_x_tile<MODE, NT, XS>(xs, x, ldx, k, c0, count, offset, sorted_token, piece);
+    const XFromShared x_of{xs, (XS > 1 ? 2 : 1) * (k / 8 / XS), g, t};
+    warp_gemm_pingpong<RB, NT, RG, XS>(acc, wp, sp, x_of, u0, u1, dep_wait, [&](int q) {
+      stage_x_piece<MODE, NT, XS, RG>(xs, x, ldx, k, c0, count, offset, sorted_token, q);
     }, groups, group_end);
   } else {
     const uint4* xrow[NT];

@@ -188,12 +188,14 @@ MOE_GEMM_VARIANTS = tuple(
                  # XS: activations staged once per block in shared memory (8 NTMAX x K bf16: gate_up's 7168-wide
                  # rows fit one 8-token tile)
                  "2, 4, 1, 1, 1, 1", "2, 8, 1, 1, 1, 1",
-                 # ... in 2 / 4 pieces along K (gate_up's 7168-wide rows: 57 / 29 KB per 8 tokens)
+                 # ... in XS pieces along K, double-buffered (gate_up's 7168-wide rows: 2 x 1792 / 1024 / 512
+                 # columns per token at XS = 4 / 7 / 14)
                  "2, 4, 1, 1, 1, 4", "2, 4, 1, 2, 1, 4", "2, 4, 1, 4, 1, 4", "2, 2, 1, 2, 1, 2", "2, 4, 1, 2, 1, 2",
                  # RG: each warp streams RG row groups back to back (one pipeline fill per RG groups)
                  "2, 4, 1, 1, 1, 0, 2") + (
         ("2, 4, 1, 2, 1, 1", "2, 4, 1, 4, 1, 1", "2, 4, 1, 2, 1, 0, 4", "2, 4, 1, 2, 1, 1, 2", "2, 4, 1, 2, 1, 1, 4",
-         "2, 4, 1, 1, 1, 1, 4") if mode else ()))
+         "2, 4, 1, 1, 1, 1, 4") if mode else
+        ("2, 4, 1, 1, 1, 7", "2, 4, 1, 2, 1, 7", "2, 4, 1, 2, 1, 14", "2, 4, 1, 4, 1, 14")))
 # Measured and dropped (H200, 2026-12-03 (7) run 3, uniform T = 16..256, % of read BW per stage): the deeper
 # cp.async rings STAGES 4 / 6 (43-68%) and the two-tile ping-pong <2, 4, 1, 2, 1> (58-73%).
 # (K split over the warps of a block, KS = 2 / 4, was measured at T = 1..16 and lost: PERF.md, 2026-12-03 (2).)

@@ -199,10 +199,10 @@ def variant_params(entry: str) -> tuple[int, ...]:
 def moe_smem_bytes(entry: str, k: int) -> int:
     """Dynamic shared memory of a variant at reduction width k: each warp's cp.async ring (STAGES x 5 RB x 32
     lanes x 16 B; none for the register pipelines, STAGES 0 and 1), or with XS the activation tile of one token
-    chunk and K piece (8 NTMAX rows of k / XS bf16)."""
+    chunk: 8 NTMAX rows of k bf16 (XS 1), or of two K pieces of k / XS (XS > 1: one read, the next copied)."""
     _, rb, wn, ks, ntmax, stages, xs, _ = variant_params(entry)
     if xs:
-        return 8 * ntmax * (k // xs) * 2
+        return 8 * ntmax * (k // xs if xs > 1 else k) * (2 if xs > 1 else 1) * 2
     return wn * ks * stages * (4 * rb + rb) * 32 * 16 if stages > 1 else 0
 
 
