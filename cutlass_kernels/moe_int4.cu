@@ -26,6 +26,7 @@
 //   grid_dependency_wait returned, i.e. after routing completed and its writes were flushed (to L2, which
 //   __ldcg reads). Every kernel here calls launch_dependents only after its own wait, keeping that chain.
 #include <cuda_bf16.h>
+#include <cuda/std/type_traits>
 #include <cute/arch/mma_sm80.hpp>
 #include "device_common.cuh"
 #include "int4_dequant.cuh"
@@ -72,10 +73,6 @@ __device__ __forceinline__ void dependency_wait() {
 constexpr int kUnit = 64;        // K columns per 16-byte lane load
 constexpr int kSuper = 512;      // K columns per scale superblock
 constexpr int kStep = 4;         // K units per pipeline step (one 16-byte scale load per row block)
-template <int N>
-struct TileCount {               // a token tile count as a type (one instantiation per chunk size)
-  static constexpr int value = N;
-};
 
 // The lane's activation fragments of token tile n, unit u (columns 16t..16t+15 of the permuted unit) from
 // the rows in global memory: xrow[n] = token g of tile n, or nullptr for padding (zeros; PAD_ZERO false:
@@ -583,11 +580,11 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     while (c0 < count) {   // count is uniform over the block: every warp takes the same branches
       const int rem = count - c0;
       if (NTMAX >= 4 && rem > 16) {
-        chunk(TileCount<(NTMAX >= 4 ? 4 : 1)>{});
+        chunk(cuda::std::integral_constant<int, (NTMAX >= 4 ? 4 : 1)>{});
       } else if (NTMAX >= 2 && rem > 8) {
-        chunk(TileCount<(NTMAX >= 2 ? 2 : 1)>{});
+        chunk(cuda::std::integral_constant<int, (NTMAX >= 2 ? 2 : 1)>{});
       } else {
-        chunk(TileCount<1>{});
+        chunk(cuda::std::integral_constant<int, 1>{});
       }
     }
   } else if (pre) {
