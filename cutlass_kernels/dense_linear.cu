@@ -132,12 +132,7 @@ linear_bf16_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   // W fragment registers of one stage: [row tile][unit][row g / g+8][first / second 16 bytes]
   uint4 wa[RT][kUnits][2][2], wb[RT][kUnits][2][2];
   float acc[RT][MT][4];
-#pragma unroll
-  for (int r = 0; r < RT; ++r)
-#pragma unroll
-    for (int j = 0; j < MT; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[r][j][c] = 0.f;
+  ddtree::zero_fragments(acc);
 
   auto load_w = [&](int chunk, uint4 (&dst)[RT][kUnits][2][2]) {
     const int kc = k_begin + chunk * kChunk;
@@ -357,10 +352,7 @@ linear_bf16_xres_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 
   uint4 wr[STAGES][2][2];  // [ring slot][row g / g+8][first / second 16 bytes of the unit]
   float acc[1][MT][4];
-#pragma unroll
-  for (int j = 0; j < MT; ++j)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) acc[0][j][c] = 0.f;
+  ddtree::zero_fragments(acc);
 
   auto load_unit = [&](int u, uint4 (&dst)[2][2]) {
 #pragma unroll

@@ -32,6 +32,17 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return v;
 }
 
+// Zero a [A][B] grid of mma.sync m16n8 accumulator fragments (4 floats each).
+template <int A, int B>
+__device__ __forceinline__ void zero_fragments(float (&acc)[A][B][4]) {
+#pragma unroll
+  for (int a = 0; a < A; ++a)
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+}
+
 // 16-byte global -> shared copy, bypassing L1; valid = false zero-fills (tails).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid = true) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));

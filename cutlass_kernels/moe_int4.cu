@@ -155,12 +155,7 @@ template <int RB, int NT, class XOf>
 __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
                                           const uint4* const (&sp)[RB], const XOf& x_of,
                                           int u0, int u1, bool dep_wait) {
-#pragma unroll
-  for (int j = 0; j < RB; ++j)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[j][n][c] = 0.f;
+  ddtree::zero_fragments(acc);
   if (u0 >= u1) {
     if (dep_wait) dependency_wait();
     return;
@@ -205,12 +200,7 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
                                                    const uint4* const (&sp)[RB], const XOf& x_of,
                                                    int u0, int u1, bool dep_wait, StageX stage_x,
                                                    const RowGroups& groups, GroupEnd group_end) {
-#pragma unroll
-  for (int j = 0; j < RB; ++j)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[j][n][c] = 0.f;
+  ddtree::zero_fragments(acc);
   if (u0 >= u1) {
     if (dep_wait) dependency_wait();
     return;
@@ -246,12 +236,7 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
     }
     if (RG > 1 && ul + kStep == groups.units && u + kStep < u1) {
       group_end(acc, r);
-#pragma unroll
-      for (int j = 0; j < RB; ++j)
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[j][n][c] = 0.f;
+      ddtree::zero_fragments(acc);
     }
   };
   load_step(wa, sa, u0);
@@ -279,12 +264,7 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
                                                 const uint4* const (&sp)[RB], const XOf& x_of,
                                                 int u0, int u1, int lane, uint4* ring, bool dep_wait) {
   constexpr int PER = kStep * RB + RB;   // 16-byte slots per lane per step: weights, then scales
-#pragma unroll
-  for (int j = 0; j < RB; ++j)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[j][n][c] = 0.f;
+  ddtree::zero_fragments(acc);
   const int nsteps = (u1 - u0) / kStep;
   auto issue = [&](int i) {
     const int u = u0 + i * kStep;

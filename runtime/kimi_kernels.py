@@ -202,7 +202,8 @@ def moe_smem_bytes(entry: str, k: int) -> int:
     chunk: 8 NTMAX rows of k bf16 (XS 1), or of two K pieces of k / XS (XS > 1: one read, the next copied)."""
     _, rb, wn, ks, ntmax, stages, xs, _ = variant_params(entry)
     if xs:
-        return 8 * ntmax * (k // xs if xs > 1 else k) * (2 if xs > 1 else 1) * 2
+        row_width = k if xs == 1 else 2 * (k // xs)
+        return 8 * ntmax * row_width * 2
     return wn * ks * stages * (4 * rb + rb) * 32 * 16 if stages > 1 else 0
 
 
@@ -498,10 +499,9 @@ class MoeLayer:
         if xs and k % (256 * xs):
             raise ValueError(f"{entry}: K={k} does not split into {xs} pieces of whole 4-unit steps")
         kernel = cuda.get_kernel("moe_int4", entry)
-        smem = moe_smem_bytes(entry, k)
-        if smem > cuda.get_device().smem_optin_bytes:
-            raise ValueError(f"{entry}: {smem} bytes of shared memory at K={k}, more than the device's "
-                             f"{cuda.get_device().smem_optin_bytes}")
+        smem, smem_max = moe_smem_bytes(entry, k), cuda.get_device().smem_optin_bytes
+        if smem > smem_max:
+            raise ValueError(f"{entry}: {smem} bytes of shared memory at K={k}, more than the device's {smem_max}")
         if smem > 48 * 1024:
             kernel.set_max_dynamic_smem(smem)
         null = np.uint64(0)
