@@ -498,10 +498,10 @@ class MoeLayer:
             raise ValueError(f"{entry}: staged activations (XS) and row groups (RG) need STAGES 1 and KS 1")
         if xs and k % (256 * xs):
             raise ValueError(f"{entry}: K={k} does not split into {xs} pieces of whole 4-unit steps")
-        kernel = cuda.get_kernel("moe_int4", entry)
         smem, smem_max = moe_smem_bytes(entry, k), cuda.get_device().smem_optin_bytes
         if smem > smem_max:
             raise ValueError(f"{entry}: {smem} bytes of shared memory at K={k}, more than the device's {smem_max}")
+        kernel = cuda.get_kernel("moe_int4", entry)
         if smem > 48 * 1024:
             kernel.set_max_dynamic_smem(smem)
         null = np.uint64(0)

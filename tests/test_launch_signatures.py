@@ -118,6 +118,43 @@ def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
         assert names.count("gate_up_hot") == len(plan["gmma_tiers"])
 
 
+@pytest.mark.parametrize("variants", [
+    ("moe_w4a16_kernel<0, 2, 4, 1, 2, 1, 14>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
+    ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 0, 2>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 2>"),
+])
+def test_moe_staged_variants_launch_with_their_shared_memory(monkeypatch, variants):
+    """The XS / RG variants at the Kimi shapes: grids shrink by the row groups, the dynamic shared memory is
+    the staged activation tile (two pieces side by side with XS > 1)."""
+    prepared = []
+    monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda(prepared))
+    E, hidden, inter = 384, 7168, 2048
+    w = kk.MoeWeights(E, hidden, inter, *(_FakeArray((1,), np.uint8) for _ in range(6)))
+    layer = kk.MoeLayer(w, 64, np.zeros(E, np.float32), variants=variants, gmma_min_tokens=None)
+    launches = {launch.kernel.entry: launch for launch in prepared}
+    for entry, k, rows in ((variants[0], hidden, inter), (variants[1], inter, hidden)):
+        _, rb, wn, _, _, _, xs, rg = kk.variant_params(entry)
+        rbm = rb // 2 if entry.startswith("moe_w4a16_kernel<0") else rb
+        assert launches[entry].grid[0] == rows // (16 * rbm * wn * rg)
+        assert launches[entry].smem == kk.moe_smem_bytes(entry, k)
+        assert (launches[entry].smem > 0) == (xs > 0)
+    assert layer.variants == variants
+
+
+@pytest.mark.parametrize("variants,message", [
+    (("moe_w4a16_kernel<0, 2, 4, 1, 1, 3, 1>", None), "need STAGES 1 and KS 1"),       # XS on the cp.async ring
+    ((None, "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 7>"), "does not split into 7 pieces"),  # K = 2048 into 7
+    (("moe_w4a16_kernel<0, 2, 4, 1, 4, 1, 1>", None), "bytes of shared memory"),       # 32 x 7168 bf16
+])
+def test_moe_variant_that_does_not_fit_is_refused(monkeypatch, variants, message):
+    monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda([]))
+    E, hidden, inter = 384, 7168, 2048
+    w = kk.MoeWeights(E, hidden, inter, *(_FakeArray((1,), np.uint8) for _ in range(6)))
+    gate_up, down = kk.default_variants(64)
+    variants = (variants[0] or gate_up, variants[1] or down)
+    with pytest.raises(ValueError, match=message):
+        kk.MoeLayer(w, 64, np.zeros(E, np.float32), variants=variants, gmma_min_tokens=None)
+
+
 @pytest.mark.parametrize("kernel", ["mma", "gmma", "gmma-split"])
 @pytest.mark.parametrize("tq,heads,prefix,masked,splits", [(1, 64, 4000, True, None), (65, 8, 300, True, 1),
                                                            (40, 8, 77, False, 4)])
