@@ -341,7 +341,7 @@ __device__ __forceinline__ void stage_x_piece(uint4* xs, const uint16_t* __restr
 }
 
 // One chunk of up to 8*NT tokens of a slot: stream the block's weights once, reduce the KS partial sums in
-// shared memory, store (MODE 0: h = SiLU(gate) * up as bf16; MODE 1: fp32).
+// shared memory, store (MODE 0: h = SiLU(gate) * up; MODE 1: the expert's output; both bf16).
 // XS: the activations come from shared memory (stage_x_piece into xs), else each warp reads them from global.
 // RG > 1: the warp's RG row groups (groups: K units per group, pointer strides; rb0 + r * rb_stride is group
 // r's first row block) in one weight stream, each group stored as it completes.
@@ -372,7 +372,7 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
             const float h = silu(acc[j][n][c]) * acc[j + RBM][n][c];
             reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(h);
           } else {
-            reinterpret_cast<float*>(out)[orow + col] = acc[j][n][c];
+            reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(acc[j][n][c]);
           }
         }
       }
@@ -440,16 +440,22 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
 namespace moe_int4 {
 
 // y[tok, col..col+3] = sum_j topk_w[tok, j] * down_out[assign_pos[tok, j], col..] (+ shared), fp32, j in
-// order, bf16 out. CG: read down_out through L2 (written by other blocks of the running grid). All topk
-// loads are issued before the first add (a loop of dependent L2 round trips cost ~0.6 us per pick).
+// order, bf16 out. down_out is bf16: each expert's output rounded once, as a bf16 model's expert MLP returns
+// it (and half the bytes of fp32: at T = 256 the fp32 rows, 59 MB, no longer stayed in L2 for this read).
+// CG: read down_out through L2 (written by other blocks of the running grid). All topk loads are issued
+// before the first add (a loop of dependent L2 round trips cost ~0.6 us per pick).
 constexpr int kMaxTopk = 16;
+__device__ __forceinline__ float4 bf16x4_to_float4(uint2 b) {
+  return make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xffff0000u),
+                     __uint_as_float(b.y << 16), __uint_as_float(b.y & 0xffff0000u));
+}
 template <bool CG>
-__device__ __forceinline__ void combine4(const float* __restrict__ down_out, const float* __restrict__ topk_w,
+__device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, const float* __restrict__ topk_w,
                                          const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
                                          uint16_t* __restrict__ y, int n, int topk, int tok, int col) {
   float w[kMaxTopk];
   int pos[kMaxTopk];
-  float4 v[kMaxTopk];
+  uint2 v[kMaxTopk];
 #pragma unroll
   for (int j = 0; j < kMaxTopk; ++j)
     if (j < topk) {
@@ -459,19 +465,19 @@ __device__ __forceinline__ void combine4(const float* __restrict__ down_out, con
 #pragma unroll
   for (int j = 0; j < kMaxTopk; ++j)
     if (j < topk) {
-      const float4* src = reinterpret_cast<const float4*>(down_out + (long long)pos[j] * n + col);
+      const uint2* src = reinterpret_cast<const uint2*>(down_out + (long long)pos[j] * n + col);
       v[j] = CG ? __ldcg(src) : *src;
     }
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int j = 0; j < kMaxTopk; ++j)
     if (j < topk) {
-      s.x += w[j] * v[j].x; s.y += w[j] * v[j].y; s.z += w[j] * v[j].z; s.w += w[j] * v[j].w;
+      const float4 e = bf16x4_to_float4(v[j]);
+      s.x += w[j] * e.x; s.y += w[j] * e.y; s.z += w[j] * e.z; s.w += w[j] * e.w;
     }
   if (shared != nullptr) {
-    const uint2 b = *reinterpret_cast<const uint2*>(shared + (long long)tok * n + col);
-    s.x += __uint_as_float(b.x << 16); s.y += __uint_as_float(b.x & 0xffff0000u);
-    s.z += __uint_as_float(b.y << 16); s.w += __uint_as_float(b.y & 0xffff0000u);
+    const float4 e = bf16x4_to_float4(*reinterpret_cast<const uint2*>(shared + (long long)tok * n + col));
+    s.x += e.x; s.y += e.y; s.z += e.z; s.w += e.w;
   }
   __nv_bfloat162 lo = __floats2bfloat162_rn(s.x, s.y), hi = __floats2bfloat162_rn(s.z, s.w);
   uint2 o;
@@ -484,7 +490,7 @@ __device__ __forceinline__ void combine4(const float* __restrict__ down_out, con
 
 // One grouped W4A16 GEMM. MODE 0 (gate_up): X rows gathered through sorted_token, weights wq0/ws0 = gate
 // and wq1/ws1 = up, epilogue h = SiLU(gate) * up stored bf16 at the sorted position [P, n_rows].
-// MODE 1 (down): X = h (rows at sorted positions), weights wq0/ws0 = down, fp32 output [P, n_rows].
+// MODE 1 (down): X = h (rows at sorted positions), weights wq0/ws0 = down, bf16 output [P, n_rows].
 // Block: WN x KS warps; warp (wn, ks) owns RB row blocks (MODE 0: RB/2 of gate and the same RB/2 of up)
 // and the ks-th part of K; the KS partial sums meet in shared memory. The slot's tokens go through in
 // chunks of 8, 16 or 32 (NT = 1, 2, 4 tiles, at most NTMAX), the weights streamed once per chunk.
@@ -584,7 +590,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     constexpr int kCols = 16 * RB * WN * RG, kQuads = kCols / 4;
     const int col0 = blockIdx.x * kCols;
     for (int i = threadIdx.x; i < T * kQuads; i += blockDim.x)
-      combine4<true>(reinterpret_cast<const float*>(out), topk_w, assign_pos, shared, y, n_rows, topk,
+      combine4<true>(reinterpret_cast<const uint16_t*>(out), topk_w, assign_pos, shared, y, n_rows, topk,
                      i / kQuads, col0 + (i % kQuads) * 4);
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;   // ready for the next launch (graph replay)
   }
@@ -592,7 +598,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
 
 // y[t] = sum_j weight[t, j] * down_out[assign_pos[t, j]] (+ shared[t]), fp32 sum in a fixed order, bf16 out.
 // One block per token, 4 consecutive columns per thread.
-extern "C" __global__ void moe_combine_kernel(const float* __restrict__ down_out, const float* __restrict__ topk_w,
+extern "C" __global__ void moe_combine_kernel(const uint16_t* __restrict__ down_out, const float* __restrict__ topk_w,
                                               const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
                                               uint16_t* __restrict__ y, int n, int topk) {
   moe_int4::dependency_wait();

@@ -4,7 +4,7 @@
 // 8..32-token chunk (PERF: a hot expert with 236 tokens is compute-bound there).
 //
 // Same weight layout (runtime/kimi_kernels.py repack_int4_experts), same slot list, same outputs as
-// moe_w4a16_kernel: MODE 0 (gate_up) h[pos, col] = SiLU(gate) * up, bf16; MODE 1 (down) out[pos, row] fp32.
+// moe_w4a16_kernel: MODE 0 (gate_up) h[pos, col] = SiLU(gate) * up, bf16; MODE 1 (down) out[pos, row] bf16.
 // A slot runs here when min_count <= its token count < max_count (launches for several tiers of counts may
 // split the hot slots between pipelines); moe_slot_split_kernel writes the counts the mma.sync kernel sees
 // (count < the lowest tier's min_count ? count : 0), so each slot is done by exactly one kernel.
@@ -189,7 +189,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 }
 
 // MODE 0: x bf16 [T, ldx] gathered by sorted_token, weights gate (wq0/ws0) and up (wq1/ws1), out h bf16
-// [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out fp32 [P, n_rows].
+// [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out bf16 [P, n_rows].
 // Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + (2 + PIPE) *
 // (16384 + TN * 128) for PIPE 0 / 1, 1024 + 4 * TN * 128 for PIPE 2 / 3 (moe_gmma_smem_bytes in kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
@@ -361,7 +361,8 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         __syncthreads();   // the staging (stage buffers) is free again for the next chunk
       } else {
         for_each_output([&](int tok, int r, float v) {
-          reinterpret_cast<float*>(out)[(long long)(offset + c0 + tok) * n_rows + blockIdx.x * 128 + wg * 64 + r] = v;
+          reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + c0 + tok) * n_rows + blockIdx.x * 128 + wg * 64 + r] =
+              __float2bfloat16_rn(v);
         });
       }
     }
@@ -604,9 +605,9 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
             reinterpret_cast<__nv_bfloat16*>(out)[orow + blockIdx.x * 64 + r + 8 * i] =
                 __float2bfloat16_rn(silu(acc0[a]) * acc1[a]);
           } else {
-            float* o = reinterpret_cast<float*>(out) + orow + blockIdx.x * 128 + r + 8 * i;
-            o[0] = acc0[a];
-            o[64] = acc1[a];
+            __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(out) + orow + blockIdx.x * 128 + r + 8 * i;
+            o[0] = __float2bfloat16_rn(acc0[a]);
+            o[64] = __float2bfloat16_rn(acc1[a]);
           }
         }
       }

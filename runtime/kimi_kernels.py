@@ -371,7 +371,7 @@ class MoeLayer:
         self.sorted_token = cuda.empty((P,), np.int32)
         self.assign_pos = cuda.empty((T, topk), np.int32)
         self.h = cuda.empty((P, w.inter), np.uint16)
-        self.down_out = cuda.empty((P, w.hidden), np.float32)
+        self.down_out = cuda.empty((P, w.hidden), np.uint16)   # bf16: each expert's output, rounded once
         self.y = cuda.empty((T, w.hidden), np.uint16)
         self.shared = shared
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)

@@ -66,19 +66,33 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
-        shared: np.ndarray | None = None) -> np.ndarray:
+        shared: np.ndarray | None = None, with_slack: bool = False):
     """Routed MoE in float32. x [T, K]; gate/up [E, I, K], down [E, K, I] float32 (dequantized); the
-    intermediate h is rounded through bf16 as the kernel stores it. Returns float32 [T, K]."""
+    intermediate h and each expert's output are rounded through bf16 as the kernels store them (as a bf16
+    model's expert MLP returns them); the weighted sum over the picks is float32. Returns float32 [T, K].
+
+    with_slack: also return, per output element, sum_j |w[t, j]| * ulp(expert output j): what the rounding
+    of the expert outputs can move the result by when the kernel's float32 sum (another summation order)
+    and this one fall on the two sides of a bf16 rounding boundary. Returns (y, slack)."""
     x = np.asarray(x, np.float32)
     y = np.zeros((x.shape[0], down.shape[1]), np.float32)
+    slack = np.zeros_like(y)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             h = round_bf16(silu(gate[e] @ x[t]) * (up[e] @ x[t]))
-            y[t] += w[t, j] * (down[e] @ h)
+            out = round_bf16(down[e] @ h)
+            y[t] += w[t, j] * out
+            slack[t] += abs(w[t, j]) * bf16_ulp(out)
     if shared is not None:
         y += shared
-    return y
+    return (y, slack) if with_slack else y
+
+
+def bf16_ulp(v: np.ndarray) -> np.ndarray:
+    """The spacing of bf16 values at |v| (8 significant bits; the smallest normal's spacing below it)."""
+    e = np.floor(np.log2(np.maximum(np.abs(np.asarray(v, np.float64)), 2.0 ** -126)))
+    return (2.0 ** (e - 7)).astype(np.float32)
 
 
 def mla_attention(q: np.ndarray, kv: np.ndarray, prefix_len: int, softmax_scale: float,

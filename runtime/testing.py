@@ -56,10 +56,12 @@ _STORAGE = {"bf16": np.dtype(np.uint16), "fp32": np.dtype(np.float32)}
 
 
 def assert_close(got, want, what: str = "", *, dtype: str = "fp32", rtol: float | None = None,
-                 atol: float = 0.0, scale: str | None = "max", show: int = 5):
+                 atol: float = 0.0, scale: str | None = "max", slack=None, show: int = 5):
     """Assert got == want within tolerance, elementwise:
 
-        |got - want| <= rtol * |want| + atol * S,   S = max|want| (scale="max"), mean|want| ("mean"), 1 (None)
+        |got - want| <= rtol * |want| + atol * S (+ slack),   S = max|want| (scale="max"), mean|want| ("mean"),
+        1 (None); slack: an optional array of absolute per-element allowances broadcast to want's shape (what
+        the reference knows an intermediate rounding can move each element by)
 
     In order: the shapes must match; `got` must be stored as `dtype` ("bf16": uint16 bit patterns, as a
     DeviceArray download gives them, converted exactly; "fp32": float32); `want` must be finite; every
@@ -80,7 +82,10 @@ def assert_close(got, want, what: str = "", *, dtype: str = "fp32", rtol: float 
     mag = np.abs(want)
     s = 1.0 if scale is None or want.size == 0 else float(mag.max() if scale == "max" else mag.mean())
     err = np.abs(got - want)
-    bad = ~np.isfinite(got) | ~(err <= rtol * mag + atol * s)    # written so that a NaN error is bad
+    bound = rtol * mag + atol * s
+    if slack is not None:
+        bound = bound + np.broadcast_to(np.asarray(slack, np.float64), want.shape)
+    bad = ~np.isfinite(got) | ~(err <= bound)    # written so that a NaN error is bad
     if bad.any():
         idx = np.argwhere(bad)[:show]
         first = ", ".join(f"{tuple(int(v) for v in i)}: got {got[tuple(i)]:.6g} want {want[tuple(i)]:.6g}"

@@ -237,6 +237,36 @@ def test_mla_split_s_p_tile_mapping():
             assert smem[row * 64 + ((pos // 8) ^ (row % 8)) * 8 + pos % 8] == P[row, pos], (row, pos)
 
 
+def test_moe_reference_rounding_slack():
+    """The expert outputs are rounded through bf16 (as the kernels store them); the reference's slack is what one
+    rounding flip per pick can move an output by, and assert_close's slack argument admits exactly that."""
+    np.testing.assert_array_equal(ref.bf16_ulp(np.array([1.0, 1.99, 0.75, -3.0, 96.0], np.float32)),
+                                  np.array([2.0 ** -7, 2.0 ** -7, 2.0 ** -8, 2.0 ** -6, 0.5], np.float32))
+    rng = np.random.default_rng(5)
+    E, K, I, T, topk = 4, 64, 32, 3, 2
+    gate, up, down = (rng.standard_normal(shape).astype(np.float32) for shape in ((E, I, K), (E, I, K), (E, K, I)))
+    x = round_bf16(rng.standard_normal((T, K)).astype(np.float32))
+    ids = np.array([[0, 1], [2, 3], [1, 2]], np.int32)
+    w = rng.uniform(0.1, 1.0, (T, topk)).astype(np.float32)
+    y, slack = ref.moe(x, ids, w, gate, up, down, with_slack=True)
+    np.testing.assert_array_equal(y, ref.moe(x, ids, w, gate, up, down))
+    outs = [[round_bf16(down[e] @ round_bf16(ref.silu(gate[e] @ x[t]) * (up[e] @ x[t]))) for e in ids[t]]
+            for t in range(T)]
+    for t in range(T):   # each output is already a bf16 value; slack = sum_j |w| ulp(out_j)
+        for out in outs[t]:
+            np.testing.assert_array_equal(out, round_bf16(out))
+        np.testing.assert_allclose(slack[t], sum(abs(w[t, j]) * ref.bf16_ulp(outs[t][j]) for j in range(topk)),
+                                   rtol=1e-6)
+    # every pick's output one ulp off (the worst flip) stays inside the slack, and fails without it
+    flipped = np.stack([sum(w[t, j] * (outs[t][j] + ref.bf16_ulp(outs[t][j])) for j in range(topk))
+                        for t in range(T)]).astype(np.float32)
+    got = to_bf16(flipped)
+    tight = dict(dtype="bf16", rtol=0.0, atol=0.0, scale=None)
+    assert_close(got, y, "flip within slack", **tight, slack=slack * 1.01 + ref.bf16_ulp(y))
+    with pytest.raises(AssertionError):
+        assert_close(got, y, "flip without slack", **tight, slack=ref.bf16_ulp(y) / 4)
+
+
 def test_route_reference_matches_plain_topk_and_groups():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 64)).astype(np.float32)
@@ -464,7 +494,7 @@ def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **laye
     layer.x.upload(to_bf16(x))
     layer.logits.upload(logits)
     ids, wts = ref.route(logits, bias, topk)
-    want = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], sh)
+    want, slack = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], sh, with_slack=True)
     outs = []
     for run in range(runs):
         for a in (layer.h, layer.down_out, layer.y):
@@ -472,7 +502,7 @@ def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **laye
         layer.forward()
         outs.append(layer.y.download())
         assert_close(outs[-1], want, f"MoE T={T} E={E} {layer.variants} {layer_options} run {run}", dtype="bf16",
-                     rtol=RTOL, atol=RTOL, scale="mean")
+                     rtol=RTOL, atol=RTOL, scale="mean", slack=slack)
         np.testing.assert_array_equal(outs[-1], outs[0], err_msg=f"run {run} differs from run 0")
 
 
@@ -505,8 +535,9 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
             layer.forward()
         outs.append(layer.y.download())
     ids, wts = ref.route(logits, bias, topk)
-    want = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], sh)
-    assert_close(outs[0], want, f"MoE T={T} default plan", dtype="bf16", rtol=RTOL, atol=RTOL, scale="mean")
+    want, slack = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], sh, with_slack=True)
+    assert_close(outs[0], want, f"MoE T={T} default plan", dtype="bf16", rtol=RTOL, atol=RTOL, scale="mean",
+                 slack=slack)
     for plan, out in zip(plans[1:], outs[1:]):
         np.testing.assert_array_equal(out, outs[0], err_msg=f"plan {plan}")
 
@@ -549,9 +580,9 @@ def _check_graph_replay(layer, dense, rng, *, T, E, hidden, topk, trials):
         graph.launch(stream)
         stream.synchronize()
         ids, wts = ref.route(logits, np.zeros(E, np.float32), topk)
-        want = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"])
+        want, slack = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], with_slack=True)
         assert_close(layer.y.download(), want, f"graph replay {trial}", dtype="bf16", rtol=RTOL, atol=RTOL,
-                     scale="mean")
+                     scale="mean", slack=slack)
 
 
 MLA_CASES = [
