@@ -182,8 +182,12 @@ class MoeWeights:
 # T <= 16, down: XS too, run 7: uniform T = 1 / 2 / 4 / 8 / 16 78.5 / 141.6 / 235.2 / 401.6 / 688.8 us vs
 # 79.6 / 143.6 / 237.3 / 404.8 / 698.8 with <1, 2, 4, 1, 1, 1>, skewed 83.0 / 129.6 / 163.4 / 184.3 / 300.1 vs
 # 81.8 / 130.2 / 164.0 / 186.4 / 303.7.
+# T = 9..16, gate_up: the 16-token-chunk ring (one weight pass for an expert with 9-16 tokens), 2026-12-03 (8) run
+# 9: skewed T = 16 271.9 vs 299.0 us, uniform 676.5 vs 681.4; run 10: at T = 1 / 4 it loses (83.0 / 239.6 vs
+# 79.4 / 229.8). Run 11 with it: skewed T = 12 / 16 206.1 / 273.5 us, uniform 562.2 / 681.9.
 DEFAULT_VARIANTS = {
-    16: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
+    8: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
+    16: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),
 }
@@ -227,7 +231,10 @@ FUSE_COMBINE_MAX_TOKENS = 0
 # passes 667.5 vs 627.1 (small experts leave a consumer warpgroup idle; PIPE 3 stays below T = 256).
 # 2026-12-03 (7) run 2 (same run, skewed T = 256): PIPE 5 (wgmma N cut to the token count) 1118.6 us vs 1132.3
 # for PIPE 4, gate_up_hot 212.8 vs 231.9 us; uniform T = 256 2762.4 vs 2901.2.
-GMMA_AUTO_TOKENS = 64
+# 2026-12-03 (8) runs 9-10 (same run, layer us): from T = 32, skewed T = 32 / 48 455.0 / 618.9 -> 402.1 / 486.7,
+# uniform 1193.9 / 1572.5 -> 1216.7 / 1607.9 (the empty hot launches and the fork / join: ~2%, capping the hot grid
+# at 8 rows did not remove it), T = 16 skewed 299.0 -> 293.4 (one expert at 16 tokens): not taken below 32.
+GMMA_AUTO_TOKENS = 32
 # T bound -> (min tokens per expert, tokens per pass, PIPE)
 GMMA_AUTO = {255: (16, 64, 3), 1 << 30: (64, 256, 5)}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
