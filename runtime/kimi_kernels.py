@@ -290,7 +290,9 @@ class MoeLayer:
     launches packed once. `forward(stream)` runs routing -> gate_up -> down (-> combine) on the device.
 
     Inputs (fill before forward): .x bf16 [T, hidden], .logits fp32 [T, E] (router logits), optional
-    shared-expert output bf16 [T, hidden] passed at construction. Output: .y bf16 [T, hidden].
+    shared-expert output bf16 [T, hidden] passed at construction. Output: .y bf16 [T, hidden] = the routing
+    weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
+    bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
     Launch plan (defaults = fastest measured; the switches exist for A/B timing and tests, all give the same
     bits): fused_routing: one moe_route_kernel instead of moe_topk + moe_group; fuse_combine (default
