@@ -54,11 +54,13 @@ register(KernelFamily(
     source="int4_convert.cu",
     entries=("int4_to_bf16_kernel<128>", "int4_to_bf16_kernel<256>", "int4_to_bf16_group_kernel<128>"),
 ))
-# Streaming read kernel for the bandwidth benchmark and a trivial kernel for launch/graph overheads.
+# Streaming read kernel for the bandwidth benchmark, a trivial kernel for launch/graph overheads, and the MoE
+# weight stream's access pattern without its arithmetic (tools/bench_stream_rows.py).
 register(KernelFamily(
     name="runtime_probe",
     source="runtime_probe.cu",
-    entries=("read_sum_kernel", "add_scalar_kernel", "noop_kernel"),
+    entries=("read_sum_kernel", "add_scalar_kernel", "noop_kernel") + tuple(
+        f"stream_rows_kernel<{depth}, {hint}>" for depth in (1, 2, 3, 4, 6) for hint in (0, 1)),
 ))
 # One MMA atom per arch family, never run: proves the SASS check catches the tensor-core instruction.
 register(KernelFamily(

@@ -21,3 +21,56 @@ extern "C" __global__ void add_scalar_kernel(float* x, float a, float b, int n) 
 }
 
 extern "C" __global__ void noop_kernel(const void* p, int n) {}
+
+// The MoE weight stream without its arithmetic (tools/bench_stream_rows.py): warp w streams 2 separate rows
+// (streams 2w, 2w + 1) of `units` 512-byte units, 4 units (2 KB) per row per step, DEPTH steps in flight in
+// registers, as moe_w4a16_kernel reads its two row blocks. step_major 0: each row contiguous (the repacked
+// weight layout); 1: step s of every row side by side (rows interleaved at 2 KB). HINT: the L2::256B
+// prefetch hint moe_int4.cu's loads carry. Xor-folds everything, writes only on an impossible value.
+template <int HINT>
+__device__ __forceinline__ uint4 probe_load(const uint4* p) {
+  uint4 r;
+  if constexpr (HINT)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+template <int DEPTH, int HINT>
+__global__ void stream_rows_kernel(const uint4* __restrict__ src, int units, int streams, int step_major,
+                                   unsigned int* __restrict__ sink) {
+  const int lane = threadIdx.x & 31;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (2 * warp >= streams) return;
+  const int steps = units / 4;
+  auto at = [&](int j, int s, int uu) -> const uint4* {
+    const long long sid = 2LL * warp + j;
+    const long long unit = step_major ? ((long long)s * streams + sid) * 4 + uu : sid * units + 4LL * s + uu;
+    return src + unit * 32 + lane;
+  };
+  uint4 buf[DEPTH][8];
+  auto load = [&](uint4 (&b)[8], int s) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int uu = 0; uu < 4; ++uu) b[j * 4 + uu] = probe_load<HINT>(at(j, s, uu));
+  };
+  unsigned int acc = 0;
+#pragma unroll
+  for (int d = 0; d < DEPTH - 1; ++d)
+    if (d < steps) load(buf[d], d);
+  for (int s0 = 0; s0 < steps; s0 += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {   // unrolled: the buffer indices are constants
+      const int s = s0 + d;
+      if (s >= steps) break;
+      if (s + DEPTH - 1 < steps) load(buf[(d + DEPTH - 1) % DEPTH], s + DEPTH - 1);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc ^= buf[d][i].x ^ buf[d][i].y ^ buf[d][i].z ^ buf[d][i].w;
+    }
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}

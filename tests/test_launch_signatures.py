@@ -36,6 +36,9 @@ def test_ptx_entry_params_of_real_kernels():
     probe = compile_family("runtime_probe", "90a", progress=False)
     assert probe.entry_param_sizes("read_sum_kernel") == (8, 8, 8)   # (const uint4*, long long, unsigned*)
     assert probe.entry_param_sizes("noop_kernel") == (8, 4)
+    # tools/bench_stream_rows.py: (const uint4*, int units, int streams, int step_major, unsigned*)
+    for depth in (1, 6):
+        assert probe.entry_param_sizes(f"stream_rows_kernel<{depth}, 1>") == (8, 4, 4, 4, 8)
 
 
 class _Kernel:

@@ -35,6 +35,7 @@ step bench_tree python3 tools/bench_tree.py
 step bench_dense python3 tools/bench_dense.py --quick --peer
 # the default plan, without the wgmma hot path, and the tiered hot path (all plans: `--plans ''`, ~1 hour)
 step bench_moe python3 tools/bench_moe.py --no-variants --plans 'no-gmma,tiers64ws/16ra2'
+step bench_stream_rows python3 -m tools.bench_stream_rows
 step bench_mla python3 tools/bench_mla.py --kernel mma,gmma,gmma-split
 step bench_load python3 tools/bench_load.py --size-gb 4
 # Engine on CUDA (issue 6): graph-captured AR / DDTree on SmolLM2-135M (the GGUF at DDTREE_SMOLLM2_GGUF),
