@@ -180,9 +180,11 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[RB][NT][4], const uint4* 
   }
 }
 
-// warp_gemm with two register buffers used in turn (the step loop unrolled by two), so no copy of the
-// prefetched weights per step: the copy wc = wn of warp_gemm costs ~40 register moves per step in SASS
-// (sm_90a, <0, 2, 4, 1, 1, 0>: 943 instructions per step, issue-bound at T = 1). STAGES = 1 variants.
+// warp_gemm with D register buffers used in turn (the step loop unrolled by D), so no copy of the prefetched
+// weights per step: the copy wc = wn of warp_gemm costs ~40 register moves per step in SASS (sm_90a,
+// <0, 2, 4, 1, 1, 0>: 943 instructions per step, issue-bound at T = 1). D - 1 steps are in flight while one is
+// computed. STAGES = 1 variants: D = 2; STAGES = -D: D = 3, 4 (more bytes in flight per warp for the small
+// grids of T <= 8, at 40 registers per buffer).
 // XP > 0 (the XS variants' pieces): stage_x(q) makes piece q of the chunk's activations (row group q / XP, K
 // piece q % XP, units / XP units) ready in shared memory: piece 0 once the first weights are in flight (and
 // after the dependency wait), before any activation is read, each later piece when the stream reaches it;
@@ -195,7 +197,7 @@ struct RowGroups {
   int units;
   long long w_stride, s_stride;
 };
-template <int RB, int NT, int RG, int XP, class XOf, class StageX, class GroupEnd>
+template <int RB, int NT, int RG, int XP, int D, class XOf, class StageX, class GroupEnd>
 __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
                                                    const uint4* const (&sp)[RB], const XOf& x_of,
                                                    int u0, int u1, bool dep_wait, StageX stage_x,
@@ -205,7 +207,7 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
     if (dep_wait) dependency_wait();
     return;
   }
-  uint4 wa[kStep][RB], sa[RB], wb[kStep][RB], sb[RB];
+  static_assert(D >= 2, "at least two register buffers");
   auto load_step = [&](uint4 (&w)[kStep][RB], uint4 (&sc)[RB], int u) {
     if constexpr (RG == 1) {
       load_weight_step(w, sc, wp, sp, u);
@@ -239,16 +241,35 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
       ddtree::zero_fragments(acc);
     }
   };
-  load_step(wa, sa, u0);
-  if (dep_wait) dependency_wait();   // the first weights are in flight; activations only after the wait
-  if constexpr (XP > 0) stage_x(0);
-  for (int u = u0; u < u1; u += 2 * kStep) {
-    const bool second = u + kStep < u1;
-    if (second) load_step(wb, sb, u + kStep);
-    compute_step(wa, sa, u);
-    if (!second) break;
-    if (u + 2 * kStep < u1) load_step(wa, sa, u + 2 * kStep);
-    compute_step(wb, sb, u + kStep);
+  if constexpr (D == 2) {   // the measured two-buffer loop as it was written (the general one compiles differently)
+    uint4 wa[kStep][RB], sa[RB], wb[kStep][RB], sb[RB];
+    load_step(wa, sa, u0);
+    if (dep_wait) dependency_wait();   // the first weights are in flight; activations only after the wait
+    if constexpr (XP > 0) stage_x(0);
+    for (int u = u0; u < u1; u += 2 * kStep) {
+      const bool second = u + kStep < u1;
+      if (second) load_step(wb, sb, u + kStep);
+      compute_step(wa, sa, u);
+      if (!second) break;
+      if (u + 2 * kStep < u1) load_step(wa, sa, u + 2 * kStep);
+      compute_step(wb, sb, u + kStep);
+    }
+  } else {
+    uint4 w[D][kStep][RB], sc[D][RB];
+#pragma unroll
+    for (int d = 0; d < D - 1; ++d)
+      if (d == 0 || u0 + d * kStep < u1) load_step(w[d], sc[d], u0 + d * kStep);
+    if (dep_wait) dependency_wait();
+    if constexpr (XP > 0) stage_x(0);
+    for (int u = u0; u < u1; u += D * kStep) {
+#pragma unroll
+      for (int d = 0; d < D; ++d) {   // unrolled: the buffer indices are constants
+        const int us = u + d * kStep;
+        if (d > 0 && us >= u1) break;
+        if (us + (D - 1) * kStep < u1) load_step(w[(d + D - 1) % D], sc[(d + D - 1) % D], us + (D - 1) * kStep);
+        compute_step(w[d], sc[d], us);
+      }
+    }
   }
 }
 
@@ -378,12 +399,14 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
       }
   };
   auto group_end = [&](const float (&acc)[RB][NT][4], int r) { store(acc, rb0 + r * rb_stride); };
-  static_assert(RG == 1 || (S == 1 && KS == 1), "row groups: the register ping-pong pipeline, whole K per warp");
+  constexpr bool REG = S == 1 || S < 0;   // the register ring of warp_gemm_pingpong, D buffers
+  constexpr int D = S < 0 ? -S : 2;
+  static_assert(RG == 1 || (REG && KS == 1), "row groups: the register ring pipeline, whole K per warp");
   float acc[RB][NT][4];
   if constexpr (XS) {
-    static_assert(S == 1 && KS == 1, "XS: the register ping-pong pipeline, whole K per warp");
+    static_assert(REG && KS == 1, "XS: the register ring pipeline, whole K per warp");
     const XFromShared x_of{xs, (XS > 1 ? 2 : 1) * (k / 8 / XS), g, t};
-    warp_gemm_pingpong<RB, NT, RG, XS>(acc, wp, sp, x_of, u0, u1, dep_wait, [&](int q) {
+    warp_gemm_pingpong<RB, NT, RG, XS, D>(acc, wp, sp, x_of, u0, u1, dep_wait, [&](int q) {
       stage_x_piece<MODE, NT, XS, RG>(xs, x, ldx, k, c0, count, offset, sorted_token, q);
     }, groups, group_end);
   } else {
@@ -393,15 +416,15 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
       const int i = c0 + n * 8 + g;
       const int pos = offset + i;
       const int row = MODE == 0 ? (i < count ? sorted_token[pos] : 0) : pos;
-      // STAGES 1: a padding token reads a real row (token 0 / the chunk's first position; its outputs are never
+      // register ring: a padding token reads a real row (token 0 / the chunk's first position; its outputs are never
       // stored), so the unit loop needs no null test and no zeroing
       const int pad_row = MODE == 0 ? 0 : offset + c0;
       xrow[n] = i < count ? reinterpret_cast<const uint4*>(x + (long long)row * ldx)
-              : S == 1 ? reinterpret_cast<const uint4*>(x + (long long)pad_row * ldx) : nullptr;
+              : REG ? reinterpret_cast<const uint4*>(x + (long long)pad_row * ldx) : nullptr;
     }
-    const XFromGlobal<NT, S != 1> x_of{xrow, t};
-    if constexpr (S == 1) {
-      warp_gemm_pingpong<RB, NT, RG, 0>(acc, wp, sp, x_of, u0, u1, dep_wait, [](int) {}, groups, group_end);
+    const XFromGlobal<NT, !REG> x_of{xrow, t};
+    if constexpr (REG) {
+      warp_gemm_pingpong<RB, NT, RG, 0, D>(acc, wp, sp, x_of, u0, u1, dep_wait, [](int) {}, groups, group_end);
     } else if constexpr (S > 1) {
       warp_gemm_async<RB, NT, S>(acc, wp, sp, x_of, u0, u1, lane, ring, dep_wait);
     } else {
@@ -495,16 +518,17 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
 // and the ks-th part of K; the KS partial sums meet in shared memory. The slot's tokens go through in
 // chunks of 8, 16 or 32 (NT = 1, 2, 4 tiles, at most NTMAX), the weights streamed once per chunk.
 // STAGES = 0: weights prefetched one step ahead in registers; 1: the same with two register buffers in turn
-// (no per-step copy); STAGES >= 2: through a cp.async ring. XS > 0 (STAGES 1, KS 1): each chunk's activations
-// are staged in dynamic shared memory by the block in XS pieces along K (8 NTMAX x k / XS bf16 at a time)
-// instead of read by every warp.
-// RG > 1 (STAGES 1, KS 1): the block covers RG row groups of WN x RB row blocks, each warp streaming its RG
+// (no per-step copy); -D: D register buffers in turn (D - 1 steps in flight); STAGES >= 2: through a cp.async
+// ring. The register rings (1, -D) are what XS and RG build on. XS > 0 (register ring, KS 1): each chunk's
+// activations are staged in dynamic shared memory by the block in XS pieces along K (8 NTMAX x k / XS bf16 at
+// a time) instead of read by every warp.
+// RG > 1 (register ring, KS 1): the block covers RG row groups of WN x RB row blocks, each warp streaming its RG
 // groups back to back (grid.x = rows / (16 RBM WN RG)).
 // MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
 // tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1>
-__global__ void __launch_bounds__(32 * WN * KS, STAGES == 1 ? 1 : 0)   // 1: room for both buffers
+__global__ void __launch_bounds__(32 * WN * KS, STAGES == 1 || STAGES < 0 ? 1 : 0)   // 1: room for the buffers
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                  const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,

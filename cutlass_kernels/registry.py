@@ -177,9 +177,9 @@ register(KernelFamily(
 # ---------------------------------------------------------------- Kimi K2.x kernels (issue 7)
 # INT4 W4A16 grouped MoE GEMMs: moe_w4a16_kernel<MODE, RB, WN, KS, NTMAX, STAGES[, XS[, RG]]> (MODE 0 gate+up
 # with SiLU*up, 1 down; RB row blocks of 16 per warp, WN x KS warps per block, up to 8*NTMAX tokens per weight
-# pass; STAGES 0 = register prefetch, 1 = the same with two register buffers in turn, else a per-warp
-# cp.async ring of that many steps; XS > 0: activations staged per block in shared memory in XS pieces of K;
-# RG: row groups streamed back to back per warp).
+# pass; STAGES 0 = register prefetch, 1 = the same with two register buffers in turn, -D = with D of them, else
+# a per-warp cp.async ring of that many steps; XS > 0: activations staged per block in shared memory in XS
+# pieces of K; RG: row groups streamed back to back per warp).
 # The curated table below is what runtime/kimi_kernels.py picks from (per token bucket); tools/bench_moe.py
 # times every entry. mma.sync m16n8k16 (CuTe SM80 atom) exists on every target arch.
 _MMA_SYNC_PTX = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"
@@ -194,7 +194,9 @@ MOE_GEMM_VARIANTS = tuple(
                  # columns per token at XS = 4 / 7 / 14)
                  "2, 4, 1, 1, 1, 4", "2, 4, 1, 2, 1, 4", "2, 4, 1, 4, 1, 4", "2, 2, 1, 2, 1, 2", "2, 4, 1, 2, 1, 2",
                  # RG: each warp streams RG row groups back to back (one pipeline fill per RG groups)
-                 "2, 4, 1, 1, 1, 0, 2") + (
+                 "2, 4, 1, 1, 1, 0, 2",
+                 # STAGES -D: D register buffers, D - 1 steps in flight per warp (the small grids of T <= 8)
+                 "2, 4, 1, 1, -3", "2, 4, 1, 1, -4", "2, 4, 1, 1, -3, 1") + (
         ("2, 4, 1, 2, 1, 1", "2, 4, 1, 4, 1, 1", "2, 4, 1, 2, 1, 0, 4", "2, 4, 1, 2, 1, 1, 2", "2, 4, 1, 2, 1, 1, 4",
          "2, 4, 1, 1, 1, 1, 4") if mode else
         ("2, 4, 1, 1, 1, 7", "2, 4, 1, 2, 1, 7", "2, 4, 1, 2, 1, 14", "2, 4, 1, 4, 1, 14")))

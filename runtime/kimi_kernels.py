@@ -202,7 +202,7 @@ def variant_params(entry: str) -> tuple[int, ...]:
 
 def moe_smem_bytes(entry: str, k: int) -> int:
     """Dynamic shared memory of a variant at reduction width k: each warp's cp.async ring (STAGES x 5 RB x 32
-    lanes x 16 B; none for the register pipelines, STAGES 0 and 1), or with XS the activation tile of one token
+    lanes x 16 B; none for the register pipelines, STAGES 0, 1 and -D), or with XS the activation tile of one token
     chunk: 8 NTMAX rows of k bf16 (XS 1), or of two K pieces of k / XS (XS > 1: one read, the next copied)."""
     _, rb, wn, ks, ntmax, stages, xs, _ = variant_params(entry)
     if xs:
@@ -503,8 +503,9 @@ class MoeLayer:
         if mode == 0 and (early or combine):
             raise ValueError(f"{entry}: early start and the folded combine are for the down GEMM only")
         grid = (n_rows // block_rows, self.num_slots)
-        if (xs or rg > 1) and (stages != 1 or ks != 1):
-            raise ValueError(f"{entry}: staged activations (XS) and row groups (RG) need STAGES 1 and KS 1")
+        if (xs or rg > 1) and (not (stages == 1 or stages < 0) or ks != 1):
+            raise ValueError(f"{entry}: staged activations (XS) and row groups (RG) need a register ring (STAGES 1 "
+                             f"or -D) and KS 1")
         if xs and k % (256 * xs):
             raise ValueError(f"{entry}: K={k} does not split into {xs} pieces of whole 4-unit steps")
         smem, smem_max = moe_smem_bytes(entry, k), cuda.get_device().smem_optin_bytes

@@ -381,6 +381,12 @@ def launch_plans(default_fused_combine: bool):
         ("dn-xs2p2", dict(down="1, 2, 4, 1, 2, 1, 2")),
         ("gu-ring1", dict(gate_up="0, 2, 2, 1, 1, 3")),
         ("gu-ring2", dict(gate_up="0, 2, 2, 1, 2, 3")),
+        # register rings of 3 / 4 buffers (2 / 3 steps in flight per warp) for the small grids of T <= 8
+        ("gu-r3", dict(gate_up="0, 2, 4, 1, 1, -3")),
+        ("gu-r4", dict(gate_up="0, 2, 4, 1, 1, -4")),
+        ("dn-r3", dict(down="1, 2, 4, 1, 1, -3")),
+        ("dn-r4", dict(down="1, 2, 4, 1, 1, -4")),
+        ("dn-xs-r3", dict(down="1, 2, 4, 1, 1, -3, 1")),
     ]
 
 
