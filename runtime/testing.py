@@ -91,8 +91,9 @@ def assert_close(got, want, what: str = "", *, dtype: str = "fp32", rtol: float 
         first = ", ".join(f"{tuple(int(v) for v in i)}: got {got[tuple(i)]:.6g} want {want[tuple(i)]:.6g}"
                           for i in idx)
         nonfinite = int((~np.isfinite(got)).sum())
+        plus = " + slack" if slack is not None else ""
         raise AssertionError(f"{where}{int(bad.sum())} of {bad.size} elements differ ({nonfinite} not finite; rtol "
-                             f"{rtol:g}, atol {atol:g} x {scale or 'abs'} {s:.3g}; largest finite error "
+                             f"{rtol:g}, atol {atol:g} x {scale or 'abs'} {s:.3g}{plus}; largest finite error "
                              f"{np.max(np.where(np.isfinite(err), err, 0)):.3g}); first: {first}")
 
 
