@@ -10,6 +10,7 @@ This checks plumbing, not kernels: tests/test_dense_kernels.py checks those on t
 from __future__ import annotations
 
 import ctypes
+import functools
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -22,6 +23,20 @@ HEAP_BYTES = 1 << 30
 _ref = NumpyBackend(blas_threads=None)
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled(family: str, arch: str):
+    from runtime.cuda.nvrtc import compile_family
+    return compile_family(family, arch, progress=False)
+
+
+def ptx_param_sizes(family: str, entry: str, arch: str = "90a") -> tuple[int, ...]:
+    """An entry's parameter sizes in bytes from the PTX of its build (cached): what a Launch checks its arguments
+    against (runtime.cuda.kernel.check_arguments)."""
+    sizes = _compiled(family, arch).entry_param_sizes(entry)
+    assert sizes is not None, f"{family}:{entry}: no signature in the PTX"
+    return sizes
+
+
 class FakeDevice:
     def __init__(self):
         self.heap = np.zeros(HEAP_BYTES, np.uint8)
@@ -29,8 +44,8 @@ class FakeDevice:
         self.top = 0
         self.capturing: list | None = None
         self.host_blocks: dict = {}
-        self.device = SimpleNamespace(name="fake", cc=(9, 0), arch="90a", sm_count=132, ordinal=0, smem_optin_bytes=232448,
-                                      synchronize=lambda: None)
+        self.device = SimpleNamespace(name="fake", cc=(9, 0), arch="90a", sm_count=132, ordinal=0,
+                                      smem_optin_bytes=232448, synchronize=lambda: None)
 
     # ---- memory ---------------------------------------------------------------------------------------------
     def alloc(self, nbytes):
@@ -320,16 +335,9 @@ def install(monkeypatch) -> FakeDevice:
     class NoLaunch:
         """Launches nothing, but checks the arguments against the kernel's sm_90a PTX signature (count and widths,
         runtime.cuda.kernel.check_arguments), so a parameter added on one side only fails on the CPU too."""
-        modules = {}
-
         def __init__(self, family, entry):
-            from runtime.cuda.nvrtc import compile_family
-            if family not in self.modules:
-                self.modules[family] = compile_family(family, dev.device.arch, progress=False)
-            m = self.modules[family]
             self.family, self.entry, self.function, self.pdl = family, entry, None, False
-            self.param_sizes = m.entry_param_sizes(entry)
-            assert self.param_sizes is not None, f"{family}:{entry}: no signature in the PTX"
+            self.param_sizes = ptx_param_sizes(family, entry, dev.device.arch)
 
         def __repr__(self):
             return f"{self.family}:{self.entry}"

@@ -6,10 +6,11 @@ import types
 import numpy as np
 import pytest
 
+from fake_cuda import ptx_param_sizes
 from runtime import kimi_kernels as kk
 from runtime.cuda import DeviceArray
 from runtime.cuda.kernel import Launch, check_arguments
-from runtime.cuda.nvrtc import compile_family, ptx_entry_params
+from runtime.cuda.nvrtc import ptx_entry_params
 
 PTX = """
 .visible .entry _Z3fooPKfi(
@@ -33,12 +34,11 @@ def test_ptx_entry_params():
 
 
 def test_ptx_entry_params_of_real_kernels():
-    probe = compile_family("runtime_probe", "90a", progress=False)
-    assert probe.entry_param_sizes("read_sum_kernel") == (8, 8, 8)   # (const uint4*, long long, unsigned*)
-    assert probe.entry_param_sizes("noop_kernel") == (8, 4)
+    assert ptx_param_sizes("runtime_probe", "read_sum_kernel") == (8, 8, 8)   # (const uint4*, long long, unsigned*)
+    assert ptx_param_sizes("runtime_probe", "noop_kernel") == (8, 4)
     # tools/bench_stream_rows.py: (const uint4*, int units, int streams, int step_major, unsigned*)
     for depth in (1, 6):
-        assert probe.entry_param_sizes(f"stream_rows_kernel<{depth}, 1>") == (8, 4, 4, 4, 8)
+        assert ptx_param_sizes("runtime_probe", f"stream_rows_kernel<{depth}, 1>") == (8, 4, 4, 4, 8)
 
 
 class _Kernel:
@@ -78,16 +78,9 @@ class _FakeArray:
 def _checking_cuda(prepared):
     """Stands in for runtime.cuda in kimi_kernels: arrays point nowhere, and every prepared launch is a real
     Launch (its arguments checked) of a kernel carrying the sm_90a PTX signature of that entry."""
-    modules = {}
-
     def get_kernel(family, entry):
-        if family not in modules:
-            modules[family] = compile_family(family, "90a", progress=False)
-        m = modules[family]
-        sizes = m.entry_param_sizes(entry)
-        assert sizes is not None, f"{family}:{entry}: no signature in the PTX"
-        k = types.SimpleNamespace(family=family, entry=entry, function=None, pdl=False, param_sizes=sizes,
-                                  set_max_dynamic_smem=lambda n: None)
+        k = types.SimpleNamespace(family=family, entry=entry, function=None, pdl=False,
+                                  param_sizes=ptx_param_sizes(family, entry), set_max_dynamic_smem=lambda n: None)
         k.prepare = lambda grid, block, args, smem=0: prepared.append(Launch(k, grid, block, args, smem)) or \
             prepared[-1]
         k.launch = lambda grid, block, args, smem=0, stream=None: k.prepare(grid, block, args, smem)
@@ -96,7 +89,8 @@ def _checking_cuda(prepared):
     nothing = types.SimpleNamespace(synchronize=lambda: None, record=lambda *a: None, wait=lambda *a: None)
     return types.SimpleNamespace(
         empty=_FakeArray, to_device=lambda a: _FakeArray(np.asarray(a).shape, np.asarray(a).dtype),
-        get_kernel=get_kernel, get_device=lambda: types.SimpleNamespace(arch="90a", sm_count=132, smem_optin_bytes=232448),
+        get_kernel=get_kernel,
+        get_device=lambda: types.SimpleNamespace(arch="90a", sm_count=132, smem_optin_bytes=232448),
         default_stream=lambda: nothing, Stream=lambda: nothing, Event=lambda timing=True: nothing)
 
 
@@ -127,8 +121,8 @@ def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
     ("moe_w4a16_kernel<0, 2, 4, 1, 1, -3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1>"),   # 3-buffer register ring
 ])
 def test_moe_staged_variants_launch_with_their_shared_memory(monkeypatch, variants):
-    """The XS / RG variants at the Kimi shapes: grids shrink by the row groups, the dynamic shared memory is
-    the staged activation tile (two pieces side by side with XS > 1)."""
+    """The XS / RG / register-ring variants at the Kimi shapes: grids shrink by the row groups, the dynamic shared
+    memory is the staged activation tile (two pieces side by side with XS > 1), none without XS."""
     prepared = []
     monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda(prepared))
     E, hidden, inter = 384, 7168, 2048
