@@ -416,8 +416,8 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
       const int i = c0 + n * 8 + g;
       const int pos = offset + i;
       const int row = MODE == 0 ? (i < count ? sorted_token[pos] : 0) : pos;
-      // register ring: a padding token reads a real row (token 0 / the chunk's first position; its outputs are never
-      // stored), so the unit loop needs no null test and no zeroing
+      // register ring: a padding token reads a real row (token 0 / the chunk's first position; its outputs are
+      // never stored), so the unit loop needs no null test and no zeroing
       const int pad_row = MODE == 0 ? 0 : offset + c0;
       xrow[n] = i < count ? reinterpret_cast<const uint4*>(x + (long long)row * ldx)
               : REG ? reinterpret_cast<const uint4*>(x + (long long)pad_row * ldx) : nullptr;
@@ -576,7 +576,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     // STAGES > 1: dynamic shared memory holds each warp's weight ring, STAGES x (4 RB + RB) x 32 x 16 bytes;
     // XS: the activation tile (moe_ring itself).
     extern __shared__ uint4 moe_ring[];
-    uint4* ring = moe_ring + warp * STAGES * (kStep * RB + RB) * 32;
+    uint4* ring = moe_ring + warp * (STAGES > 1 ? STAGES : 0) * (kStep * RB + RB) * 32;   // (ring variants only)
     bool wait_first = pre;   // the first chunk waits once its first weights are in flight
     int c0 = 0;
     auto chunk = [&](auto nt) {   // one chunk of 8 nt tokens from c0 on
@@ -622,9 +622,10 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
 
 // y[t] = sum_j weight[t, j] * down_out[assign_pos[t, j]] (+ shared[t]), fp32 sum in a fixed order, bf16 out.
 // One block per token, 4 consecutive columns per thread.
-extern "C" __global__ void moe_combine_kernel(const uint16_t* __restrict__ down_out, const float* __restrict__ topk_w,
-                                              const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
-                                              uint16_t* __restrict__ y, int n, int topk) {
+extern "C" __global__ void moe_combine_kernel(const uint16_t* __restrict__ down_out,
+                                              const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
+                                              const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int n,
+                                              int topk) {
   moe_int4::dependency_wait();
   const int tok = blockIdx.x;
   for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * 4; col < n; col += gridDim.y * blockDim.x * 4)

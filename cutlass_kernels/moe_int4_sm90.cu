@@ -21,8 +21,9 @@
 // - PIPE 2 / 3 (register A): the weights become wgmma A fragments in registers (a quad transpose by shuffles,
 //   dequant_frag), x alone in a 4-buffer ring, one wgmma batch in flight across the stage barrier; PIPE 3 is
 //   the same at two blocks per SM (64/128-token tiles).
-// moe_gmma_ws_kernel<MODE, TN> (PIPE 4): warp-specialized, one warpgroup dequantizing into a shared W ring
-// (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment below).
+// moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
+// into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
+// below).
 // The K order inside each 64-column unit is the repacked (permuted) order for the weights' lanes, but every
 // weight lands at its physical column (tile or fragment) and x is read plainly, so the dot product is plain.
 #include <cuda_bf16.h>
@@ -361,8 +362,8 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         __syncthreads();   // the staging (stage buffers) is free again for the next chunk
       } else {
         for_each_output([&](int tok, int r, float v) {
-          reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + c0 + tok) * n_rows + blockIdx.x * 128 + wg * 64 + r] =
-              __float2bfloat16_rn(v);
+          const long long o = (long long)(offset + c0 + tok) * n_rows + blockIdx.x * 128 + wg * 64 + r;
+          reinterpret_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16_rn(v);
         });
       }
     }
