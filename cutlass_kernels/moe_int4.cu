@@ -372,13 +372,12 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
                                            int rb0, int c0, int count, int offset,
                                            const int* __restrict__ sorted_token, void* __restrict__ out, float* red,
                                            uint4* ring, uint4* xs, bool dep_wait, const RowGroups& groups,
-                                           int rb_stride, float* __restrict__ kpart) {
+                                           int rb_stride) {
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp % WN, ks = warp / WN;
   const int g = lane >> 2, t = lane & 3;
   // Lane (g, t) holds rows g and g+8 of each row block for tokens 2t and 2t+1 of each tile.
-  // K split over blocks (kpart != nullptr): the fp32 sums of this block's K part go to kpart, gate then up.
   auto store = [&](const float (&acc)[RB][NT][4], int rb_first) {
 #pragma unroll
     for (int n = 0; n < NT; ++n)
@@ -387,13 +386,6 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
         const int i = c0 + n * 8 + 2 * t + (c & 1);
         if (i >= count) continue;
         const long long orow = (long long)(offset + i) * n_rows;
-        if (kpart != nullptr) {
-#pragma unroll
-          for (int j = 0; j < RB; ++j)
-            kpart[orow * (RB / RBM) + (j / RBM) * n_rows + (rb_first + j % RBM) * 16 + g + 8 * (c >> 1)] =
-                acc[j][n][c];
-          continue;
-        }
 #pragma unroll
         for (int j = 0; j < RBM; ++j) {
           const int col = (rb_first + j) * 16 + g + 8 * (c >> 1);
@@ -519,41 +511,6 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
 
 }  // namespace moe_int4
 
-namespace moe_int4 {
-
-// K split over gridDim.z blocks: every block has stored the fp32 sums of its K part (kpart[z] [P, (MODE 0: 2)
-// n_rows], gate then up); the block that takes the last ticket of its (slot, column tile) adds the parts in
-// order z = 0, 1, .. (the same bits whichever block comes last), stores the bf16 output (MODE 0:
-// SiLU(gate) * up) of the slot's tokens over the tile's cols columns from col0, and resets the ticket for the
-// next launch (graph replay).
-template <int MODE>
-__device__ __forceinline__ void k_split_finish(const float* __restrict__ kpart, int* ticket, long long part_stride,
-                                               int n_rows, int offset, int count, int col0, int cols,
-                                               uint16_t* __restrict__ out) {
-  __shared__ int last;
-  __threadfence();   // this block's parts are visible before its ticket
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.z - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  constexpr int kMats = MODE == 0 ? 2 : 1;
-  for (int idx = threadIdx.x; idx < count * cols; idx += blockDim.x) {
-    const long long pos = offset + idx / cols;
-    const int col = col0 + idx % cols;
-    const float* p = kpart + pos * kMats * n_rows + col;
-    float a = 0.f, b = 0.f;
-    for (int z = 0; z < (int)gridDim.z; ++z, p += part_stride) {
-      a += __ldcg(p);
-      if (MODE == 0) b += __ldcg(p + n_rows);
-    }
-    reinterpret_cast<__nv_bfloat16*>(out)[pos * n_rows + col] = __float2bfloat16_rn(MODE == 0 ? silu(a) * b : a);
-  }
-  if (threadIdx.x == 0) *ticket = 0;
-}
-
-}  // namespace moe_int4
-
 // One grouped W4A16 GEMM. MODE 0 (gate_up): X rows gathered through sorted_token, weights wq0/ws0 = gate
 // and wq1/ws1 = up, epilogue h = SiLU(gate) * up stored bf16 at the sorted position [P, n_rows].
 // MODE 1 (down): X = h (rows at sorted positions), weights wq0/ws0 = down, bf16 output [P, n_rows].
@@ -570,10 +527,6 @@ __device__ __forceinline__ void k_split_finish(const float* __restrict__ kpart, 
 // MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
 // tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
-// gridDim.z > 1 (both modes; KS x gridDim.z K parts of whole steps, XS 0 / 1, RG 1, no folded combine): K split
-// over the blocks z, the fp32 parts in kpart [gridDim.z, T * topk, (MODE 0: 2) n_rows], finished by the last
-// block of each (slot, column tile) (k_split_finish; kticket int [slots, gridDim.x], zero before the first
-// launch). For the small grids of T <= 8: more, shorter warps.
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1>
 __global__ void __launch_bounds__(32 * WN * KS, STAGES == 1 || STAGES < 0 ? 1 : 0)   // 1: room for the buffers
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
@@ -585,7 +538,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  void* __restrict__ out, int early,
                  const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                  const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int* __restrict__ tickets,
-                 int T, int topk, float* __restrict__ kpart, int* __restrict__ kticket) {
+                 int T, int topk) {
   using namespace moe_int4;
   static_assert(MODE == 1 || RB % 2 == 0, "gate_up pairs gate and up row blocks");
   static_assert(NTMAX == 1 || NTMAX == 2 || NTMAX == 4, "token tiles per chunk: 1, 2 or 4");
@@ -614,12 +567,9 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
       wp[j] = (m ? wq1 : wq0) + blk * units * 32 + lane;
       sp[j] = (m ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (t >> 1)) * 2;
     }
-    // This warp's K range, in whole pipeline steps: part blockIdx.z * KS + ks of KS x gridDim.z.
-    const int steps = units / kStep, parts = KS * gridDim.z, part = blockIdx.z * KS + ks;
-    const int u0 = (steps * part / parts) * kStep, u1 = (steps * (part + 1) / parts) * kStep + (RG - 1) * units;
-    constexpr int kMats = MODE == 0 ? 2 : 1;
-    const long long part_stride = (long long)T * topk * kMats * n_rows;   // kpart floats per K part
-    float* const my_part = kpart != nullptr ? kpart + blockIdx.z * part_stride : nullptr;
+    // This warp's K range, in whole pipeline steps.
+    const int steps = units / kStep;
+    const int u0 = (steps * ks / KS) * kStep, u1 = (steps * (ks + 1) / KS) * kStep + (RG - 1) * units;
     const RowGroups groups{units, (long long)WN * RBM * units * 32, (long long)WN * RBM * supers * 32};
 
     __shared__ float red[KS > 1 ? (KS - 1) * WN * RB * NTMAX * 4 * 32 : 1];
@@ -633,7 +583,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
       constexpr int NT = decltype(nt)::value;
       gemm_chunk<MODE, RB, WN, KS, NT, STAGES, XS, RG>(x, ldx, wp, sp, n_rows, k, u0, u1, rb0, c0, count, offset,
                                                        sorted_token, out, red, ring, moe_ring, wait_first, groups,
-                                                       WN * RBM, my_part);
+                                                       WN * RBM);
       c0 += 8 * NT;
       wait_first = false;
     };
@@ -646,11 +596,6 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
       } else {
         chunk(cuda::std::integral_constant<int, 1>{});
       }
-    }
-    if (kpart != nullptr) {
-      constexpr int kCols = 16 * RBM * WN * RG;
-      k_split_finish<MODE>(kpart, kticket + slot * gridDim.x + blockIdx.x, part_stride, n_rows, offset, count,
-                           blockIdx.x * kCols, kCols, reinterpret_cast<uint16_t*>(out));
     }
   } else if (pre) {
     dependency_wait();   // an empty slot still waits before it touches the tickets

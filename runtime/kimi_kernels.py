@@ -278,15 +278,6 @@ def _without_pdl(launch):
     return launch
 
 
-# K split over blocks (gate_up, down) by T bound: more, shorter warps for the small grids of T <= 8, where the
-# GEMMs are bound by their arithmetic's latency with ~2 warps per scheduler (PERF.md, session (9)).
-DEFAULT_K_SPLIT = {1 << 30: (1, 1)}
-
-
-def default_k_split(tokens: int) -> tuple[int, int]:
-    return next(v for bound, v in sorted(DEFAULT_K_SPLIT.items()) if tokens <= bound)
-
-
 def default_variants(tokens: int) -> tuple[str, str]:
     for bound in sorted(DEFAULT_VARIANTS):
         if tokens <= bound:
@@ -323,9 +314,7 @@ class MoeLayer:
     (min tokens, tile, pipeline) tiers, e.g. [(64, 256, 4), (16, 64, 3)]: each slot runs in the tier with the
     largest minimum it reaches, slots below every minimum on mma.sync. gmma_grid_rows (PIPE 0-3): at most that
     many block rows in the hot grids, each walking every gmma_grid_rows-th slot and stopping at the first cold
-    one (default: one row per possibly hot slot). k_split (gate_up, down): the mma.sync GEMMs' K split over that
-    many blocks each (fp32 parts, the last block of each column tile adds them in order; default
-    DEFAULT_K_SPLIT by T)."""
+    one (default: one row per possibly hot slot)."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
@@ -333,8 +322,7 @@ class MoeLayer:
                  fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
                  pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
-                 gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None,
-                 k_split: tuple[int, int] | None = None):
+                 gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -423,7 +411,6 @@ class MoeLayer:
                                                 *group_outs], smem=group_smem)]
         gu_entry, dn_entry = variants or default_variants(T)
         self.variants = (gu_entry, dn_entry)
-        self.k_split = gu_split, dn_split = tuple(int(v) for v in (k_split or default_k_split(T)))
         self.stages = [("route", launch) for launch in routing]
         # hot tiers, most tokens first: tier i takes the slots with min_i <= count < min_{i - 1}
         self.gmma_tiers = tiers
@@ -454,15 +441,13 @@ class MoeLayer:
                 self.stages.append(("gate_up_hot", self._gmma_launch(0, tier, self.x, w.hidden, w.gate_q, w.gate_s,
                                                                      w.up_q, w.up_s, w.inter, w.hidden, self.h)))
         self.stages.append(("gate_up", self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q,
-                                                         w.up_s, w.inter, w.hidden, self.h, counts=counts,
-                                                         k_split=gu_split)))
+                                                         w.up_s, w.inter, w.hidden, self.h, counts=counts)))
         for tier in hot_launches:
             self.stages.append(("down_hot", self._gmma_launch(1, tier, self.h, w.inter, w.down_q, w.down_s,
                                                               w.down_q, w.down_s, w.hidden, w.inter, self.down_out)))
         self.stages.append(("down", self._gemm_launch(dn_entry, self.h, w.inter, w.down_q, w.down_s, w.down_q,
                                                       w.down_s, w.hidden, w.inter, self.down_out,
-                                                      early=self.early, combine=self.fuse_combine, counts=counts,
-                                                      k_split=dn_split)))
+                                                      early=self.early, combine=self.fuse_combine, counts=counts)))
         if not self.fuse_combine:
             self.stages.append(("combine", cuda.get_kernel("moe_int4", "moe_combine_kernel").prepare(
                 (T, (w.hidden // 4 + 255) // 256), (256,), [
@@ -505,13 +490,10 @@ class MoeLayer:
             self.sorted_token, out, I32(min_count), I32(top), *(() if ws else (I32(n_items),)),
             *(items if items is not None else (null, null))], smem=smem)
 
-    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None,
-                     k_split=1):
+    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None):
         """One grouped GEMM launch. Down (MODE 1) only: early = start the weights before the PDL wait;
         combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared).
-        counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones).
-        k_split > 1: K split over that many blocks (grid z), fp32 parts in a workspace, the last block of each
-        (slot, column tile) finishing."""
+        counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones)."""
         cuda = _cuda()
         mode, rb, wn, ks, _, stages, xs, rg = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
@@ -520,11 +502,7 @@ class MoeLayer:
             raise ValueError(f"{entry}: N={n_rows} must be a multiple of {block_rows} and K={k} of 512")
         if mode == 0 and (early or combine):
             raise ValueError(f"{entry}: early start and the folded combine are for the down GEMM only")
-        grid = (n_rows // block_rows, self.num_slots, k_split)
-        if k_split != 1 and (k_split < 1 or xs > 1 or rg > 1 or combine or k // 256 < ks * k_split):
-            raise ValueError(f"{entry}: k_split={k_split} wants >= 1, whole activation rows (XS 0 / 1), RG 1, the "
-                             f"separate combine and at least one 256-wide K step per part (K={k}: {k // 256} "
-                             f"steps for KS {ks} x {k_split} parts)")
+        grid = (n_rows // block_rows, self.num_slots)
         if (xs or rg > 1) and (not (stages == 1 or stages < 0) or ks != 1):
             raise ValueError(f"{entry}: staged activations (XS) and row groups (RG) need a register ring (STAGES 1 "
                              f"or -D) and KS 1")
@@ -543,15 +521,10 @@ class MoeLayer:
             tail = [self.topk_w, self.assign_pos, self.shared if self.shared is not None else null, self.y, tickets,
                     I32(self.T), I32(self.topk)]
         else:
-            tail = [null, null, null, null, null, I32(self.T), I32(self.topk)]
-        k_parts = [null, null]
-        if k_split > 1:   # fp32 parts [k_split, P, (gate_up: 2) n_rows]; self-resetting tickets per (slot, tile)
-            k_parts = [cuda.empty((k_split, self.T * self.topk, (2 if mode == 0 else 1) * n_rows), np.float32),
-                       cuda.empty((self.num_slots * grid[0],), np.int32).fill_bytes(0)]
-            self._k_split_buffers = getattr(self, "_k_split_buffers", []) + k_parts
+            tail = [null, null, null, null, null, I32(0), I32(0)]
         return kernel.prepare(grid, (32 * wn * ks,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
-            self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail, *k_parts],
+            self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail],
             smem=smem)
 
     def forward(self, stream=None, stages=None):

@@ -555,37 +555,6 @@ def test_moe_graph_replay_folded_combine(cuda_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k_split,variants", [
-    ((2, 2), None),
-    ((3, 4), ("moe_w4a16_kernel<0, 2, 4, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 4, 3>")),   # cp.async rings
-    ((4, 2), ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1>")),   # XS
-    ((2, 1), ("moe_w4a16_kernel<0, 2, 4, 1, 1, 0>", "moe_w4a16_kernel<1, 2, 2, 1, 2, 3>")),
-])
-def test_moe_layer_k_split(cuda_device, k_split, variants):
-    """K split over blocks (fp32 parts finished by the last block of each column tile): K = 1024 into 2-4
-    parts of 1-2 steps, 1..4 token tiles per expert, twice (the tickets reset themselves; same bits)."""
-    _check_moe(45, 8, 1024, 1024, variants, topk=4, runs=2, k_split=k_split)
-
-
-@pytest.mark.gpu
-def test_moe_layer_k_split_real_shape_with_hot_experts(cuda_device):
-    """Kimi K2 shapes on 10 experts at T = 40 with a shared-expert term, K split (4, 2), the busiest experts
-    on the wgmma kernel (sm_90a), the rest split."""
-    from runtime import cuda
-    hot = dict(gmma_min_tokens=16, gmma_tile=64) if cuda.get_device().arch == "90a" else {}
-    _check_moe(40, 10, 7168, 2048, None, topk=8, shared=True, k_split=(4, 2), **hot)
-
-
-@pytest.mark.gpu
-def test_moe_graph_replay_k_split(cuda_device):
-    from runtime.kimi_kernels import MoeLayer
-    rng = np.random.default_rng(13)
-    dense, w = make_moe(rng, 8, 1024, 512)
-    layer = MoeLayer(w, 3, np.zeros(8, np.float32), topk=4, k_split=(4, 2))
-    _check_graph_replay(layer, dense, rng, T=3, E=8, hidden=1024, topk=4, trials=3)
-
-
-@pytest.mark.gpu
 def test_moe_graph_replay(cuda_device):
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(11)

@@ -102,7 +102,6 @@ def _checking_cuda(prepared):
     (96, dict(gmma_min_tokens=40, gmma_tile=128, gmma_pipe=4, gmma_overlap=False)),
     (256, dict(gmma_tiers=[(64, 256, 5), (8, 64, 3)])),
     (256, dict(gmma_tiers=[(64, 256, 4), (16, 64, 3)], gmma_grid_rows=8)),
-    (2, dict(k_split=(4, 2))),
 ])
 def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
     prepared = []
@@ -139,24 +138,19 @@ def test_moe_staged_variants_launch_with_their_shared_memory(monkeypatch, varian
     assert layer.variants == variants
 
 
-@pytest.mark.parametrize("variants,message,options", [
-    (("moe_w4a16_kernel<0, 2, 4, 1, 1, 3, 1>", None), "need a register ring", {}),   # XS on the cp.async ring
-    ((None, "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 7>"), "does not split into 7 pieces", {}),  # K = 2048 into 7
-    (("moe_w4a16_kernel<0, 2, 4, 1, 4, 1, 1>", None), "bytes of shared memory", {}),   # 32 x 7168 bf16
-    ((None, "moe_w4a16_kernel<1, 2, 4, 1, 1, 1>"), "k_split=9", dict(k_split=(1, 9))),   # 8 steps of K = 2048
-    (("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", None), "k_split=0", dict(k_split=(0, 1))),
-    ((None, "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 2>"), "k_split=2", dict(k_split=(1, 2))),   # XS pieces
-    ((None, "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 0, 2>"), "k_split=2", dict(k_split=(1, 2))),   # row groups
-    ((None, "moe_w4a16_kernel<1, 2, 4, 1, 1, 1>"), "k_split=2", dict(k_split=(1, 2), fuse_combine=True)),   # folded
+@pytest.mark.parametrize("variants,message", [
+    (("moe_w4a16_kernel<0, 2, 4, 1, 1, 3, 1>", None), "need a register ring"),       # XS on the cp.async ring
+    ((None, "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 7>"), "does not split into 7 pieces"),  # K = 2048 into 7
+    (("moe_w4a16_kernel<0, 2, 4, 1, 4, 1, 1>", None), "bytes of shared memory"),       # 32 x 7168 bf16
 ])
-def test_moe_variant_that_does_not_fit_is_refused(monkeypatch, variants, message, options):
+def test_moe_variant_that_does_not_fit_is_refused(monkeypatch, variants, message):
     monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda([]))
     E, hidden, inter = 384, 7168, 2048
     w = kk.MoeWeights(E, hidden, inter, *(_FakeArray((1,), np.uint8) for _ in range(6)))
     gate_up, down = kk.default_variants(64)
     variants = (variants[0] or gate_up, variants[1] or down)
     with pytest.raises(ValueError, match=message):
-        kk.MoeLayer(w, 64, np.zeros(E, np.float32), variants=variants, gmma_min_tokens=None, **options)
+        kk.MoeLayer(w, 64, np.zeros(E, np.float32), variants=variants, gmma_min_tokens=None)
 
 
 @pytest.mark.parametrize("kernel", ["mma", "gmma", "gmma-split"])

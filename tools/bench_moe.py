@@ -387,14 +387,6 @@ def launch_plans(default_fused_combine: bool):
         ("dn-r3", dict(down="1, 2, 4, 1, 1, -3")),
         ("dn-r4", dict(down="1, 2, 4, 1, 1, -4")),
         ("dn-xs-r3", dict(down="1, 2, 4, 1, 1, -3, 1")),
-        # K split over blocks (gate_up, down): more, shorter warps for the small grids of T <= 8
-        ("ks2-1", dict(k_split=(2, 1))),
-        ("ks4-1", dict(k_split=(4, 1))),
-        ("ks1-2", dict(k_split=(1, 2))),
-        ("ks1-4", dict(k_split=(1, 4))),
-        ("ks2-2", dict(k_split=(2, 2))),
-        ("ks4-2", dict(k_split=(4, 2))),
-        ("ks2-2-xs-r3", dict(k_split=(2, 2), down="1, 2, 4, 1, 1, -3, 1")),
     ]
 
 
