@@ -195,13 +195,15 @@ MOE_GEMM_VARIANTS = tuple(
                  "2, 4, 1, 1, 1, 4", "2, 4, 1, 2, 1, 4", "2, 4, 1, 4, 1, 4", "2, 2, 1, 2, 1, 2", "2, 4, 1, 2, 1, 2",
                  # RG: each warp streams RG row groups back to back (one pipeline fill per RG groups)
                  "2, 4, 1, 1, 1, 0, 2",
-                 # STAGES -D: D register buffers, D - 1 steps in flight per warp (the small grids of T <= 8)
-                 "2, 4, 1, 1, -3", "2, 4, 1, 1, -4", "2, 4, 1, 1, -3, 1") + (
+                 ) + (
         ("2, 4, 1, 2, 1, 1", "2, 4, 1, 4, 1, 1", "2, 4, 1, 2, 1, 0, 4", "2, 4, 1, 2, 1, 1, 2", "2, 4, 1, 2, 1, 1, 4",
-         "2, 4, 1, 1, 1, 1, 4") if mode else
+         "2, 4, 1, 1, 1, 1, 4",
+         # STAGES -3: three register buffers (two steps in flight per warp), with XS: down at T = 1
+         "2, 4, 1, 1, -3, 1") if mode else
         ("2, 4, 1, 1, 1, 7", "2, 4, 1, 2, 1, 7", "2, 4, 1, 2, 1, 14", "2, 4, 1, 4, 1, 14")))
 # Measured and dropped (H200, 2026-12-03 (7) run 3, uniform T = 16..256, % of read BW per stage): the deeper
-# cp.async rings STAGES 4 / 6 (43-68%) and the two-tile ping-pong <2, 4, 1, 2, 1> (58-73%).
+# cp.async rings STAGES 4 / 6 (43-68%) and the two-tile ping-pong <2, 4, 1, 2, 1> (58-73%); (9) run 1, T = 1..8:
+# the register rings STAGES -3 / -4 without XS (gate_up T = 1 49.0 / 49.7 us vs 43.0 for STAGES 1).
 # (K split over the warps of a block, KS = 2 / 4, was measured at T = 1..16 and lost: PERF.md, 2026-12-03 (2).)
 register(KernelFamily(
     name="moe_int4",

@@ -185,7 +185,10 @@ class MoeWeights:
 # T = 9..16, gate_up: the 16-token-chunk ring (one weight pass for an expert with 9-16 tokens), 2026-12-03 (8) run
 # 9: skewed T = 16 271.9 vs 299.0 us, uniform 676.5 vs 681.4; run 10: at T = 1 / 4 it loses (83.0 / 239.6 vs
 # 79.4 / 229.8). Run 11 with it: skewed T = 12 / 16 206.1 / 273.5 us, uniform 562.2 / 681.9.
+# T = 1, down: XS with three register buffers (two steps in flight per warp), 2026-12-03 (9) run 1, layer us,
+# same run: uniform 76.9 vs 79.4, skewed 77.0 vs 78.8 (down stage 25.3 vs 28.2); it loses at T = 2..8.
 DEFAULT_VARIANTS = {
+    1: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1>"),
     8: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     16: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),

@@ -118,7 +118,7 @@ def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
 @pytest.mark.parametrize("variants", [
     ("moe_w4a16_kernel<0, 2, 4, 1, 2, 1, 14>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 0, 2>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 2>"),
-    ("moe_w4a16_kernel<0, 2, 4, 1, 1, -3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1>"),   # 3-buffer register ring
+    ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1>"),   # 3-buffer register ring
 ])
 def test_moe_staged_variants_launch_with_their_shared_memory(monkeypatch, variants):
     """The XS / RG / register-ring variants at the Kimi shapes: grids shrink by the row groups, the dynamic shared

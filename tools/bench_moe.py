@@ -381,12 +381,14 @@ def launch_plans(default_fused_combine: bool):
         ("dn-xs2p2", dict(down="1, 2, 4, 1, 2, 1, 2")),
         ("gu-ring1", dict(gate_up="0, 2, 2, 1, 1, 3")),
         ("gu-ring2", dict(gate_up="0, 2, 2, 1, 2, 3")),
-        # register rings of 3 / 4 buffers (2 / 3 steps in flight per warp) for the small grids of T <= 8
-        ("gu-r3", dict(gate_up="0, 2, 4, 1, 1, -3")),
-        ("gu-r4", dict(gate_up="0, 2, 4, 1, 1, -4")),
-        ("dn-r3", dict(down="1, 2, 4, 1, 1, -3")),
-        ("dn-r4", dict(down="1, 2, 4, 1, 1, -4")),
+        # the register ring of 3 buffers (2 steps in flight per warp) with XS, and XS on the two-buffer ring
         ("dn-xs-r3", dict(down="1, 2, 4, 1, 1, -3, 1")),
+        ("dn-xs-r2", dict(down="1, 2, 4, 1, 1, 1, 1")),
+        # T = 256: the T <= 128 chunk sizes (more warps per SM; experts over 8 / 16 tokens read twice), and the
+        # warp-specialized hot path from 32 / 48 tokens (shorter cold chain under skewed routing)
+        ("ring2+xs-rg4", dict(gate_up="0, 2, 2, 1, 2, 3", down="1, 2, 4, 1, 1, 1, 1, 4")),
+        ("wsn>=32", dict(gmma_min_tokens=32, gmma_tile=256, gmma_pipe=5)),
+        ("wsn>=48", dict(gmma_min_tokens=48, gmma_tile=256, gmma_pipe=5)),
     ]
 
 
