@@ -389,6 +389,10 @@ def launch_plans(default_fused_combine: bool):
         ("ring2+xs-rg4", dict(gate_up="0, 2, 2, 1, 2, 3", down="1, 2, 4, 1, 1, 1, 1, 4")),
         ("wsn>=32", dict(gmma_min_tokens=32, gmma_tile=256, gmma_pipe=5)),
         ("wsn>=48", dict(gmma_min_tokens=48, gmma_tile=256, gmma_pipe=5)),
+        # T = 512 / 1024: most experts hold 10-40 tokens, below the >= 64 of GMMA_AUTO there
+        ("wsn>=16/128", dict(gmma_min_tokens=16, gmma_tile=128, gmma_pipe=5)),
+        ("wsn>=16/256", dict(gmma_min_tokens=16, gmma_tile=256, gmma_pipe=5)),
+        ("tiers32wsn/16ra2", dict(gmma_tiers=[(32, 256, 5), (16, 64, 3)])),
     ]
 
 
