@@ -108,11 +108,14 @@ struct XFromShared {
   }
 };
 
-// One 64-wide K unit of RB row blocks x NT token tiles, the lane's activation fragments xa given: per row
-// block j dequantize its 16 weight bytes w_of(j) with scale word uu of sc[j] and multiply them in.
-template <int RB, int NT, class WeightOf>
-__device__ __forceinline__ void unit_mma_x(float (&acc)[RB][NT][4], WeightOf w_of, const uint4 (&sc)[RB], int uu,
-                                           const uint4 (&xa)[NT][2]) {
+// One 64-wide K unit u of RB row blocks x NT token tiles: fetch the lane's activation fragments (x_of), then
+// per row block j dequantize its 16 weight bytes w_of(j) with scale word uu of sc[j] and multiply them in.
+template <int RB, int NT, class WeightOf, class XOf>
+__device__ __forceinline__ void unit_mma(float (&acc)[RB][NT][4], WeightOf w_of, const uint4 (&sc)[RB], int uu,
+                                         const XOf& x_of, int u) {
+  uint4 xa[NT][2];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) x_of(n, u, xa[n]);
 #pragma unroll
   for (int j = 0; j < RB; ++j) {
     const uint4 w = w_of(j);
@@ -133,44 +136,6 @@ __device__ __forceinline__ void unit_mma_x(float (&acc)[RB][NT][4], WeightOf w_o
     }
   }
 }
-
-// unit_mma_x of unit u with the activation fragments fetched first (x_of).
-template <int RB, int NT, class WeightOf, class XOf>
-__device__ __forceinline__ void unit_mma(float (&acc)[RB][NT][4], WeightOf w_of, const uint4 (&sc)[RB], int uu,
-                                         const XOf& x_of, int u) {
-  uint4 xa[NT][2];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) x_of(n, u, xa[n]);
-  unit_mma_x<RB, NT>(acc, w_of, sc, uu, xa);
-}
-
-// XPF: the activation fragments of unit u + 1 fetched before unit u is computed (two fragment buffers, by the
-// unit's parity from u0: a step has an even number of units), so their L1 / L2 latency hides behind one unit
-// of dequant and MMA instead of stalling it. Plain global activations only (XS 0, RG 1).
-template <bool XPF, int NT, class XOf>
-struct XPrefetch {
-  uint4 xa[XPF ? 2 : 1][NT][2];
-  __device__ __forceinline__ void first(const XOf& x_of, int u0) {
-    if constexpr (XPF) {
-#pragma unroll
-      for (int n = 0; n < NT; ++n) x_of(n, u0, xa[0][n]);
-    }
-  }
-  // unit u (its index uu in the step): fetch unit u + 1 (below u1), then compute u
-  template <int RB, class WeightOf>
-  __device__ __forceinline__ void unit(float (&acc)[RB][NT][4], WeightOf w_of, const uint4 (&sc)[RB], int uu,
-                                       const XOf& x_of, int u, int u1) {
-    if constexpr (XPF) {
-      if (u + 1 < u1) {
-#pragma unroll
-        for (int n = 0; n < NT; ++n) x_of(n, u + 1, xa[(uu + 1) & 1][n]);
-      }
-      unit_mma_x<RB, NT>(acc, w_of, sc, uu, xa[uu & 1]);
-    } else {
-      unit_mma<RB, NT>(acc, w_of, sc, uu, x_of, u);
-    }
-  }
-};
 
 // The register pipeline's loads of one step (4 units from un on): each row block's weights and scale word.
 template <int RB>
@@ -232,7 +197,7 @@ struct RowGroups {
   int units;
   long long w_stride, s_stride;
 };
-template <int RB, int NT, int RG, int XP, int D, bool XPF, class XOf, class StageX, class GroupEnd>
+template <int RB, int NT, int RG, int XP, int D, class XOf, class StageX, class GroupEnd>
 __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
                                                    const uint4* const (&sp)[RB], const XOf& x_of,
                                                    int u0, int u1, bool dep_wait, StageX stage_x,
@@ -243,8 +208,6 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
     return;
   }
   static_assert(D >= 2, "at least two register buffers");
-  static_assert(!XPF || (XP == 0 && RG == 1), "activation prefetch: plain global activations, one row group");
-  XPrefetch<XPF, NT, XOf> xpf;
   auto load_step = [&](uint4 (&w)[kStep][RB], uint4 (&sc)[RB], int u) {
     if constexpr (RG == 1) {
       load_weight_step(w, sc, wp, sp, u);
@@ -271,7 +234,7 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
     }
 #pragma unroll
     for (int uu = 0; uu < kStep; ++uu) {
-      xpf.template unit<RB>(acc, [&](int j) { return w[uu][j]; }, sc, uu, x_of, ux + uu, u1);
+      unit_mma<RB, NT>(acc, [&](int j) { return w[uu][j]; }, sc, uu, x_of, ux + uu);
     }
     if (RG > 1 && ul + kStep == groups.units && u + kStep < u1) {
       group_end(acc, r);
@@ -283,7 +246,6 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
     load_step(wa, sa, u0);
     if (dep_wait) dependency_wait();   // the first weights are in flight; activations only after the wait
     if constexpr (XP > 0) stage_x(0);
-    xpf.first(x_of, u0);
     for (int u = u0; u < u1; u += 2 * kStep) {
       const bool second = u + kStep < u1;
       if (second) load_step(wb, sb, u + kStep);
@@ -299,7 +261,6 @@ __device__ __forceinline__ void warp_gemm_pingpong(float (&acc)[RB][NT][4], cons
       if (d == 0 || u0 + d * kStep < u1) load_step(w[d], sc[d], u0 + d * kStep);
     if (dep_wait) dependency_wait();
     if constexpr (XP > 0) stage_x(0);
-    xpf.first(x_of, u0);
     for (int u = u0; u < u1; u += D * kStep) {
 #pragma unroll
       for (int d = 0; d < D; ++d) {   // unrolled: the buffer indices are constants
@@ -319,7 +280,7 @@ using ddtree::cp_async_wait;
 // warp_gemm with the weight stream going through a per-warp shared-memory ring of S steps (cp.async):
 // S-1 steps (4 KB each for RB = 2) stay in flight without holding registers. Every lane reads back only the
 // 16-byte slots it copied itself, so the lane's own cp.async.wait_group is the only synchronisation.
-template <int RB, int NT, int S, bool XPF, class XOf>
+template <int RB, int NT, int S, class XOf>
 __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
                                                 const uint4* const (&sp)[RB], const XOf& x_of,
                                                 int u0, int u1, int lane, uint4* ring, bool dep_wait) {
@@ -342,8 +303,6 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
     cp_async_commit();
   }
   if (dep_wait) dependency_wait();   // S - 1 weight steps in flight; activations only after the wait
-  XPrefetch<XPF, NT, XOf> xpf;
-  xpf.first(x_of, u0);
   for (int i = 0; i < nsteps; ++i) {
     cp_async_wait<S - 2>();   // (S - 1 + i) groups committed: group i has landed
     const uint4* slot = ring + (i % S) * PER * 32 + lane;
@@ -353,7 +312,7 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
     for (int j = 0; j < RB; ++j) sc[j] = slot[(kStep * RB + j) * 32];
 #pragma unroll
     for (int uu = 0; uu < kStep; ++uu)
-      xpf.template unit<RB>(acc, [&](int j) { return slot[(j * kStep + uu) * 32]; }, sc, uu, x_of, u + uu, u1);
+      unit_mma<RB, NT>(acc, [&](int j) { return slot[(j * kStep + uu) * 32]; }, sc, uu, x_of, u + uu);
     if (i + S - 1 < nsteps) issue(i + S - 1);   // overwrites the slot read in step i - 1 (already consumed)
     cp_async_commit();
   }
@@ -407,7 +366,7 @@ __device__ __forceinline__ void stage_x_piece(uint4* xs, const uint16_t* __restr
 // XS: the activations come from shared memory (stage_x_piece into xs), else each warp reads them from global.
 // RG > 1: the warp's RG row groups (groups: K units per group, pointer strides; rb0 + r * rb_stride is group
 // r's first row block) in one weight stream, each group stored as it completes.
-template <int MODE, int RB, int WN, int KS, int NT, int S, int XS, int RG, bool XPF>
+template <int MODE, int RB, int WN, int KS, int NT, int S, int XS, int RG>
 __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int ldx, const uint4* const (&wp)[RB],
                                            const uint4* const (&sp)[RB], int n_rows, int k, int u0, int u1,
                                            int rb0, int c0, int count, int offset,
@@ -447,7 +406,7 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
   if constexpr (XS) {
     static_assert(REG && KS == 1, "XS: the register ring pipeline, whole K per warp");
     const XFromShared x_of{xs, (XS > 1 ? 2 : 1) * (k / 8 / XS), g, t};
-    warp_gemm_pingpong<RB, NT, RG, XS, D, false>(acc, wp, sp, x_of, u0, u1, dep_wait, [&](int q) {
+    warp_gemm_pingpong<RB, NT, RG, XS, D>(acc, wp, sp, x_of, u0, u1, dep_wait, [&](int q) {
       stage_x_piece<MODE, NT, XS, RG>(xs, x, ldx, k, c0, count, offset, sorted_token, q);
     }, groups, group_end);
   } else {
@@ -465,11 +424,10 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
     }
     const XFromGlobal<NT, !REG> x_of{xrow, t};
     if constexpr (REG) {
-      warp_gemm_pingpong<RB, NT, RG, 0, D, XPF>(acc, wp, sp, x_of, u0, u1, dep_wait, [](int) {}, groups, group_end);
+      warp_gemm_pingpong<RB, NT, RG, 0, D>(acc, wp, sp, x_of, u0, u1, dep_wait, [](int) {}, groups, group_end);
     } else if constexpr (S > 1) {
-      warp_gemm_async<RB, NT, S, XPF>(acc, wp, sp, x_of, u0, u1, lane, ring, dep_wait);
+      warp_gemm_async<RB, NT, S>(acc, wp, sp, x_of, u0, u1, lane, ring, dep_wait);
     } else {
-      static_assert(!XPF, "activation prefetch: the register rings and the cp.async ring");
       warp_gemm<RB, NT>(acc, wp, sp, x_of, u0, u1, dep_wait);
     }
   }
@@ -564,13 +522,12 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
 // ring. The register rings (1, -D) are what XS and RG build on. XS > 0 (register ring, KS 1): each chunk's
 // activations are staged in dynamic shared memory by the block in XS pieces along K (8 NTMAX x k / XS bf16 at
 // a time) instead of read by every warp.
-// XPF = 1 (XS 0, RG 1, STAGES != 0): each unit's activation fragments are fetched one unit ahead (XPrefetch).
 // RG > 1 (register ring, KS 1): the block covers RG row groups of WN x RB row blocks, each warp streaming its RG
 // groups back to back (grid.x = rows / (16 RBM WN RG)).
 // MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
 // tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
-template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1, int XPF = 0>
+template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1>
 __global__ void __launch_bounds__(32 * WN * KS, STAGES == 1 || STAGES < 0 ? 1 : 0)   // 1: room for the buffers
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
@@ -624,7 +581,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     int c0 = 0;
     auto chunk = [&](auto nt) {   // one chunk of 8 nt tokens from c0 on
       constexpr int NT = decltype(nt)::value;
-      gemm_chunk<MODE, RB, WN, KS, NT, STAGES, XS, RG, XPF != 0>(x, ldx, wp, sp, n_rows, k, u0, u1, rb0, c0, count, offset,
+      gemm_chunk<MODE, RB, WN, KS, NT, STAGES, XS, RG>(x, ldx, wp, sp, n_rows, k, u0, u1, rb0, c0, count, offset,
                                                        sorted_token, out, red, ring, moe_ring, wait_first, groups,
                                                        WN * RBM);
       c0 += 8 * NT;

@@ -175,11 +175,11 @@ register(KernelFamily(
 ))
 
 # ---------------------------------------------------------------- Kimi K2.x kernels (issue 7)
-# INT4 W4A16 grouped MoE GEMMs: moe_w4a16_kernel<MODE, RB, WN, KS, NTMAX, STAGES[, XS[, RG[, XPF]]]> (MODE 0 gate+up
+# INT4 W4A16 grouped MoE GEMMs: moe_w4a16_kernel<MODE, RB, WN, KS, NTMAX, STAGES[, XS[, RG]]> (MODE 0 gate+up
 # with SiLU*up, 1 down; RB row blocks of 16 per warp, WN x KS warps per block, up to 8*NTMAX tokens per weight
 # pass; STAGES 0 = register prefetch, 1 = the same with two register buffers in turn, -D = with D of them, else
 # a per-warp cp.async ring of that many steps; XS > 0: activations staged per block in shared memory in XS
-# pieces of K; RG: row groups streamed back to back per warp; XPF 1: activations fetched one K unit ahead).
+# pieces of K; RG: row groups streamed back to back per warp).
 # The curated table below is what runtime/kimi_kernels.py picks from (per token bucket); tools/bench_moe.py
 # times every entry. mma.sync m16n8k16 (CuTe SM80 atom) exists on every target arch.
 _MMA_SYNC_PTX = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"
@@ -195,8 +195,6 @@ MOE_GEMM_VARIANTS = tuple(
                  "2, 4, 1, 1, 1, 4", "2, 4, 1, 2, 1, 4", "2, 4, 1, 4, 1, 4", "2, 2, 1, 2, 1, 2", "2, 4, 1, 2, 1, 2",
                  # RG: each warp streams RG row groups back to back (one pipeline fill per RG groups)
                  "2, 4, 1, 1, 1, 0, 2",
-                 # XPF: activation fragments fetched one unit ahead (the cp.async rings and the register ring)
-                 "2, 2, 1, 1, 3, 0, 1, 1", "2, 2, 1, 2, 3, 0, 1, 1", "2, 4, 1, 4, 3, 0, 1, 1", "2, 4, 1, 1, 1, 0, 1, 1",
                  ) + (
         ("2, 4, 1, 2, 1, 1", "2, 4, 1, 4, 1, 1", "2, 4, 1, 2, 1, 0, 4", "2, 4, 1, 2, 1, 1, 2", "2, 4, 1, 2, 1, 1, 4",
          "2, 4, 1, 1, 1, 1, 4",

@@ -197,17 +197,17 @@ DEFAULT_VARIANTS = {
 
 
 def variant_params(entry: str) -> tuple[int, ...]:
-    """"moe_w4a16_kernel<0, 2, 4, 1, 1, 3>" -> (MODE, RB, WN, KS, NTMAX, STAGES, XS, RG, XPF); the template's
-    defaults XS = 0, RG = 1, XPF = 0 where the name leaves them out."""
+    """"moe_w4a16_kernel<0, 2, 4, 1, 1, 3>" -> (MODE, RB, WN, KS, NTMAX, STAGES, XS, RG); the template's
+    defaults XS = 0, RG = 1 where the name leaves them out."""
     params = tuple(int(v) for v in entry[entry.index("<") + 1:entry.index(">")].split(","))
-    return params + (0, 1, 0)[len(params) - 6:]
+    return params + (0, 1)[len(params) - 6:]
 
 
 def moe_smem_bytes(entry: str, k: int) -> int:
     """Dynamic shared memory of a variant at reduction width k: each warp's cp.async ring (STAGES x 5 RB x 32
     lanes x 16 B; none for the register pipelines, STAGES 0, 1 and -D), or with XS the activation tile of one token
     chunk: 8 NTMAX rows of k bf16 (XS 1), or of two K pieces of k / XS (XS > 1: one read, the next copied)."""
-    _, rb, wn, ks, ntmax, stages, xs, _, _ = variant_params(entry)
+    _, rb, wn, ks, ntmax, stages, xs, _ = variant_params(entry)
     if xs:
         row_width = k if xs == 1 else 2 * (k // xs)
         return 8 * ntmax * row_width * 2
@@ -498,7 +498,7 @@ class MoeLayer:
         combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared).
         counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones)."""
         cuda = _cuda()
-        mode, rb, wn, ks, _, stages, xs, rg, _ = variant_params(entry)
+        mode, rb, wn, ks, _, stages, xs, rg = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
         block_rows = 16 * rbm * wn * rg
         if n_rows % block_rows or k % 512:

@@ -130,7 +130,7 @@ def test_moe_staged_variants_launch_with_their_shared_memory(monkeypatch, varian
     layer = kk.MoeLayer(w, 64, np.zeros(E, np.float32), variants=variants, gmma_min_tokens=None)
     launches = {launch.kernel.entry: launch for launch in prepared}
     for entry, k, rows in ((variants[0], hidden, inter), (variants[1], inter, hidden)):
-        _, rb, wn, _, _, _, xs, rg, _ = kk.variant_params(entry)
+        _, rb, wn, _, _, _, xs, rg = kk.variant_params(entry)
         rbm = rb // 2 if entry.startswith("moe_w4a16_kernel<0") else rb
         assert launches[entry].grid[0] == rows // (16 * rbm * wn * rg)
         assert launches[entry].smem == kk.moe_smem_bytes(entry, k)

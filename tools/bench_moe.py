@@ -393,20 +393,6 @@ def launch_plans(default_fused_combine: bool):
         ("wsn>=16/128", dict(gmma_min_tokens=16, gmma_tile=128, gmma_pipe=5)),
         ("wsn>=16/256", dict(gmma_min_tokens=16, gmma_tile=256, gmma_pipe=5)),
         ("tiers32wsn/16ra2", dict(gmma_tiers=[(32, 256, 5), (16, 64, 3)])),
-        # T = 512 / 1024 on mma.sync: 32-token chunks with the activations staged (whole K for down, pieces for
-        # gate_up), so that no warp re-reads 32 token rows from L2
-        ("dn-xs4", dict(down="1, 2, 4, 1, 4, 1, 1")),
-        # XPF: activation fragments fetched one K unit ahead, each GEMM on its default's pipeline (T = 1..8 register
-        # ring, 9..16 / 17..128 / > 128 the cp.async rings), and down on the 32-token ring
-        ("gu-xpf", dict(gate_up="0, 2, 4, 1, 1, 1, 0, 1, 1")),
-        ("gu-xpf16", dict(gate_up="0, 2, 2, 1, 2, 3, 0, 1, 1")),
-        ("gu-xpf8", dict(gate_up="0, 2, 2, 1, 1, 3, 0, 1, 1")),
-        ("gu-xpf32", dict(gate_up="0, 2, 4, 1, 4, 3, 0, 1, 1")),
-        ("dn-xpf", dict(down="1, 2, 4, 1, 1, 1, 0, 1, 1")),
-        ("dn-xpf32", dict(down="1, 2, 4, 1, 4, 3, 0, 1, 1")),
-        ("xpf32", dict(gate_up="0, 2, 4, 1, 4, 3, 0, 1, 1", down="1, 2, 4, 1, 4, 3, 0, 1, 1")),
-        ("dn-xs4-p4", dict(down="1, 2, 4, 1, 4, 1, 4")),
-        ("xs14-4+dn-xs4", dict(gate_up="0, 2, 4, 1, 4, 1, 14", down="1, 2, 4, 1, 4, 1, 1")),
     ]
 
 
