@@ -516,7 +516,8 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
 // MODE 1 (down): X = h (rows at sorted positions), weights wq0/ws0 = down, bf16 output [P, n_rows].
 // Block: WN x KS warps; warp (wn, ks) owns RB row blocks (MODE 0: RB/2 of gate and the same RB/2 of up)
 // and the ks-th part of K; the KS partial sums meet in shared memory. The slot's tokens go through in
-// chunks of 8, 16 or 32 (NT = 1, 2, 4 tiles, at most NTMAX), the weights streamed once per chunk.
+// chunks of 8, 16, 24 or 32 (NT = 1, 2, 3, 4 tiles; at most NTMAX, 3 only where NTMAX is 4), the weights
+// streamed once per chunk.
 // STAGES = 0: weights prefetched one step ahead in registers; 1: the same with two register buffers in turn
 // (no per-step copy); -D: D register buffers in turn (D - 1 steps in flight); STAGES >= 2: through a cp.async
 // ring. The register rings (1, -D) are what XS and RG build on. XS > 0 (register ring, KS 1): each chunk's
@@ -589,8 +590,10 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     };
     while (c0 < count) {   // count is uniform over the block: every warp takes the same branches
       const int rem = count - c0;
-      if (NTMAX >= 4 && rem > 16) {
+      if (NTMAX >= 4 && rem > 24) {
         chunk(cuda::std::integral_constant<int, (NTMAX >= 4 ? 4 : 1)>{});
+      } else if (NTMAX >= 4 && rem > 16) {   // 17..24 tokens: three tiles, not four (a quarter fewer MMAs)
+        chunk(cuda::std::integral_constant<int, (NTMAX >= 4 ? 3 : 1)>{});
       } else if (NTMAX >= 2 && rem > 8) {
         chunk(cuda::std::integral_constant<int, (NTMAX >= 2 ? 2 : 1)>{});
       } else {
