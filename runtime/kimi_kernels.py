@@ -185,6 +185,11 @@ class MoeWeights:
 # T = 9..16, gate_up: the 16-token-chunk ring (one weight pass for an expert with 9-16 tokens), 2026-12-03 (8) run
 # 9: skewed T = 16 271.9 vs 299.0 us, uniform 676.5 vs 681.4; run 10: at T = 1 / 4 it loses (83.0 / 239.6 vs
 # 79.4 / 229.8). Run 11 with it: skewed T = 12 / 16 206.1 / 273.5 us, uniform 562.2 / 681.9.
+# T > 768, down: the 32-token cp.async ring (one weight pass for experts with up to 32 tokens; 17..24 as three
+# tiles), 2026-12-03 (9) runs 5 / 7 / 9, layer us, same run each: uniform T = 1024 5082.6 / 5107.5 / 4674.6 vs
+# 5241.2 / 5345.5 / 5151.7 with the 16-token XS default, skewed 2529.4 / 2470.5 / 2452.1 vs 2439.9 / 2445.3 /
+# 2434.6; at T = 512 it loses (uniform 3209.0 / 3175.2 vs 3061.2 / 3050.2): the bound at 768 is between the two
+# measured sizes.
 # T = 1, down: XS with three register buffers (two steps in flight per warp), 2026-12-03 (9) run 1, layer us,
 # same run: uniform 76.9 vs 79.4, skewed 77.0 vs 78.8 (down stage 25.3 vs 28.2); it loses at T = 2..8.
 DEFAULT_VARIANTS = {
@@ -192,7 +197,8 @@ DEFAULT_VARIANTS = {
     8: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     16: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
-    1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),
+    768: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),
+    1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 4, 3>"),
 }
 
 

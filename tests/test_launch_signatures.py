@@ -95,7 +95,7 @@ def _checking_cuda(prepared):
 
 
 @pytest.mark.parametrize("T,plan", [
-    (1, {}), (64, {}), (256, {}), (256, dict(gmma_min_tokens=None)),
+    (1, {}), (64, {}), (256, {}), (256, dict(gmma_min_tokens=None)), (600, {}), (1025, {}),
     (8, dict(fused_routing=True, fuse_combine=True, early=True, pdl=True, gmma_min_tokens=None)),
     (128, dict(gmma_tiers=[(64, 256, 4), (16, 64, 3)], gmma_parallel_chunks=True)),
     (300, dict(gmma_tiers=[(100, 128, 1), (60, 64, 2), (20, 64, 0)])),
