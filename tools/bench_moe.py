@@ -125,7 +125,7 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--inter", type=int, default=2048)
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024")
     ap.add_argument("--routing", default="uniform,skewed")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-variants", action="store_true")
