@@ -47,16 +47,18 @@ __device__ __forceinline__ void zero_fragments(float (&acc)[A][B][4]) {
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid = true) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n) : "memory");
 }
 // The same into a shared-memory address the caller computed (e.g. a swizzled tile position).
 __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// "memory": the compiler must not move shared-memory reads of a copy's destination above the wait that
+// lands it, nor reads of a slot below the copy that overwrites it (moe_int4's per-lane ring has no barrier).
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Programmatic dependent launch (sm_90 and later; every arch we build). A kernel launched with the PDL
 // attribute may start while the previous kernel on the stream still runs; it must call grid_dependency_wait()
