@@ -425,6 +425,14 @@ def test_moe_layer_real_shape_subset(cuda_device, variants):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gmma", [None, "auto"])
+def test_moe_layer_largest_bucket(cuda_device, gmma):
+    """T = 1025 (the top of the layer's range, the T > 768 defaults) on 64 experts, top-8: ~128 tokens per
+    expert, every chunk size; all on mma.sync, or the busiest experts on the wgmma path where it runs."""
+    _check_moe(1025, 64, 1024, 512, None, topk=8, gmma_min_tokens=gmma)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,E,min_tokens,tile,parallel,pipe,overlap", [
     (T, E, m, tile, parallel, pipe, overlap)
     for T, E, m, tile in [(200, 8, 64, 64), (200, 8, 90, 128), (300, 16, 40, 256), (3, 8, 2, 64)]
