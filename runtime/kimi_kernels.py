@@ -164,34 +164,17 @@ class MoeWeights:
         return cls(e, hidden, inter, *d)
 
 
-# Variant per token-bucket: (gate_up entry, down entry); template arguments MODE, RB, WN, KS, NTMAX, STAGES
-# (, XS, RG: variant_params).
-# Picked per stage from tools/bench_moe.py on the H200 (docs/PERF.md, Kimi MoE section): the fastest variant
-# under uniform routing for T <= 128, and the 32-token-chunk variants above, which also win on skewed routing.
-# T <= 16: the two-buffer register variants (STAGES 1), faster than the STAGES 0 register prefetch in the
-# 2026-12-03 (4) run 1 (128 experts, uniform): gate_up T = 1 43.4 vs 46.6 us, T = 4 143.2 vs 144.0, T = 16
-# 444.4 vs 460.7; down 28.2 vs 30.3, 75.9 vs 82.6, 247.8 vs 273.3 (STAGES 0 had beaten the ring
-# <1, 2, 2, 1, 1, 3> by 5-9% in two runs before).
-# T = 17..128, down: the register-prefetch <1, 2, 4, 1, 1, 0> over the ring <1, 2, 2, 1, 1, 3>, faster in both
-# 2026-12-03 (4) runs 2 and 3 (T = 32 481 / 461 vs 490 / 500 us, T = 64 691 / 696 vs 732 / 795, T = 128
-# 872 / 858 vs 943 / 940); gate_up keeps the ring (fastest at 32..128 in both).
-# T > 16, down: the activations staged once per block in shared memory (XS), 2026-12-03 (7) run 5, whole layer
-# (default gmma plan), same run: uniform T = 64 / 128 / 256 1883 / 2402 / 2751 us with the previous down
-# variants, 1833 / 2306 (four row groups per warp, <1, 2, 4, 1, 1, 1, 1, 4>) and 2683 (16-token chunks,
-# <1, 2, 4, 1, 2, 1, 1>); skewed T = 256 1128 -> 1126 (the 16-token chunks; the 8-token row groups 1219).
-# T <= 16, down: XS too, run 7: uniform T = 1 / 2 / 4 / 8 / 16 78.5 / 141.6 / 235.2 / 401.6 / 688.8 us vs
-# 79.6 / 143.6 / 237.3 / 404.8 / 698.8 with <1, 2, 4, 1, 1, 1>, skewed 83.0 / 129.6 / 163.4 / 184.3 / 300.1 vs
-# 81.8 / 130.2 / 164.0 / 186.4 / 303.7.
-# T = 9..16, gate_up: the 16-token-chunk ring (one weight pass for an expert with 9-16 tokens), 2026-12-03 (8) run
-# 9: skewed T = 16 271.9 vs 299.0 us, uniform 676.5 vs 681.4; run 10: at T = 1 / 4 it loses (83.0 / 239.6 vs
-# 79.4 / 229.8). Run 11 with it: skewed T = 12 / 16 206.1 / 273.5 us, uniform 562.2 / 681.9.
-# T > 768, down: the 32-token cp.async ring (one weight pass for experts with up to 32 tokens; 17..24 as three
-# tiles), 2026-12-03 (9) runs 5 / 7 / 9, layer us, same run each: uniform T = 1024 5082.6 / 5107.5 / 4674.6 vs
-# 5241.2 / 5345.5 / 5151.7 with the 16-token XS default, skewed 2529.4 / 2470.5 / 2452.1 vs 2439.9 / 2445.3 /
-# 2434.6; at T = 512 it loses (uniform 3209.0 / 3175.2 vs 3061.2 / 3050.2): the bound at 768 is between the two
-# measured sizes.
-# T = 1, down: XS with three register buffers (two steps in flight per warp), 2026-12-03 (9) run 1, layer us,
-# same run: uniform 76.9 vs 79.4, skewed 77.0 vs 78.8 (down stage 25.3 vs 28.2); it loses at T = 2..8.
+# Variant per token bucket (T <= key): (gate_up entry, down entry), template arguments MODE, RB, WN, KS, NTMAX,
+# STAGES[, XS, RG] (variant_params). Each is the fastest whole-layer choice measured on the H200 with
+# tools/bench_moe.py, under uniform and skewed routing (docs/PERF.md, sessions 2026-12-03 (4) to (9), run by run):
+# - gate_up, T <= 8: the two-buffer register ring, 8-token chunks.
+# - gate_up, T = 9..16: the 16-token cp.async ring (one weight pass for an expert of 9-16 tokens; loses below 9).
+# - gate_up, T = 17..128: the 8-token cp.async ring; T > 128: the 32-token ring (skewed routing leaves experts of
+#   up to 63 tokens on mma.sync there).
+# - down, T = 1: activations staged in shared memory (XS) with three register buffers (loses at T = 2..8); T =
+#   2..16: XS, two buffers; T = 17..128: XS, four row groups per warp; T = 129..768: XS, 16-token chunks; T > 768:
+#   the 32-token cp.async ring (uniform T = 1024 -9%, skewed +1%; it loses at T = 512, so the 768 bound lies
+#   between the measured sizes).
 DEFAULT_VARIANTS = {
     1: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1>"),
     8: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
@@ -226,23 +209,15 @@ def moe_smem_bytes(entry: str, k: int) -> int:
 # routing, separate combine, no PDL); the fused variants stay selectable for A/B timing.
 FUSE_COMBINE_MAX_TOKENS = 0
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
-# >= min tokens, tile-token passes, pipeline PIPE, (min, tile, pipe) from GMMA_AUTO by T. H200,
-# 2026-12-03 (4) run 2, whole layer: skewed T = 64 839 -> 815 us, T = 256 1509 -> 1420; uniform T = 64 1973 ->
-# 1970; below 64 tokens the two extra launches cost ~3 us and no expert is hot under uniform routing.
-# 2026-12-03 (5) runs 4-5 (same-run A/B): T = 256 skewed >= 64 tokens in 128-token passes 1374 / 1452 us vs
-# >= 16 in 64-token passes 1591 / 1649 and no wgmma 1490 / 1760; T = 64 skewed >= 16 / 64-token 754 (deep) vs
-# 778 without; deep vs one-stage pipeline 754 vs 793 (T = 64), 1354 vs 1374 (T = 256, >= 64).
-# 2026-12-03 (6) run 3 (same run, skewed, layer us): the register-A kernel with two blocks per SM (PIPE 3) on
-# experts with >= 16 tokens in 64-token passes, beside the cold chain on a second stream: T = 64 628.5 / 128
-# 849.8 / 256 1202.3 vs the previous default 748.1 / 988.3 / ~1338 and no wgmma 777.9 / 1337.6 / 1485.0.
-# 2026-12-03 (6) run 6 (same run, skewed): T = 256 the warp-specialized kernel (PIPE 4) on experts with >= 64
-# tokens in 256-token passes 1127.5 us vs 1195.0 for the PIPE 3 plan; T = 64 PIPE 4 on >= 16 in 128-token
-# passes 667.5 vs 627.1 (small experts leave a consumer warpgroup idle; PIPE 3 stays below T = 256).
-# 2026-12-03 (7) run 2 (same run, skewed T = 256): PIPE 5 (wgmma N cut to the token count) 1118.6 us vs 1132.3
-# for PIPE 4, gate_up_hot 212.8 vs 231.9 us; uniform T = 256 2762.4 vs 2901.2.
-# 2026-12-03 (8) runs 9-10 (same run, layer us): from T = 32, skewed T = 32 / 48 455.0 / 618.9 -> 402.1 / 486.7,
-# uniform 1193.9 / 1572.5 -> 1216.7 / 1607.9 (the empty hot launches and the fork / join: ~2%, capping the hot grid
-# at 8 rows did not remove it), T = 16 skewed 299.0 -> 293.4 (one expert at 16 tokens): not taken below 32.
+# >= min tokens, tile-token passes, pipeline PIPE, (min, tile, pipe) from GMMA_AUTO by T. Measured on the H200
+# (docs/PERF.md, sessions 2026-12-03 (4) to (9), whole layer, same-run A/B):
+# - T = 32..255: PIPE 3 (register A, two blocks per SM) on experts of >= 16 tokens in 64-token passes, the hot
+#   chain on its own stream; skewed T = 32 / 64 / 128 12 / 19 / 36% faster than without. Under uniform routing
+#   no expert is hot and the empty launches with the fork / join cost ~2%; below T = 32 that outweighs the gain.
+# - T >= 256: PIPE 5 (warp-specialized, wgmma N cut to the token count) on experts of >= 64 tokens in 256-token
+#   passes (skewed T = 256: PIPE 4 1127.5 vs PIPE 3 1195.0 us, then PIPE 5 1118.6 vs PIPE 4 1132.3). Lower
+#   thresholds and tiers lost or tied up to T = 1024: for experts of 8-40 tokens the wgmma kernels'
+#   dequantization is the same work as mma.sync's.
 GMMA_AUTO_TOKENS = 32
 # T bound -> (min tokens per expert, tokens per pass, PIPE)
 GMMA_AUTO = {255: (16, 64, 3), 1 << 30: (64, 256, 5)}
