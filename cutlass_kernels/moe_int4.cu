@@ -278,8 +278,9 @@ using ddtree::cp_async_commit;
 using ddtree::cp_async_wait;
 
 // warp_gemm with the weight stream going through a per-warp shared-memory ring of S steps (cp.async):
-// S-1 steps (4 KB each for RB = 2) stay in flight without holding registers. Every lane reads back only the
-// 16-byte slots it copied itself, so the lane's own cp.async.wait_group is the only synchronisation.
+// S-1 steps (4 KB each for RB = 2) stay in flight without holding registers, also while a step is computed.
+// Every lane reads back only the 16-byte slots it copied itself, so the lane's own cp.async.wait_group is the
+// only synchronisation.
 template <int RB, int NT, int S, class XOf>
 __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const uint4* const (&wp)[RB],
                                                 const uint4* const (&sp)[RB], const XOf& x_of,
@@ -305,6 +306,10 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
   if (dep_wait) dependency_wait();   // S - 1 weight steps in flight; activations only after the wait
   for (int i = 0; i < nsteps; ++i) {
     cp_async_wait<S - 2>();   // (S - 1 + i) groups committed: group i has landed
+    // the next step goes in before this one is computed (S - 1 steps in flight during the compute, not S - 2):
+    // it overwrites the slot read in step i - 1 (already consumed)
+    if (i + S - 1 < nsteps) issue(i + S - 1);
+    cp_async_commit();
     const uint4* slot = ring + (i % S) * PER * 32 + lane;
     const int u = u0 + i * kStep;
     uint4 sc[RB];
@@ -313,8 +318,6 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
 #pragma unroll
     for (int uu = 0; uu < kStep; ++uu)
       unit_mma<RB, NT>(acc, [&](int j) { return slot[(j * kStep + uu) * 32]; }, sc, uu, x_of, u + uu);
-    if (i + S - 1 < nsteps) issue(i + S - 1);   // overwrites the slot read in step i - 1 (already consumed)
-    cp_async_commit();
   }
   cp_async_wait<0>();
 }

@@ -136,9 +136,11 @@ extern "C" __global__ void moe_topk_kernel(const float* __restrict__ logits, con
 }
 
 // Single block of 1024 threads. Dynamic smem: ids[T*topk], cnt[E], off[E], act[E], act_cnt[E], n_act,
-// bits[E][ceil(T/32)] (ints).
+// bits[E][ws], before[E][ws] (ints; ws = ceil(T/32) | 1, odd so that different experts' rows start in different
+// banks: an even stride put every expert's word w in one bank, 32-way conflicts, 85 us at T = 1024).
 // The sorted position of (t, e) is off[e] + the number of earlier tokens that chose e: a popcount over e's
 // token bitmap (a token never picks an expert twice), so positions are deterministic without a serial scan.
+// before[e][w] holds the popcount of e's words 0..w-1, so each pair reads two words.
 // The grouping, by one whole block (at least E/32 warps; 1024 threads in both kernels). topk_ids is read through L2
 // (__ldcg): in moe_route_kernel other blocks of the same grid wrote it.
 __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, int T, int topk, int E, int num_slots,
@@ -147,7 +149,7 @@ __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, in
                                             int* __restrict__ sorted_token, int* __restrict__ assign_pos,
                                             int* smem) {
   const int P = T * topk;
-  const int words = (T + 31) / 32;
+  const int words = (T + 31) / 32, ws = words | 1;
   int* ids = smem;
   int* cnt = ids + P;
   int* off = cnt + E;
@@ -155,18 +157,28 @@ __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, in
   int* act_cnt = act + E;
   int* n_act = act_cnt + E;
   unsigned* bits = reinterpret_cast<unsigned*>(n_act + 1);
+  int* before = n_act + 1 + E * ws;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int a = tid; a < P; a += blockDim.x) ids[a] = __ldcg(topk_ids + a);
   for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
-  for (int i = tid; i < E * words; i += blockDim.x) bits[i] = 0u;
+  for (int i = tid; i < E * ws; i += blockDim.x) bits[i] = 0u;
   for (int s = tid; s < num_slots; s += blockDim.x) { slot_expert[s] = -1; slot_offset[s] = 0; slot_count[s] = 0; }
   __syncthreads();
   for (int a = tid; a < P; a += blockDim.x) {
     const int e = ids[a], t = a / topk;
     atomicAdd(&cnt[e], 1);
-    atomicOr(&bits[e * words + (t >> 5)], 1u << (t & 31));
+    atomicOr(&bits[e * ws + (t >> 5)], 1u << (t & 31));
   }
   __syncthreads();
+  // before[e][w]: one thread per expert runs along its row (ws odd: the 32 rows a warp reads at word w sit in
+  // 32 different banks); with one word (T <= 32) it is 0 and is neither written nor read
+  for (int x = tid; words > 1 && x < E; x += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < words; ++w) {
+      before[x * ws + w] = run;
+      run += __popc(bits[x * ws + w]);
+    }
+  }
   // Exclusive prefix sum of the counts over experts and the active list (count > 0, increasing id): one warp
   // per 32-expert chunk scans its chunk, then adds the totals of the chunks before it (E <= 512: <= 16 chunks).
   const int chunks = (E + 31) / 32;
@@ -215,10 +227,8 @@ __device__ __forceinline__ void group_block(const int* __restrict__ topk_ids, in
   }
   for (int a = tid; a < P; a += blockDim.x) {
     const int e = ids[a], t = a / topk;
-    const unsigned* b = bits + e * words;
-    int r = __popc(b[t >> 5] & ((1u << (t & 31)) - 1u));
-    for (int w = 0; w < (t >> 5); ++w) r += __popc(b[w]);
-    const int p = off[e] + r;
+    const int i = e * ws + (t >> 5);
+    const int p = off[e] + (words > 1 ? before[i] : 0) + __popc(bits[i] & ((1u << (t & 31)) - 1u));
     sorted_token[p] = t;
     assign_pos[a] = p;
   }

@@ -372,7 +372,7 @@ class MoeLayer:
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
 
-        group_smem = (P + 4 * E + 1 + E * ((T + 31) // 32)) * 4   # moe_routing.cu group_block's layout
+        group_smem = (P + 4 * E + 1 + 2 * E * (((T + 31) // 32) | 1)) * 4   # moe_routing.cu group_block's layout
         route_args = [self.logits, self.bias, I32(T), I32(E), I32(topk), I32(n_group), I32(topk_group),
                       I32(int(norm_topk_prob)), F32(routed_scaling_factor)]
         group_outs = [self.expert_count, self.slot_expert, self.slot_offset, self.slot_count, self.sorted_token,
