@@ -166,9 +166,12 @@ class MoeWeights:
 
 # Variant per token bucket (T <= key): (gate_up entry, down entry), template arguments MODE, RB, WN, KS, NTMAX,
 # STAGES[, XS, RG] (variant_params). Each is the fastest whole-layer choice measured on the H200 with
-# tools/bench_moe.py, under uniform and skewed routing (docs/PERF.md, sessions 2026-12-03 (4) to (9), run by run):
-# - gate_up, T <= 8: the two-buffer register ring, 8-token chunks.
-# - gate_up, T = 9..16: the 16-token cp.async ring (one weight pass for an expert of 9-16 tokens; loses below 9).
+# tools/bench_moe.py, under uniform and skewed routing (docs/PERF.md, sessions 2026-12-03 (4) to (10), run by run):
+# - gate_up, T = 1 and 3..5: the two-buffer register ring, 8-token chunks; T = 2: one register buffer (-10%, both
+#   routings).
+# - gate_up, T = 6..16: the 16-token cp.async ring (one weight pass for an expert of 9-16 tokens; since its ring
+#   keeps two steps in flight it also wins at 6..8: skewed T = 6 -11%, uniform T = 7 -4%; at 3..5 it is ~1%
+#   slower).
 # - gate_up, T = 17..128: the 8-token cp.async ring; T > 128: the 32-token ring (skewed routing leaves experts of
 #   up to 63 tokens on mma.sync there).
 # - down, T = 1: activations staged in shared memory (XS) with three register buffers (loses at T = 2..8); T =
@@ -177,7 +180,8 @@ class MoeWeights:
 #   between the measured sizes).
 DEFAULT_VARIANTS = {
     1: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1>"),
-    8: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
+    2: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 0>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
+    5: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     16: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     768: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),

@@ -379,6 +379,8 @@ def launch_plans(default_fused_combine: bool):
         ("dn-old", dict(down="1, 2, 4, 1, 1, 0")),
         ("dn-old256", dict(down="1, 2, 4, 1, 4, 3")),
         ("dn-xs2p2", dict(down="1, 2, 4, 1, 2, 1, 2")),
+        ("gu-s0", dict(gate_up="0, 2, 4, 1, 1, 0")),
+        ("gu-s1", dict(gate_up="0, 2, 4, 1, 1, 1")),
         ("gu-ring1", dict(gate_up="0, 2, 2, 1, 1, 3")),
         ("gu-ring2", dict(gate_up="0, 2, 2, 1, 2, 3")),
         # the register ring of 3 buffers (2 steps in flight per warp) with XS, and XS on the two-buffer ring
