@@ -378,9 +378,11 @@ def test_fused_routing_same_bits_as_two_kernels(cuda_device, T, n_group, topk_gr
 
 
 MOE_CASES = [
-    # (T, E, hidden, inter, variants or None)
+    # (T, E, hidden, inter, variants or None); None: the defaults, one case per token bucket up to 768
     (1, 16, 512, 512, None),
+    (2, 16, 512, 512, None),
     (5, 16, 1024, 512, None),
+    (8, 16, 1024, 512, None),
     (33, 8, 1024, 512, None),
     (200, 8, 512, 512, None),   # many tokens per expert: several token chunks
 ]

@@ -21,6 +21,7 @@ import numpy as np
 from runtime import dense_kernels as dk
 from runtime.bf16 import to_bf16
 from runtime.cuda import Stream, bench, capture, empty, get_device, get_kernel, to_device
+from tools.read_bandwidth import read_bandwidth
 
 ROTATE_BYTES = 256 << 20  # > 4x L2: every launch reads from HBM
 
@@ -45,23 +46,6 @@ def graph_time_us(launch_one, reps: int, stream, iters: int = 10) -> float:
     g = cap.instantiate()
     ms = bench(lambda: g.launch(stream), warmup=3, iters=iters, stream=stream)
     return ms * 1e3 / reps
-
-
-def read_bandwidth(stream) -> float:
-    """Streaming-read bandwidth (bytes/s) of runtime_probe's read_sum_kernel over 2 GiB, best config."""
-    n_bytes = 2 << 30
-    buf = empty((n_bytes // 16, 4), np.uint32)
-    buf.fill_bytes(0x5A)
-    sink = empty((4,), np.uint32)
-    kern = get_kernel("runtime_probe", "read_sum_kernel")
-    dev = get_device()
-    best = 0.0
-    for blocks_per_sm, threads in ((4, 512), (8, 256), (16, 256), (2, 1024)):
-        grid = dev.sm_count * blocks_per_sm
-        us = graph_time_us(lambda i, s: kern.launch(grid, threads, [buf, np.int64(n_bytes // 16), sink], stream=s),
-                           reps=4, stream=stream)
-        best = max(best, n_bytes / (us * 1e-6))
-    return best
 
 
 # --gmma: overrides of the GMMA plan timed besides the planned one, per token tile
@@ -330,7 +314,7 @@ def main():
     print(f"# {dev}  (sm_{dev.arch}, {dev.sm_count} SMs)")
     stream = Stream()
     if not args.attention_only:
-        read_bw = read_bandwidth(stream)
+        read_bw = read_bandwidth(stream=stream)
         print(f"streaming read: {read_bw / 1e12:.3f} TB/s (runtime_probe read_sum_kernel, 2 GiB, best config)")
         bench_linear(stream, read_bw, args.m, args.quick, args.gmma, args.ops, peer)
     if not args.linear_only:

@@ -18,7 +18,7 @@ from runtime import cuda
 from runtime.bf16 import to_bf16
 from runtime.kimi_kernels import MLA_D, MlaAttention
 from runtime.testing import random_tree_visibility
-from tools.bench_moe import measure_read_bandwidth
+from tools.read_bandwidth import read_bandwidth
 
 
 def bf16_matmul_rate() -> float:
@@ -56,7 +56,7 @@ def main(argv=None):
                     help="comma list: auto (gmma on sm_90a, else mma), mma (mma.sync), gmma (wgmma, sm_90a)")
     args = ap.parse_args(argv)
     dev = cuda.require_device()
-    bw = measure_read_bandwidth(2 << 30)
+    bw = read_bandwidth()
     rate = bf16_matmul_rate()
     print(f"device: {dev.name}; read bandwidth {bw / 1e12:.2f} TB/s; bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     rng = np.random.default_rng(0)

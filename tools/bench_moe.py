@@ -28,18 +28,7 @@ import time
 
 import numpy as np
 
-
-def measure_read_bandwidth(nbytes: int = 4 << 30) -> float:
-    """Bytes/s of the runtime's streaming read kernel over a buffer far larger than L2."""
-    from runtime import cuda
-    buf = cuda.empty((nbytes // 16, 4), np.uint32)
-    buf.fill_bytes(0x5A)
-    sink = cuda.empty((1,), np.uint32)
-    k = cuda.get_kernel("runtime_probe", "read_sum_kernel")
-    dev = cuda.get_device()
-    launch = k.prepare((dev.sm_count * 8,), (512,), [buf, np.int64(nbytes // 16), sink])
-    ms = cuda.bench(launch, warmup=3, iters=20)
-    return nbytes / (ms * 1e-3)
+from tools.read_bandwidth import read_bandwidth
 
 
 def random_fill(arr, rng, kind: str):
@@ -91,7 +80,6 @@ class TorchLoop:
         torch = self.torch
         T = ids.shape[0]
         x = torch.randn((T, self.w1.shape[2]), dtype=torch.bfloat16, device="cuda")
-        ids_t = torch.as_tensor(ids.astype(np.int64), device="cuda")
         w_t = torch.as_tensor(w, device="cuda")
         experts = np.unique(ids)
         plan = []
@@ -143,7 +131,7 @@ def main(argv=None):
     from runtime.kimi_kernels import MoeLayer, variant_params
     dev = cuda.require_device()
     print(f"device: {dev.name}, sm_{dev.arch}, {dev.sm_count} SMs", flush=True)
-    bw = measure_read_bandwidth()
+    bw = read_bandwidth(4 << 30)
     print(f"measured read bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
     rng = np.random.default_rng(0)
     t0 = time.time()

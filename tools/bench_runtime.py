@@ -18,6 +18,7 @@ import numpy as np
 import runtime.cuda as rc
 from runtime.bf16 import to_bf16
 from runtime.cuda import nvrtc
+from tools.read_bandwidth import read_time_us
 
 ROWS: list[tuple[str, str, str]] = []
 
@@ -31,19 +32,11 @@ def bandwidth(dev, gib: float):
     n_bytes = int(gib * 2**30) // 16 * 16
     src = rc.empty((n_bytes,), np.uint8).fill_bytes(0x5A)
     dst = rc.empty((n_bytes,), np.uint8)
-    sink = rc.empty((4,), np.uint32)
-    k = rc.get_kernel("runtime_probe", "read_sum_kernel")
-    best = (0.0, None)
-    for blocks_per_sm in (2, 4, 8, 16):
-        for threads in (256, 512, 1024):
-            launch = k.prepare(dev.sm_count * blocks_per_sm, threads, [src, np.int64(n_bytes // 16), sink])
-            ms = rc.bench(launch, warmup=3, iters=20)
-            gbs = n_bytes / ms / 1e6
-            if gbs > best[0]:
-                best = (gbs, (blocks_per_sm, threads))
-    read_gbs, cfg = best
+    configs = [(b, t) for b in (2, 4, 8, 16) for t in (256, 512, 1024)]
+    us, cfg = read_time_us([src], configs)
+    read_gbs = n_bytes / us / 1e3
     row("read bandwidth, streaming kernel", f"{read_gbs:,.0f} GB/s",
-        f"{gib:g} GiB, {cfg[0]} blocks/SM x {cfg[1]} threads (best of 12 configs)")
+        f"{gib:g} GiB, {cfg[0]} blocks/SM x {cfg[1]} threads (best of {len(configs)} configs)")
     drv = rc.device.driver()
     s = rc.default_stream()
     ms = rc.bench(lambda: rc.check(drv.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n_bytes, s.handle), "cuMemcpyDtoDAsync"),

@@ -21,6 +21,8 @@ import itertools
 
 import numpy as np
 
+from tools.read_bandwidth import read_time_us
+
 # (label, rows, 512-byte units per row)
 SHAPES = [("T=1 gate_up", 8 * 2 * 128, 112), ("T=1 down", 8 * 448, 32), ("T=64 gate_up", 284 * 2 * 128, 112)]
 DEPTHS = (1, 2, 3, 4, 6)
@@ -40,7 +42,6 @@ def main(argv=None):
     def region(r: int, nbytes: int):
         return buf.view(r * region_max // 4, (nbytes // 4,))
     sink = cuda.empty((1,), np.uint32)
-    read = cuda.get_kernel("runtime_probe", "read_sum_kernel")
 
     def timed(launches) -> float:
         """Median us of one launch, each call taking the next region."""
@@ -48,12 +49,8 @@ def main(argv=None):
         return cuda.bench(lambda: next(it)(), warmup=3, iters=args.iters) * 1e3
 
     def read_us(nbytes: int) -> float:
-        best = float("inf")
-        for blocks_per_sm, threads in ((4, 256), (8, 512), (16, 256)):
-            launches = [read.prepare((dev.sm_count * blocks_per_sm,), (threads,), [
-                region(r, nbytes), np.int64(nbytes // 16), sink]) for r in range(regions)]
-            best = min(best, timed(launches))
-        return best
+        return read_time_us([region(r, nbytes) for r in range(regions)], ((4, 256), (8, 512), (16, 256)),
+                            args.iters)[0]
 
     big = region_max     # one region per launch, cycled
     bw = big / (read_us(big) * 1e-6)

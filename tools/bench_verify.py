@@ -71,9 +71,9 @@ def main(argv=None) -> int:
     if args.fake:
         read_bw = None
     else:
-        from tools.bench_dense import read_bandwidth
+        from tools.read_bandwidth import read_bandwidth
         log("measuring the streaming read bandwidth (2 GiB) ...")
-        read_bw = read_bandwidth(b.stream)
+        read_bw = read_bandwidth(stream=b.stream)
 
     n_layers = args.layers or RANDOM_SHAPES[args.random]["num_hidden_layers"]
     log(f"building a random {args.random} ({n_layers} layers) in memory and uploading it ...")
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     print(f"\n{args.random}, {n_layers} layers, {params / 1e9:.2f} B params, random bf16 weights, prefix "
           f"{args.prefix}, greedy; graph replay, median of {args.iters}, {unit}")
     print(f"device: {getattr(dev, 'name', dev)} ({dev.sm_count} SMs); streaming read "
-          + ("- (fake)" if read_bw is None else f"{read_bw / 1e12:.3f} TB/s (tools.bench_dense.read_bandwidth)"))
+          + ("- (fake)" if read_bw is None else f"{read_bw / 1e12:.3f} TB/s (tools.read_bandwidth)"))
     print(f"bytes per step: weights {w_bytes / 1e9:.2f} GB (layers + lm_head + norm; the embedding is gathered), "
           f"KV prefix {kv_bytes / 1e9:.3f} GB")
     print(f"{'step':16s} {'T':>5s} {'us':>10s} {'x AR':>6s} {'weights/t':>11s} {'of read BW':>10s}")
