@@ -214,14 +214,14 @@ def moe_smem_bytes(entry: str, k: int) -> int:
 FUSE_COMBINE_MAX_TOKENS = 0
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
 # >= min tokens, tile-token passes, pipeline PIPE, (min, tile, pipe) from GMMA_AUTO by T. Measured on the H200
-# (docs/PERF.md, sessions 2026-12-03 (4) to (9), whole layer, same-run A/B):
+# (docs/PERF.md, sessions 2026-12-03 (4) to (10), whole layer, same-run A/B):
 # - T = 32..255: PIPE 3 (register A, two blocks per SM) on experts of >= 16 tokens in 64-token passes, the hot
 #   chain on its own stream; skewed T = 32 / 64 / 128 12 / 19 / 36% faster than without. Under uniform routing
 #   no expert is hot and the empty launches with the fork / join cost ~2%; below T = 32 that outweighs the gain.
 # - T >= 256: PIPE 5 (warp-specialized, wgmma N cut to the token count) on experts of >= 64 tokens in 256-token
 #   passes (skewed T = 256: PIPE 4 1127.5 vs PIPE 3 1195.0 us, then PIPE 5 1118.6 vs PIPE 4 1132.3). Lower
 #   thresholds and tiers lost or tied up to T = 1024: for experts of 8-40 tokens the wgmma kernels'
-#   dequantization is the same work as mma.sync's.
+#   dequantization is the same work as mma.sync's (32-token register-A tiles, session (10): 11-22% slower).
 GMMA_AUTO_TOKENS = 32
 # T bound -> (min tokens per expert, tokens per pass, PIPE)
 GMMA_AUTO = {255: (16, 64, 3), 1 << 30: (64, 256, 5)}
