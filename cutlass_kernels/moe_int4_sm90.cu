@@ -9,7 +9,7 @@
 // split the hot slots between pipelines); moe_slot_split_kernel writes the counts the mma.sync kernel sees
 // (count < the lowest tier's min_count ? count : 0), so each slot is done by exactly one kernel.
 //
-// Two kernels, five pipelines (PIPE; runtime/kimi_kernels.py GMMA_PIPES, measurements in docs/PERF.md):
+// Two kernels, six pipelines (PIPE; runtime/kimi_kernels.py GMMA_PIPES, measurements in docs/PERF.md):
 // moe_gmma_kernel<MODE, TN, PIPE>: 2 warpgroups, 128 weight rows (MODE 0: 64 gate rows = warpgroup 0, the same
 // 64 up rows = warpgroup 1; MODE 1: 128 down rows) x up to TN tokens; token chunks of TN loop inside the block
 // (or, with the (slot, chunk) item list, one chunk per block). Every warp dequantizes its 16-row block: lane
@@ -21,6 +21,12 @@
 // - PIPE 2 / 3 (register A): the weights become wgmma A fragments in registers (a quad transpose by shuffles,
 //   dequant_frag), x alone in a 4-buffer ring, one wgmma batch in flight across the stage barrier; PIPE 3 is
 //   the same at two blocks per SM (64/128-token tiles).
+// - PIPE 6 (register A, slot order): as PIPE 3, but each lane's own 16 bytes are its A fragments as they are
+//   (word s = k16 step s, the mma.sync path's dequantization, one scale word, no shuffles), so wgmma sees the
+//   unit's columns in the repacked (slot) order. x must be in that order too: MODE 0 reads the copy that
+//   moe_x_slot_kernel makes of the layer input, and MODE 0 writes h in slot order, which its MODE 1 twin
+//   (the same hot slots) reads. Slot c = 16 s + 8 h + 2 t + b of a unit holds physical column 16 t + 4 s + 2 h
+//   + b (x_slot_source below); an expert's h rows are only read by the kernel family that wrote them.
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
 // below).
@@ -82,6 +88,28 @@ __device__ __forceinline__ void dequant_store(uint32_t tile, uint4 w, uint32_t s
   }
 }
 
+// Slot order (PIPE 6): the physical column of slot c of a 64-column unit, and back.
+__device__ __forceinline__ int x_slot_source(int c) {
+  return 16 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * ((c >> 3) & 1) + (c & 1);
+}
+__device__ __forceinline__ int slot_of_column(int p) {
+  return 16 * ((p >> 2) & 3) + 8 * ((p >> 1) & 1) + 2 * (p >> 4) + (p & 1);
+}
+
+// PIPE 6: the lane's 16 bytes as they are: word s is k16 step s (rows g, g + 8; slots 2t, 2t + 1, 2t + 8,
+// 2t + 9), one scale word for all four (the lane's 16 columns lie in one 32-column group).
+__device__ __forceinline__ void dequant_slot(const uint4& w, uint32_t sw, uint32_t (&a)[4][4]) {
+  const uint32_t s_lo = __byte_perm(sw, 0, 0x1010), s_hi = __byte_perm(sw, 0, 0x3232);
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    a[s][0] = dequant_bf16x2(nib_to_bf16x2_biased(words[s]), s_lo);
+    a[s][1] = dequant_bf16x2(nib_to_bf16x2_biased(words[s] >> 4), s_hi);
+    a[s][2] = dequant_bf16x2(nib_to_bf16x2_biased(words[s] >> 8), s_lo);
+    a[s][3] = dequant_bf16x2(nib_to_bf16x2_biased(words[s] >> 12), s_hi);
+  }
+}
+
 // PIPE 2: the lane's 16 bytes dequantized straight into wgmma A fragments (m64k16, the mma.sync m16n8k16 A
 // layout per warp). Lane t of a quad holds columns 16t .. 16t + 15 of the unit, i.e. all of k16 step t for rows
 // g and g + 8; step j's fragment wants columns 16j + 2t, +1, +8, +9 from every lane of the quad. Each word s
@@ -122,33 +150,35 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // one wgmma batch stays in flight across the per-stage barrier (wait<1>, not <0>): the tensor cores are not
 // drained every stage. Buffer reuse: x of stage u + X_AHEAD goes into the buffer stage u + X_AHEAD - BUFFERS
 // (= u - 2) read, retired by every warpgroup's wait<1> of stage u - 1 before that stage's barrier.
-template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, class LoadX>
+template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, bool SLOT, class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x) {
   static_assert(W_AHEAD % 2 == 0 && X_AHEAD + 2 <= BUFFERS, "ring sizes");
   using Op = typename ddtree::GmmaRsOp<TN>::type;
   constexpr int X_TILE = TN * 128, ACC = TN / 2;
   uint4 wr[W_AHEAD];
-  uint32_t s0r[W_AHEAD], s1r[W_AHEAD];   // scale words of the unit's column groups 0 and 1
+  // scale words of the unit's column groups 0 and 1 (SLOT: s0r is the lane's own group, s1r unused)
+  uint32_t s0r[W_AHEAD], s1r[W_AHEAD];
+  auto load_stage = [&](int slot, int u) {
+    wr[slot] = moe90::load_w(wp, u);
+    s0r[slot] = moe90::load_scale(sp, u);
+    if constexpr (!SLOT) s1r[slot] = moe90::load_scale(sp + 2, u);
+  };
+  auto dequant = [&](int slot, uint32_t (&a)[4][4]) {
+    if constexpr (SLOT) moe90::dequant_slot(wr[slot], s0r[slot], a);
+    else moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a);
+  };
 #pragma unroll
   for (int d = 0; d < W_AHEAD; ++d)
-    if (d < units) {
-      wr[d] = moe90::load_w(wp, d);
-      s0r[d] = moe90::load_scale(sp, d);
-      s1r[d] = moe90::load_scale(sp + 2, d);
-    }
+    if (d < units) load_stage(d, d);
 #pragma unroll
   for (int a = 0; a < X_AHEAD; ++a) {
     if (a < units) load_x(smem_base + a * X_TILE, a);
     ddtree::cp_async_commit();
   }
   uint32_t a_frag[2][4][4];
-  moe90::dequant_frag(wr[0], s0r[0], s1r[0], t, a_frag[0]);
-  if (W_AHEAD < units) {
-    wr[0] = moe90::load_w(wp, W_AHEAD);
-    s0r[0] = moe90::load_scale(sp, W_AHEAD);
-    s1r[0] = moe90::load_scale(sp + 2, W_AHEAD);
-  }
+  dequant(0, a_frag[0]);
+  if (W_AHEAD < units) load_stage(0, W_AHEAD);
   ddtree::cp_async_wait<X_AHEAD - 1>();
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
   __syncthreads();
@@ -172,12 +202,8 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
       if (u + 1 < units) {
         const int slot = (d + 1) % W_AHEAD;
-        moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a_frag[(d + 1) & 1]);
-        if (u + 1 + W_AHEAD < units) {
-          wr[slot] = moe90::load_w(wp, u + 1 + W_AHEAD);
-          s0r[slot] = moe90::load_scale(sp, u + 1 + W_AHEAD);
-          s1r[slot] = moe90::load_scale(sp + 2, u + 1 + W_AHEAD);
-        }
+        dequant(slot, a_frag[(d + 1) & 1]);
+        if (u + 1 + W_AHEAD < units) load_stage(slot, u + 1 + W_AHEAD);
       }
       ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage u + 1 has landed
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -194,7 +220,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 // Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + (2 + PIPE) *
 // (16384 + TN * 128) for PIPE 0 / 1, 1024 + 4 * TN * 128 for PIPE 2 / 3 (moe_gmma_smem_bytes in kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
-__global__ void __launch_bounds__(moe90::THREADS, PIPE == 3 ? 2 : 1)
+__global__ void __launch_bounds__(moe90::THREADS, PIPE == 3 || PIPE == 6 ? 2 : 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                 const uint4* __restrict__ wq1, const uint4* __restrict__ ws1, int n_rows, int k,
                 const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
@@ -203,13 +229,15 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                 const int* __restrict__ item_chunk) {
   using namespace moe90;
   static_assert(TN == 64 || TN == 128 || TN == 256, "token tile");
-  static_assert(PIPE >= 0 && PIPE <= 3, "pipeline");
-  static_assert(PIPE != 3 || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
+  static_assert((PIPE >= 0 && PIPE <= 3) || PIPE == 6, "pipeline");
+  static_assert((PIPE != 3 && PIPE != 6) || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
+  constexpr bool SLOT = PIPE == 6;   // otherwise PIPE 3's pipeline
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
   // stages ahead; PIPE 0: one stage ahead each, 2 buffers (fewer registers and 50 KB of shared memory).
   // PIPE 2: no W tile; x only, 4 buffers, two stages ahead; weights 8 (TN 256: 4) stages ahead.
   constexpr bool RA = PIPE >= 2;   // register A (PIPE 3: the same with two blocks per SM, 4 stages ahead)
-  constexpr int W_AHEAD = PIPE == 0 ? 1 : PIPE == 3 && TN == 128 ? 2 : (PIPE == 2 && TN == 256) || PIPE == 3 ? 4 : 8;
+  constexpr int P = SLOT ? 3 : PIPE;
+  constexpr int W_AHEAD = P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
   constexpr int BUFFERS = RA ? 4 : PIPE ? 3 : 2, X_AHEAD = RA ? 2 : BUFFERS - 1;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
@@ -241,7 +269,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
     const long long blk = (long long)expert * row_blocks + rb;
     const uint4* wp = (second ? wq1 : wq0) + blk * units * 32 + lane;
     // PIPE 0 / 1: the scale word of the lane's own group (t >> 1); PIPE 2: both groups' (sp, sp + 2)
-    const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (RA ? 0 : t >> 1)) * 2;
+    const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (RA && !SLOT ? 0 : t >> 1)) * 2;
     const int wrow = warp * 16 + g;   // this lane's first row in the W tile
 
     for (int c0 = c_begin; c0 < c_end; c0 += TN) {
@@ -270,7 +298,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         cute::warpgroup_fence_operand(acc[i]);
       }
       if constexpr (RA) {
-        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD>(acc, wp, sp, t, units, smem_base, load_x);
+        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, SLOT>(acc, wp, sp, t, units, smem_base, load_x);
       } else {
         // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
         // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with
@@ -356,7 +384,9 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         __syncthreads();
         if (wg == 0)
           for_each_output([&](int tok, int r, float gate) {
-            reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + c0 + tok) * n_rows + blockIdx.x * 64 + r] =
+            // (SLOT: h in slot order, for the MODE 1 twin; the block's 64 columns are one unit of its K)
+            const int col = blockIdx.x * 64 + (SLOT ? moe90::slot_of_column(r) : r);
+            reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + c0 + tok) * n_rows + col] =
                 __float2bfloat16_rn(silu(gate) * stg[tok * LD + r]);
           });
         __syncthreads();   // the staging (stage buffers) is free again for the next chunk
@@ -621,5 +651,16 @@ extern "C" __global__ void moe_slot_split_kernel(const int* __restrict__ slot_co
   for (int s = blockIdx.x * blockDim.x + threadIdx.x; s < slots; s += gridDim.x * blockDim.x) {
     const int c = slot_count[s];
     cold_count[s] = c < min_count ? c : 0;
+  }
+}
+
+// PIPE 6's copy of the layer input in slot order: y[row, 64 u + c] = x[row, 64 u + x_slot_source(c)], moved
+// as bf16 pairs (slots and sources are pair-aligned). pairs = cols / 2 per row, cols % 64 == 0.
+extern "C" __global__ void moe_x_slot_kernel(const uint32_t* __restrict__ x, uint32_t* __restrict__ y, int pairs,
+                                             long long total) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+    const long long row = i / pairs;
+    const int p = (int)(i - row * pairs), base = p & ~31, c = 2 * (p & 31);
+    y[i] = x[row * pairs + base + moe90::x_slot_source(c) / 2];
   }
 }

@@ -213,16 +213,16 @@ register(KernelFamily(
     pdl=True,
 ))
 # The same grouped GEMMs on Hopper wgmma for experts with many tokens (weights dequantized once per stage into
-# shared memory, or into wgmma A registers with PIPE 2): moe_gmma_kernel<MODE, TN, PIPE>, plus the slot split
+# shared memory, or into wgmma A registers with PIPE 2 / 3 / 6): moe_gmma_kernel<MODE, TN, PIPE>, plus the slot split
 # between it and moe_w4a16_kernel. sm_90a only.
 MOE_GMMA_VARIANTS = tuple(f"moe_gmma_kernel<{mode}, {tn}, {pipe}>" for mode in (0, 1) for tn in (64, 128, 256)
                           for pipe in (0, 1, 2)) + tuple(
-    f"moe_gmma_kernel<{mode}, {tn}, 3>" for mode in (0, 1) for tn in (64, 128)) + tuple(
+    f"moe_gmma_kernel<{mode}, {tn}, {pipe}>" for mode in (0, 1) for tn in (64, 128) for pipe in (3, 6)) + tuple(
     f"moe_gmma_ws_kernel<{mode}, {tn}, {nstep}>" for mode in (0, 1) for tn in (128, 256) for nstep in (0, 16))
 register(KernelFamily(
     name="moe_int4_sm90",
     source="moe_int4_sm90.cu",
-    entries=MOE_GMMA_VARIANTS + ("moe_slot_split_kernel",),
+    entries=MOE_GMMA_VARIANTS + ("moe_slot_split_kernel", "moe_x_slot_kernel"),
     archs=("90a",),
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},

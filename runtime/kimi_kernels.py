@@ -34,6 +34,14 @@ def _nibble_coords():
     return i & 1, 2 * ((i >> 1) & 1) + (i >> 2)
 
 
+def slot_order_source(c):
+    """The physical column (0..63) of slot c of a 64-column unit in the slot order of the wgmma PIPE 6 path
+    (moe_int4_sm90.cu x_slot_source): slot 16 s + 8 h + 2 t + b of k16 step s is what lane quad position t's
+    repacked word s holds for A register pair h, i.e. physical column 16 t + 4 s + 2 h + b."""
+    c = np.asarray(c)
+    return 16 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * ((c >> 3) & 1) + (c & 1)
+
+
 def repack_int4_experts(weight_packed: np.ndarray, weight_scale: np.ndarray, weight_shape):
     """compressed-tensors pack-quantized INT4 -> this module's kernel layout.
 
@@ -233,20 +241,21 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # half the tile's tokens each; 128/256-token tiles).
 # 5: the same with the wgmma N cut to each half's token count (rounded up to 16) instead of the full half.
 GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)",
-              4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count"}
+              4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
+              6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM"}
 GMMA_PIPE = 3
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
-    """PIPE 3 (two blocks per SM) is built for 64/128-token tiles, the warp-specialized 4/5 for 128/256."""
-    return not ((pipe == 3 and tile > 128) or (pipe >= 4 and tile < 128))
+    """PIPE 3 / 6 (two blocks per SM) are built for 64/128-token tiles, the warp-specialized 4/5 for 128/256."""
+    return not ((pipe in (3, 6) and tile > 128) or (pipe in (4, 5) and tile < 128))
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3; PIPE 4 below)."""
-    if pipe >= 4:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
+    if pipe in (4, 5):   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     if pipe >= 2:
         return 1024 + 4 * tile * 128
@@ -292,7 +301,8 @@ class MoeLayer:
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn); gmma_pipe: moe_gmma_kernel's pipeline (GMMA_PIPES: 0 shallow, 1 deep,
-    2 register A, 3 the same with two blocks per SM, 4 warp-specialized, 5 the same with N per token count),
+    2 register A, 3 the same with two blocks per SM, 4 warp-specialized, 5 the same with N per token count,
+    6 register A in slot order: PIPE 3 without the fragment shuffles, on a slot-ordered copy of x, stage x_hot),
     default GMMA_PIPE; gmma_overlap (default GMMA_OVERLAP unless the combine is folded into down): the hot
     chain (gate_up_hot -> down_hot) on a second stream, forked after the routing and joined before the
     combine, so the compute-bound wgmma kernels run beside the memory-bound mma.sync ones (both are captured
@@ -347,7 +357,7 @@ class MoeLayer:
                                  f"{w.inter}, {w.hidden})")
             if pipe not in GMMA_PIPES or not _pipe_takes_tile(pipe, tile):
                 raise ValueError(f"gmma_pipe={pipe} with gmma_tile={tile}: want one of {sorted(GMMA_PIPES)} "
-                                 f"(3 with 64- or 128-token tiles, 4 / 5 with 128 or 256)")
+                                 f"(3 / 6 with 64- or 128-token tiles, 4 / 5 with 128 or 256)")
         if gmma_grid_rows is not None and int(gmma_grid_rows) < 1:
             raise ValueError(f"gmma_grid_rows={gmma_grid_rows}: want >= 1 block rows (or None: one per slot)")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
@@ -425,8 +435,17 @@ class MoeLayer:
                     items = (cuda.to_device(np.array([j for j, _ in items], np.int32)),
                              cuda.to_device(np.array([c for _, c in items], np.int32)))
                 hot_launches.append((m, top, tile, pipe, hot, items))
+            self.x_slot = None
+            if any(tier[3] == 6 for tier in hot_launches):
+                # PIPE 6 reads x in slot order (moe_int4_sm90.cu): a copy made first in the hot chain
+                self.x_slot = cuda.empty((T, w.hidden), np.uint16)
+                pairs = T * w.hidden // 2
+                self.stages.append(("x_hot", cuda.get_kernel("moe_int4_sm90", "moe_x_slot_kernel").prepare(
+                    (min((pairs + 255) // 256, 4 * cuda.get_device().sm_count),), (256,),
+                    [self.x, self.x_slot, I32(w.hidden // 2), np.int64(pairs)])))
             for tier in hot_launches:
-                self.stages.append(("gate_up_hot", self._gmma_launch(0, tier, self.x, w.hidden, w.gate_q, w.gate_s,
+                x_tier = self.x_slot if tier[3] == 6 else self.x
+                self.stages.append(("gate_up_hot", self._gmma_launch(0, tier, x_tier, w.hidden, w.gate_q, w.gate_s,
                                                                      w.up_q, w.up_s, w.inter, w.hidden, self.h)))
         self.stages.append(("gate_up", self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q,
                                                          w.up_s, w.inter, w.hidden, self.h, counts=counts)))
@@ -462,7 +481,7 @@ class MoeLayer:
         top run."""
         cuda = _cuda()
         min_count, top, tn, pipe, rows, items = tier
-        ws = pipe >= 4
+        ws = pipe in (4, 5)
         entry = (f"moe_gmma_ws_kernel<{mode}, {tn}, {16 if pipe == 5 else 0}>" if ws else
                  f"moe_gmma_kernel<{mode}, {tn}, {pipe}>")
         kernel = cuda.get_kernel("moe_int4_sm90", entry)
@@ -516,8 +535,9 @@ class MoeLayer:
             smem=smem)
 
     def forward(self, stream=None, stages=None):
-        """Launch the layer (or only the named stages: 'route', 'gate_up_hot', 'gate_up', 'down_hot', 'down',
-        'combine'; the _hot ones exist with the wgmma hot-expert path, 'combine' unless it is folded into down)."""
+        """Launch the layer (or only the named stages: 'route', 'x_hot', 'gate_up_hot', 'gate_up', 'down_hot',
+        'down', 'combine'; the _hot ones exist with the wgmma hot-expert path (x_hot with PIPE 6), 'combine' unless
+        it is folded into down)."""
         if self.gmma_overlap and stages is None:
             self._forward_overlapped(stream)
             return

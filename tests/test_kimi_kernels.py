@@ -267,6 +267,31 @@ def test_moe_reference_rounding_slack():
         assert_close(got, y, "flip without slack", **tight, slack=ref.bf16_ulp(y) / 4)
 
 
+def test_slot_order_is_the_repacked_fragment_order():
+    """PIPE 6 uses each lane's repacked word s as its wgmma A fragment of k16 step s, unshuffled (mma.sync
+    m16n8k16 layout: register pair h of row g holds k = 2t + 8h, + 1; nibbles i = 4b + 2h + r, r the row half).
+    Decoded that way, slot c of each unit must hold the weight of physical column slot_order_source(c), the map
+    moe_x_slot_kernel and the PIPE 6 epilogue apply to x and h."""
+    from runtime.kimi_kernels import slot_order_source
+    rng = np.random.default_rng(11)
+    n, k = 32, 512
+    codes = rng.integers(-8, 8, size=(n, k), dtype=np.int8)
+    packed, _ = repack_int4_experts(pack_int4(codes), np.ones((n, k // 32), np.uint16), (n, k))
+    slots = np.empty((n, k), np.int64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for s in range(4):
+            word = packed[:, :, lane, s].astype(np.int64)   # [row block, unit]
+            for i in range(8):
+                r, h, b = i & 1, (i >> 1) & 1, i >> 2
+                rows = np.arange(n // 16) * 16 + 8 * r + g
+                cols = np.arange(k // 64) * 64 + 16 * s + 8 * h + 2 * t + b
+                slots[np.ix_(rows, cols)] = ((word >> (4 * i)) & 0xF) - 8
+    src = (np.arange(k) // 64) * 64 + slot_order_source(np.arange(k) % 64)
+    assert sorted(slot_order_source(np.arange(64))) == list(range(64))
+    np.testing.assert_array_equal(slots, codes[:, src])
+
+
 def test_route_reference_matches_plain_topk_and_groups():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 64)).astype(np.float32)
@@ -441,8 +466,8 @@ def test_moe_layer_largest_bucket(cuda_device, gmma):
     for parallel, pipe, overlap in [(False, 1, False), (True, 1, False), (False, 0, False), (False, 2, False),
                                     (True, 2, False), (False, 3, False), (False, 3, True), (True, 2, True),
                                     (False, 4, False), (True, 4, False), (False, 4, True), (False, 5, False),
-                                    (True, 5, True)]
-    if (pipe != 3 or tile <= 128) and (pipe < 4 or tile >= 128)])
+                                    (True, 5, True), (False, 6, False), (True, 6, True)]
+    if (pipe not in (3, 6) or tile <= 128) and (pipe not in (4, 5) or tile >= 128)])
 def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe, overlap):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
     hot and cold slots mixed; the chunks on blocks side by side or in turn; each pipeline; the hot chain on

@@ -383,6 +383,13 @@ def launch_plans(default_fused_combine: bool):
         ("wsn>=16/128", dict(gmma_min_tokens=16, gmma_tile=128, gmma_pipe=5)),
         ("wsn>=16/256", dict(gmma_min_tokens=16, gmma_tile=256, gmma_pipe=5)),
         ("tiers32wsn/16ra2", dict(gmma_tiers=[(32, 256, 5), (16, 64, 3)])),
+        # PIPE 6: register A in slot order (no fragment shuffles), against the ra2 rows above
+        ("gmma>=16/ra6", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=6)),
+        ("gmma>=16/128/ra6", dict(gmma_min_tokens=16, gmma_tile=128, gmma_pipe=6)),
+        ("gmma>=8/ra6", dict(gmma_min_tokens=8, gmma_tile=64, gmma_pipe=6)),
+        ("gmma>=1/ra6", dict(gmma_min_tokens=1, gmma_tile=64, gmma_pipe=6)),
+        ("tiers64wsn/16ra6", dict(gmma_tiers=[(64, 256, 5), (16, 64, 6)])),
+        ("tiers64wsn/8ra6", dict(gmma_tiers=[(64, 256, 5), (8, 64, 6)])),
     ]
 
 
