@@ -218,7 +218,8 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 // MODE 0: x bf16 [T, ldx] gathered by sorted_token, weights gate (wq0/ws0) and up (wq1/ws1), out h bf16
 // [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out bf16 [P, n_rows].
 // Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + (2 + PIPE) *
-// (16384 + TN * 128) for PIPE 0 / 1, 1024 + 4 * TN * 128 for PIPE 2 / 3 (moe_gmma_smem_bytes in kimi_kernels.py).
+// (16384 + TN * 128) for PIPE 0 / 1, 1024 + 4 * TN * 128 for PIPE 2 / 3 / 6 (moe_gmma_smem_bytes in
+// kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
 __global__ void __launch_bounds__(moe90::THREADS, PIPE == 3 || PIPE == 6 ? 2 : 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
@@ -235,7 +236,8 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
   // stages ahead; PIPE 0: one stage ahead each, 2 buffers (fewer registers and 50 KB of shared memory).
   // PIPE 2: no W tile; x only, 4 buffers, two stages ahead; weights 8 (TN 256: 4) stages ahead.
-  constexpr bool RA = PIPE >= 2;   // register A (PIPE 3: the same with two blocks per SM, 4 stages ahead)
+  // register A (PIPE 3: the same with two blocks per SM, 4 stages ahead; PIPE 6: PIPE 3 in slot order)
+  constexpr bool RA = PIPE >= 2;
   constexpr int P = SLOT ? 3 : PIPE;
   constexpr int W_AHEAD = P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
   constexpr int BUFFERS = RA ? 4 : PIPE ? 3 : 2, X_AHEAD = RA ? 2 : BUFFERS - 1;
@@ -268,7 +270,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
     const bool second = MODE == 0 && warp >= 4;
     const long long blk = (long long)expert * row_blocks + rb;
     const uint4* wp = (second ? wq1 : wq0) + blk * units * 32 + lane;
-    // PIPE 0 / 1: the scale word of the lane's own group (t >> 1); PIPE 2: both groups' (sp, sp + 2)
+    // PIPE 0 / 1 / 6: the scale word of the lane's own group (t >> 1); PIPE 2 / 3: both groups' (sp, sp + 2)
     const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (RA && !SLOT ? 0 : t >> 1)) * 2;
     const int wrow = warp * 16 + g;   // this lane's first row in the W tile
 

@@ -382,6 +382,7 @@ class MoeLayer:
         self.y = cuda.empty((T, w.hidden), np.uint16)
         self.shared = shared
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
+        self.x_slot = None   # PIPE 6's slot-ordered copy of x (made below where a hot tier runs PIPE 6)
         self.fused_routing = bool(fused_routing)
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
@@ -435,7 +436,6 @@ class MoeLayer:
                     items = (cuda.to_device(np.array([j for j, _ in items], np.int32)),
                              cuda.to_device(np.array([c for _, c in items], np.int32)))
                 hot_launches.append((m, top, tile, pipe, hot, items))
-            self.x_slot = None
             if any(tier[3] == 6 for tier in hot_launches):
                 # PIPE 6 reads x in slot order (moe_int4_sm90.cu): a copy made first in the hot chain
                 self.x_slot = cuda.empty((T, w.hidden), np.uint16)
