@@ -43,6 +43,7 @@ template <int TN> struct GmmaRsOp;
     using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,       \
                                                                   cute::SM90::GMMA::Major::K>;     \
   };
+DDTREE_GMMA_RS_OP(32)
 DDTREE_GMMA_RS_OP(64)
 DDTREE_GMMA_RS_OP(128)
 DDTREE_GMMA_RS_OP(256)

@@ -27,6 +27,7 @@
 //   moe_x_slot_kernel makes of the layer input, and MODE 0 writes h in slot order, which its MODE 1 twin
 //   (the same hot slots) reads. Slot c = 16 s + 8 h + 2 t + b of a unit holds physical column 16 t + 4 s + 2 h
 //   + b (x_slot_source below); an expert's h rows are only read by the kernel family that wrote them.
+//   32-, 64- and 128-token tiles (32: experts of 8-40 tokens, uniform T >= 512).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
 // below).
@@ -229,8 +230,9 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                 int min_count, int max_count, int n_items, const int* __restrict__ item_slot,
                 const int* __restrict__ item_chunk) {
   using namespace moe90;
-  static_assert(TN == 64 || TN == 128 || TN == 256, "token tile");
+  static_assert(TN == 32 || TN == 64 || TN == 128 || TN == 256, "token tile");
   static_assert((PIPE >= 0 && PIPE <= 3) || PIPE == 6, "pipeline");
+  static_assert(TN != 32 || PIPE == 6, "32-token tiles: PIPE 6 only (PIPE 3's lost to its 64: PERF.md)");
   static_assert((PIPE != 3 && PIPE != 6) || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
   constexpr bool SLOT = PIPE == 6;   // otherwise PIPE 3's pipeline
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two

@@ -218,6 +218,7 @@ register(KernelFamily(
 MOE_GMMA_VARIANTS = tuple(f"moe_gmma_kernel<{mode}, {tn}, {pipe}>" for mode in (0, 1) for tn in (64, 128, 256)
                           for pipe in (0, 1, 2)) + tuple(
     f"moe_gmma_kernel<{mode}, {tn}, {pipe}>" for mode in (0, 1) for tn in (64, 128) for pipe in (3, 6)) + tuple(
+    f"moe_gmma_kernel<{mode}, 32, 6>" for mode in (0, 1)) + tuple(
     f"moe_gmma_ws_kernel<{mode}, {tn}, {nstep}>" for mode in (0, 1) for tn in (128, 256) for nstep in (0, 16))
 register(KernelFamily(
     name="moe_int4_sm90",

@@ -248,8 +248,9 @@ GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default 
 
 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
-    """PIPE 3 / 6 (two blocks per SM) are built for 64/128-token tiles, the warp-specialized 4/5 for 128/256."""
-    return not ((pipe in (3, 6) and tile > 128) or (pipe in (4, 5) and tile < 128))
+    """PIPE 3 / 6 (two blocks per SM) are built for 64/128-token tiles (6 also 32), the warp-specialized 4/5 for
+    128/256."""
+    return not ((pipe in (3, 6) and tile > 128) or (pipe in (4, 5) and tile < 128) or (tile == 32 and pipe != 6))
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
@@ -297,7 +298,8 @@ class MoeLayer:
     moe_combine_kernel; early: the down GEMM starts its weight stream before its dependency wait (PDL);
     pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter);
     gmma_min_tokens (sm_90a): experts with at least that many tokens go through moe_gmma_kernel (weights
-    dequantized once per stage into shared memory, wgmma over up to gmma_tile = 64/128/256 tokens per pass),
+    dequantized once per stage into shared memory, wgmma over up to gmma_tile = 32 (PIPE 6) / 64 / 128 / 256
+    tokens per pass),
     the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn); gmma_pipe: moe_gmma_kernel's pipeline (GMMA_PIPES: 0 shallow, 1 deep,
@@ -351,13 +353,13 @@ class MoeLayer:
             tiers = [] if gmma_min_tokens is None else [(gmma_min_tokens, gmma_tile, (
                 GMMA_PIPE if gmma_tile <= 128 else 2) if gmma_pipe is None else int(gmma_pipe))]
         for m, tile, pipe in tiers:
-            if tile not in (64, 128, 256) or m < 1 or early or w.inter % 64 or w.hidden % 128:
+            if tile not in (32, 64, 128, 256) or m < 1 or early or w.inter % 64 or w.hidden % 128:
                 raise ValueError(f"gmma_min_tokens={m}, gmma_tile={tile}, early={early}: want tokens >= 1, a tile "
-                                 f"of 64/128/256, no early down start, inter % 64 == 0 and hidden % 128 == 0 (got "
+                                 f"of 32/64/128/256, no early down start, inter % 64 == 0 and hidden % 128 == 0 (got "
                                  f"{w.inter}, {w.hidden})")
             if pipe not in GMMA_PIPES or not _pipe_takes_tile(pipe, tile):
                 raise ValueError(f"gmma_pipe={pipe} with gmma_tile={tile}: want one of {sorted(GMMA_PIPES)} "
-                                 f"(3 / 6 with 64- or 128-token tiles, 4 / 5 with 128 or 256)")
+                                 f"(3 / 6 with 64- or 128-token tiles, 6 also 32, 4 / 5 with 128 or 256)")
         if gmma_grid_rows is not None and int(gmma_grid_rows) < 1:
             raise ValueError(f"gmma_grid_rows={gmma_grid_rows}: want >= 1 block rows (or None: one per slot)")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):

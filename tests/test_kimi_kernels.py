@@ -462,12 +462,12 @@ def test_moe_layer_largest_bucket(cuda_device, gmma):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,min_tokens,tile,parallel,pipe,overlap", [
     (T, E, m, tile, parallel, pipe, overlap)
-    for T, E, m, tile in [(200, 8, 64, 64), (200, 8, 90, 128), (300, 16, 40, 256), (3, 8, 2, 64)]
+    for T, E, m, tile in [(200, 8, 64, 64), (200, 8, 90, 128), (300, 16, 40, 256), (3, 8, 2, 64), (200, 8, 8, 32)]
     for parallel, pipe, overlap in [(False, 1, False), (True, 1, False), (False, 0, False), (False, 2, False),
                                     (True, 2, False), (False, 3, False), (False, 3, True), (True, 2, True),
                                     (False, 4, False), (True, 4, False), (False, 4, True), (False, 5, False),
                                     (True, 5, True), (False, 6, False), (True, 6, True)]
-    if (pipe not in (3, 6) or tile <= 128) and (pipe not in (4, 5) or tile >= 128)])
+    if (pipe not in (3, 6) or tile <= 128) and (pipe not in (4, 5) or tile >= 128) and (tile != 32 or pipe == 6)])
 def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe, overlap):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
     hot and cold slots mixed; the chunks on blocks side by side or in turn; each pipeline; the hot chain on

@@ -390,6 +390,8 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=1/ra6", dict(gmma_min_tokens=1, gmma_tile=64, gmma_pipe=6)),
         ("tiers64wsn/16ra6", dict(gmma_tiers=[(64, 256, 5), (16, 64, 6)])),
         ("tiers64wsn/8ra6", dict(gmma_tiers=[(64, 256, 5), (8, 64, 6)])),
+        ("gmma>=1/32/ra6", dict(gmma_min_tokens=1, gmma_tile=32, gmma_pipe=6)),
+        ("tiers40ra6/8ra6-32", dict(gmma_tiers=[(40, 64, 6), (8, 32, 6)])),
     ]
 
 
