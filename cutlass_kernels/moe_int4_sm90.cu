@@ -662,7 +662,8 @@ extern "C" __global__ void moe_slot_split_kernel(const int* __restrict__ slot_co
 // as bf16 pairs (slots and sources are pair-aligned). pairs = cols / 2 per row, cols % 64 == 0.
 extern "C" __global__ void moe_x_slot_kernel(const uint32_t* __restrict__ x, uint32_t* __restrict__ y, int pairs,
                                              long long total) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+  const long long step = (long long)gridDim.x * blockDim.x;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += step) {
     const long long row = i / pairs;
     const int p = (int)(i - row * pairs), base = p & ~31, c = 2 * (p & 31);
     y[i] = x[row * pairs + base + moe90::x_slot_source(c) / 2];

@@ -255,7 +255,8 @@ def _pipe_takes_tile(pipe: int, tile: int) -> bool:
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
-    x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3; PIPE 4 below)."""
+    x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3 / 6; PIPE 4 / 5
+    below)."""
     if pipe in (4, 5):   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     if pipe >= 2:
@@ -299,8 +300,8 @@ class MoeLayer:
     pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter);
     gmma_min_tokens (sm_90a): experts with at least that many tokens go through moe_gmma_kernel (weights
     dequantized once per stage into shared memory, wgmma over up to gmma_tile = 32 (PIPE 6) / 64 / 128 / 256
-    tokens per pass),
-    the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the hot ones);
+    tokens per pass), the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the
+    hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn); gmma_pipe: moe_gmma_kernel's pipeline (GMMA_PIPES: 0 shallow, 1 deep,
     2 register A, 3 the same with two blocks per SM, 4 warp-specialized, 5 the same with N per token count,

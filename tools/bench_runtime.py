@@ -28,7 +28,7 @@ def row(name: str, value: str, note: str = ""):
     print(f"  {name:<44} {value:>16}  {note}", flush=True)
 
 
-def bandwidth(dev, gib: float):
+def bandwidth(gib: float):
     n_bytes = int(gib * 2**30) // 16 * 16
     src = rc.empty((n_bytes,), np.uint8).fill_bytes(0x5A)
     dst = rc.empty((n_bytes,), np.uint8)
@@ -219,7 +219,7 @@ def main():
     dev = rc.require_device()
     print(f"device: {dev}\nNVRTC {nvrtc.nvrtc_version()}, cache {rc.cache_dir()}", flush=True)
     warm_load()
-    read_gbs, copy_gbs = bandwidth(dev, args.gib)
+    read_gbs, copy_gbs = bandwidth(args.gib)
     launch_overhead()
     graph_replay()
     int4_dequant(read_gbs, copy_gbs, dev)
