@@ -250,7 +250,7 @@ __device__ __forceinline__ void load_x_tile(__nv_bfloat16* xs, int xs_ld,
         unpack8(*reinterpret_cast<const uint4*>(x + (size_t)m * ldx + k), gf);
         unpack8(*reinterpret_cast<const uint4*>(x2 + (size_t)m * ldx2 + k), uf);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) gf[j] = gf[j] / (1.f + __expf(-gf[j])) * uf[j];
+        for (int j = 0; j < 8; ++j) gf[j] = ddtree::silu(gf[j]) * uf[j];
         v = pack8(gf);
       }
       *reinterpret_cast<uint4*>(xs + row * xs_ld + col) = v;

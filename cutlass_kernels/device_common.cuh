@@ -7,6 +7,10 @@
 namespace ddtree {
 
 // A weight read once: 16 bytes, not allocated in L1 (the activations and partials use it).
+// SiLU for the SwiGLU epilogues: x * sigmoid(x) with the fast reciprocal (MUFU.RCP + FMUL; IEEE division
+// put a range check and a slow-path call beside every output). x -> -inf: 1 + e^-x = inf, x * 0 = -0.
+__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+
 __device__ __forceinline__ uint4 load_stream(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"

@@ -61,7 +61,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
                                             c[0], c[1], c[2], c[3]);
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 // Wait for the previous kernel, then let the next one launch (see the header: this order is what makes the
 // down GEMM's early read of the routing output safe).
@@ -393,7 +392,7 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
         for (int j = 0; j < RBM; ++j) {
           const int col = (rb_first + j) * 16 + g + 8 * (c >> 1);
           if (MODE == 0) {
-            const float h = silu(acc[j][n][c]) * acc[j + RBM][n][c];
+            const float h = ddtree::silu(acc[j][n][c]) * acc[j + RBM][n][c];
             reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(h);
           } else {
             reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(acc[j][n][c]);

@@ -56,7 +56,6 @@ __device__ __forceinline__ void st_shared16(uint32_t addr, uint32_t a, uint32_t 
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 // The packed weights and the scale word of (row block rb of this lane, 64-k unit u).
 __device__ __forceinline__ uint4 load_w(const uint4* wp, int u) {
@@ -86,6 +85,19 @@ __device__ __forceinline__ void dequant_store(uint32_t tile, uint4 w, uint32_t s
     const uint32_t unit = (uint32_t)((2 * t + h) ^ (r0 & 7)) << 4;
     st_shared16(tile + r0 * 128 + unit, lo[4 * h], lo[4 * h + 1], lo[4 * h + 2], lo[4 * h + 3]);
     st_shared16(tile + r1 * 128 + unit, hi[4 * h], hi[4 * h + 1], hi[4 * h + 2], hi[4 * h + 3]);
+  }
+}
+
+// Rows 0 .. rows - 1 of a bf16 [rows][LD] shared tile, COLS wide, to out[row * ld_out + 0 .. COLS - 1] in
+// 16-byte pieces by the block's threads.
+template <int COLS, int LD>
+__device__ __forceinline__ void store_rows(const __nv_bfloat16* tile, __nv_bfloat16* out, int ld_out, int rows,
+                                           int tid) {
+  constexpr int V = COLS / 8;   // 16-byte pieces per row
+  for (int i = tid; i < rows * V; i += THREADS) {
+    const int row = i / V, v = i % V;
+    *reinterpret_cast<uint4*>(out + (long long)row * ld_out + v * 8) =
+        *reinterpret_cast<const uint4*>(tile + row * LD + v * 8);
   }
 }
 
@@ -218,9 +230,10 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 
 // MODE 0: x bf16 [T, ldx] gathered by sorted_token, weights gate (wq0/ws0) and up (wq1/ws1), out h bf16
 // [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out bf16 [P, n_rows].
-// Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + (2 + PIPE) *
-// (16384 + TN * 128) for PIPE 0 / 1, 1024 + 4 * TN * 128 for PIPE 2 / 3 / 6 (moe_gmma_smem_bytes in
-// kimi_kernels.py).
+// Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + the larger of
+// the stage buffers ((2 + PIPE) * (16384 + TN * 128) for PIPE 0 / 1, 4 * TN * 128 for PIPE 2 / 3 / 6) and the
+// epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416 bytes; MODE 1 TN * 272)
+// (moe_gmma_smem_bytes in kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
 __global__ void __launch_bounds__(moe90::THREADS, PIPE == 3 || PIPE == 6 ? 2 : 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
@@ -262,7 +275,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
     float* const stg = reinterpret_cast<float*>(smem_raw + (smem_base - static_cast<uint32_t>(
-        __cvta_generic_to_shared(smem_raw))));   // epilogue staging [TN][64 + 4] over the stage buffers
+        __cvta_generic_to_shared(smem_raw))));   // epilogue staging over the stage buffers (see there)
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -382,24 +395,34 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
             for (int i = 0; i < 2; ++i) f(tok, r_wg + 8 * i, acc[4 * j + 2 * i + b]);
           }
       };
+      // The bf16 outputs go through shared memory (over the stage buffers: every warpgroup's last wgmma must have
+      // retired, hence the barrier) and leave as 16-byte row pieces: one 2-byte store per output scattered 8 rows
+      // x 16 bytes per warp instruction, with its address arithmetic, was ~5 instructions per output.
+      __syncthreads();
+      const int rows = min(TN, count - c0);
       if constexpr (MODE == 0) {   // warpgroup 1's up sums meet warpgroup 0's gate sums in shared memory
-        constexpr int LD = 64 + 4;
+        constexpr int LD = 64 + 4, HLD = 64 + 8;   // up as float [TN][LD], then h as bf16 [TN][HLD]
+        __nv_bfloat16* const hs = reinterpret_cast<__nv_bfloat16*>(stg + TN * LD);
         if (wg == 1) for_each_output([&](int tok, int r, float up) { stg[tok * LD + r] = up; });
         __syncthreads();
         if (wg == 0)
           for_each_output([&](int tok, int r, float gate) {
             // (SLOT: h in slot order, for the MODE 1 twin; the block's 64 columns are one unit of its K)
-            const int col = blockIdx.x * 64 + (SLOT ? moe90::slot_of_column(r) : r);
-            reinterpret_cast<__nv_bfloat16*>(out)[(long long)(offset + c0 + tok) * n_rows + col] =
-                __float2bfloat16_rn(silu(gate) * stg[tok * LD + r]);
+            hs[tok * HLD + (SLOT ? moe90::slot_of_column(r) : r)] =
+                __float2bfloat16_rn(ddtree::silu(gate) * stg[tok * LD + r]);
           });
-        __syncthreads();   // the staging (stage buffers) is free again for the next chunk
+        __syncthreads();
+        moe90::store_rows<64, HLD>(hs, reinterpret_cast<__nv_bfloat16*>(out) + (long long)(offset + c0) * n_rows +
+                                   blockIdx.x * 64, n_rows, rows, tid);
       } else {
-        for_each_output([&](int tok, int r, float v) {
-          const long long o = (long long)(offset + c0 + tok) * n_rows + blockIdx.x * 128 + wg * 64 + r;
-          reinterpret_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16_rn(v);
-        });
+        constexpr int HLD = 128 + 8;
+        __nv_bfloat16* const hs = reinterpret_cast<__nv_bfloat16*>(stg);
+        for_each_output([&](int tok, int r, float v) { hs[tok * HLD + wg * 64 + r] = __float2bfloat16_rn(v); });
+        __syncthreads();
+        moe90::store_rows<128, HLD>(hs, reinterpret_cast<__nv_bfloat16*>(out) + (long long)(offset + c0) * n_rows +
+                                    blockIdx.x * 128, n_rows, rows, tid);
       }
+      __syncthreads();   // the staging (stage buffers) is free again for the next chunk
     }
   }
 }
@@ -624,7 +647,8 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     ddtree::cp_async_wait<0>();
     named_barrier(1 + cw, 128);   // every warp done reading this chunk's x before the next chunk's loads
 
-    // Epilogue: acc[4j + 2i + b] = row 16 cwarp + g + 8i of the m64 tile, token 8j + 2t + b of the half.
+    // Epilogue: acc[4j + 2i + b] = row 16 cwarp + g + 8i of the m64 tile, token 8j + 2t + b of the half. (Staging
+    // the outputs through the x ring for 16-byte stores, as moe_gmma_kernel does, measured no faster here.)
     const int r = cwarp * 16 + g;
 #pragma unroll
     for (int j = 0; j < HN / 8; ++j)
@@ -638,7 +662,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
           const int a = 4 * j + 2 * i + bb;
           if constexpr (MODE == 0) {
             reinterpret_cast<__nv_bfloat16*>(out)[orow + blockIdx.x * 64 + r + 8 * i] =
-                __float2bfloat16_rn(silu(acc0[a]) * acc1[a]);
+                __float2bfloat16_rn(ddtree::silu(acc0[a]) * acc1[a]);
           } else {
             __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(out) + orow + blockIdx.x * 128 + r + 8 * i;
             o[0] = __float2bfloat16_rn(acc0[a]);

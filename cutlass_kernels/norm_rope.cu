@@ -213,7 +213,7 @@ extern "C" __global__ void swiglu_kernel(const __nv_bfloat16* __restrict__ gate,
     unpack8(*reinterpret_cast<const uint4*>(gate + (size_t)row * ldg + col), gf);
     unpack8(*reinterpret_cast<const uint4*>(up + (size_t)row * ldu + col), uf);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) gf[j] = gf[j] / (1.f + __expf(-gf[j])) * uf[j];
+    for (int j = 0; j < 8; ++j) gf[j] = ddtree::silu(gf[j]) * uf[j];
     *reinterpret_cast<uint4*>(out + (size_t)row * ldo + col) = pack8(gf);
   }
 }

@@ -223,8 +223,9 @@ FUSE_COMBINE_MAX_TOKENS = 0
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
 # >= min tokens, tile-token passes, pipeline PIPE, (min, tile, pipe) from GMMA_AUTO by T. Measured on the H200
 # (docs/PERF.md, sessions 2026-12-03 (4) to (10), whole layer, same-run A/B):
-# - T = 32..255: PIPE 3 (register A, two blocks per SM) on experts of >= 16 tokens in 64-token passes, the hot
-#   chain on its own stream; skewed T = 32 / 64 / 128 12 / 19 / 36% faster than without. Under uniform routing
+# - T = 32..255: PIPE 6 (register A in slot order, two blocks per SM) on experts of >= 16 tokens in 64-token
+#   passes, the hot chain on its own stream; skewed T = 32 / 64 / 128 12 / 19 / 36% faster than without (PIPE 3,
+#   session (6)); PIPE 6's hot stages 8-12% faster than PIPE 3's (session (11)). Under uniform routing
 #   no expert is hot and the empty launches with the fork / join cost ~2%; below T = 32 that outweighs the gain.
 # - T >= 256: PIPE 5 (warp-specialized, wgmma N cut to the token count) on experts of >= 64 tokens in 256-token
 #   passes (skewed T = 256: PIPE 4 1127.5 vs PIPE 3 1195.0 us, then PIPE 5 1118.6 vs PIPE 4 1132.3). Lower
@@ -232,7 +233,7 @@ FUSE_COMBINE_MAX_TOKENS = 0
 #   dequantization is the same work as mma.sync's (32-token register-A tiles, session (10): 11-22% slower).
 GMMA_AUTO_TOKENS = 32
 # T bound -> (min tokens per expert, tokens per pass, PIPE)
-GMMA_AUTO = {255: (16, 64, 3), 1 << 30: (64, 256, 5)}
+GMMA_AUTO = {255: (16, 64, 6), 1 << 30: (64, 256, 5)}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
@@ -243,7 +244,7 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)",
               4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM"}
-GMMA_PIPE = 3
+GMMA_PIPE = 6
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
 
@@ -256,12 +257,13 @@ def _pipe_takes_tile(pipe: int, tile: int) -> bool:
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3 / 6; PIPE 4 / 5
-    below)."""
+    below), or the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
     if pipe in (4, 5):   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
+    staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
-        return 1024 + 4 * tile * 128
-    return 1024 + (2 + pipe) * (128 * 128 + tile * 128)
+        return 1024 + max(4 * tile * 128, staging)
+    return 1024 + max((2 + pipe) * (128 * 128 + tile * 128), staging)
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens
 
 

@@ -392,6 +392,11 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64wsn/8ra6", dict(gmma_tiers=[(64, 256, 5), (8, 64, 6)])),
         ("gmma>=1/32/ra6", dict(gmma_min_tokens=1, gmma_tile=32, gmma_pipe=6)),
         ("tiers40ra6/8ra6-32", dict(gmma_tiers=[(40, 64, 6), (8, 32, 6)])),
+        # T >= 256: PIPE 6 in 128-token passes beside or instead of the warp-specialized tier; the old default
+        ("gmma>=64/128/ra6", dict(gmma_min_tokens=64, gmma_tile=128, gmma_pipe=6)),
+        ("tiers128wsn/16ra6-128", dict(gmma_tiers=[(128, 256, 5), (16, 128, 6)])),
+        ("tiers256wsn/16ra6-128", dict(gmma_tiers=[(256, 256, 5), (16, 128, 6)])),
+        ("tiers64wsn/32ra6", dict(gmma_tiers=[(64, 256, 5), (32, 64, 6)])),
     ]
 
 
