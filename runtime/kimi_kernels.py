@@ -244,6 +244,7 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)",
               4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM"}
+GMMA_WS_PIPES = (4, 5)   # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's)
 GMMA_PIPE = 6
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
@@ -251,14 +252,15 @@ GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
     """PIPE 3 / 6 (two blocks per SM) are built for 64/128-token tiles (6 also 32), the warp-specialized 4/5 for
     128/256."""
-    return not ((pipe in (3, 6) and tile > 128) or (pipe in (4, 5) and tile < 128) or (tile == 32 and pipe != 6))
+    return not ((pipe in (3, 6) and tile > 128) or (pipe in GMMA_WS_PIPES and tile < 128)
+                or (tile == 32 and pipe != 6))
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3 / 6; PIPE 4 / 5
     below), or the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
-    if pipe in (4, 5):   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
+    if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
@@ -486,7 +488,7 @@ class MoeLayer:
         top run."""
         cuda = _cuda()
         min_count, top, tn, pipe, rows, items = tier
-        ws = pipe in (4, 5)
+        ws = pipe in GMMA_WS_PIPES
         entry = (f"moe_gmma_ws_kernel<{mode}, {tn}, {16 if pipe == 5 else 0}>" if ws else
                  f"moe_gmma_kernel<{mode}, {tn}, {pipe}>")
         kernel = cuda.get_kernel("moe_int4_sm90", entry)
