@@ -26,7 +26,8 @@
 //   unit's columns in the repacked (slot) order. x must be in that order too: MODE 0 reads the copy that
 //   moe_x_slot_kernel makes of the layer input, and MODE 0 writes h in slot order, which its MODE 1 twin
 //   (the same hot slots) reads. Slot c = 16 s + 8 h + 2 t + b of a unit holds physical column 16 t + 4 s + 2 h
-//   + b (x_slot_source below); an expert's h rows are only read by the kernel family that wrote them.
+//   + b (x_slot_source below); an expert's h rows are only read by the kernel family that wrote them. Its x
+//   ring is 6 deep, 3 stages ahead, with one barrier per two stages (half of PIPE 3's barriers and fences).
 //   32-, 64- and 128-token tiles (32: experts of 8-40 tokens, uniform T >= 512).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
@@ -160,13 +161,17 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // PIPE 2 main loop over the k units of one token chunk: the warpgroup's 64 weight rows dequantized into A
 // registers (dequant_frag), x [TN][64] in a BUFFERS-deep shared ring loaded X_AHEAD stages ahead, wgmma with A
 // from registers. Two A register sets in turn, so stage u + 1 is dequantized while stage u's wgmma runs, and
-// one wgmma batch stays in flight across the per-stage barrier (wait<1>, not <0>): the tensor cores are not
-// drained every stage. Buffer reuse: x of stage u + X_AHEAD goes into the buffer stage u + X_AHEAD - BUFFERS
-// (= u - 2) read, retired by every warpgroup's wait<1> of stage u - 1 before that stage's barrier.
-template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, bool SLOT, class LoadX>
+// one wgmma batch stays in flight across the stage barrier (wait<1>, not <0>): the tensor cores are not
+// drained every stage. The barrier (with the cp.async wait and the proxy fence before it) comes after every
+// PAIR-th stage (1 or 2): before it, x of the next PAIR stages must have landed (X_AHEAD - PAIR groups may stay
+// in flight). Buffer reuse: x of stage u + X_AHEAD goes into the buffer stage u + X_AHEAD - BUFFERS read, which
+// every warpgroup retired (wait<1> of stage u - 1 - PAIR at the latest) before the last barrier, PAIR - 1
+// stages before u at most: BUFFERS >= X_AHEAD + 1 + PAIR. (Units come in multiples of 8: k % 512 == 0.)
+template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x) {
-  static_assert(W_AHEAD % 2 == 0 && X_AHEAD + 2 <= BUFFERS, "ring sizes");
+  static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
+                "ring sizes");
   using Op = typename ddtree::GmmaRsOp<TN>::type;
   constexpr int X_TILE = TN * 128, ACC = TN / 2;
   uint4 wr[W_AHEAD];
@@ -192,12 +197,12 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   uint32_t a_frag[2][4][4];
   dequant(0, a_frag[0]);
   if (W_AHEAD < units) load_stage(0, W_AHEAD);
-  ddtree::cp_async_wait<X_AHEAD - 1>();
+  ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages 0 .. PAIR - 1
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
   __syncthreads();
   for (int u0 = 0; u0 < units; u0 += W_AHEAD) {
 #pragma unroll
-    for (int d = 0; d < W_AHEAD; ++d) {   // unrolled: ring slot and A set are constants
+    for (int d = 0; d < W_AHEAD; ++d) {   // unrolled: ring slot, A set and barrier placement are constants
       const int u = u0 + d;
       if (u >= units) break;
       const uint64_t db = ddtree::sw128_desc(smem_base + (u % BUFFERS) * X_TILE);
@@ -218,9 +223,11 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
         dequant(slot, a_frag[(d + 1) & 1]);
         if (u + 1 + W_AHEAD < units) load_stage(slot, u + 1 + W_AHEAD);
       }
-      ddtree::cp_async_wait<X_AHEAD - 1>();   // x of stage u + 1 has landed
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      __syncthreads();
+      if (d % PAIR == PAIR - 1) {   // u0 is a multiple of PAIR
+        ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages u + 1 .. u + PAIR has landed
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+      }
     }
   }
   cute::warpgroup_wait<0>();
@@ -231,9 +238,9 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 // MODE 0: x bf16 [T, ldx] gathered by sorted_token, weights gate (wq0/ws0) and up (wq1/ws1), out h bf16
 // [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out bf16 [P, n_rows].
 // Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + the larger of
-// the stage buffers ((2 + PIPE) * (16384 + TN * 128) for PIPE 0 / 1, 4 * TN * 128 for PIPE 2 / 3 / 6) and the
-// epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416 bytes; MODE 1 TN * 272)
-// (moe_gmma_smem_bytes in kimi_kernels.py).
+// the stage buffers ((2 + PIPE) * (16384 + TN * 128) for PIPE 0 / 1, 4 * TN * 128 for PIPE 2 / 3, 6 * TN * 128
+// for PIPE 6) and the epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416 bytes;
+// MODE 1 TN * 272) (moe_gmma_smem_bytes in kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
 __global__ void __launch_bounds__(moe90::THREADS, PIPE == 3 || PIPE == 6 ? 2 : 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
@@ -255,7 +262,9 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   constexpr bool RA = PIPE >= 2;
   constexpr int P = SLOT ? 3 : PIPE;
   constexpr int W_AHEAD = P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
-  constexpr int BUFFERS = RA ? 4 : PIPE ? 3 : 2, X_AHEAD = RA ? 2 : BUFFERS - 1;
+  // PIPE 6: x 3 stages ahead in 6 buffers, a barrier every second stage (PAIR; gmma_register_a_mainloop)
+  constexpr int PAIR = SLOT ? 2 : 1;
+  constexpr int BUFFERS = SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2, X_AHEAD = SLOT ? 3 : RA ? 2 : BUFFERS - 1;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
@@ -315,7 +324,8 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         cute::warpgroup_fence_operand(acc[i]);
       }
       if constexpr (RA) {
-        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, SLOT>(acc, wp, sp, t, units, smem_base, load_x);
+        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT>(acc, wp, sp, t, units, smem_base,
+                                                                            load_x);
       } else {
         // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
         // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with

@@ -258,13 +258,13 @@ def _pipe_takes_tile(pipe: int, tile: int) -> bool:
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
-    x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3 / 6; PIPE 4 / 5
-    below), or the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
+    x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6;
+    PIPE 4 / 5 below), or the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
     if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
-        return 1024 + max(4 * tile * 128, staging)
+        return 1024 + max((6 if pipe == 6 else 4) * tile * 128, staging)
     return 1024 + max((2 + pipe) * (128 * 128 + tile * 128), staging)
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens
 
