@@ -397,6 +397,8 @@ def launch_plans(default_fused_combine: bool):
         ("tiers128wsn/16ra6-128", dict(gmma_tiers=[(128, 256, 5), (16, 128, 6)])),
         ("tiers256wsn/16ra6-128", dict(gmma_tiers=[(256, 256, 5), (16, 128, 6)])),
         ("tiers64wsn/32ra6", dict(gmma_tiers=[(64, 256, 5), (32, 64, 6)])),
+        # T >= 512: the warp-specialized tier, every other expert on PIPE 6's 32-token tiles (no mma.sync)
+        ("tiers64wsn/1ra6-32", dict(gmma_tiers=[(64, 256, 5), (1, 32, 6)])),
     ]
 
 
