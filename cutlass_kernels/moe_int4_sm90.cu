@@ -28,6 +28,9 @@
 //   (the same hot slots) reads. Slot c = 16 s + 8 h + 2 t + b of a unit holds physical column 16 t + 4 s + 2 h
 //   + b (x_slot_source below); an expert's h rows are only read by the kernel family that wrote them. Its x
 //   ring is 6 deep, 3 stages ahead, with one barrier per two stages (half of PIPE 3's barriers and fences).
+// - PIPE 7: PIPE 6 with its steady-state stages free of the bound checks (SASS: ~4 compares, 4 predicate moves
+//   and 3 branches per stage) and an 8-buffer x ring at 32- / 64-token tiles (the buffer index a mask, not a
+//   division by 3).
 //   32-, 64- and 128-token tiles (32: experts of 8-40 tokens, uniform T >= 512).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
@@ -167,7 +170,7 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // in flight). Buffer reuse: x of stage u + X_AHEAD goes into the buffer stage u + X_AHEAD - BUFFERS read, which
 // every warpgroup retired (wait<1> of stage u - 1 - PAIR at the latest) before the last barrier, PAIR - 1
 // stages before u at most: BUFFERS >= X_AHEAD + 1 + PAIR. (Units come in multiples of 8: k % 512 == 0.)
-template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, class LoadX>
+template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x) {
   static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
@@ -200,11 +203,14 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages 0 .. PAIR - 1
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
   __syncthreads();
-  for (int u0 = 0; u0 < units; u0 += W_AHEAD) {
+  // W_AHEAD stages, unrolled (ring slot, A set and barrier placement are constants). CHECKED: the bound checks
+  // of the last groups; without them (SPLIT, the steady state) every check below holds by the loop's bound.
+  auto stage_group = [&](int u0, auto checked) {
+    constexpr bool CHECKED = decltype(checked)::value;
 #pragma unroll
-    for (int d = 0; d < W_AHEAD; ++d) {   // unrolled: ring slot, A set and barrier placement are constants
+    for (int d = 0; d < W_AHEAD; ++d) {
       const int u = u0 + d;
-      if (u >= units) break;
+      if (CHECKED && u >= units) break;
       const uint64_t db = ddtree::sw128_desc(smem_base + (u % BUFFERS) * X_TILE);
 #pragma unroll
       for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
@@ -213,15 +219,15 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       for (int kk = 0; kk < 4; ++kk)
         ddtree::gmma_rs<Op>(a_frag[d & 1][kk], db + 2 * kk, acc, cuda::std::make_integer_sequence<int, ACC>{});
       cute::warpgroup_commit_batch();
-      if (u + X_AHEAD < units) load_x(smem_base + ((u + X_AHEAD) % BUFFERS) * X_TILE, u + X_AHEAD);
+      if (!CHECKED || u + X_AHEAD < units) load_x(smem_base + ((u + X_AHEAD) % BUFFERS) * X_TILE, u + X_AHEAD);
       ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
       cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its A set and x buffer are free
 #pragma unroll
       for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
-      if (u + 1 < units) {
+      if (!CHECKED || u + 1 < units) {
         const int slot = (d + 1) % W_AHEAD;
         dequant(slot, a_frag[(d + 1) & 1]);
-        if (u + 1 + W_AHEAD < units) load_stage(slot, u + 1 + W_AHEAD);
+        if (!CHECKED || u + 1 + W_AHEAD < units) load_stage(slot, u + 1 + W_AHEAD);
       }
       if (d % PAIR == PAIR - 1) {   // u0 is a multiple of PAIR
         ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages u + 1 .. u + PAIR has landed
@@ -229,7 +235,12 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
         __syncthreads();
       }
     }
-  }
+  };
+  int u0 = 0;
+  if constexpr (SPLIT)   // groups whose last stage u0 + W_AHEAD - 1 passes every check: u + 1 + W_AHEAD < units
+    for (; u0 + 2 * W_AHEAD < units && u0 + W_AHEAD - 1 + X_AHEAD < units; u0 += W_AHEAD)
+      stage_group(u0, cuda::std::false_type{});
+  for (; u0 < units; u0 += W_AHEAD) stage_group(u0, cuda::std::true_type{});
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
@@ -239,10 +250,11 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 // [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out bf16 [P, n_rows].
 // Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + the larger of
 // the stage buffers ((2 + PIPE) * (16384 + TN * 128) for PIPE 0 / 1, 4 * TN * 128 for PIPE 2 / 3, 6 * TN * 128
-// for PIPE 6) and the epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416 bytes;
-// MODE 1 TN * 272) (moe_gmma_smem_bytes in kimi_kernels.py).
+// for PIPE 6 and PIPE 7 at 128-token tiles, 8 * TN * 128 for PIPE 7 at 32 / 64) and the epilogue staging
+// (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416 bytes; MODE 1 TN * 272) (moe_gmma_smem_bytes in
+// kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
-__global__ void __launch_bounds__(moe90::THREADS, PIPE == 3 || PIPE == 6 ? 2 : 1)
+__global__ void __launch_bounds__(moe90::THREADS, PIPE == 3 || PIPE >= 6 ? 2 : 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                 const uint4* __restrict__ wq1, const uint4* __restrict__ ws1, int n_rows, int k,
                 const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
@@ -251,10 +263,11 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                 const int* __restrict__ item_chunk) {
   using namespace moe90;
   static_assert(TN == 32 || TN == 64 || TN == 128 || TN == 256, "token tile");
-  static_assert((PIPE >= 0 && PIPE <= 3) || PIPE == 6, "pipeline");
-  static_assert(TN != 32 || PIPE == 6, "32-token tiles: PIPE 6 only (PIPE 3's lost to its 64: PERF.md)");
-  static_assert((PIPE != 3 && PIPE != 6) || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
-  constexpr bool SLOT = PIPE == 6;   // otherwise PIPE 3's pipeline
+  static_assert((PIPE >= 0 && PIPE <= 3) || PIPE == 6 || PIPE == 7, "pipeline");
+  static_assert(TN != 32 || PIPE >= 6, "32-token tiles: PIPE 6 / 7 only (PIPE 3's lost to its 64: PERF.md)");
+  static_assert((PIPE != 3 && PIPE < 6) || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
+  constexpr bool SLOT = PIPE >= 6;   // otherwise PIPE 3's pipeline
+  constexpr bool SPLIT = PIPE == 7;   // PIPE 7: PIPE 6 with the steady-state stages unchecked, an 8-buffer x ring
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
   // stages ahead; PIPE 0: one stage ahead each, 2 buffers (fewer registers and 50 KB of shared memory).
   // PIPE 2: no W tile; x only, 4 buffers, two stages ahead; weights 8 (TN 256: 4) stages ahead.
@@ -264,7 +277,9 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   constexpr int W_AHEAD = P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
   // PIPE 6: x 3 stages ahead in 6 buffers, a barrier every second stage (PAIR; gmma_register_a_mainloop)
   constexpr int PAIR = SLOT ? 2 : 1;
-  constexpr int BUFFERS = SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2, X_AHEAD = SLOT ? 3 : RA ? 2 : BUFFERS - 1;
+  // (PIPE 7: 8 buffers up to 64-token tiles, so the buffer index is a mask)
+  constexpr int BUFFERS = SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
+  constexpr int X_AHEAD = SLOT ? 3 : RA ? 2 : BUFFERS - 1;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
@@ -324,8 +339,8 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         cute::warpgroup_fence_operand(acc[i]);
       }
       if constexpr (RA) {
-        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT>(acc, wp, sp, t, units, smem_base,
-                                                                            load_x);
+        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT>(acc, wp, sp, t, units,
+                                                                                   smem_base, load_x);
       } else {
         // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
         // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with

@@ -243,28 +243,32 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # 5: the same with the wgmma N cut to each half's token count (rounded up to 16) instead of the full half.
 GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)",
               4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
-              6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM"}
+              6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
+              7: "PIPE 6 with its steady-state stages unchecked and an 8-buffer x ring (32/64-token tiles)"}
 GMMA_WS_PIPES = (4, 5)   # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's)
+GMMA_SLOT_PIPES = (6, 7)   # register A in slot order: they read the slot-ordered copy of x and write h so
 GMMA_PIPE = 6
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
-    """PIPE 3 / 6 (two blocks per SM) are built for 64/128-token tiles (6 also 32), the warp-specialized 4/5 for
-    128/256."""
-    return not ((pipe in (3, 6) and tile > 128) or (pipe in GMMA_WS_PIPES and tile < 128)
-                or (tile == 32 and pipe != 6))
+    """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), the warp-specialized
+    4/5 for 128/256."""
+    return not ((pipe in (3, 6, 7) and tile > 128) or (pipe in GMMA_WS_PIPES and tile < 128)
+                or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
-    x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6;
-    PIPE 4 / 5 below), or the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
+    x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6 (and 7
+    at 128-token tiles), 8 for PIPE 7 at 32 / 64; PIPE 4 / 5 below), or the epilogue's staging where that is
+    larger (PIPE 0 at 256-token tiles)."""
     if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
-        return 1024 + max((6 if pipe == 6 else 4) * tile * 128, staging)
+        buffers = 8 if pipe == 7 and tile <= 64 else 6 if pipe in GMMA_SLOT_PIPES else 4
+        return 1024 + max(buffers * tile * 128, staging)
     return 1024 + max((2 + pipe) * (128 * 128 + tile * 128), staging)
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens
 
@@ -303,13 +307,14 @@ class MoeLayer:
     moe_combine_kernel; early: the down GEMM starts its weight stream before its dependency wait (PDL);
     pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter);
     gmma_min_tokens (sm_90a): experts with at least that many tokens go through moe_gmma_kernel (weights
-    dequantized once per stage into shared memory, wgmma over up to gmma_tile = 32 (PIPE 6) / 64 / 128 / 256
+    dequantized once per stage into shared memory, wgmma over up to gmma_tile = 32 (PIPE 6 / 7) / 64 / 128 / 256
     tokens per pass), the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the
     hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn); gmma_pipe: moe_gmma_kernel's pipeline (GMMA_PIPES: 0 shallow, 1 deep,
     2 register A, 3 the same with two blocks per SM, 4 warp-specialized, 5 the same with N per token count,
-    6 register A in slot order: PIPE 3 without the fragment shuffles, on a slot-ordered copy of x, stage x_hot),
+    6 register A in slot order: PIPE 3 without the fragment shuffles, on a slot-ordered copy of x, stage x_hot,
+    7 PIPE 6 without bound checks in its steady state),
     default GMMA_PIPE; gmma_overlap (default GMMA_OVERLAP unless the combine is folded into down): the hot
     chain (gate_up_hot -> down_hot) on a second stream, forked after the routing and joined before the
     combine, so the compute-bound wgmma kernels run beside the memory-bound mma.sync ones (both are captured
@@ -364,7 +369,7 @@ class MoeLayer:
                                  f"{w.inter}, {w.hidden})")
             if pipe not in GMMA_PIPES or not _pipe_takes_tile(pipe, tile):
                 raise ValueError(f"gmma_pipe={pipe} with gmma_tile={tile}: want one of {sorted(GMMA_PIPES)} "
-                                 f"(3 / 6 with 64- or 128-token tiles, 6 also 32, 4 / 5 with 128 or 256)")
+                                 f"(3 / 6 / 7 with 64- or 128-token tiles, 6 / 7 also 32, 4 / 5 with 128 or 256)")
         if gmma_grid_rows is not None and int(gmma_grid_rows) < 1:
             raise ValueError(f"gmma_grid_rows={gmma_grid_rows}: want >= 1 block rows (or None: one per slot)")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
@@ -443,15 +448,15 @@ class MoeLayer:
                     items = (cuda.to_device(np.array([j for j, _ in items], np.int32)),
                              cuda.to_device(np.array([c for _, c in items], np.int32)))
                 hot_launches.append((m, top, tile, pipe, hot, items))
-            if any(tier[3] == 6 for tier in hot_launches):
-                # PIPE 6 reads x in slot order (moe_int4_sm90.cu): a copy made first in the hot chain
+            if any(tier[3] in GMMA_SLOT_PIPES for tier in hot_launches):
+                # PIPE 6 / 7 read x in slot order (moe_int4_sm90.cu): a copy made first in the hot chain
                 self.x_slot = cuda.empty((T, w.hidden), np.uint16)
                 pairs = T * w.hidden // 2
                 self.stages.append(("x_hot", cuda.get_kernel("moe_int4_sm90", "moe_x_slot_kernel").prepare(
                     (min((pairs + 255) // 256, 4 * cuda.get_device().sm_count),), (256,),
                     [self.x, self.x_slot, I32(w.hidden // 2), np.int64(pairs)])))
             for tier in hot_launches:
-                x_tier = self.x_slot if tier[3] == 6 else self.x
+                x_tier = self.x_slot if tier[3] in GMMA_SLOT_PIPES else self.x
                 self.stages.append(("gate_up_hot", self._gmma_launch(0, tier, x_tier, w.hidden, w.gate_q, w.gate_s,
                                                                      w.up_q, w.up_s, w.inter, w.hidden, self.h)))
         self.stages.append(("gate_up", self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q,

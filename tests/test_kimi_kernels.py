@@ -466,8 +466,10 @@ def test_moe_layer_largest_bucket(cuda_device, gmma):
     for parallel, pipe, overlap in [(False, 1, False), (True, 1, False), (False, 0, False), (False, 2, False),
                                     (True, 2, False), (False, 3, False), (False, 3, True), (True, 2, True),
                                     (False, 4, False), (True, 4, False), (False, 4, True), (False, 5, False),
-                                    (True, 5, True), (False, 6, False), (True, 6, True)]
-    if (pipe not in (3, 6) or tile <= 128) and (pipe not in (4, 5) or tile >= 128) and (tile != 32 or pipe == 6)])
+                                    (True, 5, True), (False, 6, False), (True, 6, True), (False, 7, False),
+                                    (True, 7, True)]
+    if (pipe not in (3, 6, 7) or tile <= 128) and (pipe not in (4, 5) or tile >= 128)
+    and (tile != 32 or pipe in (6, 7))])
 def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe, overlap):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
     hot and cold slots mixed; the chunks on blocks side by side or in turn; each pipeline; the hot chain on
@@ -478,6 +480,18 @@ def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, paralle
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
     _check_moe(T, E, 1024, 512, None, topk=4, gmma_min_tokens=min_tokens, gmma_tile=tile, runs=2,
                gmma_parallel_chunks=parallel, gmma_pipe=pipe, gmma_overlap=overlap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [32, 64, 128])
+def test_moe_layer_gmma_pipe7_steady_state(cuda_device, tile):
+    """PIPE 7 at K = 2048 / 1024 (32 / 16 units): both GEMMs run unchecked steady-state stage groups before the
+    checked tail (at the other tests' K = 512 down has no steady group), every expert hot: the layer vs the
+    float32 reference, twice."""
+    from runtime import cuda
+    if cuda.get_device().arch != "90a":
+        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
+    _check_moe(150, 8, 2048, 1024, None, topk=4, gmma_min_tokens=1, gmma_tile=tile, gmma_pipe=7, runs=2)
 
 
 @pytest.mark.gpu
