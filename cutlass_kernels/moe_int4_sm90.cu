@@ -28,9 +28,9 @@
 //   (the same hot slots) reads. Slot c = 16 s + 8 h + 2 t + b of a unit holds physical column 16 t + 4 s + 2 h
 //   + b (x_slot_source below); an expert's h rows are only read by the kernel family that wrote them. Its x
 //   ring is 6 deep, 3 stages ahead, with one barrier per two stages (half of PIPE 3's barriers and fences).
-// - PIPE 7: PIPE 6 with its steady-state stages free of the bound checks (SASS: ~4 compares, 4 predicate moves
-//   and 3 branches per stage) and an 8-buffer x ring at 32- / 64-token tiles (the buffer index a mask, not a
-//   division by 3).
+// - PIPE 7: PIPE 6 with its steady-state stages free of the bound checks (SASS: ~3 compares, 3 predicate moves
+//   and 3 branches per stage) and a whole x ring (8 buffers at 32- / 64-token tiles) per loop iteration, so
+//   every buffer index and descriptor offset is a constant: ~98 instructions per stage in SASS, PIPE 6 ~130.
 //   32-, 64- and 128-token tiles (32: experts of 8-40 tokens, uniform T >= 512).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
@@ -205,13 +205,14 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   __syncthreads();
   // W_AHEAD stages, unrolled (ring slot, A set and barrier placement are constants). CHECKED: the bound checks
   // of the last groups; without them (SPLIT, the steady state) every check below holds by the loop's bound.
-  auto stage_group = [&](int u0, auto checked) {
+  auto stage_group = [&](int u0, auto checked, int phase) {   // phase: u0 % BUFFERS when a constant, else -1
     constexpr bool CHECKED = decltype(checked)::value;
 #pragma unroll
     for (int d = 0; d < W_AHEAD; ++d) {
       const int u = u0 + d;
       if (CHECKED && u >= units) break;
-      const uint64_t db = ddtree::sw128_desc(smem_base + (u % BUFFERS) * X_TILE);
+      const int buf = phase >= 0 ? (phase + d) % BUFFERS : u % BUFFERS;
+      const uint64_t db = ddtree::sw128_desc(smem_base + buf * X_TILE);
 #pragma unroll
       for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
       cute::warpgroup_arrive();
@@ -219,7 +220,8 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       for (int kk = 0; kk < 4; ++kk)
         ddtree::gmma_rs<Op>(a_frag[d & 1][kk], db + 2 * kk, acc, cuda::std::make_integer_sequence<int, ACC>{});
       cute::warpgroup_commit_batch();
-      if (!CHECKED || u + X_AHEAD < units) load_x(smem_base + ((u + X_AHEAD) % BUFFERS) * X_TILE, u + X_AHEAD);
+      const int xbuf = phase >= 0 ? (phase + d + X_AHEAD) % BUFFERS : (u + X_AHEAD) % BUFFERS;
+      if (!CHECKED || u + X_AHEAD < units) load_x(smem_base + xbuf * X_TILE, u + X_AHEAD);
       ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
       cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its A set and x buffer are free
 #pragma unroll
@@ -237,10 +239,17 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
     }
   };
   int u0 = 0;
-  if constexpr (SPLIT)   // groups whose last stage u0 + W_AHEAD - 1 passes every check: u + 1 + W_AHEAD < units
-    for (; u0 + 2 * W_AHEAD < units && u0 + W_AHEAD - 1 + X_AHEAD < units; u0 += W_AHEAD)
-      stage_group(u0, cuda::std::false_type{});
-  for (; u0 < units; u0 += W_AHEAD) stage_group(u0, cuda::std::true_type{});
+  if constexpr (SPLIT) {
+    // Groups whose last stage u0 + W_AHEAD - 1 passes every check (u + 1 + W_AHEAD < units, u + X_AHEAD <
+    // units), BUFFERS / W_AHEAD of them per iteration so that every buffer index is a constant once unrolled.
+    constexpr int G = BUFFERS % W_AHEAD == 0 ? BUFFERS / W_AHEAD : 1;
+    for (; u0 + (G + 1) * W_AHEAD < units && u0 + G * W_AHEAD - 1 + X_AHEAD < units; u0 += G * W_AHEAD) {
+#pragma unroll
+      for (int i = 0; i < G; ++i)
+        stage_group(u0 + i * W_AHEAD, cuda::std::false_type{}, G * W_AHEAD == BUFFERS ? i * W_AHEAD : -1);
+    }
+  }
+  for (; u0 < units; u0 += W_AHEAD) stage_group(u0, cuda::std::true_type{}, -1);
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
