@@ -28,10 +28,10 @@
 //   (the same hot slots) reads. Slot c = 16 s + 8 h + 2 t + b of a unit holds physical column 16 t + 4 s + 2 h
 //   + b (x_slot_source below); an expert's h rows are only read by the kernel family that wrote them. Its x
 //   ring is 6 deep, 3 stages ahead, with one barrier per two stages (half of PIPE 3's barriers and fences).
+//   32-, 64- and 128-token tiles (32: experts of 8-40 tokens, uniform T >= 512).
 // - PIPE 7: PIPE 6 with its steady-state stages free of the bound checks (SASS: ~3 compares, 3 predicate moves
 //   and 3 branches per stage) and a whole x ring (8 buffers at 32- / 64-token tiles) per loop iteration, so
 //   every buffer index and descriptor offset is a constant: ~98 instructions per stage in SASS, PIPE 6 ~130.
-//   32-, 64- and 128-token tiles (32: experts of 8-40 tokens, uniform T >= 512).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
 // below).
@@ -59,7 +59,6 @@ using ddtree::sw128_desc;
 __device__ __forceinline__ void st_shared16(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
-
 
 // The packed weights and the scale word of (row block rb of this lane, 64-k unit u).
 __device__ __forceinline__ uint4 load_w(const uint4* wp, int u) {

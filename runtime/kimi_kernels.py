@@ -246,7 +246,7 @@ GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
               7: "PIPE 6 with its steady-state stages unchecked and an 8-buffer x ring (32/64-token tiles)"}
 GMMA_WS_PIPES = (4, 5)   # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's)
-GMMA_SLOT_PIPES = (6, 7)   # register A in slot order: they read the slot-ordered copy of x and write h so
+GMMA_SLOT_PIPES = (6, 7)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_PIPE = 6
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
