@@ -404,6 +404,8 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=1/32/ra7", dict(gmma_min_tokens=1, gmma_tile=32, gmma_pipe=7)),
         ("tiers64wsn/1ra7-32", dict(gmma_tiers=[(64, 256, 5), (1, 32, 7)])),
         ("tiers64wsn/16ra7", dict(gmma_tiers=[(64, 256, 5), (16, 64, 7)])),
+        # experts of 33..63 tokens in one 64-token pass instead of two 32-token ones
+        ("tiers64wsn/33ra7/1ra7-32", dict(gmma_tiers=[(64, 256, 5), (33, 64, 7), (1, 32, 7)])),
     ]
 
 
