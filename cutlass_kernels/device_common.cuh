@@ -1,4 +1,4 @@
-// Device helpers shared by the kernel families: streaming loads, cp.async, programmatic dependent launch,
+// Device helpers shared by the kernel families: SiLU, streaming loads, cp.async, programmatic dependent launch,
 // Philox random numbers.
 #pragma once
 #include <cuda_bf16.h>
@@ -6,7 +6,6 @@
 
 namespace ddtree {
 
-// A weight read once: 16 bytes, not allocated in L1 (the activations and partials use it).
 // SiLU for the SwiGLU epilogues: x * sigmoid(x) with the fast reciprocal (MUFU.RCP + FMUL; IEEE division
 // put a range check and a slow-path call beside every output) and ex2 with denormals flushed (__expf's
 // non-flushing ex2 adds a range fix-up of three instructions; e^-x below 2^-126 is 0 next to the 1 anyway).
@@ -17,6 +16,7 @@ __device__ __forceinline__ float silu(float x) {
   return __fdividef(x, 1.0f + e);
 }
 
+// A weight read once: 16 bytes, not allocated in L1 (the activations and partials use it).
 __device__ __forceinline__ uint4 load_stream(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"

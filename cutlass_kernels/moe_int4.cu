@@ -61,7 +61,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
                                             c[0], c[1], c[2], c[3]);
 }
 
-
 // Wait for the previous kernel, then let the next one launch (see the header: this order is what makes the
 // down GEMM's early read of the routing output safe).
 __device__ __forceinline__ void dependency_wait() {

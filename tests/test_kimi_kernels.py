@@ -7,7 +7,7 @@ from cutlass_kernels.registry import MOE_GEMM_VARIANTS
 from loader.int4 import pack_int4, unpack_int4
 from runtime import kimi_reference as ref
 from runtime.bf16 import from_bf16, round_bf16, to_bf16
-from runtime.kimi_kernels import repack_int4_experts, unrepack_int4_experts
+from runtime.kimi_kernels import _pipe_takes_tile, repack_int4_experts, unrepack_int4_experts
 from runtime.testing import assert_close, random_tree_visibility
 
 
@@ -468,8 +468,7 @@ def test_moe_layer_largest_bucket(cuda_device, gmma):
                                     (False, 4, False), (True, 4, False), (False, 4, True), (False, 5, False),
                                     (True, 5, True), (False, 6, False), (True, 6, True), (False, 7, False),
                                     (True, 7, True)]
-    if (pipe not in (3, 6, 7) or tile <= 128) and (pipe not in (4, 5) or tile >= 128)
-    and (tile != 32 or pipe in (6, 7))])
+    if _pipe_takes_tile(pipe, tile)])
 def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe, overlap):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
     hot and cold slots mixed; the chunks on blocks side by side or in turn; each pipeline; the hot chain on
