@@ -222,10 +222,11 @@ def moe_smem_bytes(entry: str, k: int) -> int:
 FUSE_COMBINE_MAX_TOKENS = 0
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
 # >= min tokens, tile-token passes, pipeline PIPE, (min, tile, pipe) from GMMA_AUTO by T. Measured on the H200
-# (docs/PERF.md, sessions 2026-12-03 (4) to (10), whole layer, same-run A/B):
-# - T = 32..255: PIPE 6 (register A in slot order, two blocks per SM) on experts of >= 16 tokens in 64-token
-#   passes, the hot chain on its own stream; skewed T = 32 / 64 / 128 12 / 19 / 36% faster than without (PIPE 3,
-#   session (6)); PIPE 6's hot stages 8-12% faster than PIPE 3's (session (11)). Under uniform routing
+# (docs/PERF.md, sessions 2026-12-03 (4) to 2026-12-04 (12), whole layer, same-run A/B):
+# - T = 32..255: PIPE 7 (register A in slot order, two blocks per SM, unchecked steady state) on experts of >= 16
+#   tokens in 64-token passes, the hot chain on its own stream; skewed T = 32 / 64 / 128 12 / 19 / 36% faster
+#   than without (PIPE 3, session (6)); PIPE 6's hot stages 8-12% faster than PIPE 3's (session (11)); PIPE 7's
+#   layer 0.5-2% faster than PIPE 6's at skewed T = 32..256 (session (12)). Under uniform routing
 #   no expert is hot and the empty launches with the fork / join cost ~2%; below T = 32 that outweighs the gain.
 # - T >= 256: PIPE 5 (warp-specialized, wgmma N cut to the token count) on experts of >= 64 tokens in 256-token
 #   passes (skewed T = 256: PIPE 4 1127.5 vs PIPE 3 1195.0 us, then PIPE 5 1118.6 vs PIPE 4 1132.3). Lower
@@ -233,7 +234,7 @@ FUSE_COMBINE_MAX_TOKENS = 0
 #   dequantization is the same work as mma.sync's (32-token register-A tiles, session (10): 11-22% slower).
 GMMA_AUTO_TOKENS = 32
 # T bound -> (min tokens per expert, tokens per pass, PIPE)
-GMMA_AUTO = {255: (16, 64, 6), 1 << 30: (64, 256, 5)}
+GMMA_AUTO = {255: (16, 64, 7), 1 << 30: (64, 256, 5)}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
@@ -244,10 +245,10 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)",
               4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
-              7: "PIPE 6 with its steady-state stages unchecked and an 8-buffer x ring (32/64-token tiles)"}
+              7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)"}
 GMMA_WS_PIPES = (4, 5)   # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's)
 GMMA_SLOT_PIPES = (6, 7)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
-GMMA_PIPE = 6
+GMMA_PIPE = 7
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
 
@@ -394,7 +395,7 @@ class MoeLayer:
         self.y = cuda.empty((T, w.hidden), np.uint16)
         self.shared = shared
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
-        self.x_slot = None   # PIPE 6's slot-ordered copy of x (made below where a hot tier runs PIPE 6)
+        self.x_slot = None   # the slot-ordered copy of x (made below where a hot tier runs PIPE 6 / 7)
         self.fused_routing = bool(fused_routing)
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
@@ -548,8 +549,8 @@ class MoeLayer:
 
     def forward(self, stream=None, stages=None):
         """Launch the layer (or only the named stages: 'route', 'x_hot', 'gate_up_hot', 'gate_up', 'down_hot',
-        'down', 'combine'; the _hot ones exist with the wgmma hot-expert path (x_hot with PIPE 6), 'combine' unless
-        it is folded into down)."""
+        'down', 'combine'; the _hot ones exist with the wgmma hot-expert path (x_hot with PIPE 6 / 7), 'combine'
+        unless it is folded into down)."""
         if self.gmma_overlap and stages is None:
             self._forward_overlapped(stream)
             return

@@ -406,6 +406,11 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64wsn/16ra7", dict(gmma_tiers=[(64, 256, 5), (16, 64, 7)])),
         # experts of 33..63 tokens in one 64-token pass instead of two 32-token ones
         ("tiers64wsn/33ra7/1ra7-32", dict(gmma_tiers=[(64, 256, 5), (33, 64, 7), (1, 32, 7)])),
+        # T >= 512: PIPE 7's 32-token tiles for the middle experts only, mma.sync below (few-token experts)
+        ("tiers64wsn/9ra7-32", dict(gmma_tiers=[(64, 256, 5), (9, 32, 7)])),
+        ("tiers64wsn/17ra7-32", dict(gmma_tiers=[(64, 256, 5), (17, 32, 7)])),
+        ("tiers64wsn/25ra7-32", dict(gmma_tiers=[(64, 256, 5), (25, 32, 7)])),
+        ("gmma>=17/32/ra7", dict(gmma_min_tokens=17, gmma_tile=32, gmma_pipe=7)),
     ]
 
 
