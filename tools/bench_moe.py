@@ -411,6 +411,12 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64wsn/17ra7-32", dict(gmma_tiers=[(64, 256, 5), (17, 32, 7)])),
         ("tiers64wsn/25ra7-32", dict(gmma_tiers=[(64, 256, 5), (25, 32, 7)])),
         ("gmma>=17/32/ra7", dict(gmma_min_tokens=17, gmma_tile=32, gmma_pipe=7)),
+        # T = 32..255: less token padding on the hot experts (16-32-token experts in 32-token passes)
+        ("tiers33ra7/16ra7-32", dict(gmma_tiers=[(33, 64, 7), (16, 32, 7)])),
+        ("tiers49ra7/16ra7-32", dict(gmma_tiers=[(49, 64, 7), (16, 32, 7)])),
+        ("gmma>=16/32/ra7", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7)),
+        ("gmma>=16/32/ra7/par", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7, gmma_parallel_chunks=True)),
+        ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
     ]
 
 
