@@ -64,6 +64,10 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, bool
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
+// 4 bytes through L1 (cp.async.cg takes 16 only): the MoE scale words.
+__device__ __forceinline__ void cp_async4_s(unsigned dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
 // "memory": the compiler must not move shared-memory reads of a copy's destination above the wait that
 // lands it, nor reads of a slot below the copy that overwrites it (moe_int4's per-lane ring has no barrier).
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }

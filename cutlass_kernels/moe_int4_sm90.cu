@@ -9,7 +9,7 @@
 // split the hot slots between pipelines); moe_slot_split_kernel writes the counts the mma.sync kernel sees
 // (count < the lowest tier's min_count ? count : 0), so each slot is done by exactly one kernel.
 //
-// Two kernels, six pipelines (PIPE; runtime/kimi_kernels.py GMMA_PIPES, measurements in docs/PERF.md):
+// Two kernels, eight pipelines (PIPE; runtime/kimi_kernels.py GMMA_PIPES, measurements in docs/PERF.md):
 // moe_gmma_kernel<MODE, TN, PIPE>: 2 warpgroups, 128 weight rows (MODE 0: 64 gate rows = warpgroup 0, the same
 // 64 up rows = warpgroup 1; MODE 1: 128 down rows) x up to TN tokens; token chunks of TN loop inside the block
 // (or, with the (slot, chunk) item list, one chunk per block). Every warp dequantizes its 16-row block: lane
@@ -32,6 +32,8 @@
 // - PIPE 7: PIPE 6 with its steady-state stages free of the bound checks (SASS: ~3 compares, 3 predicate moves
 //   and 3 branches per stage) and a whole x ring (8 buffers at 32- / 64-token tiles) per loop iteration, so
 //   every buffer index and descriptor offset is a constant: ~98 instructions per stage in SASS, PIPE 6 ~130.
+// - PIPE 8: PIPE 7 with the weights through a shared-memory cp.async ring 8 stages deep instead of the 4-stage
+//   register ring (32- / 64-token tiles; 40 KB more shared memory per block).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
 // below).
@@ -48,6 +50,7 @@ using cuda::std::uint64_t;
 
 namespace moe90 {
 constexpr int THREADS = 256;
+constexpr int W_RING = 8;   // PIPE 8's shared weight ring: stages (16 + 4 bytes per thread each)
 constexpr int W_TILE = 128 * 128;   // 128 rows x 64 k bf16
 
 
@@ -64,9 +67,10 @@ __device__ __forceinline__ void st_shared16(uint32_t addr, uint32_t a, uint32_t 
 __device__ __forceinline__ uint4 load_w(const uint4* wp, int u) {
   return ddtree::load_stream(wp + u * 32);
 }
-__device__ __forceinline__ uint32_t load_scale(const uint4* sp, int u) {
-  return reinterpret_cast<const uint32_t*>(sp + (u / 8) * 32 + ((u / 4) & 1))[u & 3];
+__device__ __forceinline__ const uint32_t* scale_word(const uint4* sp, int u) {
+  return reinterpret_cast<const uint32_t*>(sp + (u / 8) * 32 + ((u / 4) & 1)) + (u & 3);
 }
+__device__ __forceinline__ uint32_t load_scale(const uint4* sp, int u) { return *scale_word(sp, u); }
 
 // Dequantize one lane's 16 bytes (rows g, g + 8 of the warp's row block; columns 16t .. 16t + 15) into the
 // swizzled W tile: row R = 16 w + g (+ 8), 16-byte units 2t, 2t + 1 of the 128-byte row.
@@ -169,27 +173,54 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // in flight). Buffer reuse: x of stage u + X_AHEAD goes into the buffer stage u + X_AHEAD - BUFFERS read, which
 // every warpgroup retired (wait<1> of stage u - 1 - PAIR at the latest) before the last barrier, PAIR - 1
 // stages before u at most: BUFFERS >= X_AHEAD + 1 + PAIR. (Units come in multiples of 8: k % 512 == 0.)
-template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, class LoadX>
+// SMEM_W (PIPE 8): the packed weights and scale words go through a shared-memory ring of W_RING stages instead of
+// registers, each lane's own 16 + 4 bytes per stage by cp.async in the stage's x group, loaded W_RING - 1 stages
+// ahead (twice PIPE 7's register ring, which left the weights arriving late: PERF.md session 12). A lane reads back
+// only what it copied itself, so its own cp.async wait suffices (no barrier); it refills a slot only after the
+// dequantization that read it.
+template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, bool SMEM_W = false,
+          class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x) {
   static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
                 "ring sizes");
+  static_assert(!SMEM_W || (SLOT && SPLIT && BUFFERS == moe90::W_RING), "PIPE 8: PIPE 7 with an 8-buffer x ring");
   using Op = typename ddtree::GmmaRsOp<TN>::type;
   constexpr int X_TILE = TN * 128, ACC = TN / 2;
-  uint4 wr[W_AHEAD];
+  // the weights' lead in stages: the register ring's depth, or the shared ring's less the slot being read
+  constexpr int LEAD = SMEM_W ? moe90::W_RING - 1 : W_AHEAD;
+  uint4 wr[SMEM_W ? 1 : W_AHEAD];
   // scale words of the unit's column groups 0 and 1 (SLOT: s0r is the lane's own group, s1r unused)
-  uint32_t s0r[W_AHEAD], s1r[W_AHEAD];
-  auto load_stage = [&](int slot, int u) {
-    wr[slot] = moe90::load_w(wp, u);
-    s0r[slot] = moe90::load_scale(sp, u);
-    if constexpr (!SLOT) s1r[slot] = moe90::load_scale(sp + 2, u);
+  uint32_t s0r[SMEM_W ? 1 : W_AHEAD], s1r[SMEM_W ? 1 : W_AHEAD];
+  // SMEM_W: this lane's 16 bytes of ring slot i at w_ring + i * 4096, its scale word at s_ring + i * 1024
+  const uint32_t w_ring = smem_base + BUFFERS * X_TILE + 16 * threadIdx.x;
+  const uint32_t s_ring = smem_base + BUFFERS * X_TILE + moe90::W_RING * moe90::THREADS * 16 + 4 * threadIdx.x;
+  auto load_stage = [&](int slot, int u) {   // SMEM_W: slot = u % W_RING
+    if constexpr (SMEM_W) {
+      ddtree::cp_async16_s(w_ring + slot * (moe90::THREADS * 16), wp + u * 32, true);
+      ddtree::cp_async4_s(s_ring + slot * (moe90::THREADS * 4), moe90::scale_word(sp, u));
+    } else {
+      wr[slot] = moe90::load_w(wp, u);
+      s0r[slot] = moe90::load_scale(sp, u);
+      if constexpr (!SLOT) s1r[slot] = moe90::load_scale(sp + 2, u);
+    }
   };
   auto dequant = [&](int slot, uint32_t (&a)[4][4]) {
-    if constexpr (SLOT) moe90::dequant_slot(wr[slot], s0r[slot], a);
-    else moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a);
+    if constexpr (SMEM_W) {
+      uint4 w;
+      uint32_t sw;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                   : "r"(w_ring + slot * (moe90::THREADS * 16)) : "memory");
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw) : "r"(s_ring + slot * (moe90::THREADS * 4)) : "memory");
+      moe90::dequant_slot(w, sw, a);
+    } else if constexpr (SLOT) {
+      moe90::dequant_slot(wr[slot], s0r[slot], a);
+    } else {
+      moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a);
+    }
   };
 #pragma unroll
-  for (int d = 0; d < W_AHEAD; ++d)
+  for (int d = 0; d < LEAD; ++d)
     if (d < units) load_stage(d, d);
 #pragma unroll
   for (int a = 0; a < X_AHEAD; ++a) {
@@ -197,9 +228,15 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
     ddtree::cp_async_commit();
   }
   uint32_t a_frag[2][4][4];
-  dequant(0, a_frag[0]);
-  if (W_AHEAD < units) load_stage(0, W_AHEAD);
-  ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages 0 .. PAIR - 1
+  if constexpr (!SMEM_W) {
+    dequant(0, a_frag[0]);
+    if (W_AHEAD < units) load_stage(0, W_AHEAD);
+  }
+  ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages 0 .. PAIR - 1 (SMEM_W: and the weights of 0 .. LEAD - 1)
+  if constexpr (SMEM_W) {
+    dequant(0, a_frag[0]);
+    if (LEAD < units) load_stage(LEAD, LEAD);   // into the group of stage 0
+  }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
   __syncthreads();
   // W_AHEAD stages, unrolled (ring slot, A set and barrier placement are constants). CHECKED: the bound checks
@@ -226,9 +263,16 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 #pragma unroll
       for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
       if (!CHECKED || u + 1 < units) {
-        const int slot = (d + 1) % W_AHEAD;
-        dequant(slot, a_frag[(d + 1) & 1]);
-        if (!CHECKED || u + 1 + W_AHEAD < units) load_stage(slot, u + 1 + W_AHEAD);
+        if constexpr (SMEM_W) {
+          // stage u + 1 from its slot; stage u + 1 + LEAD into the slot stage u read (dequantized a stage ago)
+          dequant(phase >= 0 ? (phase + d + 1) % moe90::W_RING : (u + 1) % moe90::W_RING, a_frag[(d + 1) & 1]);
+          if (!CHECKED || u + 1 + LEAD < units)
+            load_stage(phase >= 0 ? (phase + d) % moe90::W_RING : u % moe90::W_RING, u + 1 + LEAD);
+        } else {
+          const int slot = (d + 1) % W_AHEAD;
+          dequant(slot, a_frag[(d + 1) & 1]);
+          if (!CHECKED || u + 1 + W_AHEAD < units) load_stage(slot, u + 1 + W_AHEAD);
+        }
       }
       if (d % PAIR == PAIR - 1) {   // u0 is a multiple of PAIR
         ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages u + 1 .. u + PAIR has landed
@@ -239,10 +283,10 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   };
   int u0 = 0;
   if constexpr (SPLIT) {
-    // Groups whose last stage u0 + W_AHEAD - 1 passes every check (u + 1 + W_AHEAD < units, u + X_AHEAD <
-    // units), BUFFERS / W_AHEAD of them per iteration so that every buffer index is a constant once unrolled.
+    // Groups whose last stage u0 + W_AHEAD - 1 passes every check (u + 1 + LEAD < units, u + X_AHEAD < units),
+    // BUFFERS / W_AHEAD of them per iteration so that every buffer index is a constant once unrolled.
     constexpr int G = BUFFERS % W_AHEAD == 0 ? BUFFERS / W_AHEAD : 1;
-    for (; u0 + (G + 1) * W_AHEAD < units && u0 + G * W_AHEAD - 1 + X_AHEAD < units; u0 += G * W_AHEAD) {
+    for (; u0 + G * W_AHEAD + LEAD < units && u0 + G * W_AHEAD - 1 + X_AHEAD < units; u0 += G * W_AHEAD) {
 #pragma unroll
       for (int i = 0; i < G; ++i)
         stage_group(u0 + i * W_AHEAD, cuda::std::false_type{}, G * W_AHEAD == BUFFERS ? i * W_AHEAD : -1);
@@ -258,7 +302,8 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 // [P, n_rows]; MODE 1: x = h [P, ldx] at sorted positions, weights down (wq0/ws0), out bf16 [P, n_rows].
 // Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + the larger of
 // the stage buffers ((2 + PIPE) * (16384 + TN * 128) for PIPE 0 / 1, 4 * TN * 128 for PIPE 2 / 3, 6 * TN * 128
-// for PIPE 6 and PIPE 7 at 128-token tiles, 8 * TN * 128 for PIPE 7 at 32 / 64) and the epilogue staging
+// for PIPE 6 and PIPE 7 at 128-token tiles, 8 * TN * 128 for PIPE 7 at 32 / 64, that + 8 * 256 * 20 (the
+// weight ring) for PIPE 8) and the epilogue staging
 // (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416 bytes; MODE 1 TN * 272) (moe_gmma_smem_bytes in
 // kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
@@ -271,11 +316,12 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                 const int* __restrict__ item_chunk) {
   using namespace moe90;
   static_assert(TN == 32 || TN == 64 || TN == 128 || TN == 256, "token tile");
-  static_assert((PIPE >= 0 && PIPE <= 3) || PIPE == 6 || PIPE == 7, "pipeline");
-  static_assert(TN != 32 || PIPE >= 6, "32-token tiles: PIPE 6 / 7 only (PIPE 3's lost to its 64: PERF.md)");
+  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8), "pipeline");
+  static_assert(TN != 32 || PIPE >= 6, "32-token tiles: PIPE 6 / 7 / 8 only (PIPE 3's lost to its 64: PERF.md)");
   static_assert((PIPE != 3 && PIPE < 6) || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
+  static_assert(PIPE != 8 || TN <= 64, "PIPE 8: 32- / 64-token tiles (its weight ring beside the 8-buffer x ring)");
   constexpr bool SLOT = PIPE >= 6;   // otherwise PIPE 3's pipeline
-  constexpr bool SPLIT = PIPE == 7;   // PIPE 7: PIPE 6 with the steady-state stages unchecked, an 8-buffer x ring
+  constexpr bool SPLIT = PIPE >= 7;   // PIPE 7: PIPE 6 with the steady-state stages unchecked, an 8-buffer x ring
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
   // stages ahead; PIPE 0: one stage ahead each, 2 buffers (fewer registers and 50 KB of shared memory).
   // PIPE 2: no W tile; x only, 4 buffers, two stages ahead; weights 8 (TN 256: 4) stages ahead.
@@ -347,8 +393,8 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         cute::warpgroup_fence_operand(acc[i]);
       }
       if constexpr (RA) {
-        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT>(acc, wp, sp, t, units,
-                                                                                   smem_base, load_x);
+        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, PIPE == 8>(
+            acc, wp, sp, t, units, smem_base, load_x);
       } else {
         // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
         // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with

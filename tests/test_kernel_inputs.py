@@ -155,8 +155,10 @@ def test_kimi_entry_points():
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_tile=64, gmma_pipe=4)
     with pytest.raises(ValueError, match="gmma_pipe=3 with gmma_tile=256"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_tile=256, gmma_pipe=3)
-    with pytest.raises(ValueError, match="gmma_pipe=8"):
-        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_pipe=8)
+    with pytest.raises(ValueError, match="gmma_pipe=9"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_pipe=9)
+    with pytest.raises(ValueError, match="gmma_pipe=8 with gmma_tile=128"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_tile=128, gmma_pipe=8)
     with pytest.raises(ValueError, match="gmma_tiers replaces"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_tiers=[(16, 64, 3)], gmma_tile=64)
     with pytest.raises(ValueError, match="same minimum"):

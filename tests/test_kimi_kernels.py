@@ -467,7 +467,7 @@ def test_moe_layer_largest_bucket(cuda_device, gmma):
                                     (True, 2, False), (False, 3, False), (False, 3, True), (True, 2, True),
                                     (False, 4, False), (True, 4, False), (False, 4, True), (False, 5, False),
                                     (True, 5, True), (False, 6, False), (True, 6, True), (False, 7, False),
-                                    (True, 7, True)]
+                                    (True, 7, True), (False, 8, False), (True, 8, True)]
     if _pipe_takes_tile(pipe, tile)])
 def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe, overlap):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
@@ -482,15 +482,15 @@ def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, paralle
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [32, 64, 128])
-def test_moe_layer_gmma_pipe7_steady_state(cuda_device, tile):
-    """PIPE 7 at K = 2048 / 1024 (32 / 16 units): both GEMMs run unchecked steady-state stage groups before the
-    checked tail (at the other tests' K = 512 down has no steady group), every expert hot: the layer vs the
+@pytest.mark.parametrize("pipe,tile", [(7, 32), (7, 64), (7, 128), (8, 32), (8, 64)])
+def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
+    """PIPE 7 / 8 at K = 2048 / 1024 (32 / 16 units): both GEMMs run unchecked steady-state stage groups before
+    the checked tail (at the other tests' K = 512 down has no steady group), every expert hot: the layer vs the
     float32 reference, twice."""
     from runtime import cuda
     if cuda.get_device().arch != "90a":
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
-    _check_moe(150, 8, 2048, 1024, None, topk=4, gmma_min_tokens=1, gmma_tile=tile, gmma_pipe=7, runs=2)
+    _check_moe(150, 8, 2048, 1024, None, topk=4, gmma_min_tokens=1, gmma_tile=tile, gmma_pipe=pipe, runs=2)
 
 
 @pytest.mark.gpu

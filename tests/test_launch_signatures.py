@@ -108,6 +108,8 @@ def _checking_cuda(prepared):
     (256, dict(gmma_min_tokens=16, gmma_tile=128, gmma_pipe=6)),
     (1025, dict(gmma_tiers=[(64, 256, 5), (1, 32, 7)])),
     (128, dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7)),
+    (128, dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
+    (1025, dict(gmma_tiers=[(64, 256, 5), (1, 32, 8)])),
 ])
 def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
     prepared = []

@@ -417,6 +417,10 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=16/32/ra7", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7)),
         ("gmma>=16/32/ra7/par", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7, gmma_parallel_chunks=True)),
         ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
+        # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
+        ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
+        ("gmma>=1/32/ra8", dict(gmma_min_tokens=1, gmma_tile=32, gmma_pipe=8)),
+        ("tiers64wsn/17ra8-32", dict(gmma_tiers=[(64, 256, 5), (17, 32, 8)])),
     ]
 
 
