@@ -174,10 +174,10 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // every warpgroup retired (wait<1> of stage u - 1 - PAIR at the latest) before the last barrier, PAIR - 1
 // stages before u at most: BUFFERS >= X_AHEAD + 1 + PAIR. (Units come in multiples of 8: k % 512 == 0.)
 // SMEM_W (PIPE 8): the packed weights and scale words go through a shared-memory ring of W_RING stages instead of
-// registers, each lane's own 16 + 4 bytes per stage by cp.async in the stage's x group, loaded W_RING - 1 stages
-// ahead (twice PIPE 7's register ring, which left the weights arriving late: PERF.md session 12). A lane reads back
-// only what it copied itself, so its own cp.async wait suffices (no barrier); it refills a slot only after the
-// dequantization that read it.
+// registers, each lane's own 16 + 4 bytes per stage by cp.async in the stage's x group, loaded W_RING stages ahead
+// (twice PIPE 7's register ring, which left the weights arriving late: PERF.md session 12). A lane reads back only
+// what it copied itself, so its own cp.async wait suffices (no barrier); it refills the slot its dequantization
+// has just read. The copies check their bound in every stage (a compare), so the steady state ends as PIPE 7's.
 template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, bool SMEM_W = false,
           class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
@@ -187,8 +187,8 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   static_assert(!SMEM_W || (SLOT && SPLIT && BUFFERS == moe90::W_RING), "PIPE 8: PIPE 7 with an 8-buffer x ring");
   using Op = typename ddtree::GmmaRsOp<TN>::type;
   constexpr int X_TILE = TN * 128, ACC = TN / 2;
-  // the weights' lead in stages: the register ring's depth, or the shared ring's less the slot being read
-  constexpr int LEAD = SMEM_W ? moe90::W_RING - 1 : W_AHEAD;
+  // the weights' lead in stages: the depth of the register ring or of the shared one
+  constexpr int LEAD = SMEM_W ? moe90::W_RING : W_AHEAD;
   uint4 wr[SMEM_W ? 1 : W_AHEAD];
   // scale words of the unit's column groups 0 and 1 (SLOT: s0r is the lane's own group, s1r unused)
   uint32_t s0r[SMEM_W ? 1 : W_AHEAD], s1r[SMEM_W ? 1 : W_AHEAD];
@@ -235,7 +235,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages 0 .. PAIR - 1 (SMEM_W: and the weights of 0 .. LEAD - 1)
   if constexpr (SMEM_W) {
     dequant(0, a_frag[0]);
-    if (LEAD < units) load_stage(LEAD, LEAD);   // into the group of stage 0
+    if (LEAD < units) load_stage(0, LEAD);   // into the slot just read; the group of stage 0
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
   __syncthreads();
@@ -264,10 +264,10 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
       if (!CHECKED || u + 1 < units) {
         if constexpr (SMEM_W) {
-          // stage u + 1 from its slot; stage u + 1 + LEAD into the slot stage u read (dequantized a stage ago)
-          dequant(phase >= 0 ? (phase + d + 1) % moe90::W_RING : (u + 1) % moe90::W_RING, a_frag[(d + 1) & 1]);
-          if (!CHECKED || u + 1 + LEAD < units)
-            load_stage(phase >= 0 ? (phase + d) % moe90::W_RING : u % moe90::W_RING, u + 1 + LEAD);
+          // stage u + 1 from its slot, then stage u + 1 + LEAD into the same slot
+          const int slot = phase >= 0 ? (phase + d + 1) % moe90::W_RING : (u + 1) % moe90::W_RING;
+          dequant(slot, a_frag[(d + 1) & 1]);
+          if (u + 1 + LEAD < units) load_stage(slot, u + 1 + LEAD);
         } else {
           const int slot = (d + 1) % W_AHEAD;
           dequant(slot, a_frag[(d + 1) & 1]);
@@ -283,10 +283,12 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   };
   int u0 = 0;
   if constexpr (SPLIT) {
-    // Groups whose last stage u0 + W_AHEAD - 1 passes every check (u + 1 + LEAD < units, u + X_AHEAD < units),
-    // BUFFERS / W_AHEAD of them per iteration so that every buffer index is a constant once unrolled.
+    // Groups whose last stage u0 + W_AHEAD - 1 passes every check (u + 1 + W_AHEAD < units (SMEM_W: u + 1 <
+    // units; its copies check themselves), u + X_AHEAD < units), BUFFERS / W_AHEAD of them per iteration so that
+    // every buffer index is a constant once unrolled.
     constexpr int G = BUFFERS % W_AHEAD == 0 ? BUFFERS / W_AHEAD : 1;
-    for (; u0 + G * W_AHEAD + LEAD < units && u0 + G * W_AHEAD - 1 + X_AHEAD < units; u0 += G * W_AHEAD) {
+    for (; u0 + G * W_AHEAD + (SMEM_W ? 0 : W_AHEAD) < units && u0 + G * W_AHEAD - 1 + X_AHEAD < units;
+         u0 += G * W_AHEAD) {
 #pragma unroll
       for (int i = 0; i < G; ++i)
         stage_group(u0 + i * W_AHEAD, cuda::std::false_type{}, G * W_AHEAD == BUFFERS ? i * W_AHEAD : -1);
