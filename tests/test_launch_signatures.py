@@ -174,3 +174,15 @@ def test_mla_launches_match_kernel_signatures(monkeypatch, kernel, tq, heads, pr
     x, w, y = (_FakeArray((4096,), np.uint16) for _ in range(3))
     kk.mla_head_gemm(x, w, y, tq, heads, 512, 128, 128, 512, 512 * 128, 128, 1)
     assert len(prepared) == (3 if attn.splits > 1 else 2)
+
+
+def test_two_block_moe_gmma_pipelines_fit_two_blocks_per_sm():
+    """PIPE 3 / 6 / 7 / 8 are built for two blocks per SM (__launch_bounds__(256, 2)): their dynamic shared memory
+    plus the 1 KB the driver reserves per block must fit twice into an sm_90 SM's 228 KB, or the launch would
+    silently run at half the occupancy it was tuned for."""
+    sm_smem, reserved = 228 * 1024, 1024
+    for pipe in (3, 6, 7, 8):
+        for tile in (32, 64, 128, 256):
+            if kk._pipe_takes_tile(pipe, tile):
+                need = kk.moe_gmma_smem_bytes(tile, pipe) + reserved
+                assert 2 * need <= sm_smem, f"PIPE {pipe}, {tile}-token tile: 2 x {need} bytes > {sm_smem}"
