@@ -310,14 +310,14 @@ class MoeLayer:
     moe_combine_kernel; early: the down GEMM starts its weight stream before its dependency wait (PDL);
     pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter);
     gmma_min_tokens (sm_90a): experts with at least that many tokens go through moe_gmma_kernel (weights
-    dequantized once per stage into shared memory, wgmma over up to gmma_tile = 32 (PIPE 6 / 7) / 64 / 128 / 256
+    dequantized once per stage into shared memory, wgmma over up to gmma_tile = 32 (PIPE 6-8) / 64 / 128 / 256
     tokens per pass), the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the
     hot ones);
     gmma_parallel_chunks: each gmma_tile-token chunk of a hot expert on its own blocks (else one block row
     per slot runs its chunks in turn); gmma_pipe: moe_gmma_kernel's pipeline (GMMA_PIPES: 0 shallow, 1 deep,
     2 register A, 3 the same with two blocks per SM, 4 warp-specialized, 5 the same with N per token count,
     6 register A in slot order: PIPE 3 without the fragment shuffles, on a slot-ordered copy of x, stage x_hot,
-    7 PIPE 6 without bound checks in its steady state),
+    7 PIPE 6 without bound checks in its steady state, 8 PIPE 7 with its weights in a shared-memory ring),
     default GMMA_PIPE; gmma_overlap (default GMMA_OVERLAP unless the combine is folded into down): the hot
     chain (gate_up_hot -> down_hot) on a second stream, forked after the routing and joined before the
     combine, so the compute-bound wgmma kernels run beside the memory-bound mma.sync ones (both are captured
@@ -397,7 +397,7 @@ class MoeLayer:
         self.y = cuda.empty((T, w.hidden), np.uint16)
         self.shared = shared
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
-        self.x_slot = None   # the slot-ordered copy of x (made below where a hot tier runs PIPE 6 / 7)
+        self.x_slot = None   # the slot-ordered copy of x (made below where a hot tier runs PIPE 6-8)
         self.fused_routing = bool(fused_routing)
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
@@ -452,7 +452,7 @@ class MoeLayer:
                              cuda.to_device(np.array([c for _, c in items], np.int32)))
                 hot_launches.append((m, top, tile, pipe, hot, items))
             if any(tier[3] in GMMA_SLOT_PIPES for tier in hot_launches):
-                # PIPE 6 / 7 read x in slot order (moe_int4_sm90.cu): a copy made first in the hot chain
+                # PIPE 6-8 read x in slot order (moe_int4_sm90.cu): a copy made first in the hot chain
                 self.x_slot = cuda.empty((T, w.hidden), np.uint16)
                 pairs = T * w.hidden // 2
                 self.stages.append(("x_hot", cuda.get_kernel("moe_int4_sm90", "moe_x_slot_kernel").prepare(
@@ -551,7 +551,7 @@ class MoeLayer:
 
     def forward(self, stream=None, stages=None):
         """Launch the layer (or only the named stages: 'route', 'x_hot', 'gate_up_hot', 'gate_up', 'down_hot',
-        'down', 'combine'; the _hot ones exist with the wgmma hot-expert path (x_hot with PIPE 6 / 7), 'combine'
+        'down', 'combine'; the _hot ones exist with the wgmma hot-expert path (x_hot with PIPE 6-8), 'combine'
         unless it is folded into down)."""
         if self.gmma_overlap and stages is None:
             self._forward_overlapped(stream)
