@@ -421,6 +421,9 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
         ("gmma>=1/32/ra8", dict(gmma_min_tokens=1, gmma_tile=32, gmma_pipe=8)),
         ("tiers64wsn/17ra8-32", dict(gmma_tiers=[(64, 256, 5), (17, 32, 8)])),
+        ("tiers64wsn/9ra8-32", dict(gmma_tiers=[(64, 256, 5), (9, 32, 8)])),
+        ("tiers64wsn/1ra8-32", dict(gmma_tiers=[(64, 256, 5), (1, 32, 8)])),
+        ("gmma>=8/ra8", dict(gmma_min_tokens=8, gmma_tile=64, gmma_pipe=8)),
     ]
 
 
