@@ -305,9 +305,8 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 // Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + the larger of
 // the stage buffers ((2 + PIPE) * (16384 + TN * 128) for PIPE 0 / 1, 4 * TN * 128 for PIPE 2 / 3, 6 * TN * 128
 // for PIPE 6 and PIPE 7 at 128-token tiles, 8 * TN * 128 for PIPE 7 at 32 / 64, that + 8 * 256 * 20 (the
-// weight ring) for PIPE 8) and the epilogue staging
-// (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416 bytes; MODE 1 TN * 272) (moe_gmma_smem_bytes in
-// kimi_kernels.py).
+// weight ring) for PIPE 8) and the epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416
+// bytes; MODE 1 TN * 272) (moe_gmma_smem_bytes in kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
 __global__ void __launch_bounds__(moe90::THREADS, PIPE == 3 || PIPE >= 6 ? 2 : 1)
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,

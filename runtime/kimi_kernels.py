@@ -371,8 +371,10 @@ class MoeLayer:
                                  f"of 32/64/128/256, no early down start, inter % 64 == 0 and hidden % 128 == 0 (got "
                                  f"{w.inter}, {w.hidden})")
             if pipe not in GMMA_PIPES or not _pipe_takes_tile(pipe, tile):
+                tiles = "; ".join(f"{p}: " + "/".join(str(t) for t in (32, 64, 128, 256) if _pipe_takes_tile(p, t))
+                                  for p in sorted(GMMA_PIPES))
                 raise ValueError(f"gmma_pipe={pipe} with gmma_tile={tile}: want one of {sorted(GMMA_PIPES)} "
-                                 f"(3 / 6 / 7 with 64- or 128-token tiles, 6 / 7 also 32, 4 / 5 with 128 or 256)")
+                                 f"with a token tile it is built for ({tiles})")
         if gmma_grid_rows is not None and int(gmma_grid_rows) < 1:
             raise ValueError(f"gmma_grid_rows={gmma_grid_rows}: want >= 1 block rows (or None: one per slot)")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
