@@ -221,20 +221,21 @@ def moe_smem_bytes(entry: str, k: int) -> int:
 # routing, separate combine, no PDL); the fused variants stay selectable for A/B timing.
 FUSE_COMBINE_MAX_TOKENS = 0
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
-# >= min tokens, tile-token passes, pipeline PIPE, (min, tile, pipe) from GMMA_AUTO by T. Measured on the H200
+# >= min tokens, tile-token passes, pipeline PIPE, tiers of (min, tile, pipe) from GMMA_AUTO by T. Measured on the H200
 # (docs/PERF.md, sessions 2026-12-03 (4) to 2026-12-04 (12), whole layer, same-run A/B):
-# - T = 32..255: PIPE 7 (register A in slot order, two blocks per SM, unchecked steady state) on experts of >= 16
-#   tokens in 64-token passes, the hot chain on its own stream; skewed T = 32 / 64 / 128 12 / 19 / 36% faster
-#   than without (PIPE 3, session (6)); PIPE 6's hot stages 8-12% faster than PIPE 3's (session (11)); PIPE 7's
-#   layer 0.5-2% faster than PIPE 6's at skewed T = 32..256 (session (12)). Under uniform routing
-#   no expert is hot and the empty launches with the fork / join cost ~2%; below T = 32 that outweighs the gain.
+# - T = 32..255: PIPE 8 (register A in slot order, two blocks per SM, weights in a shared cp.async ring) on
+#   experts of >= 16 tokens in 64-token passes, the hot chain on its own stream; skewed T = 32 / 64 / 128 12 / 19 /
+#   36% faster than without (PIPE 3, session (6)); PIPE 6's hot stages 8-12% faster than PIPE 3's (session (11));
+#   PIPE 7's layer 0.5-2% faster than PIPE 6's (session (12)); PIPE 8's hot stages 8-14% and its layer 3-5%
+#   faster than PIPE 7's at skewed T = 32..128 (session (13)). Under uniform routing no expert is hot and the
+#   empty launches with the fork / join cost ~2%; below T = 32 that outweighs the gain.
 # - T >= 256: PIPE 5 (warp-specialized, wgmma N cut to the token count) on experts of >= 64 tokens in 256-token
-#   passes (skewed T = 256: PIPE 4 1127.5 vs PIPE 3 1195.0 us, then PIPE 5 1118.6 vs PIPE 4 1132.3). Lower
-#   thresholds and tiers lost or tied up to T = 1024: for experts of 8-40 tokens the wgmma kernels'
-#   dequantization is the same work as mma.sync's (32-token register-A tiles, session (10): 11-22% slower).
+#   passes (skewed T = 256: PIPE 4 1127.5 vs PIPE 3 1195.0 us, then PIPE 5 1118.6 vs PIPE 4 1132.3).
+# - T >= 768: also experts of 17..63 tokens, on PIPE 8's 32-token tiles (uniform T = 1024 -12.5%, skewed +1%,
+#   session (13); the same tier on PIPE 7 lost at skewed T = 256..1024, session (12)); at T = 512 it ties.
 GMMA_AUTO_TOKENS = 32
-# T bound -> (min tokens per expert, tokens per pass, PIPE)
-GMMA_AUTO = {255: (16, 64, 7), 1 << 30: (64, 256, 5)}
+# T bound -> hot tiers (min tokens per expert, tokens per pass, PIPE), most tokens first
+GMMA_AUTO = {255: ((16, 64, 8),), 767: ((64, 256, 5),), 1 << 30: ((64, 256, 5), (17, 32, 8))}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
@@ -249,7 +250,7 @@ GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks
               8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)"}
 GMMA_WS_PIPES = (4, 5)   # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's)
 GMMA_SLOT_PIPES = (6, 7, 8)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
-GMMA_PIPE = 7
+GMMA_PIPE = 8
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
 
@@ -352,19 +353,29 @@ class MoeLayer:
             if len({m for m, _, _ in tiers}) != len(tiers):
                 raise ValueError(f"gmma_tiers={gmma_tiers}: two tiers with the same minimum token count")
         else:
+            auto_tiers = None
             if gmma_min_tokens == "auto":
-                auto_min, auto_tile, auto_pipe = next(v for bound, v in sorted(GMMA_AUTO.items()) if T <= bound)
+                auto_tiers = next(v for bound, v in sorted(GMMA_AUTO.items()) if T <= bound)
+                auto_min, auto_tile, auto_pipe = auto_tiers[0]   # an asked-for tile / pipeline: the first tier's min
                 gmma_min_tokens = auto_min if (T >= GMMA_AUTO_TOKENS and not early and w.inter % 64 == 0
                                                and w.hidden % 128 == 0
                                                and _family_runs_here("moe_int4_sm90", cuda.get_device())) else None
                 if gmma_tile is None and gmma_pipe is None:
                     gmma_tile, gmma_pipe = auto_tile, auto_pipe
-                elif gmma_tile is None:   # a pipeline asked for: the auto tile where it fits, else 128 (fits all)
-                    gmma_tile = auto_tile if _pipe_takes_tile(gmma_pipe, auto_tile) else 128
+                else:
+                    auto_tiers = None
+                    if gmma_tile is None:   # a pipeline asked for: the auto tile where it fits, else 128 (fits all)
+                        gmma_tile = auto_tile if _pipe_takes_tile(gmma_pipe, auto_tile) else 128
             gmma_tile = gmma_tile or GMMA_TILE
-            # the default pipeline, or register A at one block per SM for 256-token tiles (PIPE 3 stops at 128)
-            tiers = [] if gmma_min_tokens is None else [(gmma_min_tokens, gmma_tile, (
-                GMMA_PIPE if gmma_tile <= 128 else 2) if gmma_pipe is None else int(gmma_pipe))]
+            # the default pipeline where it takes the tile, else PIPE 7 (up to 128 tokens) or register A at one
+            # block per SM (256-token tiles)
+            default_pipe = GMMA_PIPE if _pipe_takes_tile(GMMA_PIPE, gmma_tile) else 7 if gmma_tile <= 128 else 2
+            if gmma_min_tokens is None:
+                tiers = []
+            elif auto_tiers is not None:
+                tiers = sorted(auto_tiers, reverse=True)
+            else:
+                tiers = [(gmma_min_tokens, gmma_tile, default_pipe if gmma_pipe is None else int(gmma_pipe))]
         for m, tile, pipe in tiers:
             if tile not in (32, 64, 128, 256) or m < 1 or early or w.inter % 64 or w.hidden % 128:
                 raise ValueError(f"gmma_min_tokens={m}, gmma_tile={tile}, early={early}: want tokens >= 1, a tile "

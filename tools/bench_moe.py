@@ -424,6 +424,10 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64wsn/9ra8-32", dict(gmma_tiers=[(64, 256, 5), (9, 32, 8)])),
         ("tiers64wsn/1ra8-32", dict(gmma_tiers=[(64, 256, 5), (1, 32, 8)])),
         ("gmma>=8/ra8", dict(gmma_min_tokens=8, gmma_tile=64, gmma_pipe=8)),
+        # T = 256..1024: the warp-specialized tier for the experts of many tokens, PIPE 8 for 16..63 / 127
+        ("tiers64wsn/16ra8", dict(gmma_tiers=[(64, 256, 5), (16, 64, 8)])),
+        ("tiers128wsn/16ra8", dict(gmma_tiers=[(128, 256, 5), (16, 64, 8)])),
+        ("tiers64wsn/33ra8/17ra8-32", dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (17, 32, 8)])),
     ]
 
 

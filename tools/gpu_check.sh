@@ -36,7 +36,7 @@ step bench_dense python3 tools/bench_dense.py --quick --peer
 # the default plan, without the wgmma hot path, PIPE 6 and PIPE 8 against the default PIPE 7 on the hot experts,
 # every expert on PIPE 7's / 8's 32-token tiles, and the T >= 512 tier candidates (PERF.md session 12) (all plans:
 # `--plans ''`, ~1 hour)
-step bench_moe python3 tools/bench_moe.py --no-variants --plans 'no-gmma,gmma>=16/ra6,gmma>=16/ra8,gmma>=1/32/ra7,gmma>=1/32/ra8,tiers64wsn/17ra7-32,tiers64wsn/17ra8-32'
+step bench_moe python3 tools/bench_moe.py --no-variants --plans 'no-gmma,gmma>=16/ra7,gmma>=64/256/wsn,tiers64wsn/16ra8,gmma>=1/32/ra8'
 step bench_stream_rows python3 -m tools.bench_stream_rows
 step bench_mla python3 tools/bench_mla.py --kernel mma,gmma,gmma-split
 step bench_load python3 tools/bench_load.py --size-gb 4
