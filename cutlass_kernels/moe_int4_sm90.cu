@@ -175,16 +175,20 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // stages before u at most: BUFFERS >= X_AHEAD + 1 + PAIR. (Units come in multiples of 8: k % 512 == 0.)
 // SMEM_W (PIPE 8): the packed weights and scale words go through a shared-memory ring of W_RING stages instead of
 // registers, each lane's own 16 + 4 bytes per stage by cp.async in the stage's x group, loaded W_RING stages ahead
-// (twice PIPE 7's register ring, which left the weights arriving late: PERF.md session 12). A lane reads back only
-// what it copied itself, so its own cp.async wait suffices (no barrier); it refills the slot its dequantization
-// has just read. The copies check their bound in every stage (a compare), so the steady state ends as PIPE 7's.
+// (twice PIPE 7's register ring, which left the weights arriving late: PERF.md session 12). How long a copy may
+// take is set by x's distance X_AHEAD, since each cp.async wait also covers every older group; the ring only has
+// to reach past it (W_RING >= X_AHEAD + 1: the wait that lands x of a stage has landed the next stage's weights).
+// A lane reads back only what it copied itself, so its own cp.async wait suffices (no barrier); it refills the
+// slot its dequantization has just read. The copies check their bound in every stage (a compare), so the steady
+// state ends as PIPE 7's.
 template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, bool SMEM_W = false,
           class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x) {
   static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
                 "ring sizes");
-  static_assert(!SMEM_W || (SLOT && SPLIT && BUFFERS == moe90::W_RING), "PIPE 8: PIPE 7 with an 8-buffer x ring");
+  static_assert(!SMEM_W || (SLOT && SPLIT && BUFFERS == moe90::W_RING && moe90::W_RING >= X_AHEAD + 1),
+                "PIPE 8: PIPE 7 with an 8-buffer x ring, the weights' wait covered by x's");
   using Op = typename ddtree::GmmaRsOp<TN>::type;
   constexpr int X_TILE = TN * 128, ACC = TN / 2;
   // the weights' lead in stages: the depth of the register ring or of the shared one
@@ -334,7 +338,9 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   constexpr int PAIR = SLOT ? 2 : 1;
   // (PIPE 7: 8 buffers up to 64-token tiles, so the buffer index is a mask)
   constexpr int BUFFERS = SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
-  constexpr int X_AHEAD = SLOT ? 3 : RA ? 2 : BUFFERS - 1;
+  // PIPE 8: x 5 stages ahead (the most its 8 buffers allow): a cp.async wait covers every older group, the
+  // weights' too, so this distance, not the weight ring's depth, is how long any of its loads may take
+  constexpr int X_AHEAD = PIPE == 8 ? 5 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
