@@ -187,21 +187,25 @@ def main(argv=None):
                                        weights.up_s.nbytes) / args.experts
                 dn_bytes = distinct * (weights.down_q.nbytes + weights.down_s.nbytes) / args.experts
                 parts = []
+                # the token counts the layer's mma.sync GEMMs see: without the hot experts where they run on
+                # the wgmma kernel (the % then still counts every distinct expert's bytes)
+                cold = getattr(layer, "cold_count", None)
                 for entry in MOE_GEMM_VARIANTS:
                     mode = variant_params(entry)[0]
                     w = weights
                     try:
                         launch = (layer._gemm_launch(entry, layer.x, w.hidden, w.gate_q, w.gate_s, w.up_q, w.up_s,
-                                                     w.inter, w.hidden, layer.h) if mode == 0 else
+                                                     w.inter, w.hidden, layer.h, counts=cold) if mode == 0 else
                                   layer._gemm_launch(entry, layer.h, w.inter, w.down_q, w.down_s, w.down_q,
-                                                     w.down_s, w.hidden, w.inter, layer.down_out))
+                                                     w.down_s, w.hidden, w.inter, layer.down_out, counts=cold))
                     except ValueError as e:   # a variant that does not fit these shapes: say so, time the rest
                         parts.append(f"{entry[16:]} n/a ({e})")
                         continue
                     ms = cuda.bench(lambda: launch(stream), iters=args.iters, stream=stream)
                     frac = (gu_bytes if mode == 0 else dn_bytes) / (ms * 1e-3) / bw
                     parts.append(f"{entry[16:]} {ms * 1e3:.1f}us {frac * 100:.0f}%")
-                print("    variants: " + "; ".join(parts), flush=True)
+                print(f"    variants{' (cold experts only)' if cold is not None else ''}: " + "; ".join(parts),
+                      flush=True)
             if not args.no_plans:
                 parts = []
                 for label, plan in select_plans(launch_plans(layer.fuse_combine), args.plans):
