@@ -375,6 +375,7 @@ def launch_plans(default_fused_combine: bool):
         ("gu-s1", dict(gate_up="0, 2, 4, 1, 1, 1")),
         ("gu-ring1", dict(gate_up="0, 2, 2, 1, 1, 3")),
         ("gu-ring2", dict(gate_up="0, 2, 2, 1, 2, 3")),
+        ("gu-ring2w4x4", dict(gate_up="0, 2, 4, 1, 4, 3")),   # the T > 128 default at T = 32..128 (skewed)
         # the register ring of 3 buffers (2 steps in flight per warp) with XS, and XS on the two-buffer ring
         ("dn-xs-r3", dict(down="1, 2, 4, 1, 1, -3, 1")),
         ("dn-xs-r2", dict(down="1, 2, 4, 1, 1, 1, 1")),
