@@ -174,14 +174,16 @@ class MoeWeights:
 
 # Variant per token bucket (T <= key): (gate_up entry, down entry), template arguments MODE, RB, WN, KS, NTMAX,
 # STAGES[, XS, RG] (variant_params). Each is the fastest whole-layer choice measured on the H200 with
-# tools/bench_moe.py, under uniform and skewed routing (docs/PERF.md, sessions 2026-12-03 (4) to (10), run by run):
+# tools/bench_moe.py, under uniform and skewed routing (docs/PERF.md, sessions 2026-12-03 (4) to 2026-12-04 (13)):
 # - gate_up, T = 1 and 3..5: the two-buffer register ring, 8-token chunks; T = 2: one register buffer (-10%, both
 #   routings).
 # - gate_up, T = 6..16: the 16-token cp.async ring (one weight pass for an expert of 9-16 tokens; since its ring
 #   keeps two steps in flight it also wins at 6..8: skewed T = 6 -11%, uniform T = 7 -4%; at 3..5 it is ~1%
 #   slower).
-# - gate_up, T = 17..128: the 8-token cp.async ring; T > 128: the 32-token ring (skewed routing leaves experts of
-#   up to 63 tokens on mma.sync there).
+# - gate_up, T = 17..48: still the 16-token ring (session (13): skewed T = 32 / 48 -5 / -2%, uniform within 1%);
+#   T = 49..128: the 8-token cp.async ring (the 16-token one loses 2-4% at uniform T = 64..96 and wins 3-5% at
+#   skewed, whose cold experts it sees); T > 128: the 32-token ring (skewed routing leaves experts of up to 63
+#   tokens on mma.sync there).
 # - down, T = 1: activations staged in shared memory (XS) with three register buffers (loses at T = 2..8); T =
 #   2..16: XS, two buffers; T = 17..128: XS, four row groups per warp; T = 129..768: XS, 16-token chunks; T > 768:
 #   the 32-token cp.async ring (uniform T = 1024 -9%, skewed +1%; it loses at T = 512, so the 768 bound lies
@@ -191,6 +193,7 @@ DEFAULT_VARIANTS = {
     2: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 0>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     5: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     16: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
+    48: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     768: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),
     1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 4, 3>"),
@@ -222,7 +225,7 @@ def moe_smem_bytes(entry: str, k: int) -> int:
 FUSE_COMBINE_MAX_TOKENS = 0
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
 # >= min tokens, tile-token passes, pipeline PIPE, tiers of (min, tile, pipe) from GMMA_AUTO by T. Measured on the H200
-# (docs/PERF.md, sessions 2026-12-03 (4) to 2026-12-04 (12), whole layer, same-run A/B):
+# (docs/PERF.md, sessions 2026-12-03 (4) to 2026-12-04 (13), whole layer, same-run A/B):
 # - T = 32..255: PIPE 8 (register A in slot order, two blocks per SM, weights in a shared cp.async ring) on
 #   experts of >= 16 tokens in 64-token passes, the hot chain on its own stream; skewed T = 32 / 64 / 128 12 / 19 /
 #   36% faster than without (PIPE 3, session (6)); PIPE 6's hot stages 8-12% faster than PIPE 3's (session (11));
