@@ -433,6 +433,8 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64wsn/16ra8", dict(gmma_tiers=[(64, 256, 5), (16, 64, 8)])),
         ("tiers128wsn/16ra8", dict(gmma_tiers=[(128, 256, 5), (16, 64, 8)])),
         ("tiers64wsn/33ra8/17ra8-32", dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (17, 32, 8)])),
+        # T = 64..255: experts of > 64 tokens in one 128-token PIPE 7 pass instead of two 64-token PIPE 8 ones
+        ("tiers65ra7-128/16ra8", dict(gmma_tiers=[(65, 128, 7), (16, 64, 8)])),
     ]
 
 
