@@ -329,9 +329,9 @@ class MoeLayer:
     Default "auto": GMMA_AUTO's (min tokens, tile, pipeline) by T, from GMMA_AUTO_TOKENS tokens on, where the
     kernel runs; None turns it off. gmma_tiers (instead of gmma_min_tokens / gmma_tile / gmma_pipe): several
     (min tokens, tile, pipeline) tiers, e.g. [(64, 256, 4), (16, 64, 3)]: each slot runs in the tier with the
-    largest minimum it reaches, slots below every minimum on mma.sync. gmma_grid_rows (PIPE 0-3): at most that
-    many block rows in the hot grids, each walking every gmma_grid_rows-th slot and stopping at the first cold
-    one (default: one row per possibly hot slot)."""
+    largest minimum it reaches, slots below every minimum on mma.sync. gmma_grid_rows: at most that many block
+    rows in the hot grids of moe_gmma_kernel (not the warp-specialized one), each walking every
+    gmma_grid_rows-th slot and stopping at the first cold one (default: one row per possibly hot slot)."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,

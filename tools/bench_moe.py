@@ -435,6 +435,13 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64wsn/33ra8/17ra8-32", dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (17, 32, 8)])),
         # T = 64..255: experts of > 64 tokens in one 128-token PIPE 7 pass instead of two 64-token PIPE 8 ones
         ("tiers65ra7-128/16ra8", dict(gmma_tiers=[(65, 128, 7), (16, 64, 8)])),
+        # the hot grids capped at 16 / 32 block rows, each walking every 16th / 32nd slot: fewer empty blocks
+        # where few of the P // min possible hot slots are hot (uniform routing)
+        ("gmma>=16/ra8/rows16", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8, gmma_grid_rows=16)),
+        ("gmma>=16/ra8/rows32", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8, gmma_grid_rows=32)),
+        ("tiers64wsn/16ra8/rows32", dict(gmma_tiers=[(64, 256, 5), (16, 64, 8)], gmma_grid_rows=32)),
+        ("tiers128wsn/16ra8/rows32", dict(gmma_tiers=[(128, 256, 5), (16, 64, 8)], gmma_grid_rows=32)),
+        ("tiers64wsn/17ra8-32/rows32", dict(gmma_tiers=[(64, 256, 5), (17, 32, 8)], gmma_grid_rows=32)),
     ]
 
 
