@@ -501,7 +501,8 @@ def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
     (300, 16, [(100, 128, 1), (60, 64, 3), (20, 64, 0)], False, False),
     (300, 16, [(64, 256, 5), (16, 64, 3)], False, True),
     (200, 16, [(64, 128, 7), (16, 64, 8)], False, True),
-    (300, 16, [(64, 256, 5), (17, 32, 8)], False, True)])
+    (300, 16, [(64, 256, 5), (17, 32, 8)], False, True),
+    (300, 16, [(128, 256, 5), (40, 64, 8), (17, 32, 8)], False, True)])
 @pytest.mark.parametrize("grid_rows", [None, 3])
 def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_rows):
     """Hot slots split between pipelines by token count (each slot in the tier with the largest minimum it

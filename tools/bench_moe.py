@@ -442,6 +442,10 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64wsn/16ra8/rows32", dict(gmma_tiers=[(64, 256, 5), (16, 64, 8)], gmma_grid_rows=32)),
         ("tiers128wsn/16ra8/rows32", dict(gmma_tiers=[(128, 256, 5), (16, 64, 8)], gmma_grid_rows=32)),
         ("tiers64wsn/17ra8-32/rows32", dict(gmma_tiers=[(64, 256, 5), (17, 32, 8)], gmma_grid_rows=32)),
+        # T >= 256: the warp-specialized tier from 128 tokens, PIPE 8 below it (64- and / or 32-token tiles)
+        ("tiers128wsn/17ra8-32", dict(gmma_tiers=[(128, 256, 5), (17, 32, 8)])),
+        ("tiers128wsn/40ra8/17ra8-32", dict(gmma_tiers=[(128, 256, 5), (40, 64, 8), (17, 32, 8)])),
+        ("tiers128wsn/24ra8", dict(gmma_tiers=[(128, 256, 5), (24, 64, 8)])),
     ]
 
 
