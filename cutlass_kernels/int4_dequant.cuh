@@ -20,4 +20,32 @@ __device__ __forceinline__ cuda::std::uint32_t dequant_bf16x2(cuda::std::uint32_
   return r;
 }
 
+// The offset-free form (moe_int4_sm90's register-A slot pipelines). q & 0x000f000f read as bf16x2 is the
+// subnormal pair q * 2^-133 (bf16 arithmetic keeps subnormals: no flush to zero). With the group scale s
+// pre-multiplied by 2^130 (prescale_2p130), one fma gives q * s / 8 - s = (q - 8) * s / 8, rounded once: the
+// bf16 value dequant_bf16x2 gives, times 2^-3 exactly (scaling by a power of two commutes with rounding in the
+// normal range). So the MMA sums times 8 are the biased form's, bit for bit: one bf16x2 op per pair instead of
+// two. Needs 2^-123 <= |s| < 2^-2 (s * 2^130 finite, (q - 8) * s / 8 normal) or s = 0: MoeWeights checks.
+__device__ __forceinline__ cuda::std::uint32_t nib_to_bf16x2_subnormal(cuda::std::uint32_t q) {
+  return q & 0x000f000fu;
+}
+
+// s * 2^130 on bf16x2 (2^130 is past bf16's range: two products by 2^65, both exact).
+__device__ __forceinline__ cuda::std::uint32_t prescale_2p130(cuda::std::uint32_t s2) {
+  cuda::std::uint32_t r;
+  const cuda::std::uint32_t two65 = 0x60006000u;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(s2), "r"(two65));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(two65));
+  return r;
+}
+
+// v * (s * 2^130) - s = (q - 8) * s / 8 on bf16x2 (v = nib_to_bf16x2_subnormal, neg_s2 = -s).
+__device__ __forceinline__ cuda::std::uint32_t dequant_bf16x2_offset_free(cuda::std::uint32_t v,
+                                                                        cuda::std::uint32_t s2_prescaled,
+                                                                        cuda::std::uint32_t neg_s2) {
+  cuda::std::uint32_t r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(s2_prescaled), "r"(neg_s2));
+  return r;
+}
+
 }  // namespace ddtree

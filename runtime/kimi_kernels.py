@@ -168,8 +168,27 @@ class MoeWeights:
         if down[0].shape[0] != e or down[0].shape[1] * 16 != hidden or down[0].shape[2] * 64 != inter:
             raise ValueError(f"down {down[0].shape} does not match gate {gate[0].shape}: want "
                              f"[E={e}, hidden/16={hidden // 16}, inter/64={inter // 64}, 32, 4]")
+        for name, (_, sc) in (("gate", gate), ("up", up), ("down", down)):
+            check_scale_range(sc, name)
         d = [cuda.to_device(np.ascontiguousarray(a)) for pair in (gate, up, down) for a in pair]
         return cls(e, hidden, inter, *d)
+
+
+# The wgmma register-A kernels (PIPE 6-8) dequantize with the group scale times 2^130 and read (q - 8) * s / 8
+# as a normal bf16 (int4_dequant.cuh, offset-free form): every scale must be 0 or have 2^-123 <= |s| < 2^-2.
+# INT4 group scales are max |w| / 7.5 or so: 2^-2 allows weights up to ~1.9 in magnitude.
+SCALE_MIN_BITS, SCALE_LIMIT_BITS = 0x0200, 0x3E80   # bf16 bits of 2^-123 and 2^-2 (magnitudes order as bits)
+
+
+def check_scale_range(scales: np.ndarray, name: str = "scales") -> None:
+    """Raise ValueError unless every bf16 scale (uint16 bits) is 0 or has 2^-123 <= |s| < 2^-2 (inf, NaN refused)."""
+    mag = np.asarray(scales, np.uint16) & np.uint16(0x7FFF)
+    bad = (mag != 0) & ((mag < SCALE_MIN_BITS) | (mag >= SCALE_LIMIT_BITS))
+    if bad.any():
+        i = int(np.flatnonzero(bad.ravel())[0])
+        value = float((np.uint32(mag.ravel()[i]) << 16).view(np.float32))
+        raise ValueError(f"{name}: {int(bad.sum())} group scales outside 2^-123 <= |s| < 2^-2 (first: index {i}, "
+                         f"|s| = {value!r}); the INT4 MoE kernels' dequantization needs that range")
 
 
 # Variant per token bucket (T <= key): (gate_up entry, down entry), template arguments MODE, RB, WN, KS, NTMAX,

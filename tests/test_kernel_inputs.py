@@ -142,6 +142,12 @@ def test_kimi_entry_points():
         kk.MoeWeights.upload((packed, scales), (packed[:, :, :4], scales), (packed, scales))
     with pytest.raises(ValueError, match="stacked repack_int4_experts output"):
         kk.MoeWeights.upload((packed[0], scales[0]), (packed, scales), (packed, scales))
+    # random scale bits (huge, tiny, NaN scales), shapes that fit together (hidden = inter = 512)
+    wq = rng.integers(0, 2**31, (1, 512, 64), dtype=np.int64).astype(np.int32)
+    wsq = rng.integers(0, 2**16, (1, 512, 16), dtype=np.int64).astype(np.uint16)
+    sq = kk.repack_int4_experts(wq, wsq, (512, 512))
+    with pytest.raises(ValueError, match="gate: .* group scales outside"):
+        kk.MoeWeights.upload(sq, sq, sq)
     w = kk.MoeWeights(8, 512, 512, *(fake((1,)) for _ in range(6)))
     with pytest.raises(ValueError, match="topk=9"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=9)
@@ -233,3 +239,15 @@ def test_linear_plan_token_tiles():
     assert dk.linear_plan(65, 960, 576, 132)[1][2] == 1
     assert dk.linear_plan(73, 960, 576, 132)[0] == "linear_bf16_kernel<8, 1>"
     assert dk.linear_plan(65, 1000, 2048, 132, rt=2)[0] == "linear_bf16_kernel<8, 2>"
+
+
+def test_moe_scale_range():
+    """The INT4 MoE dequantization's scale range (kimi_kernels.check_scale_range): 0 and 2^-123 <= |s| < 2^-2 pass;
+    2^-2 and above, below 2^-123, inf and NaN are refused with the count and the first offender."""
+    from runtime.bf16 import to_bf16
+    ok = to_bf16(np.array([0.0, -0.0, 2.0 ** -123, 0.004, -0.01, 0.248], np.float32))
+    kk.check_scale_range(ok)
+    for bad in (0.25, -0.3, 2.0 ** -124, np.inf, np.nan):
+        with pytest.raises(ValueError, match="1 group scales outside"):
+            kk.check_scale_range(to_bf16(np.array([0.004, bad], np.float32)), "gate")
+
