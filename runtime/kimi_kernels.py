@@ -249,8 +249,9 @@ FUSE_COMBINE_MAX_TOKENS = 0
 #   experts of >= 16 tokens in 64-token passes, the hot chain on its own stream; skewed T = 32 / 64 / 128 12 / 19 /
 #   36% faster than without (PIPE 3, session (6)); PIPE 6's hot stages 8-12% faster than PIPE 3's (session (11));
 #   PIPE 7's layer 0.5-2% faster than PIPE 6's (session (12)); PIPE 8's hot stages 8-14% and its layer 3-5%
-#   faster than PIPE 7's at skewed T = 32..128 (session (13)). Under uniform routing no expert is hot and the
-#   empty launches with the fork / join cost ~2%; below T = 32 that outweighs the gain.
+#   faster than PIPE 7's at skewed T = 32..128, then its offset-free dequantization another ~1% (3-5% on plans
+#   PIPE 8 carries alone; session (13)). Under uniform routing no expert is hot and the empty launches with the
+#   fork / join cost ~2%; below T = 32 that outweighs the gain.
 # - T >= 256: PIPE 5 (warp-specialized, wgmma N cut to the token count) on experts of >= 64 tokens in 256-token
 #   passes (skewed T = 256: PIPE 4 1127.5 vs PIPE 3 1195.0 us, then PIPE 5 1118.6 vs PIPE 4 1132.3).
 # - T >= 768: also experts of 17..63 tokens, on PIPE 8's 32-token tiles (uniform T = 1024 -12.5%, skewed +1%,
