@@ -748,3 +748,21 @@ def test_mla_splits_plan_near_measured_best():
         tq = budget + 1
         s = mla_splits(tq * heads, prefix + tq, 132)
         assert s in times and times[s] <= 1.05 * min(times.values()), (heads, prefix, budget, s, times)
+
+
+def test_moe_bits_compare(tmp_path):
+    """tools/moe_bits.py compare: identical files pass; one flipped bit or a NaN output fails, per plan."""
+    from tools.moe_bits import compare
+    rng = np.random.default_rng(5)
+    a = {"T=4 {}": to_bf16(rng.standard_normal((4, 8)).astype(np.float32)),
+         "T=9 {}": to_bf16(rng.standard_normal((9, 8)).astype(np.float32))}
+    np.savez(tmp_path / "a.npz", **a)
+    flipped = {k: v.copy() for k, v in a.items()}
+    flipped["T=9 {}"][3, 1] ^= 1
+    np.savez(tmp_path / "b.npz", **flipped)
+    nan = {k: v.copy() for k, v in a.items()}
+    nan["T=4 {}"][0, 0] = 0x7FC0
+    np.savez(tmp_path / "c.npz", **nan)
+    assert compare(str(tmp_path / "a.npz"), str(tmp_path / "a.npz")) == 0
+    assert compare(str(tmp_path / "a.npz"), str(tmp_path / "b.npz")) == 1
+    assert compare(str(tmp_path / "c.npz"), str(tmp_path / "c.npz")) == 1
