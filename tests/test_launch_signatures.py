@@ -123,6 +123,21 @@ def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
         assert names.count("gate_up_hot") == len(plan["gmma_tiers"])
 
 
+@pytest.mark.parametrize("T", [1, 31, 32, 64, 255, 256, 767, 768, 1025])
+def test_moe_layer_default_hot_tiers(monkeypatch, T):
+    """The default plan's hot tiers are GMMA_AUTO's for T (most tokens first), none below GMMA_AUTO_TOKENS; a
+    pipeline asked for alone gets one tier at the first auto tier's minimum, on a tile that pipeline takes."""
+    monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda([]))
+    E, hidden, inter = 384, 7168, 2048
+    w = kk.MoeWeights(E, hidden, inter, *(_FakeArray((1,), np.uint8) for _ in range(6)))
+    auto = next(v for bound, v in sorted(kk.GMMA_AUTO.items()) if T <= bound)
+    layer = kk.MoeLayer(w, T, np.zeros(E, np.float32))
+    assert layer.gmma_tiers == (sorted(auto, reverse=True) if T >= kk.GMMA_AUTO_TOKENS else [])
+    if T >= kk.GMMA_AUTO_TOKENS:
+        (m, tile, pipe), = kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_pipe=7).gmma_tiers
+        assert (m, pipe) == (auto[0][0], 7) and kk._pipe_takes_tile(7, tile)
+
+
 @pytest.mark.parametrize("variants", [
     ("moe_w4a16_kernel<0, 2, 4, 1, 2, 1, 14>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 0, 2>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 2>"),
