@@ -766,3 +766,27 @@ def test_moe_bits_compare(tmp_path):
     assert compare(str(tmp_path / "a.npz"), str(tmp_path / "a.npz")) == 0
     assert compare(str(tmp_path / "a.npz"), str(tmp_path / "b.npz")) == 1
     assert compare(str(tmp_path / "c.npz"), str(tmp_path / "c.npz")) == 1
+
+
+def test_offset_free_dequant_is_exact():
+    """The arithmetic of int4_dequant.cuh's offset-free form, modelled exactly on the CPU: a nibble masked into
+    bits 0-3 of a bf16 reads as q * 2^-133 (a subnormal), one masked into bits 4-7 as q * 2^-129 (across the
+    subnormal / normal line: the same line); one fma with the scale times 2^130 (2^126 for bits 4-7) and -s,
+    rounded once to bf16, equals the bf16 weight round((q - 8) * s) times 2^-3 for every nibble and scales over
+    the whole range check_scale_range allows."""
+    rng = np.random.default_rng(3)
+    s = np.concatenate([rng.uniform(-1, 1, 4000) * 2.0 ** rng.integers(-123, -2, 4000),
+                        [2.0 ** -123, -2.0 ** -123, 0.2490234375, -0.2490234375, 0.004, 0.0]])
+    s = from_bf16(to_bf16(s.astype(np.float32))).astype(np.float64)
+    s = s[(s == 0) | ((np.abs(s) >= 2.0 ** -123) & (np.abs(s) < 0.25))]
+    q = np.arange(16)
+    want = from_bf16(to_bf16((q[:, None] - 8) * s[None, :])).astype(np.float64) / 8   # the biased form / 8
+    for shift, exponent in ((0, 130), (4, 126)):
+        bits = (q << shift).astype(np.uint16)                        # the masked field, one bf16 half
+        v = from_bf16(bits).astype(np.float64)                       # its value as the hardware reads it
+        np.testing.assert_array_equal(v, q * 2.0 ** (-133 + shift))
+        pre = s * 2.0 ** exponent                                     # exact (a power of two), finite in bf16
+        assert np.all(np.abs(pre) < 2.0 ** 128)
+        exact = v[:, None] * pre[None, :] - s[None, :]                 # the fma's exact sum (float64 holds it)
+        got = from_bf16(to_bf16(exact.astype(np.float32))).astype(np.float64)   # rounded once to bf16
+        np.testing.assert_array_equal(got, want)
