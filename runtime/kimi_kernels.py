@@ -346,10 +346,10 @@ class MoeLayer:
     chain (gate_up_hot -> down_hot) on a second stream, forked after the routing and joined before the
     combine, so the compute-bound wgmma kernels run beside the memory-bound mma.sync ones (both are captured
     as parallel graph branches).
-    Default "auto": GMMA_AUTO's (min tokens, tile, pipeline) by T, from GMMA_AUTO_TOKENS tokens on, where the
-    kernel runs; None turns it off. gmma_tiers (instead of gmma_min_tokens / gmma_tile / gmma_pipe): several
-    (min tokens, tile, pipeline) tiers, e.g. [(64, 256, 4), (16, 64, 3)]: each slot runs in the tier with the
-    largest minimum it reaches, slots below every minimum on mma.sync. gmma_grid_rows: at most that many block
+    Default "auto": GMMA_AUTO's tiers of (min tokens, tile, pipeline) by T, from GMMA_AUTO_TOKENS tokens on,
+    where the kernel runs; None turns it off. gmma_tiers (instead of gmma_min_tokens / gmma_tile / gmma_pipe):
+    several (min tokens, tile, pipeline) tiers, e.g. [(64, 256, 4), (16, 64, 3)]: each slot runs in the tier with
+    the largest minimum it reaches, slots below every minimum on mma.sync. gmma_grid_rows: at most that many block
     rows in the hot grids of moe_gmma_kernel (not the warp-specialized one), each walking every
     gmma_grid_rows-th slot and stopping at the first cold one (default: one row per possibly hot slot)."""
 
