@@ -312,6 +312,11 @@ def _without_pdl(launch):
     return launch
 
 
+def gmma_auto_tiers(tokens: int) -> tuple[tuple[int, int, int], ...]:
+    """GMMA_AUTO's hot tiers (min tokens, tile, pipeline) for a T bucket, most tokens first."""
+    return next(GMMA_AUTO[bound] for bound in sorted(GMMA_AUTO) if tokens <= bound)
+
+
 def default_variants(tokens: int) -> tuple[str, str]:
     for bound in sorted(DEFAULT_VARIANTS):
         if tokens <= bound:
@@ -376,16 +381,14 @@ class MoeLayer:
             if len({m for m, _, _ in tiers}) != len(tiers):
                 raise ValueError(f"gmma_tiers={gmma_tiers}: two tiers with the same minimum token count")
         else:
-            auto_tiers = None
+            auto_tiers = None   # GMMA_AUTO's tiers, where they are taken whole (no tile or pipeline asked for)
             if gmma_min_tokens == "auto":
-                auto_tiers = next(v for bound, v in sorted(GMMA_AUTO.items()) if T <= bound)
-                auto_min, auto_tile, auto_pipe = auto_tiers[0]   # an asked-for tile / pipeline: the first tier's min
+                auto_tiers = gmma_auto_tiers(T)
+                auto_min, auto_tile, _ = auto_tiers[0]   # an asked-for tile / pipeline: the first tier's min
                 gmma_min_tokens = auto_min if (T >= GMMA_AUTO_TOKENS and not early and w.inter % 64 == 0
                                                and w.hidden % 128 == 0
                                                and _family_runs_here("moe_int4_sm90", cuda.get_device())) else None
-                if gmma_tile is None and gmma_pipe is None:
-                    gmma_tile, gmma_pipe = auto_tile, auto_pipe
-                else:
+                if gmma_tile is not None or gmma_pipe is not None:
                     auto_tiers = None
                     if gmma_tile is None:   # a pipeline asked for: the auto tile where it fits, else 128 (fits all)
                         gmma_tile = auto_tile if _pipe_takes_tile(gmma_pipe, auto_tile) else 128

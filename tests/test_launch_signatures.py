@@ -130,7 +130,7 @@ def test_moe_layer_default_hot_tiers(monkeypatch, T):
     monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda([]))
     E, hidden, inter = 384, 7168, 2048
     w = kk.MoeWeights(E, hidden, inter, *(_FakeArray((1,), np.uint8) for _ in range(6)))
-    auto = next(v for bound, v in sorted(kk.GMMA_AUTO.items()) if T <= bound)
+    auto = kk.gmma_auto_tiers(T)
     layer = kk.MoeLayer(w, T, np.zeros(E, np.float32))
     assert layer.gmma_tiers == (sorted(auto, reverse=True) if T >= kk.GMMA_AUTO_TOKENS else [])
     if T >= kk.GMMA_AUTO_TOKENS:
