@@ -48,4 +48,24 @@ __device__ __forceinline__ cuda::std::uint32_t dequant_bf16x2_offset_free(cuda::
   return r;
 }
 
+// The offset-free form for a whole scale word (the mma.sync kernels, moe_int4.cu): its two scales (rows g,
+// g + 8) times 2^130 and negated, broadcast to both halves, then each 32-bit word of nibbles as its four pairs.
+constexpr float DEQUANT_UNDO = 8.f;   // the offset-free form's weights are the true bf16 ones times 2^-3
+struct DequantScales {
+  cuda::std::uint32_t pre_lo, pre_hi, neg_lo, neg_hi;
+};
+__device__ __forceinline__ DequantScales dequant_scales(cuda::std::uint32_t sw) {
+  const cuda::std::uint32_t pre = prescale_2p130(sw), neg = sw ^ 0x80008000u;
+  return {__byte_perm(pre, 0, 0x1010), __byte_perm(pre, 0, 0x3232), __byte_perm(neg, 0, 0x1010),
+          __byte_perm(neg, 0, 0x3232)};
+}
+// a[0] = nibbles 0, 4 (row g), a[1] = 1, 5 (row g + 8), a[2] = 2, 6 (row g), a[3] = 3, 7 (row g + 8).
+__device__ __forceinline__ void dequant_word(cuda::std::uint32_t q, const DequantScales& s,
+                                             cuda::std::uint32_t (&a)[4]) {
+  a[0] = dequant_bf16x2_offset_free(nib_to_bf16x2_subnormal(q), s.pre_lo, s.neg_lo);
+  a[1] = dequant_bf16x2_offset_free(nib_to_bf16x2_subnormal(q >> 4), s.pre_hi, s.neg_hi);
+  a[2] = dequant_bf16x2_offset_free(nib_to_bf16x2_subnormal(q >> 8), s.pre_lo, s.neg_lo);
+  a[3] = dequant_bf16x2_offset_free(nib_to_bf16x2_subnormal(q >> 12), s.pre_hi, s.neg_hi);
+}
+
 }  // namespace ddtree

@@ -53,8 +53,7 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-using ddtree::dequant_bf16x2;
-using ddtree::nib_to_bf16x2_biased;
+using ddtree::DEQUANT_UNDO;
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b0, b1,
@@ -117,17 +116,11 @@ __device__ __forceinline__ void unit_mma(float (&acc)[RB][NT][4], WeightOf w_of,
 #pragma unroll
   for (int j = 0; j < RB; ++j) {
     const uint4 w = w_of(j);
-    const uint32_t sw = word_of(sc[j], uu);               // (scale row g, scale row g+8)
-    const uint32_t s_lo = __byte_perm(sw, 0, 0x1010);     // row g in both halves
-    const uint32_t s_hi = __byte_perm(sw, 0, 0x3232);     // row g+8 in both halves
+    const ddtree::DequantScales ds = ddtree::dequant_scales(word_of(sc[j], uu));   // scale rows g, g + 8
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      const uint32_t q = word_of(w, s);
       uint32_t a[4];
-      a[0] = dequant_bf16x2(nib_to_bf16x2_biased(q), s_lo);
-      a[1] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 4), s_hi);
-      a[2] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 8), s_lo);
-      a[3] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 12), s_hi);
+      ddtree::dequant_word(word_of(w, s), ds, a);   // the weights times 2^-3 (int4_dequant.cuh)
 #pragma unroll
       for (int n = 0; n < NT; ++n)
         mma_bf16(acc[j][n], a, word_of(xa[n][s >> 1], 2 * (s & 1)), word_of(xa[n][s >> 1], 2 * (s & 1) + 1));
@@ -391,10 +384,10 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
         for (int j = 0; j < RBM; ++j) {
           const int col = (rb_first + j) * 16 + g + 8 * (c >> 1);
           if (MODE == 0) {
-            const float h = ddtree::silu(acc[j][n][c]) * acc[j + RBM][n][c];
+            const float h = ddtree::silu(DEQUANT_UNDO * acc[j][n][c]) * (DEQUANT_UNDO * acc[j + RBM][n][c]);
             reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(h);
           } else {
-            reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(acc[j][n][c]);
+            reinterpret_cast<__nv_bfloat16*>(out)[orow + col] = __float2bfloat16_rn(DEQUANT_UNDO * acc[j][n][c]);
           }
         }
       }

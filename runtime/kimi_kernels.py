@@ -174,8 +174,9 @@ class MoeWeights:
         return cls(e, hidden, inter, *d)
 
 
-# The wgmma register-A kernels (PIPE 6-8) dequantize with the group scale times 2^130 and read (q - 8) * s / 8
-# as a normal bf16 (int4_dequant.cuh, offset-free form): every scale must be 0 or have 2^-123 <= |s| < 2^-2.
+# The mma.sync and register-A wgmma MoE kernels dequantize with the group scale times 2^130 and read
+# (q - 8) * s / 8 as a normal bf16 (int4_dequant.cuh, offset-free form): every scale must be 0 or have
+# 2^-123 <= |s| < 2^-2.
 # INT4 group scales are max |w| / 7.5 or so: 2^-2 allows weights up to ~1.9 in magnitude.
 SCALE_MIN_BITS, SCALE_LIMIT_BITS = 0x0200, 0x3E80   # bf16 bits of 2^-123 and 2^-2 (magnitudes order as bits)
 
