@@ -118,22 +118,12 @@ __device__ __forceinline__ int slot_of_column(int p) {
 
 // PIPE 6: the lane's 16 bytes as they are: word s is k16 step s (rows g, g + 8; slots 2t, 2t + 1, 2t + 8,
 // 2t + 9), one scale word for all four (the lane's 16 columns lie in one 32-column group). The offset-free
-// dequantization (int4_dequant.cuh): the fragments hold the weights times 2^-3, SLOT_DEQUANT_UNDO undoes it.
-constexpr float SLOT_DEQUANT_UNDO = 8.f;
+// dequantization (int4_dequant.cuh): the fragments hold the weights times 2^-3, DEQUANT_UNDO undoes it.
 __device__ __forceinline__ void dequant_slot(const uint4& w, uint32_t sw, uint32_t (&a)[4][4]) {
-  const uint32_t sp = ddtree::prescale_2p130(sw), sn = sw ^ 0x80008000u;
-  const uint32_t s_lo = __byte_perm(sp, 0, 0x1010), s_hi = __byte_perm(sp, 0, 0x3232);
-  const uint32_t n_lo = __byte_perm(sn, 0, 0x1010), n_hi = __byte_perm(sn, 0, 0x3232);
+  const ddtree::DequantScales ds = ddtree::dequant_scales(sw);
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-  using ddtree::dequant_bf16x2_offset_free;
-  using ddtree::nib_to_bf16x2_subnormal;
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    a[s][0] = dequant_bf16x2_offset_free(nib_to_bf16x2_subnormal(words[s]), s_lo, n_lo);
-    a[s][1] = dequant_bf16x2_offset_free(nib_to_bf16x2_subnormal(words[s] >> 4), s_hi, n_hi);
-    a[s][2] = dequant_bf16x2_offset_free(nib_to_bf16x2_subnormal(words[s] >> 8), s_lo, n_lo);
-    a[s][3] = dequant_bf16x2_offset_free(nib_to_bf16x2_subnormal(words[s] >> 12), s_hi, n_hi);
-  }
+  for (int s = 0; s < 4; ++s) ddtree::dequant_word(words[s], ds, a[s]);
 }
 
 // PIPE 2: the lane's 16 bytes dequantized straight into wgmma A fragments (m64k16, the mma.sync m16n8k16 A
@@ -485,7 +475,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
             if (c0 + tok >= count) continue;
 #pragma unroll
             for (int i = 0; i < 2; ++i)
-              f(tok, r_wg + 8 * i, SLOT ? SLOT_DEQUANT_UNDO * acc[4 * j + 2 * i + b] : acc[4 * j + 2 * i + b]);
+              f(tok, r_wg + 8 * i, SLOT ? ddtree::DEQUANT_UNDO * acc[4 * j + 2 * i + b] : acc[4 * j + 2 * i + b]);
           }
       };
       // The bf16 outputs go through shared memory (over the stage buffers: every warpgroup's last wgmma must have
