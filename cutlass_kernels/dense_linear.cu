@@ -209,8 +209,8 @@ linear_bf16_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   store_or_reduce<MT, RT>(acc, out, ldo, residual, ldr, ws, tickets, M, N, m0, n_block, n_warp, g, t);
 }
 
-// The x tile of a decode-size linear into shared memory: rows m0..m0+kRows-1 (zeros past M), columns
-// k_begin..k_begin+width-1 (zeros past k_end), row stride xs_ld; XMODE says how x is made (see
+// The x tile of a decode-size linear into shared memory: rows m0..m0+x_rows-1 (x_rows <= kRows; zeros past
+// M), columns k_begin..k_begin+width-1 (zeros past k_end), row stride xs_ld; XMODE says how x is made (see
 // linear_bf16_xres_kernel). Ends with a block barrier. The rmsnorm weights come prefetched (NormWeights).
 template <int XMODE>
 struct NormWeights {  // this thread's 16-byte vector of the rmsnorm weight (only XMODE == kXRmsNorm holds one)
@@ -228,11 +228,11 @@ __device__ __forceinline__ void load_x_tile(__nv_bfloat16* xs, int xs_ld,
                                             const __nv_bfloat16* __restrict__ x2, int ldx2,
                                             const NormWeights<XMODE>& nw, float eps,
                                             __nv_bfloat16* __restrict__ sum_out, int ldsum, int M, int K, int m0,
-                                            int k_begin, int k_end, int width) {
+                                            int k_begin, int k_end, int width, int x_rows = kRows) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int vecs_per_row = width / 8;
   if constexpr (XMODE == kXPlain) {
-    for (int i = threadIdx.x; i < kRows * vecs_per_row; i += kThreads) {
+    for (int i = threadIdx.x; i < x_rows * vecs_per_row; i += kThreads) {
       const int row = i / vecs_per_row, col = (i % vecs_per_row) * 8;
       const int m = m0 + row, k = k_begin + col;
       const bool ok = m < M && k < k_end;
@@ -241,7 +241,7 @@ __device__ __forceinline__ void load_x_tile(__nv_bfloat16* xs, int xs_ld,
     cp_async_commit();
     cp_async_wait<0>();
   } else if constexpr (XMODE == kXSwiGLU) {
-    for (int i = threadIdx.x; i < kRows * vecs_per_row; i += kThreads) {
+    for (int i = threadIdx.x; i < x_rows * vecs_per_row; i += kThreads) {
       const int row = i / vecs_per_row, col = (i % vecs_per_row) * 8;
       const int m = m0 + row, k = k_begin + col;
       uint4 v = make_uint4(0, 0, 0, 0);
@@ -306,7 +306,7 @@ __device__ __forceinline__ void load_x_tile(__nv_bfloat16* xs, int xs_ld,
       }
     }
     // rows past M and the columns past K (the width rounds up to 64) must read as zeros
-    for (int i = threadIdx.x; i < kRows * vecs_per_row; i += kThreads) {
+    for (int i = threadIdx.x; i < x_rows * vecs_per_row; i += kThreads) {
       const int row = i / vecs_per_row, col = (i % vecs_per_row) * 8;
       if (row >= rows || k_begin + col >= k_end) *reinterpret_cast<uint4*>(xs + row * xs_ld + col) = make_uint4(0, 0, 0, 0);
     }
@@ -410,11 +410,14 @@ linear_bf16_xres_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   store_or_reduce<MT, 1>(acc, out, ldo, residual, ldr, ws, tickets, M, N, blockIdx.z * kRows, n_block, n_warp, g, t);
 }
 
-// The small-matrix decode kernel (M <= 8): no split-K across blocks. A block owns 16 * (8 / KW) W rows over
-// the whole K; its KW warps per 16-row tile take every KW-th 64-wide k unit and sum their accumulators
-// through shared memory in a fixed order. So there is no fp32 workspace, ticket or second pass: what is left
-// of the critical path is the W prefetch (issued before the grid dependency wait), the x tile (L2) and one
-// block reduction. Dynamic smem = 8 * (ceil64(K) + 32) * 2 bytes.
+// The small-matrix decode kernel (M <= 8): no split-K across blocks. A block owns 16 * (8 / KW) W rows (a row
+// tile) over the whole K; its KW warps per 16-row group take every KW-th 64-wide k unit and sum their
+// accumulators through shared memory in a fixed order. So there is no fp32 workspace, ticket or second pass:
+// what is left of the critical path is the W prefetch (issued before the grid dependency wait), the x tile
+// (L2) and one block reduction per row tile. A block walks row tiles blockIdx.x, + gridDim.x, ...: with a grid
+// smaller than the tile count (persistent, ~2 blocks per SM) and each warp's unit count a multiple of STAGES,
+// the W ring runs on into the next tile, so a block's load ramp and x tile are paid once, not per tile.
+// Dynamic smem = min(M, 8) * (ceil64(K) + 32) * 2 bytes (x's rows; the token rows past M read as zeros).
 template <int KW, int STAGES, int XMODE>
 __global__ void __launch_bounds__(kThreads, 2)
 linear_bf16_gemv_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
@@ -427,21 +430,25 @@ linear_bf16_gemv_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                         int M, int N, int K) {
   static_assert(kWarps % KW == 0, "KW divides the block's warps");
   constexpr int kRows = 8;                    // one token tile
-  constexpr int kRowTiles = kWarps / KW;      // 16-row W tiles per block
+  constexpr int kRowTiles = kWarps / KW;      // 16-row W groups per block (row tile)
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ float4 red[2][kWarps][32];       // the K reduction, double-buffered: one barrier per row tile
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   const int n_units = (K + 63) / 64;
   const int xs_ld = 64 * n_units + kXPad;
+  const int x_rows = min(M, kRows);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wk = warp % KW, wr_tile = warp / KW;
-  const int n_warp = (blockIdx.x * kRowTiles + wr_tile) * 16;
+  const int n_tiles = (N + 16 * kRowTiles - 1) / (16 * kRowTiles);
   const int my_units = n_units > wk ? (n_units - wk + KW - 1) / KW : 0;  // units wk, wk + KW, ...
+  const bool carry = my_units % STAGES == 0;  // ring slot s always holds unit i0 + s: it can run on
+  auto rows_of = [&](int tile) { return (tile * kRowTiles + wr_tile) * 16; };
 
   uint4 wr[STAGES][2][2];
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  auto load_unit = [&](int i, uint4 (&dst)[2][2]) {
+  auto load_unit = [&](int n_warp, int i, uint4 (&dst)[2][2]) {
     const int u = wk + KW * i;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -454,9 +461,12 @@ linear_bf16_gemv_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     }
   };
   auto compute_unit = [&](const uint4 (&a)[2][2], int i) {
-    const __nv_bfloat16* row = xs + g * xs_ld + 64 * (wk + KW * i) + 8 * t;
-    const uint4 b_lo = *reinterpret_cast<const uint4*>(row);
-    const uint4 b_hi = *reinterpret_cast<const uint4*>(row + 32);
+    uint4 b_lo = make_uint4(0, 0, 0, 0), b_hi = b_lo;
+    if (g < x_rows) {
+      const __nv_bfloat16* row = xs + g * xs_ld + 64 * (wk + KW * i) + 8 * t;
+      b_lo = *reinterpret_cast<const uint4*>(row);
+      b_hi = *reinterpret_cast<const uint4*>(row + 32);
+    }
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const uint4& b = s < 2 ? b_lo : b_hi;
@@ -468,48 +478,64 @@ linear_bf16_gemv_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     }
   };
 
+  int tile = blockIdx.x;
+  int n_warp = rows_of(tile);
 #pragma unroll
   for (int s = 0; s < STAGES; ++s)
-    if (s < my_units) load_unit(s, wr[s]);
+    if (s < my_units) load_unit(n_warp, s, wr[s]);
   NormWeights<XMODE> nw;
   nw.prefetch(norm_w, K);
   ddtree::grid_dependency_wait();
   ddtree::launch_dependents();
   load_x_tile<kRows, XMODE>(xs, xs_ld, x, ldx, x2, ldx2, nw, eps, blockIdx.x == 0 ? sum_out : nullptr, ldsum,
-                            M, K, 0, 0, K, 64 * n_units);
+                            M, K, 0, 0, K, 64 * n_units, x_rows);
 
-  for (int i0 = 0; i0 < my_units; i0 += STAGES) {
+  for (int parity = 0; tile < n_tiles; tile += gridDim.x, parity ^= 1) {
+    const bool has_next = tile + (int)gridDim.x < n_tiles;
+    const int n_next = rows_of(tile + gridDim.x);
+    for (int i0 = 0; i0 < my_units; i0 += STAGES) {
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      const int i = i0 + s;
-      if (i < my_units) {
-        compute_unit(wr[s], i);
-        if (i + STAGES < my_units) load_unit(i + STAGES, wr[s]);
+      for (int s = 0; s < STAGES; ++s) {
+        const int i = i0 + s;
+        if (i < my_units) {
+          compute_unit(wr[s], i);
+          if (i + STAGES < my_units) load_unit(n_warp, i + STAGES, wr[s]);
+          else if (carry && has_next) load_unit(n_next, i + STAGES - my_units, wr[s]);
+        }
       }
     }
-  }
 
-  // In-block K reduction: warp wk of each row tile leaves its fragment; the wk == 0 warp sums 0..KW-1.
-  if constexpr (KW > 1) {
-    __shared__ float4 red[kWarps][32];
-    red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    __syncthreads();
-    if (wk != 0) return;
+    // In-block K reduction: warp wk of each row group leaves its fragment; the wk == 0 warp sums 0..KW-1.
+    if constexpr (KW > 1) {
+      red[parity][warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      __syncthreads();
+      if (wk == 0) {
+        acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+#pragma unroll
+        for (int j = 0; j < KW; ++j) {
+          const float4 v = red[parity][warp + j][lane];
+          acc[0] += v.x; acc[1] += v.y; acc[2] += v.z; acc[3] += v.w;
+        }
+      }
+    }
+    if (wk == 0) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int n = n_warp + g + 8 * (c >> 1);
+        const int m = 2 * t + (c & 1);
+        if (n < N && m < M) {
+          float v = acc[c];
+          if (residual) v += __bfloat162float(residual[(size_t)m * ldr + n]);
+          out[(size_t)m * ldo + n] = __float2bfloat16(v);
+        }
+      }
+    }
     acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+    if (!carry && has_next) {
 #pragma unroll
-    for (int j = 0; j < KW; ++j) {
-      const float4 v = red[warp + j][lane];
-      acc[0] += v.x; acc[1] += v.y; acc[2] += v.z; acc[3] += v.w;
+      for (int s = 0; s < STAGES; ++s)
+        if (s < my_units) load_unit(n_next, s, wr[s]);
     }
-  }
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int n = n_warp + g + 8 * (c >> 1);
-    const int m = 2 * t + (c & 1);
-    if (n < N && m < M) {
-      float v = acc[c];
-      if (residual) v += __bfloat162float(residual[(size_t)m * ldr + n]);
-      out[(size_t)m * ldo + n] = __float2bfloat16(v);
-    }
+    n_warp = n_next;
   }
 }

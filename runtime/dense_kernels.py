@@ -115,32 +115,70 @@ FUSED_NORM_MAX_K = 8 * 256       # the fused rmsnorm gives each of the 256 threa
 LINEAR_GEMV = os.environ.get("DDTREE_LINEAR_GEMV", "1") != "0"
 
 
+def _gemv_smem(M: int, K: int) -> int:
+    """linear_bf16_gemv_kernel's dynamic smem: x's min(M, 8) rows over the whole K (rounded up to 64) + pad."""
+    return min(M, 8) * (64 * -(-K // 64) + 32) * 2
+
+
+# The gemv kernel's x tile at most this big. Two such blocks per SM leave the rest of the 256 KB L1 / shared
+# memory as L1, which stages the W loads in flight: on the H200 (PERF.md, 2026-12-04 (14)) Qwen3-8B's down at
+# M = 4 (2 x 98.5 KB of x) ran 43.1 us against 28.8 at M = 2 (2 x 49 KB) and 31.9 on the split-K kernel, and
+# every streaming linear slowed 30-45% with the carveout forced to maximum shared memory.
+GEMV_SMEM_CAP = 68 * 1024
+
+
 def _gemv_fits(M: int, K: int) -> bool:
-    """linear_bf16_gemv_kernel: one 8-row token tile, the whole K of x in shared memory."""
-    return M <= 8 and 8 * (64 * -(-K // 64) + 32) * 2 <= XRES_SMEM_CAP
+    """linear_bf16_gemv_kernel: one 8-row token tile, the whole K of x's rows in shared memory."""
+    return M <= 8 and _gemv_smem(M, K) <= GEMV_SMEM_CAP
 
 
+GEMV_BLOCKS_PER_SM = 2   # linear_bf16_gemv_kernel's __launch_bounds__(256, 2)
 # DDTREE_GEMV_KW=8 (or 4, 2): every gemv launch with that KW where it is built, for A/B timing of gemv_kw
 GEMV_KW_FORCED = int(os.environ.get("DDTREE_GEMV_KW", "0"))
 
 
 def gemv_kw(N: int, K: int, sm_count: int, xmode: int = 0) -> int:
-    """Warps per 16-row W tile of the gemv kernel (a block holds 16 * 8 / KW rows). Fewer warps per tile (more
-    rows per block) measured faster once the grid still has a block per SM; H200, M = 1, two runs on
-    2026-12-02/03 (PERF.md): qkv 6144x4096 KW 4 16.1 vs KW 8 17.8 us, gate_up 24576x4096 52.2 vs 54.2,
-    lm_head 151936x4096 KW 2 306 vs 315; o 4096x4096 (128 blocks at KW 4) KW 8 11.0 vs 14.6."""
+    """Warps per 16-row W tile of the gemv kernel (a block holds 16 * 8 / KW rows). KW 2 for the largest N; else
+    KW 4 unless KW 8 keeps clearly more of the GPU's block slots busy: the grid's last wave (or, persistent,
+    every block's share of row tiles) leaves slots idle, tiles / (waves * slots). H200, M = 1 (PERF.md,
+    2026-12-02/03 and 2026-12-04 (14)): qkv 6144x4096 KW 4 16.1 vs KW 8 17.8 us (equal slot use: KW 8's second
+    wave is as empty), gate_up 24576x4096 KW 4 54.0 vs 56.2 (both 97%), o 4096x4096 KW 8 11.0 vs 15.3 (KW 4:
+    128 blocks), up 12288x4096 KW 8 29.0 vs 31.8 (97% vs 73%), down 4096x12288 KW 8 28.0 vs 42.7, lm_head
+    151936x4096 KW 2 306 vs 315; few k units per warp (K < 512) stay on KW 4."""
     from cutlass_kernels.registry import GEMV_INSTANCES
     if GEMV_KW_FORCED and any(kw == GEMV_KW_FORCED and xm == xmode for kw, _, xm in GEMV_INSTANCES):
         return GEMV_KW_FORCED
     if -(-N // 64) >= 8 * sm_count and (2, 4, xmode) in GEMV_INSTANCES:
         return 2
-    if -(-N // 32) >= sm_count or -(-K // 64) < 8:
+    if -(-K // 64) < 8:
         return 4
-    return 8
+    slots = GEMV_BLOCKS_PER_SM * sm_count
+
+    def slot_use(kw: int) -> float:
+        tiles = -(-N // (16 * 8 // kw))
+        return tiles / (-(-tiles // slots) * slots)
+    return 8 if slot_use(8) > slot_use(4) + 0.02 else 4
+
+
+# DDTREE_GEMV_PERSIST=0 / 1: every gemv launch with one block per row tile / a persistent grid, for A/B timing
+GEMV_PERSIST_FORCED = os.environ.get("DDTREE_GEMV_PERSIST", "")
+
+
+def gemv_blocks(tiles: int, carries: bool, sm_count: int, persist: bool | None) -> int:
+    """Blocks of the gemv grid: one per row tile, or persistent: about GEMV_BLOCKS_PER_SM per SM, each walking
+    ceil(tiles / blocks) row tiles or one fewer. A warp whose unit count is a multiple of STAGES (carries) runs
+    its W ring on from one tile into the next; the others restart it per tile. persist=None: persistent only
+    where every warp carries (DDTREE_GEMV_PERSIST=0 / 1 forces it off / on)."""
+    if persist is None:
+        persist = carries if GEMV_PERSIST_FORCED == "" else GEMV_PERSIST_FORCED == "1"
+    if not persist:
+        return tiles
+    waves = -(-tiles // (GEMV_BLOCKS_PER_SM * sm_count))
+    return -(-tiles // waves)
 
 
 def gemv_plan(M: int, N: int, K: int, sm_count: int, kw: int | None = None, stages: int | None = None,
-              xmode: int = 0):
+              xmode: int = 0, persist: bool | None = None):
     """(entry, grid, dynamic smem) of the no-split decode kernel: KW warps share each 16-row W tile's K."""
     from cutlass_kernels.registry import GEMV_INSTANCES
     units = -(-K // 64)
@@ -150,8 +188,11 @@ def gemv_plan(M: int, N: int, K: int, sm_count: int, kw: int | None = None, stag
     _need((kw, stages, xmode) in GEMV_INSTANCES, "linear", f"no gemv kernel <KW={kw}, STAGES={stages}, "
           f"XMODE={xmode}>; built: {sorted(GEMV_INSTANCES)}")
     rows_per_block = 16 * (8 // kw)
-    smem = 8 * (64 * units + 32) * 2
-    return f"linear_bf16_gemv_kernel<{kw}, {stages}, {xmode}>", (-(-N // rows_per_block), 1, 1), smem
+    tiles = -(-N // rows_per_block)
+    # warp wk takes units wk, wk + kw, ...: every warp carries its ring into the next tile if all have per_warp
+    carries = units % kw == 0 and per_warp % stages == 0
+    blocks = gemv_blocks(tiles, carries, sm_count, persist)
+    return f"linear_bf16_gemv_kernel<{kw}, {stages}, {xmode}>", (blocks, 1, 1), _gemv_smem(M, K)
 
 
 def fused_prologue_ok(M: int, K: int, prologue: str) -> bool:
@@ -175,7 +216,8 @@ def _mt(M: int) -> int:
 
 
 def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, kernel: str = "auto",
-                stages: int | None = None, rt: int = 1, xmode: int = 0, kw: int | None = None):
+                stages: int | None = None, rt: int = 1, xmode: int = 0, kw: int | None = None,
+                persist: bool | None = None):
     """How `linear` launches: (entry, grid, k_per_split, dynamic smem bytes); blocks are 256 threads.
 
     kernel="auto": M <= 8 -> the gemv kernel when x's whole K fits shared memory (no split across blocks: KW
@@ -190,8 +232,9 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
     if kernel == "auto" and LINEAR_GEMV and splits is None and _gemv_fits(M, K):
         kernel = "gemv"
     if kernel == "gemv":
-        _need(_gemv_fits(M, K), "linear", f"the gemv kernel takes M <= 8 and K <= {XRES_SMEM_CAP // 16 - 32}")
-        entry, grid, smem = gemv_plan(M, N, K, sm_count, kw, stages, xmode)
+        _need(_gemv_fits(M, K), "linear", f"the gemv kernel takes M <= 8 with x's rows in {GEMV_SMEM_CAP} bytes of "
+              f"shared memory (M = {M}, K = {K} needs {_gemv_smem(M, K)})")
+        entry, grid, smem = gemv_plan(M, N, K, sm_count, kw, stages, xmode, persist)
         return entry, grid, K, smem
     mt = _mt(M)
     row_blocks = -(-N // LINEAR_ROWS_PER_BLOCK)
@@ -278,11 +321,12 @@ def linear_checks(op: str, x: DeviceArray, w: DeviceArray, out: DeviceArray, res
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None = None, *,
            ldx: int | None = None, ldo: int | None = None, ldr: int | None = None,
            ws: Workspace | None = None, splits: int | None = None, kernel: str = "auto",
-           stages: int | None = None, rt: int = 1, kw: int | None = None, stream=None, prologue: str = "none",
+           stages: int | None = None, rt: int = 1, kw: int | None = None, persist: bool | None = None,
+           stream=None, prologue: str = "none",
            x2: DeviceArray | None = None, ldx2: int | None = None, norm_weight: DeviceArray | None = None,
            eps: float = 1e-6, sum_out: DeviceArray | None = None, ldsum: int | None = None) -> DeviceArray:
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]) in bf16 with fp32 accumulation.
-    kernel/splits/stages/rt/kw override the plan (benchmarks and tests).
+    kernel/splits/stages/rt/kw/persist override the plan (benchmarks and tests).
     prologue fuses the op that makes x into the x load (M <= 8, see fused_prologue_ok):
       "rmsnorm": x <- rmsnorm(x (+ x2), norm_weight, eps), as `rmsnorm`; with x2, sum_out (optional, not
                  aliasing x or x2) receives bf16(x + x2), as rmsnorm's residual_out.
@@ -318,7 +362,8 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
             return dense_gmma.launch_gmma(x, w, out, residual, M, N, K, ldx, ldo, ldr, ws=ws, splits=splits,
                                           stream=stream)
     dev = get_device()
-    entry, grid, k_per_split, smem = linear_plan(M, N, K, dev.sm_count, splits, kernel, stages, rt, xmode, kw)
+    entry, grid, k_per_split, smem = linear_plan(M, N, K, dev.sm_count, splits, kernel, stages, rt, xmode, kw,
+                                                 persist)
     ws = ws or default_workspace()
     if grid[1] > 1:
         scratch = ws.scratch(grid[1] * M * N * 4)

@@ -16,23 +16,27 @@ def bits(a):
     return a.download().view(np.uint16)
 
 
+@pytest.mark.parametrize("persist", [False, True])
 @pytest.mark.parametrize("M,N,K,kw", [
     (1, 960, 576, None), (1, 49152, 576, None), (8, 576, 1536, None), (3, 111, 64, None), (5, 989, 1000, 4),
-    (1, 333, 136, 2), (7, 4096, 4096, None), (2, 300, 3000, 4), (1, 17, 8, None)])
-def test_linear_gemv(dk, ref, M, N, K, kw):
-    """The no-split decode kernel (every KW, odd sizes, K not a multiple of 64, residual) vs the oracle."""
+    (1, 333, 136, 2), (7, 4096, 4096, None), (2, 300, 3000, 4), (1, 17, 8, None), (1, 24576, 4096, 4),
+    (3, 40000, 512, 2), (1, 4096, 12288, None), (2, 2000, 12288, 8), (6, 70000, 200, 4)])
+def test_linear_gemv(dk, ref, M, N, K, kw, persist):
+    """The no-split decode kernel (every KW, odd sizes, K not a multiple of 64, residual; one block per row tile
+    or a persistent grid, whose warps carry their W ring into the next tile or restart it) vs the oracle."""
     rng = np.random.default_rng(M * 17 + N + 3 * K)
     x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
     w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
     r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
-    entry = dk.linear_plan(M, N, K, 132, kernel="gemv", kw=kw)[0]
+    entry, grid = dk.linear_plan(M, N, K, 132, kernel="gemv", kw=kw, persist=persist)[:2]
     assert "gemv" in entry and (kw is None or f"<{kw}," in entry)
     out = poisoned((M, N))
     for residual in (None, dev_bf16(r)):
         out.fill_bytes(0xFF)
-        dk.linear(dev_bf16(x), dev_bf16(w), out, residual, kernel="gemv", kw=kw)
+        dk.linear(dev_bf16(x), dev_bf16(w), out, residual, kernel="gemv", kw=kw, persist=persist)
         want = ref.linear(x, w) + (r if residual is not None else 0)
-        assert_close(out.download(), want, f"gemv {entry} M={M} N={N} K={K}", dtype="bf16", atol=ATOL)
+        assert_close(out.download(), want, f"gemv {entry} grid {grid} M={M} N={N} K={K}", dtype="bf16",
+                     atol=ATOL)
 
 
 @pytest.mark.parametrize("M,N,K,with_add,splits", [

@@ -209,11 +209,12 @@ def test_valid_input_passes_the_checks():
 
 def test_gemv_warps_per_tile_follow_the_measured_winners():
     """H200, M = 1 (PERF.md): KW 4 for Qwen3-8B qkv and gate_up and SmolLM2's lm_head, KW 2 for Qwen3-8B's
-    lm_head, KW 8 where KW 4 would leave SMs without a block (Qwen3-8B o: 128 blocks); the rmsnorm prologue
+    lm_head, KW 8 where KW 4 would leave block slots idle (Qwen3-8B o: 128 blocks; up: a second wave 45% full),
+    KW 4 where K has fewer than 8 units of 64; the rmsnorm prologue
     has no KW 2 instance, so lm_head with it takes KW 4. Every choice is a built instance."""
     from cutlass_kernels.registry import GEMV_INSTANCES
     want = {(6144, 4096): 4, (24576, 4096): 4, (151936, 4096): 2, (4096, 4096): 8, (49152, 576): 4,
-            (576, 1536): 8, (960, 576): 8}
+            (576, 1536): 8, (960, 576): 8, (12288, 4096): 8, (4096, 12288): 8, (3072, 576): 8, (1000, 256): 4}
     assert {nk: dk.gemv_kw(*nk, 132) for nk in want} == want
     assert dk.gemv_kw(151936, 4096, 132, xmode=1) == 4
     for (N, K) in want:
@@ -222,6 +223,38 @@ def test_gemv_warps_per_tile_follow_the_measured_winners():
             if entry is not None and "gemv" in entry:
                 kw, st, xm = (int(v) for v in entry.split("<")[1].rstrip(">").split(","))
                 assert (kw, st, xm) in GEMV_INSTANCES and xm == xmode, entry
+
+
+def test_gemv_persistent_grid_covers_every_tile_evenly(monkeypatch):
+    """The persistent gemv grid: at most 2 blocks per SM, every row tile walked by exactly one block, the blocks'
+    tile counts differ by at most one; one block per tile where that already fits one wave or persist=False.
+    By default it is persistent only where every warp carries its W ring into the next tile."""
+    monkeypatch.setattr(dk, "GEMV_PERSIST_FORCED", "")
+    for tiles in (1, 100, 264, 265, 527, 768, 2374):
+        for carries in (False, True):
+            blocks = dk.gemv_blocks(tiles, carries, 132, True)
+            assert blocks <= max(tiles, 0) and (blocks <= 264 or blocks == tiles)
+            walked = [len(range(b, tiles, blocks)) for b in range(blocks)]
+            assert sum(walked) == tiles and max(walked) - min(walked) <= 1, (tiles, blocks)
+            assert dk.gemv_blocks(tiles, carries, 132, False) == tiles
+            assert dk.gemv_blocks(tiles, carries, 132, None) == (blocks if carries else tiles)
+    # gate_up 24576 x 4096, KW 4: 16 units per warp, STAGES 4 -> 768 tiles on 256 blocks
+    assert dk.linear_plan(1, 24576, 4096, 132, kernel="gemv", kw=4)[1] == (256, 1, 1)
+    # K = 576: 9 units over KW 4 warps (3, 2, 2, 2) -> not every warp carries: one block per tile
+    assert dk.linear_plan(1, 49152, 576, 132, kernel="gemv", kw=4)[1] == (1536, 1, 1)
+    monkeypatch.setattr(dk, "GEMV_PERSIST_FORCED", "0")
+    assert dk.linear_plan(1, 24576, 4096, 132, kernel="gemv", kw=4)[1] == (768, 1, 1)
+
+
+def test_gemv_holds_only_the_tokens_rows_of_x():
+    """x's shared-memory tile has min(M, 8) rows, so Qwen3-8B's down (K = 12288) takes the gemv up to M = 2
+    (GEMV_SMEM_CAP: larger x tiles leave too little L1 for the W stream), the 4096-wide ones up to M = 8."""
+    assert dk._gemv_smem(1, 12288) == (12288 + 32) * 2 and dk._gemv_fits(2, 12288) and not dk._gemv_fits(3, 12288)
+    assert dk._gemv_fits(8, 4096) and "gemv" in dk.linear_plan(2, 4096, 12288, 132)[0]
+    assert "xres" in dk.linear_plan(4, 4096, 12288, 132)[0]
+    assert dk._gemv_smem(9, 4096) == dk._gemv_smem(8, 4096) == 8 * (4096 + 32) * 2 and not dk._gemv_fits(9, 64)
+    with pytest.raises(ValueError, match="needs 73920"):
+        dk.linear_plan(3, 4096, 12288, 132, kernel="gemv")
 
 
 def test_linear_plan_token_tiles():

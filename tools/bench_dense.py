@@ -164,7 +164,8 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
             if M <= 8 and dk._gemv_fits(M, K):  # the no-split decode kernel (each KW) vs the split-K one
                 if ("xres", {"kernel": "xres"}) not in variants:
                     variants.append(("xres", {"kernel": "xres"}))
-                variants += [(f"gemv kw={k}", {"kernel": "gemv", "kw": k}) for k in (8, 4, 2)]
+                variants += [(f"gemv kw={k}{' persist' if p else ''}", {"kernel": "gemv", "kw": k, "persist": p})
+                             for k in (8, 4, 2) for p in (False, True)]
             if gmma and M >= 9:  # the sm_90a GMMA kernel (runtime/dense_gmma.py), every model's shapes
                 # base: the mma.sync kernel the auto plan picked for M >= 9 before the GMMA hook (chunked)
                 variants = [("mma.sync", {"kernel": "chunked"}), ("gmma", {"gmma": True})] + [
@@ -180,7 +181,8 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                                             cluster_slots=dg.device_cluster_slots, nwg=gkw.get("nwg"))
                     else:
                         plan = dk.linear_plan(M, N, K, get_device().sm_count, kw.get("splits"),
-                                              kw.get("kernel", "auto"), kw.get("stages"), kw=kw.get("kw"))
+                                              kw.get("kernel", "auto"), kw.get("stages"), kw=kw.get("kw"),
+                                              persist=kw.get("persist"))
                 except ValueError as e:
                     print(f"| {model} | {name} | {N}x{K} | {M} | {vname} | n/a: {e} |||||")
                     continue
