@@ -195,8 +195,9 @@ def check_scale_range(scales: np.ndarray, name: str = "scales") -> None:
 # Variant per token bucket (T <= key): (gate_up entry, down entry), template arguments MODE, RB, WN, KS, NTMAX,
 # STAGES[, XS, RG] (variant_params). Each is the fastest whole-layer choice measured on the H200 with
 # tools/bench_moe.py, under uniform and skewed routing (docs/PERF.md, sessions 2026-12-03 (4) to 2026-12-04 (13)):
-# - gate_up, T = 1 and 3..5: the two-buffer register ring, 8-token chunks; T = 2: one register buffer (-10%, both
-#   routings).
+# - gate_up, T = 1 and 3..5: the two-buffer register ring, 8-token chunks; T = 2: the same with the activations
+#   staged in shared memory (XS; session (14): layer -12 / -16% skewed / uniform against the one-buffer ring chosen
+#   in session (5), which lost ground with the one-shift dequantization: gate_up alone 72.3 vs 93.2 us).
 # - gate_up, T = 6..16: the 16-token cp.async ring (one weight pass for an expert of 9-16 tokens; since its ring
 #   keeps two steps in flight it also wins at 6..8: skewed T = 6 -11%, uniform T = 7 -4%; at 3..5 it is ~1%
 #   slower).
@@ -205,14 +206,17 @@ def check_scale_range(scales: np.ndarray, name: str = "scales") -> None:
 #   skewed, whose cold experts it sees); T > 128: the 32-token ring (skewed routing leaves experts of up to 63
 #   tokens on mma.sync there).
 # - down, T = 1: activations staged in shared memory (XS) with three register buffers (loses at T = 2..8); T =
-#   2..16: XS, two buffers; T = 17..128: XS, four row groups per warp; T = 129..768: XS, 16-token chunks; T > 768:
+#   2..8: XS, two buffers; T = 9..31: XS, 16-token chunks (session (14), whole layer: skewed T = 16 / 24 -2 / -8%,
+#   uniform within 1%; from T = 32, where the hot experts leave mma.sync, it lost 3-4% at skewed T = 32..48);
+#   T = 32..128: XS, four row groups per warp; T = 129..768: XS, 16-token chunks; T > 768:
 #   the 32-token cp.async ring (uniform T = 1024 -9%, skewed +1%; it loses at T = 512, so the 768 bound lies
 #   between the measured sizes).
 DEFAULT_VARIANTS = {
     1: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1>"),
-    2: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 0>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
+    2: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     5: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
-    16: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
+    8: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
+    31: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),
     48: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     768: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),

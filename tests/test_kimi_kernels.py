@@ -408,6 +408,7 @@ MOE_CASES = [
     (2, 16, 512, 512, None),
     (5, 16, 1024, 512, None),
     (8, 16, 1024, 512, None),
+    (20, 8, 1024, 512, None),
     (33, 8, 1024, 512, None),
     (200, 8, 512, 512, None),   # many tokens per expert: several token chunks
 ]
