@@ -6,8 +6,10 @@ measured in the same run, every kernel variant of the registry table, and a torc
 (the alternative a user has) as a ratio. Weights are random bytes in the kernel layout (any bytes are valid
 INT4 codes); scales are random positive bf16 of the checkpoint's magnitude.
 
-    python -m tools.bench_moe [--tokens 1,2,4,...] [--experts 384] [--no-variants] [--no-plans] [--torch-json F]
+    python -m tools.bench_moe [--tokens 1,2,4,...] [--experts 384] [--no-variants] [--no-plans] [--torch]
     python -m tools.bench_moe --torch-only F     # time the torch loop alone (its own process), write JSON F
+    --torch runs that child first (same tokens, routings and shapes) and prints the ratios; --torch-json F reads
+    the times of an earlier --torch-only run instead.
 
 Launch plans (unless --no-plans): the whole layer graph-replayed with each MoeLayer plan, in the same run:
 "before" (moe_topk + moe_group, gate_up, down, moe_combine; no PDL), then one change at a time: fused
@@ -122,9 +124,13 @@ def main(argv=None):
                     " '*' selects every label that starts with the rest")
     ap.add_argument("--torch-only", metavar="JSON", help="time only the torch bf16 loop, write results here")
     ap.add_argument("--torch-json", metavar="JSON", help="torch loop times from a --torch-only run")
+    ap.add_argument("--torch", action="store_true", help="run the torch loop first (a --torch-only child process, "
+                    "before this process touches the GPU) and print our speedup over it")
     args = ap.parse_args(argv)
     if args.torch_only:
         return torch_main(args)
+    if args.torch and not args.torch_json:
+        args.torch_json = run_torch_child(args)
     from cutlass_kernels.registry import MOE_GEMM_VARIANTS
     from runtime import cuda
     from runtime.bf16 import to_bf16
@@ -447,6 +453,24 @@ def launch_plans(default_fused_combine: bool):
         ("tiers128wsn/40ra8/17ra8-32", dict(gmma_tiers=[(128, 256, 5), (40, 64, 8), (17, 32, 8)])),
         ("tiers128wsn/24ra8", dict(gmma_tiers=[(128, 256, 5), (24, 64, 8)])),
     ]
+
+
+def run_torch_child(args) -> str | None:
+    """Time the torch loop in its own process (torch and our CUDA wheels clash in one) on the same tokens,
+    routings and shapes; returns its JSON path, or None (the ratios then print as nan) when it fails."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(prefix="bench_moe_torch_"), "torch.json")
+    cmd = [sys.executable, "-m", "tools.bench_moe", "--torch-only", path, "--tokens", args.tokens, "--routing",
+           args.routing, "--experts", str(args.experts), "--hidden", str(args.hidden), "--inter", str(args.inter)]
+    print("torch loop child:", " ".join(cmd[1:]), flush=True)
+    rc = subprocess.run(cmd).returncode
+    if rc != 0:
+        print(f"torch loop child failed (exit {rc}): no torch ratios", flush=True)
+        return None
+    return path
 
 
 def torch_main(args):

@@ -35,8 +35,9 @@ step bench_tree python3 tools/bench_tree.py
 step bench_dense python3 tools/bench_dense.py --quick --peer
 # the default plan against: no wgmma hot path, PIPE 7 on the hot experts (the T <= 255 default before PIPE 8),
 # the warp-specialized tier alone (the T >= 256 default before the PIPE 8 tier), that tier with PIPE 8 for 16..63
-# tokens, and every expert on PIPE 8's 32-token tiles (PERF.md session 13) (all plans: `--plans ''`, ~1 hour)
-step bench_moe python3 tools/bench_moe.py --no-variants --plans 'no-gmma,gmma>=16/ra7,gmma>=64/256/wsn,tiers64wsn/16ra8,gmma>=1/32/ra8'
+# tokens, and every expert on PIPE 8's 32-token tiles (PERF.md session 13) (all plans: `--plans ''`, ~1 hour);
+# --torch: the torch bf16 per-expert loop first, in its own process, for the speedup column
+step bench_moe python3 tools/bench_moe.py --torch --no-variants --plans 'no-gmma,gmma>=16/ra7,gmma>=64/256/wsn,tiers64wsn/16ra8,gmma>=1/32/ra8'
 step bench_stream_rows python3 -m tools.bench_stream_rows
 step bench_mla python3 tools/bench_mla.py --kernel mma,gmma,gmma-split
 step bench_load python3 tools/bench_load.py --size-gb 4
