@@ -220,7 +220,7 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
                 persist: bool | None = None):
     """How `linear` launches: (entry, grid, k_per_split, dynamic smem bytes); blocks are 256 threads.
 
-    kernel="auto": M <= 8 -> the gemv kernel when x's whole K fits shared memory (no split across blocks: KW
+    kernel="auto": M <= 8 -> the gemv kernel when x's rows fit GEMV_SMEM_CAP (no split across blocks: KW
     warps of a block share each 16-row W tile's K, see gemv_plan), else the x-resident kernel (2-deep W ring);
     above 8 rows the chunked kernel (any M; token tiles of 8*MT rows on blockIdx.z). Forcing `splits` keeps the
     split-K kernels. "xres" (M <= 64): its K split comes from a small cost model: per-SM
