@@ -156,11 +156,15 @@ register(KernelFamily(
              "add_kernel"),
     pdl=True,
 ))
+# decode_attention_kernel<D, KT, S> instances: (slots per warp tile, ring stages); runtime/dense_kernels.py picks one
+# per head dim (DECODE_VARIANTS) and bench_dense --attn-decode-variants times them.
+DECODE_ATTN_VARIANTS = ((32, 2), (32, 3), (16, 2), (16, 3))
 # Prefix + bitmask attention (tree verify, decode, causal prefill, DFlash block); head dims 64 and 128.
 register(KernelFamily(
     name="tree_attention",
     source="tree_attention.cu",
     entries=("tree_attention_kernel<64>", "tree_attention_kernel<128>",
+             *(f"decode_attention_kernel<{d}, {kt}, {st}>" for d in (64, 128) for kt, st in DECODE_ATTN_VARIANTS),
              "attention_combine_kernel<64>", "attention_combine_kernel<128>"),
     required_ptx=_MMA_BF16_PTX,
     required_sass=_MMA_BF16_SASS,

@@ -1,8 +1,9 @@
 // Attention over a KV cache with a prefix and a block of new tokens (runtime/backends/base.py `attention`):
 // queries q [T, Hq, D] at cache slots n_prefix .. n_prefix+T-1; keys/values = cache slots [0, n_prefix+T).
 // Every prefix slot is visible; new slot n_prefix+j is visible to query i iff bit j of visibility row i is
-// set (uint32 [T, ceil(T/32)]). One kernel serves tree verify (ancestor mask), decode (T = 1), causal
-// prefill (lower-triangular mask) and the DFlash block (all ones). No dense mask is ever materialised.
+// set (uint32 [T, ceil(T/32)]). tree_attention_kernel serves tree verify (ancestor mask), causal prefill
+// (lower-triangular mask) and the DFlash block (all ones); decode_attention_kernel the shapes whose T * G query
+// rows fit one warp (decode, trees of a few nodes). No dense mask is ever materialised.
 //
 // Design (flash-attention 2 with GQA packing): the G = Hq/Hkv query heads that share a KV head are packed
 // as rows r = i*G + g of one tile, so each K/V tile read from the cache serves G*T rows. A block = 4 warps
@@ -65,6 +66,124 @@ __device__ __forceinline__ int active_splits(int n_keys, int grid_splits, const 
   return max(1, min(grid_splits, __ldg(split_table + n_tiles)));
 }
 
+
+// This lane's two query rows r and r + 8 of the packed (query, head-in-group) rows: query index, q head, valid.
+__device__ __forceinline__ void query_rows(int r, int T, int G, int kvh, int (&qi)[2], int (&head)[2],
+                                           bool (&valid)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rh = r + 8 * h;
+    valid[h] = rh < T * G;
+    qi[h] = valid[h] ? rh / G : 0;
+    head[h] = kvh * G + (valid[h] ? rh % G : 0);
+  }
+}
+
+// The lane's Q fragments for all of D, loaded once (A operand: rows g / g+8, k = 2t.. and 2t+8..).
+template <int D>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[D / 16][4], const __nv_bfloat16* __restrict__ q,
+                                                 int ldq, const int (&qi)[2], const int (&head)[2],
+                                                 const bool (&valid)[2], int t) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int h = c & 1, d = kk * 16 + 2 * t + 8 * (c >> 1);
+      qa[kk][c] = valid[h] ? *reinterpret_cast<const uint32_t*>(q + (size_t)qi[h] * ldq + head[h] * D + d) : 0u;
+    }
+}
+
+// One warp, its 16 query rows (this lane: g and g + 8) against KEYS cache slots from key0 on, K and V rows
+// [KEYS][D + 8] in shared memory: S = Q K^T, mask and scale, the online softmax update of row_max / row_sum
+// (base 2), O += P V.
+template <int D, int KEYS>
+__device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], const __nv_bfloat16 (*ks)[D + 8],
+                                            const __nv_bfloat16 (*vs)[D + 8], int key0, int n_keys, int n_prefix,
+                                            const uint32_t* __restrict__ visibility, int vis_words,
+                                            const int (&qi)[2], const bool (&valid)[2], float scale_log2,
+                                            float (&oacc)[D / 8][4], float (&row_max)[2], float (&row_sum)[2]) {
+  constexpr int NT = KEYS / 8;   // n-tiles of 8 keys
+  const int lane = threadIdx.x & 31;
+  const int t = lane & 3;
+  // S = Q K^T for 16 rows x KEYS keys.
+  float s[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s[j][c] = 0.f;
+  const int mi = lane >> 3, rr = lane & 7;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int n2 = 0; n2 < KEYS / 16; ++n2) {
+      uint32_t b[4];  // matrices: keys +0..7 | d lo, keys +0..7 | d hi, keys +8..15 | d lo, d hi
+      ldmatrix_x4(b, &ks[n2 * 16 + rr + 8 * (mi >> 1)][kk * 16 + 8 * (mi & 1)]);
+      mma(s[2 * n2], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+      mma(s[2 * n2 + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+    }
+
+  // Mask + scale, then the online softmax update per row (the 4 lanes of a row hold its KEYS keys).
+  float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int h = c >> 1;
+      const int key = key0 + j * 8 + 2 * t + (c & 1);
+      bool vis = key < n_keys;
+      if (vis && key >= n_prefix) {
+        const int nj = key - n_prefix;
+        vis = valid[h] && ((visibility[(size_t)qi[h] * vis_words + (nj >> 5)] >> (nj & 31)) & 1u);
+      }
+      s[j][c] = vis ? s[j][c] * scale_log2 : NEG_INF;
+      tile_max[h] = fmaxf(tile_max[h], s[j][c]);
+    }
+  float alpha[2], base[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+    tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+    const float new_max = fmaxf(row_max[h], tile_max[h]);
+    base[h] = new_max == NEG_INF ? 0.f : new_max;  // a fully masked row so far: avoid inf - inf
+    alpha[h] = exp2f(row_max[h] - base[h]);
+    row_max[h] = new_max;
+  }
+  float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      s[j][c] = exp2f(s[j][c] - base[c >> 1]);
+      tile_sum[c >> 1] += s[j][c];
+    }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    tile_sum[h] += __shfl_xor_sync(0xffffffffu, tile_sum[h], 1);
+    tile_sum[h] += __shfl_xor_sync(0xffffffffu, tile_sum[h], 2);
+    row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
+  }
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    oacc[j][0] *= alpha[0]; oacc[j][1] *= alpha[0];
+    oacc[j][2] *= alpha[1]; oacc[j][3] *= alpha[1];
+  }
+  // O += P V: the S accumulators of key n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
+#pragma unroll
+  for (int kk = 0; kk < KEYS / 16; ++kk) {
+    const uint32_t a0 = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+    const uint32_t a1 = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+    const uint32_t a2 = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    const uint32_t a3 = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+    for (int n2 = 0; n2 < D / 16; ++n2) {
+      uint32_t b[4];  // matrices: keys +0..7 | d lo, keys +8..15 | d lo, keys +0..7 | d hi, +8..15 | d hi
+      ldmatrix_x4_trans(b, &vs[kk * 16 + rr + 8 * (mi & 1)][n2 * 16 + 8 * (mi >> 1)]);
+      mma(oacc[2 * n2], a0, a1, a2, a3, b[0], b[1]);
+      mma(oacc[2 * n2 + 1], a0, a1, a2, a3, b[2], b[3]);
+    }
+  }
+}
+
 }  // namespace
 
 // grid (ceil(T*G / 64), Hkv, splits), block 128, dynamic smem = tree_attention_smem_bytes(D).
@@ -100,28 +219,14 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
   const int tile_begin = blockIdx.z * per_split;
   const int tile_end = min(n_tiles, tile_begin + per_split);
 
-  // This thread's two query rows (g and g+8 of the warp's 16).
   const int row_base = blockIdx.x * kTileRows + warp * kRowsPerWarp;
   int qi[2], head[2];
   bool valid[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row_base + g + 8 * h;
-    valid[h] = r < T * G;
-    qi[h] = valid[h] ? r / G : 0;
-    head[h] = kvh * G + (valid[h] ? r % G : 0);
-  }
+  query_rows(row_base + g, T, G, kvh, qi, head, valid);
   const bool warp_active = row_base < T * G;
 
-  // Q fragments for all of D, loaded once (A operand: rows g / g+8, k = 2t.. and 2t+8..).
   uint32_t qa[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int h = c & 1, d = kk * 16 + 2 * t + 8 * (c >> 1);
-      qa[kk][c] = valid[h] ? *reinterpret_cast<const uint32_t*>(q + (size_t)qi[h] * ldq + head[h] * D + d) : 0u;
-    }
+  load_q_fragments<D>(qa, q, ldq, qi, head, valid, t);
 
   float oacc[D / 8][4];
 #pragma unroll
@@ -151,86 +256,9 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
     else cp_async_wait<0>();
     __syncthreads();
 
-    if (warp_active) {
-      // S = Q K^T for 16 rows x 64 keys: 8 n-tiles of 8 keys.
-      float s[8][4];
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) s[j][c] = 0.f;
-      const int mi = lane >> 3, rr = lane & 7;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-        for (int n2 = 0; n2 < 4; ++n2) {
-          uint32_t b[4];  // matrices: keys +0..7 | d lo, keys +0..7 | d hi, keys +8..15 | d lo, d hi
-          ldmatrix_x4(b, &ks[buf][n2 * 16 + rr + 8 * (mi >> 1)][kk * 16 + 8 * (mi & 1)]);
-          mma(s[2 * n2], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
-          mma(s[2 * n2 + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
-        }
-
-      // Mask + scale, then the online softmax update per row (the 4 lanes of a row hold its 64 keys).
-      const int key0 = tile * kTileKeys;
-      float tile_max[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int h = c >> 1;
-          const int key = key0 + j * 8 + 2 * t + (c & 1);
-          bool vis = key < n_keys;
-          if (vis && key >= n_prefix) {
-            const int nj = key - n_prefix;
-            vis = valid[h] && ((visibility[(size_t)qi[h] * vis_words + (nj >> 5)] >> (nj & 31)) & 1u);
-          }
-          s[j][c] = vis ? s[j][c] * scale_log2 : NEG_INF;
-          tile_max[h] = fmaxf(tile_max[h], s[j][c]);
-        }
-      float alpha[2], base[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-        const float new_max = fmaxf(row_max[h], tile_max[h]);
-        base[h] = new_max == NEG_INF ? 0.f : new_max;  // a fully masked row so far: avoid inf - inf
-        alpha[h] = exp2f(row_max[h] - base[h]);
-        row_max[h] = new_max;
-      }
-      float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          s[j][c] = exp2f(s[j][c] - base[c >> 1]);
-          tile_sum[c >> 1] += s[j][c];
-        }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tile_sum[h] += __shfl_xor_sync(0xffffffffu, tile_sum[h], 1);
-        tile_sum[h] += __shfl_xor_sync(0xffffffffu, tile_sum[h], 2);
-        row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
-      }
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        oacc[j][0] *= alpha[0]; oacc[j][1] *= alpha[0];
-        oacc[j][2] *= alpha[1]; oacc[j][3] *= alpha[1];
-      }
-      // O += P V: the S accumulators of key n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint32_t a0 = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-        const uint32_t a1 = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-        const uint32_t a2 = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        const uint32_t a3 = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-        for (int n2 = 0; n2 < D / 16; ++n2) {
-          uint32_t b[4];  // matrices: keys +0..7 | d lo, keys +8..15 | d lo, keys +0..7 | d hi, +8..15 | d hi
-          ldmatrix_x4_trans(b, &vs[buf][kk * 16 + rr + 8 * (mi & 1)][n2 * 16 + 8 * (mi >> 1)]);
-          mma(oacc[2 * n2], a0, a1, a2, a3, b[0], b[1]);
-          mma(oacc[2 * n2 + 1], a0, a1, a2, a3, b[2], b[3]);
-        }
-      }
-    }
+    if (warp_active)
+      attend_tile<D, kTileKeys>(qa, ks[buf], vs[buf], tile * kTileKeys, n_keys, n_prefix, visibility, vis_words, qi,
+                                valid, scale_log2, oacc, row_max, row_sum);
     __syncthreads();  // the buffer is refilled next iteration
   }
 
@@ -254,6 +282,146 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
         *reinterpret_cast<float2*>(dst + j * 8 + 2 * t) = make_float2(oacc[j][2 * h] * inv, oacc[j][2 * h + 1] * inv);
       if (t == 0) ws_lse[part] = row_sum[h] > 0.f ? row_max[h] + log2f(row_sum[h]) : NEG_INF;
     }
+  }
+}
+
+// Decode and trees of a few nodes: all T * G query rows of a KV head fit one warp's 16 rows. Instead of one warp
+// computing while three wait at the block's barriers (tree_attention_kernel), every warp streams its own KT-slot
+// tiles (the block's split dealt round-robin) through its own S-stage shared ring, with no block barrier in the
+// loop; the warps' softmax states meet in shared memory at the end. Splits over blockIdx.z as in
+// tree_attention_kernel (counted in KT-slot tiles; the plan's table is indexed by 64-slot tiles), partials for
+// attention_combine_kernel.
+// grid (1, Hkv, splits), block 128, dynamic smem = decode_attention_smem_bytes(D, KT, S) (runtime/dense_kernels.py).
+template <int D, int KT, int S>
+__global__ void __launch_bounds__(kWarps * 32)
+decode_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
+                        const __nv_bfloat16* __restrict__ k_cache, int ldk,
+                        const __nv_bfloat16* __restrict__ v_cache, int ldv,
+                        const uint32_t* __restrict__ visibility, int vis_words,
+                        const int* __restrict__ n_prefix_ptr,
+                        __nv_bfloat16* __restrict__ o, int ldo,
+                        float* __restrict__ ws_o, float* __restrict__ ws_lse,
+                        int T, int Hq, int Hkv, float scale_log2, const int* __restrict__ split_table) {
+  static_assert(KT % 16 == 0 && S >= 2, "tiles of whole 16-key MMA steps, at least two stages");
+  ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
+  ddtree::launch_dependents();
+  constexpr int kLd = D + 8;
+  using Tile = __nv_bfloat16[KT][kLd];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  Tile* ring = reinterpret_cast<Tile*>(smem_raw) + warp * 2 * S;  // this warp's K stages, then its V stages
+  const int G = Hq / Hkv;
+  const int kvh = blockIdx.y;
+  const int n_prefix = *n_prefix_ptr;
+  const int n_keys = n_prefix + T;
+  const int splits = active_splits(n_keys, gridDim.z, split_table);
+  if ((int)blockIdx.z >= splits) return;
+  const int n_tiles = (n_keys + KT - 1) / KT;
+  const int per_split = (n_tiles + splits - 1) / splits;
+  const int tile_begin = blockIdx.z * per_split;
+  const int tile_end = min(n_tiles, tile_begin + per_split);
+
+  int qi[2], head[2];
+  bool valid[2];
+  query_rows(g, T, G, kvh, qi, head, valid);
+  uint32_t qa[D / 16][4];
+  load_q_fragments<D>(qa, q, ldq, qi, head, valid, t);
+  float oacc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) oacc[j][c] = 0.f;
+  float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
+
+  auto load_tile = [&](int tile, int stage) {  // the warp's own copies: only its lanes wait for them
+    const int key0 = tile * KT;
+    constexpr int kVecsPerRow = D / 8;
+#pragma unroll 4
+    for (int i = lane; i < KT * kVecsPerRow; i += 32) {
+      const int r = i / kVecsPerRow, c = (i % kVecsPerRow) * 8;
+      const int key = key0 + r;
+      const bool ok = key < n_keys;
+      const size_t slot = ok ? (size_t)key : 0;
+      cp_async16(&ring[stage][r][c], k_cache + slot * ldk + kvh * D + c, ok);
+      cp_async16(&ring[S + stage][r][c], v_cache + slot * ldv + kvh * D + c, ok);
+    }
+  };
+  const int first = tile_begin + warp;
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) {  // S - 1 tiles in flight; a group per stage, empty past the end
+    if (first + i * kWarps < tile_end) load_tile(first + i * kWarps, i);
+    cp_async_commit();
+  }
+  for (int tile = first, it = 0; tile < tile_end; tile += kWarps, ++it) {
+    cp_async_wait<S - 2>();  // S - 1 + it groups committed: this tile's has landed
+    __syncwarp();            // for every lane of the warp
+    // the tile S - 1 ahead goes into the stage read in the previous iteration (done: the __syncwarp below)
+    const int ahead = tile + (S - 1) * kWarps;
+    if (ahead < tile_end) load_tile(ahead, (it + S - 1) % S);
+    cp_async_commit();
+    attend_tile<D, KT>(qa, ring[it % S], ring[S + it % S], tile * KT, n_keys, n_prefix, visibility, vis_words,
+                       qi, valid, scale_log2, oacc, row_max, row_sum);
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+  // The warps' states into shared memory (over the rings): unnormalised O [warp][16][D], row max and sum.
+  __syncthreads();
+  float* so = reinterpret_cast<float*>(smem_raw);
+  float* sm = so + kWarps * 16 * D;   // [warp][16] row max, then the merge weights
+  float* sl = sm + kWarps * 16;       // [warp][16] row sum, then 1 / the merged sum in sl[row]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp * 16 + g + 8 * h;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      *reinterpret_cast<float2*>(so + row * D + j * 8 + 2 * t) = make_float2(oacc[j][2 * h], oacc[j][2 * h + 1]);
+    if (t == 0) { sm[row] = row_max[h]; sl[row] = row_sum[h]; }
+  }
+  __syncthreads();
+  const int rows = T * G;
+  float lse = NEG_INF;
+  if (threadIdx.x < rows) {  // per row: each warp's weight 2^(max_w - max), the merged sum
+    const int row = threadIdx.x;
+    float m = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm[w * 16 + row]);
+    float wgt[kWarps], den = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      wgt[w] = m == NEG_INF ? 0.f : exp2f(sm[w * 16 + row] - m);
+      den += wgt[w] * sl[w * 16 + row];
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sm[w * 16 + row] = wgt[w] * inv;
+    if (den > 0.f) lse = m + log2f(den);
+  }
+  __syncthreads();
+  // O = sum_w weight_w O_w, 4 columns per thread; one split writes O, several write O / l and the base-2 lse.
+  for (int i = threadIdx.x; i < rows * (D / 4); i += kWarps * 32) {
+    const int row = i / (D / 4), d = (i % (D / 4)) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float wt = sm[w * 16 + row];
+      const float4 v = *reinterpret_cast<const float4*>(so + (w * 16 + row) * D + d);
+      acc.x += wt * v.x; acc.y += wt * v.y; acc.z += wt * v.z; acc.w += wt * v.w;
+    }
+    const int qrow = row / G, qhead = kvh * G + row % G;
+    if (splits == 1) {
+      __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(o + (size_t)qrow * ldo + qhead * D + d);
+      dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
+      dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
+    } else {
+      const size_t part = (size_t)blockIdx.z * T * Hq + (size_t)qrow * Hq + qhead;
+      *reinterpret_cast<float4*>(ws_o + part * D + d) = acc;
+    }
+  }
+  if (splits > 1 && threadIdx.x < rows) {
+    const int row = threadIdx.x;
+    ws_lse[(size_t)blockIdx.z * T * Hq + (size_t)(row / G) * Hq + kvh * G + row % G] = lse;
   }
 }
 
@@ -294,6 +462,30 @@ template __global__ void tree_attention_kernel<64>(const __nv_bfloat16*, int, co
 template __global__ void tree_attention_kernel<128>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
     const __nv_bfloat16*, int, const uint32_t*, int, const int*, __nv_bfloat16*, int, float*, float*, int, int,
     int, float, const int*);
+template __global__ void decode_attention_kernel<64, 32, 2>(const __nv_bfloat16*, int,
+    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
+    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
+template __global__ void decode_attention_kernel<64, 32, 3>(const __nv_bfloat16*, int,
+    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
+    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
+template __global__ void decode_attention_kernel<64, 16, 2>(const __nv_bfloat16*, int,
+    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
+    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
+template __global__ void decode_attention_kernel<64, 16, 3>(const __nv_bfloat16*, int,
+    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
+    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
+template __global__ void decode_attention_kernel<128, 32, 2>(const __nv_bfloat16*, int,
+    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
+    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
+template __global__ void decode_attention_kernel<128, 32, 3>(const __nv_bfloat16*, int,
+    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
+    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
+template __global__ void decode_attention_kernel<128, 16, 2>(const __nv_bfloat16*, int,
+    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
+    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
+template __global__ void decode_attention_kernel<128, 16, 3>(const __nv_bfloat16*, int,
+    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
+    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
 template __global__ void attention_combine_kernel<64>(const float*, const float*, int, __nv_bfloat16*, int, int,
     int, const int*, const int*);
 template __global__ void attention_combine_kernel<128>(const float*, const float*, int, __nv_bfloat16*, int, int,

@@ -554,6 +554,42 @@ def attention_smem_bytes(head_dim: int) -> int:
     return 2 * 2 * ATTN_TILE_KEYS * (head_dim + 8) * 2  # K and V, two stages, padded rows
 
 
+# decode_attention_kernel<D, KT, S>: T * G <= one warp's 16 query rows; each of the 4 warps streams its own KT-slot
+# K/V tiles through an S-stage ring. DECODE_VARIANTS: (KT, S) per head dim (instances: DECODE_ATTN_VARIANTS).
+# DDTREE_ATTN_DECODE=0: tree_attention_kernel for those shapes too (A/B).
+DECODE_ATTN_ROWS = 16
+# Picked in the engine's AR graph, not alone: the smallest ring at D = 64 (37 KB of shared memory per block; the
+# 110 KB of <64, 32, 3>, fastest alone, made the SmolLM2 AR step 5-8% slower), 32x2 at D = 128 (docs/PERF.md).
+DECODE_VARIANTS = {64: (16, 2), 128: (32, 2)}
+ATTN_DECODE = os.environ.get("DDTREE_ATTN_DECODE", "1") != "0"
+
+
+def decode_attention_smem_bytes(head_dim: int, variant: tuple[int, int]) -> int:
+    kt, stages = variant
+    return 4 * stages * 2 * kt * (head_dim + 8) * 2  # 4 warps x stages x K and V, padded rows
+
+
+def decode_variant(head_dim: int, variant: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(KT, S) of the decode kernel for head_dim: `variant` if given (it must be an instance), else the default."""
+    from cutlass_kernels.registry import DECODE_ATTN_VARIANTS
+    variant = tuple(variant) if variant is not None else DECODE_VARIANTS[head_dim]
+    _need(variant in DECODE_ATTN_VARIANTS, "attention", f"decode variant {variant}: instances are "
+          f"{DECODE_ATTN_VARIANTS}")
+    return variant
+
+
+def attention_kernel_for(T: int, Hq: int, Hkv: int, kernel: str | None = None) -> str:
+    """"decode" (decode_attention_kernel) where all T * G query rows of a KV head fit one warp, else "tree"
+    (tree_attention_kernel); `kernel` forces one (decode only where the rows fit)."""
+    fits = T * (Hq // Hkv) <= DECODE_ATTN_ROWS
+    if kernel is not None:
+        _need(kernel in ("decode", "tree"), "attention", f"kernel {kernel!r}: 'decode' or 'tree'")
+        _need(kernel == "tree" or fits, "attention", f"the decode kernel holds T * G <= {DECODE_ATTN_ROWS} query "
+              f"rows, got {T} x {Hq // Hkv}")
+        return kernel
+    return "decode" if fits and ATTN_DECODE else "tree"
+
+
 # KV split plan of tree_attention_kernel: a cost model fitted to split sweeps on the H200 (docs/PERF.md, "Dense
 # attention split plan"; largest miss 6.5% over 30 shapes). A block (4 warps, 64 query rows of one KV head) is
 # latency-bound: a round of 64-key tiles over the blocks resident on an SM (ATTN_BLOCKS_PER_SM, registers and
@@ -567,17 +603,33 @@ ATTN_MERGE_BYTES_PER_US = 4.0e6
 ATTN_MAX_SPLITS = 64
 
 
-def attention_splits(T: int, Hq: int, Hkv: int, n_keys: int, sm_count: int, D: int = 128) -> int:
-    """KV splits (blocks along z) for T queries over n_keys cache slots: the fewest whose time under the cost
-    model above is within 2% of the fastest."""
-    blocks = -(-T * (Hq // Hkv) // ATTN_ROWS_PER_BLOCK) * Hkv
-    tiles = max(1, -(-n_keys // ATTN_TILE_KEYS))
-    resident = sm_count * ATTN_BLOCKS_PER_SM.get(D, 2)
+# decode_attention_kernel's plan: the same model with its own constants. A round is one KT-slot tile per warp, the
+# four warps of a block side by side (a block takes ceil(tiles / 4) rounds of its split's tiles); resident blocks
+# per SM from the driver (attention_split_table) or the caller. Rounds fitted to split sweeps (~1.0 us for 32
+# slots); the combine's fixed cost is what it adds inside the engine's AR graph, where PDL hides its launch: with
+# ATTN_MERGE_US the plan kept one split up to prefix ~400, which measured slower there (docs/PERF.md).
+DECODE_ROUND_US = {16: 0.6, 32: 1.0}
+DECODE_MERGE_US = 0.5
+
+
+def attention_splits(T: int, Hq: int, Hkv: int, n_keys: int, sm_count: int, D: int = 128,
+                     kernel: str = "tree", decode: tuple[int, int] | None = None, blocks_per_sm: int = 1) -> int:
+    """KV splits (blocks along z) for T queries over n_keys cache slots on `kernel` ("tree", or "decode" with
+    its (KT, S) variant and resident blocks per SM): the fewest whose time under the cost model above is within
+    2% of the fastest."""
+    if kernel == "decode":
+        kt, _ = decode_variant(D, decode)
+        blocks, tile_keys, per_round = Hkv, kt, 4
+        resident, round_us, merge_us = sm_count * blocks_per_sm, DECODE_ROUND_US[kt], DECODE_MERGE_US
+    else:
+        blocks, tile_keys, per_round = -(-T * (Hq // Hkv) // ATTN_ROWS_PER_BLOCK) * Hkv, ATTN_TILE_KEYS, 1
+        resident, round_us, merge_us = sm_count * ATTN_BLOCKS_PER_SM.get(D, 2), ATTN_ROUND_US, ATTN_MERGE_US
+    tiles = max(1, -(-n_keys // tile_keys))
 
     def est_us(s: int) -> float:
-        us = -(-blocks * s // resident) * -(-tiles // s) * ATTN_ROUND_US
+        us = -(-blocks * s // resident) * -(-tiles // (s * per_round)) * round_us
         if s > 1:
-            us += ATTN_MERGE_US + s * ATTN_MERGE_SPLIT_US + s * T * Hq * D * 4 / ATTN_MERGE_BYTES_PER_US
+            us += merge_us + s * ATTN_MERGE_SPLIT_US + s * T * Hq * D * 4 / ATTN_MERGE_BYTES_PER_US
         return us
 
     counts = range(1, min(tiles, ATTN_MAX_SPLITS) + 1)
@@ -588,34 +640,52 @@ def attention_splits(T: int, Hq: int, Hkv: int, n_keys: int, sm_count: int, D: i
 _split_tables: dict[tuple, tuple[DeviceArray, np.ndarray]] = {}
 
 
-def attention_split_table(T: int, Hq: int, Hkv: int, D: int, capacity: int, sm_count: int):
-    """The split plan for every prefix: int32 [capacity tiles + 1], entry n = attention_splits for n key
-    tiles, on the device (both attention kernels read the replayed prefix's entry, so a graph captured once
-    runs every prefix with its own plan) and on the host. Made (one upload) on the first call for a shape,
-    outside any capture; cached."""
+def attention_split_table(T: int, Hq: int, Hkv: int, D: int, capacity: int, sm_count: int, kernel: str = "tree",
+                          decode: tuple[int, int] | None = None):
+    """The split plan of `kernel` (and decode variant) for every prefix: int32 [capacity tiles + 1], entry n =
+    attention_splits for n 64-slot key tiles, on the device (the attention kernel and the combine kernel read
+    the replayed prefix's entry, so a graph captured once runs every prefix with its own plan) and on the host.
+    Made (one upload) on the first call for a shape, outside any capture; cached."""
     from runtime.cuda import graph, to_device
-    key = (T, Hq, Hkv, D, capacity, sm_count)
+    decode = decode_variant(D, decode) if kernel == "decode" else None
+    key = (T, Hq, Hkv, D, capacity, sm_count, kernel, decode)
     hit = _split_tables.get(key)
     if hit is None:
         _need(not graph._active, "attention", "the KV split table for this shape is made on first use: run the "
               "attention once before capturing it (as the engine's warm-up run does)")
         tiles = -(-capacity // ATTN_TILE_KEYS)
-        plan = np.asarray([1] + [attention_splits(T, Hq, Hkv, n * ATTN_TILE_KEYS, sm_count, D)
+        per_sm = 1
+        if decode is not None:
+            kern, smem = _decode_kernel(D, decode)
+            per_sm = kern.blocks_per_sm(128, smem)
+        plan = np.asarray([1] + [attention_splits(T, Hq, Hkv, n * ATTN_TILE_KEYS, sm_count, D, kernel, decode, per_sm)
                                  for n in range(1, tiles + 1)], np.int32)
         hit = _split_tables[key] = (to_device(plan), plan)
     return hit
 
 
+def _decode_kernel(D: int, variant: tuple[int, int]):
+    """decode_attention_kernel<D, KT, S> with its dynamic shared memory allowed; (kernel, smem bytes)."""
+    kt, stages = variant
+    kern = get_kernel("tree_attention", f"decode_attention_kernel<{D}, {kt}, {stages}>")
+    smem = decode_attention_smem_bytes(D, variant)
+    if smem > 48 * 1024:
+        kern.set_max_dynamic_smem(smem)
+    return kern, smem
+
+
 def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_prefix, visibility: DeviceArray,
               scale: float, out: DeviceArray, *, T: int | None = None, max_keys: int | None = None,
               ldq: int | None = None, ldk: int | None = None, ldv: int | None = None, ldo: int | None = None,
-              splits: int | None = None, ws: Workspace | None = None, stream=None) -> DeviceArray:
+              splits: int | None = None, kernel: str | None = None, decode: tuple[int, int] | None = None,
+              ws: Workspace | None = None, stream=None) -> DeviceArray:
     """base.py `attention`: q [T, Hq, D] over cache slots [0, n_prefix + T) of k_cache/v_cache
     [cap, Hkv, D]; prefix slots visible to all, new slot n_prefix + j visible to query i iff bit j of
     visibility row i (uint32 [T, ceil(T/32)], on the device). n_prefix: int or int32 device scalar (then
     pass max_keys, an upper bound on n_prefix + T, to size the KV split grid). A forced `splits` runs exactly
     that many; the planned grid is the most any prefix up to max_keys plans, and at replay the kernels use the
-    count planned for the actual prefix (attention_split_table)."""
+    count planned for the actual prefix (attention_split_table). kernel: see attention_kernel_for; decode: the
+    decode kernel's (KT, S) instance (default DECODE_VARIANTS)."""
     op = "attention"
     for a, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (out, "out")):
         _bf16(a, op, n)
@@ -640,12 +710,14 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(T <= max_keys <= cap, op, f"max_keys = {max_keys} must be in T..capacity = {T}..{cap}")
     n_prefix_dev = _scalar_on_device(n_prefix, "n_prefix", op)
     dev = get_device()
+    kernel = attention_kernel_for(T, Hq, Hkv, kernel)
+    decode = decode_variant(D, decode) if kernel == "decode" else None
     split_table = np.uint64(0)  # forced: the kernels use every split of the grid
     if splits is None:
-        split_table, plan = attention_split_table(T, Hq, Hkv, D, cap, dev.sm_count)
+        split_table, plan = attention_split_table(T, Hq, Hkv, D, cap, dev.sm_count, kernel, decode)
         splits = int(plan[:-(-max_keys // ATTN_TILE_KEYS) + 1].max())  # the most any prefix up to max_keys uses
     G = Hq // Hkv
-    grid = (-(-T * G // ATTN_ROWS_PER_BLOCK), Hkv, splits)
+    grid = (-(-T * G // ATTN_ROWS_PER_BLOCK) if kernel == "tree" else 1, Hkv, splits)
     ws = ws or default_workspace()
     if splits > 1:
         scratch = ws.scratch(splits * T * Hq * (D + 1) * 4)
@@ -653,10 +725,13 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
         ws_lse = scratch.view(splits * T * Hq * D, (splits * T * Hq,))
     else:
         ws_o = ws_lse = out  # unused
-    kern = get_kernel("tree_attention", f"tree_attention_kernel<{D}>")
-    smem = attention_smem_bytes(D)
-    if smem > 48 * 1024:
-        kern.set_max_dynamic_smem(smem)
+    if decode is not None:
+        kern, smem = _decode_kernel(D, decode)
+    else:
+        kern = get_kernel("tree_attention", f"tree_attention_kernel<{D}>")
+        smem = attention_smem_bytes(D)
+        if smem > 48 * 1024:
+            kern.set_max_dynamic_smem(smem)
     ldo = ldo or Hq * D
     kern.launch(grid, 128,
                 [q, _i32(ldq or Hq * D), k_cache, _i32(ldk or Hkv * D), v_cache, _i32(ldv or Hkv * D),

@@ -4,6 +4,7 @@ so a kernel that skips an element fails; NaN or inf never passes the comparison.
 import numpy as np
 import pytest
 
+from cutlass_kernels.registry import DECODE_ATTN_VARIANTS
 from runtime.backends.base import causal_visibility, full_visibility
 from runtime.bf16 import from_bf16, round_bf16, to_bf16
 from runtime.testing import RTOL, assert_close, dev_bf16, poisoned, random_tree_visibility
@@ -148,11 +149,19 @@ def test_swiglu_add_embedding(dk, ref):
 
 # ---------------------------------------------------------------- attention
 @pytest.mark.parametrize("case", [
-    dict(T=1, prefix=1000, Hq=8, Hkv=2, D=128, mask="tree"),             # decode
+    dict(T=1, prefix=1000, Hq=8, Hkv=2, D=128, mask="tree"),             # decode (decode kernel)
+    dict(T=1, prefix=1000, Hq=8, Hkv=2, D=128, mask="tree", kernel="tree"),
     dict(T=1, prefix=5000, Hq=32, Hkv=8, D=128, mask="tree", splits=1),  # decode without KV split
-    dict(T=3, prefix=700, Hq=8, Hkv=2, D=128, mask="tree"),               # 12 rows: warps split keys
-    dict(T=4, prefix=190, Hq=12, Hkv=3, D=64, mask="causal", splits=1),   # 16 rows: warps split keys
-    dict(T=5, prefix=190, Hq=12, Hkv=3, D=64, mask="tree", splits=2),     # 20 rows: warps split rows
+    dict(T=1, prefix=5000, Hq=32, Hkv=8, D=128, mask="tree", splits=1, kernel="tree"),
+    dict(T=1, prefix=40, Hq=9, Hkv=3, D=64, mask="tree"),                 # fewer keys than warps x 32
+    dict(T=1, prefix=3001, Hq=9, Hkv=3, D=64, mask="tree", splits=7),     # splits of uneven tile counts
+    dict(T=1, prefix=130, Hq=16, Hkv=1, D=64, mask="tree", splits=40),    # G = 16; splits without tiles
+    *(dict(T=2, prefix=1500, Hq=8, Hkv=1, D=D, mask="tree", splits=3, decode=v)   # every decode instance
+      for D in (64, 128) for v in DECODE_ATTN_VARIANTS),
+    dict(T=3, prefix=700, Hq=8, Hkv=2, D=128, mask="tree"),               # 12 rows: decode kernel
+    dict(T=3, prefix=700, Hq=8, Hkv=2, D=128, mask="tree", kernel="tree"),
+    dict(T=4, prefix=190, Hq=12, Hkv=3, D=64, mask="causal", splits=1),   # 16 rows: decode kernel
+    dict(T=5, prefix=190, Hq=12, Hkv=3, D=64, mask="tree", splits=2),     # 20 rows: tree kernel
     dict(T=17, prefix=300, Hq=9, Hkv=3, D=64, mask="tree"),               # small tree, SmolLM2 heads
     dict(T=65, prefix=300, Hq=9, Hkv=3, D=64, mask="tree", splits=11),    # budget-64 verify; idle splits
     dict(T=65, prefix=0, Hq=4, Hkv=4, D=128, mask="causal"),              # prefill
@@ -174,8 +183,11 @@ def test_attention(dk, ref, case):
     want = ref.attention(q, k, v, P, vis, scale)
     out = poisoned((T, Hq, D))
     n_prefix = to_device(np.array([P], np.int32)) if case.get("device_prefix") else P
+    ws = dk.Workspace()
+    if case.get("splits", 1) > 1:
+        ws.scratch(case["splits"] * T * Hq * (D + 1) * 4).fill_bytes(0xFF)  # stale partials must not be read
     dk.attention(dev_bf16(q), dev_bf16(k), dev_bf16(v), n_prefix, to_device(vis), scale, out,
-                 max_keys=cap, splits=case.get("splits"))
+                 max_keys=cap, splits=case.get("splits"), kernel=case.get("kernel"), decode=case.get("decode"), ws=ws)
     assert_close(out.download(), want, f"attention {case}", dtype="bf16", rtol=2 * BF16_RTOL, atol=2e-2)
 
 
@@ -308,7 +320,8 @@ def test_kv_compact(dk, ref):
         np.testing.assert_array_equal(c.download(), want)
 
 
-def test_attention_split_plan_follows_the_replayed_prefix(dk, ref):
+@pytest.mark.parametrize("kernel", ["tree", "decode"])
+def test_attention_split_plan_follows_the_replayed_prefix(dk, ref, kernel):
     """The split grid is sized for max_keys; at replay both kernels take the count planned for the actual
     prefix from the device split table: one split writes O itself and the combine kernel exits, several
     merge only their own partials. Output and stale partials poisoned before every replay."""
@@ -316,8 +329,8 @@ def test_attention_split_plan_follows_the_replayed_prefix(dk, ref):
     from runtime.dense_kernels import ATTN_TILE_KEYS, Workspace, attention_split_table
     rng = np.random.default_rng(23)
     T, Hq, Hkv, D, cap = 2, 9, 3, 64, 4096
-    plan = attention_split_table(T, Hq, Hkv, D, cap, get_device().sm_count)[1]
-    assert plan[1] == 1 and plan.max() >= 8, plan
+    plan = attention_split_table(T, Hq, Hkv, D, cap, get_device().sm_count, kernel)[1]
+    assert plan[1] == 1 and plan.max() >= 4, plan
     # prefixes whose plan is 1 split, a middle count, the largest
     picks = [1, int(np.argmax(plan >= plan.max() // 2)), int(np.argmax(plan == plan.max()))]
     prefixes = sorted({min(cap - T, n * ATTN_TILE_KEYS - T - 3) for n in picks if n * ATTN_TILE_KEYS - T - 3 >= 0})
@@ -330,10 +343,11 @@ def test_attention_split_plan_follows_the_replayed_prefix(dk, ref):
     out = poisoned((T, Hq, D))
     ws = Workspace()
     stream = Stream()
-    dk.attention(qd, kd, vd, n_prefix, visd, D ** -0.5, out, T=T, max_keys=cap, ws=ws, stream=stream)
+    dk.attention(qd, kd, vd, n_prefix, visd, D ** -0.5, out, T=T, max_keys=cap, kernel=kernel, ws=ws, stream=stream)
     stream.synchronize()
     with capture(stream) as g:
-        dk.attention(qd, kd, vd, n_prefix, visd, D ** -0.5, out, T=T, max_keys=cap, ws=ws, stream=stream)
+        dk.attention(qd, kd, vd, n_prefix, visd, D ** -0.5, out, T=T, max_keys=cap, kernel=kernel, ws=ws,
+                     stream=stream)
     graph = g.instantiate()
     for prefix in prefixes:
         q = round_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32))
@@ -345,13 +359,13 @@ def test_attention_split_plan_follows_the_replayed_prefix(dk, ref):
         stream.synchronize()
         splits = plan[-(-(prefix + T) // ATTN_TILE_KEYS)]
         assert_close(out.download(), ref.attention(q, k, v, prefix, vis, D ** -0.5),
-                     f"attention replay prefix={prefix} ({splits} of {plan.max()} splits)", dtype="bf16",
+                     f"{kernel} attention replay prefix={prefix} ({splits} of {plan.max()} splits)", dtype="bf16",
                      rtol=2 * BF16_RTOL, atol=2e-2)
 
 
 def test_attention_occupancy_matches_the_split_plan(dk):
     """The split plan assumes ATTN_BLOCKS_PER_SM resident attention blocks per SM; a kernel change that moves
-    the register count changes that, and the plan must follow."""
+    the register count changes that, and the plan must follow. (The decode kernel's plan asks the driver.)"""
     from runtime.cuda import get_kernel
     for D, want in dk.ATTN_BLOCKS_PER_SM.items():
         kern = get_kernel("tree_attention", f"tree_attention_kernel<{D}>")
@@ -373,6 +387,15 @@ def test_attention_split_plan_model():
     assert attention_splits(1025, 32, 8, 2048, 132) <= 2
     for n in (100, 1000, 5000):
         assert attention_splits(1, 9, 3, n, 132, 64) <= -(-n // ATTN_TILE_KEYS)
+    # the decode kernel: four 32-slot tiles a round per block, so a short prefix is one block per KV head
+    from runtime.dense_kernels import attention_kernel_for
+    assert attention_kernel_for(1, 32, 8) == "decode" and attention_kernel_for(5, 12, 3) == "tree"
+    assert attention_splits(1, 9, 3, 128, 132, 64, "decode", (32, 2), 3) == 1
+    decode = [attention_splits(1, 32, 8, n, 132, 128, "decode", (32, 2), 1) for n in (1024, 8192, 32768)]
+    assert decode == sorted(decode) and decode[-1] > 1, decode
+    for n in (100, 1000, 5000):
+        for kt, stages in DECODE_ATTN_VARIANTS:
+            assert attention_splits(1, 9, 3, n, 132, 64, "decode", (kt, stages), 3) <= -(-n // kt)
 
 
 def test_graph_replay_with_new_prefix_and_inputs(dk, ref):

@@ -224,14 +224,16 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
 ATTN_HEADS = {"qwen3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # (q heads, kv heads, head dim)
 
 
-def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 32768), model="qwen3-8b", capacity=None):
+def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 32768), model="qwen3-8b", capacity=None,
+                    budgets=None, kernels=(None,), decode_variants=(None,)):
     from runtime.backends.base import causal_visibility
     rng = np.random.default_rng(1)
     Hq, Hkv, D = ATTN_HEADS[model]
-    print(f"\n## tree-verify attention, {model} heads ({Hq} q / {Hkv} kv, d {D}); one layer; ratio vs T=1 decode")
-    print("| prefix | budget | T | splits | us | x decode | KV GB/s |")
-    print("|---|---|---|---|---|---|---|")
-    budgets = [0, 16, 32, 64, 128, 256, 512, 1024] if not quick else [0, 16, 64, 256, 1024]
+    print(f"\n## tree-verify attention, {model} heads ({Hq} q / {Hkv} kv, d {D}); one layer; ratio vs the first row "
+          "of the prefix (T = 1 decode)")
+    print("| prefix | budget | T | kernel | splits | us | x decode | KV GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    budgets = budgets or ([0, 16, 32, 64, 128, 256, 512, 1024] if not quick else [0, 16, 64, 256, 1024])
     for prefix in prefixes:
         cap = max(prefix + 1025 + 64, capacity or 0)
         kv_bytes = 2 * cap * Hkv * D * 2
@@ -245,8 +247,18 @@ def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 3276
             kv.append((k, v))
         n_prefix = to_device(np.array([prefix], np.int32))
         base_us = None
-        for budget, forced in ((b, f) for b in budgets for f in split_counts):
+        runs = []   # (budget, kernel, decode variant or None, forced splits): the decode kernel once per variant
+        for budget, kernel_ask in ((b, k) for b in budgets for k in kernels):
             T = budget + 1
+            if kernel_ask == "decode" and T * (Hq // Hkv) > dk.DECODE_ATTN_ROWS:
+                continue
+            kernel = dk.attention_kernel_for(T, Hq, Hkv, kernel_ask)
+            runs += [(budget, kernel, v if kernel == "decode" else None, f)
+                     for v in (decode_variants if kernel == "decode" else [None]) for f in split_counts]
+        for budget, kernel, variant, forced in runs:
+            T = budget + 1
+            decode = dk.decode_variant(D, variant) if kernel == "decode" else None
+            label = kernel if decode is None else f"decode {decode[0]}x{decode[1]}"
             q = to_device(to_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32)))
             vis = to_device(causal_visibility(T))  # a chain: the densest tree mask
             out = empty((T, Hq, D), np.uint16)
@@ -256,16 +268,17 @@ def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 3276
             if forced:
                 splits = str(forced)
             else:
-                plan = dk.attention_split_table(T, Hq, Hkv, D, cap, get_device().sm_count)[1]
+                plan = dk.attention_split_table(T, Hq, Hkv, D, cap, get_device().sm_count, kernel, decode)[1]
                 splits = f"{plan[-(-(prefix + T) // dk.ATTN_TILE_KEYS)]}/{plan[:-(-max_keys // dk.ATTN_TILE_KEYS) + 1].max()}"
             us = graph_time_us(lambda i, s: dk.attention(q, kv[i % copies][0], kv[i % copies][1], n_prefix, vis,
                                                          D ** -0.5, out, T=T, max_keys=max_keys, splits=forced or None,
-                                                         stream=s),
+                                                         kernel=kernel, decode=decode, stream=s),
                                reps=max(copies, 4), stream=stream)
             if base_us is None:
                 base_us = us
             gbs = 2 * (prefix + T) * Hkv * D * 2 / (us * 1e-6) / 1e9
-            print(f"| {prefix} | {budget} | {T} | {splits} | {us:.2f} | {us / base_us:.2f} | {gbs:.0f} |", flush=True)
+            print(f"| {prefix} | {budget} | {T} | {label} | {splits} | {us:.2f} | {us / base_us:.2f} | {gbs:.0f} |",
+                  flush=True)
         del kv
 
 
@@ -307,6 +320,11 @@ def main():
     ap.add_argument("--attn-model", choices=sorted(ATTN_HEADS), default="qwen3-8b", help="attention: head shape")
     ap.add_argument("--attn-splits", type=int, nargs="+", default=[0],
                     help="attention: KV split counts to time per budget (0 = the planned one)")
+    ap.add_argument("--attn-budgets", type=int, nargs="+", help="attention: tree budgets (T = budget + 1; 0 = decode)")
+    ap.add_argument("--attn-kernels", nargs="+", choices=("auto", "tree", "decode"), default=["auto"],
+                    help="attention: kernels to time (auto = the one attention() picks; decode only where it fits)")
+    ap.add_argument("--attn-decode-variants", nargs="+", metavar="KTxS",
+                    help="attention: decode kernel instances to time, e.g. 32x2 16x3 (default: the planned one)")
     ap.add_argument("--torch-linear", metavar="JSON", help=argparse.SUPPRESS)  # the --peer child
     args = ap.parse_args()
     if args.torch_linear:
@@ -320,7 +338,9 @@ def main():
         print(f"streaming read: {read_bw / 1e12:.3f} TB/s (runtime_probe read_sum_kernel, 2 GiB, best config)")
         bench_linear(stream, read_bw, args.m, args.quick, args.gmma, args.ops, peer)
     if not args.linear_only:
-        bench_attention(stream, args.quick, args.attn_splits, args.attn_prefix, args.attn_model, args.attn_capacity)
+        bench_attention(stream, args.quick, args.attn_splits, args.attn_prefix, args.attn_model, args.attn_capacity,
+                        args.attn_budgets, [None if k == "auto" else k for k in args.attn_kernels],
+                        [tuple(int(x) for x in v.split("x")) for v in args.attn_decode_variants or []] or [None])
         bench_sampling(stream)
 
 

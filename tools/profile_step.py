@@ -78,8 +78,12 @@ def _label(name, args, kwargs, lin_names, sm_count) -> tuple[str, str]:
     if name == "attention":
         q, k_cache = args[0], args[1]
         T, max_keys = kwargs.get("T") or q.shape[0], kwargs.get("max_keys")
-        splits = dk.attention_splits(T, q.shape[-2], k_cache.shape[-2], max_keys, sm_count, q.shape[-1]) if max_keys else "?"
-        return "attention", f"T={T} max_keys={max_keys} kv splits planned at max_keys={splits} (+ combine when > 1)"
+        kernel = dk.attention_kernel_for(T, q.shape[-2], k_cache.shape[-2], kwargs.get("kernel"))
+        splits = (dk.attention_split_table(T, q.shape[-2], k_cache.shape[-2], q.shape[-1], k_cache.shape[0], sm_count,
+                                           kernel)[1][:-(-max_keys // dk.ATTN_TILE_KEYS) + 1].max()
+                  if max_keys else "?")
+        return "attention", (f"{kernel} T={T} max_keys={max_keys} kv splits planned at max_keys={splits} "
+                             "(+ combine when > 1)")
     return name, ""
 
 
