@@ -66,7 +66,6 @@ __device__ __forceinline__ int active_splits(int n_keys, int grid_splits, const 
   return max(1, min(grid_splits, __ldg(split_table + n_tiles)));
 }
 
-
 // This lane's two query rows r and r + 8 of the packed (query, head-in-group) rows: query index, q head, valid.
 __device__ __forceinline__ void query_rows(int r, int T, int G, int kvh, int (&qi)[2], int (&head)[2],
                                            bool (&valid)[2]) {
