@@ -52,3 +52,16 @@ def test_bench_verify_fake_end_to_end():
                  "whole graph replay", "linear lm_head"):
         assert line in out, out
     assert "capturing the AR graph" in p.stderr and "done in" in p.stderr
+
+
+def test_bench_ar_fake_end_to_end():
+    """tools/bench_ar.py: every attention configuration builds its engine, decodes and prints its row; a decode
+    instance that does not exist is refused before any engine is built."""
+    cmd = [sys.executable, "-m", "tools.bench_ar", "--random", "qwen3-tiny", "--fake", "--prompts", "8,40",
+           "--new-tokens", "3", "--iters", "2", "--attn", "tree,decode,decode:32x3"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for row in ("| tree | ", "| decode | ", "| decode:32x3 | "):
+        assert row in p.stdout, p.stdout
+    bad = subprocess.run(cmd[:-1] + ["decode:8x8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "decode variant (8, 8)" in bad.stderr, bad.stdout + bad.stderr

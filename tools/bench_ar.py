@@ -1,0 +1,101 @@
+"""AR decoding in the graph-captured CUDA engine at several prompt lengths, attention configurations side by
+side (issue 6): tok/s over --new-tokens greedy tokens (host work included) and the AR graph's replay time.
+
+    python -m tools.bench_ar                                          # SmolLM2-135M shape: tree vs decode
+    python -m tools.bench_ar --attn tree,decode:16x2,decode:32x3 --prompts 8,512,1024
+    python -m tools.bench_ar --random qwen3-8b --new-tokens 48 --prompts 8,512,1024,1536
+    python -m tools.bench_ar --random qwen3-tiny --fake --prompts 8,40 --new-tokens 4   # CPU stand-in
+
+An attention configuration is "tree" (tree_attention_kernel for every shape, as DDTREE_ATTN_DECODE=0), "decode"
+(decode_attention_kernel where T x G <= 16 rows, its default instance per head dim) or "decode:KTxS" (that
+instance for every head dim). Each configuration gets its own Engine, whose graphs are captured with it, on the
+same target weights. The replay is timed after each generate, so at prefix = prompt + new tokens.
+
+Why a tool: per-op timings (bench_dense, profile_step) did not rank the decode kernel's instances the way the
+AR graph does (docs/PERF.md, session of 2026-12-04 (15)). On --fake the times are host seconds of numpy
+stand-ins: meaningless; the run checks that the tool works end to end.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def configure(spec: str, default_variants: dict) -> None:
+    """Set runtime.dense_kernels' attention choice for the engines built from now on."""
+    import runtime.dense_kernels as dk
+    kernel, _, variant = spec.partition(":")
+    if kernel not in ("tree", "decode") or (variant and kernel != "decode"):
+        raise SystemExit(f"bench_ar: --attn {spec!r}: tree, decode or decode:KTxS")
+    dk.ATTN_DECODE = kernel == "decode"
+    dk.DECODE_VARIANTS = dict(default_variants)
+    if variant:
+        kt_s = tuple(int(x) for x in variant.split("x"))
+        dk.DECODE_VARIANTS = {d: kt_s for d in default_variants}
+        for d in default_variants:
+            dk.decode_variant(d)                 # an instance that exists, or a clear error now
+
+
+def main(argv=None) -> int:
+    from tools.bench_e2e import RANDOM_SHAPES
+    ap = argparse.ArgumentParser(prog="bench_ar", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--random", choices=sorted(RANDOM_SHAPES), default="smollm2-135m", help="model shape")
+    ap.add_argument("--attn", default="tree,decode", help="comma-separated attention configurations (see above)")
+    ap.add_argument("--prompts", default="8,128,256,512,1024,1536", help="comma-separated prompt lengths")
+    ap.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
+    ap.add_argument("--iters", type=int, default=20, help="timed replays of the AR graph (median)")
+    ap.add_argument("--fake", action="store_true", help="run on the CPU stand-in (tests/fake_cuda.py); "
+                    "times are meaningless, checks the tool end to end")
+    args = ap.parse_args(argv)
+    specs = [s for s in args.attn.split(",") if s]
+    prompts = [int(p) for p in args.prompts.split(",") if p]
+
+    from tools.profile_step import _time_graph, install_fake
+    if args.fake:
+        install_fake()
+    import runtime.dense_kernels as dk
+    from runtime import cuda_engine as ce
+    from runtime.backends.cuda_backend import CudaBackend
+    from runtime.engine import Engine
+    from tools.bench_e2e import random_drafter, random_target
+
+    b = CudaBackend(graphs=True)
+    print(f"bench_ar: building a random {args.random} in memory ...", file=sys.stderr, flush=True)
+    target = random_target(RANDOM_SHAPES[args.random], b)
+    drafter = random_drafter(target, b)
+    vocab = min(32000, target.vocab_size)
+    default_variants = dict(dk.DECODE_VARIANTS)
+    rows = []
+    for spec in specs:
+        configure(spec, default_variants)
+        engine = Engine(target, drafter)
+        rng = np.random.default_rng(0)           # the same prompts for every configuration
+        cells = []
+        for n in prompts:
+            r = engine.generate([int(x) for x in rng.integers(16, vocab, n)], mode="ar",
+                                max_new_tokens=args.new_tokens)
+            graph = ce.graph_decoder(engine).graphs[("ar", 0.0)]
+            replay_us = _time_graph(graph.exec, b.stream, args.fake, args.iters) * 1e3
+            cells.append(((len(r.tokens) - 1) / r.decode_s, replay_us))
+            print(f"  {spec:14s} prompt {n:5d}: {cells[-1][0]:8.1f} tok/s, AR replay {replay_us:8.1f} us",
+                  file=sys.stderr, flush=True)
+        rows.append((spec, cells))
+        del engine
+    configure("decode", default_variants)
+
+    unit = "host us (fake: meaningless)" if args.fake else "us"
+    print(f"\n{args.random}, AR, {args.new_tokens} new tokens per prompt; tok/s and AR graph replay ({unit}) after "
+          "them; x = replay / the first configuration's")
+    print(f"| attention | " + " | ".join(f"prompt {n}" for n in prompts) + " |")
+    print("|---|" + "---|" * len(prompts))
+    base = rows[0][1]
+    for spec, cells in rows:
+        print(f"| {spec} | " + " | ".join(f"{tps:.0f} tok/s, {us:.1f} ({us / b0[1]:.2f}x)"
+                                          for (tps, us), b0 in zip(cells, base)) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
