@@ -215,3 +215,39 @@ def test_compile_leaves_interned_bytes_alone(tmp_path, monkeypatch):
     compile_family(KernelFamily("ok", str(tmp_path / "ok.cu"), ("ok_kernel",)), "90a")
     space = bytes([32])
     assert b" " == space and b" " * 3 == space * 3
+
+
+# Register counts that measured speed depends on, checked on the CPU. ptxas re-allocates a kernel when code it
+# inlines changes, and for some kernels the allocation is the speed.
+# (family, arch, entry) -> (fewest registers, what was measured)
+REGISTER_FLOORS = {
+    ("moe_int4", "90a", "moe_w4a16_kernel<0, 2, 2, 1, 1, 3>"): (
+        110, "the T = 49..128 gate_up default: at 126 registers ptxas issues the activation loads a unit ahead of "
+             "their MMAs; builds at 76-96 registers ran the MoE layer 15-20% slower at uniform T = 64..128 "
+             "(docs/PERF.md, session of 2026-12-04 (15))"),
+}
+
+
+def test_register_floors(built):
+    for (family, arch, entry), (floor, why) in REGISTER_FLOORS.items():
+        got = built[(family, arch)].registers[entry]
+        assert got >= floor, (
+            f"{entry} sm_{arch}: {got} registers, below {floor}: {why}. Time the layer on the GPU before and after "
+            f"(tools/bench_moe.py --no-variants --no-plans --tokens 64,96,128 --routing uniform), then update "
+            f"REGISTER_FLOORS.")
+
+
+def test_cubin_register_counts_match_the_disassembler(built):
+    """The CUBIN reader's counts equal the register numbers the kernels' SASS uses (highest R index + 1 is a
+    lower bound; the allocation adds the ABI's reserved ones), for a family with several entries."""
+    mod = built[("tree_attention", "90a")]
+    regs = mod.registers
+    assert set(regs) == set(FAMILIES["tree_attention"].entries)
+    assert all(24 <= r <= 255 for r in regs.values()), regs
+    if nvrtc.find_disassembler() is None:
+        pytest.skip("no nvdisasm/cuobjdump: the counts were range-checked only")
+    sass = mod.sass()
+    for entry, sym in mod.lowered.items():
+        body = sass.split(f".text.{sym}:", 1)[1].split(".text.", 1)[0]
+        used = max(int(r) for r in re.findall(r"\bR(\d+)\b", body)) + 1
+        assert used <= regs[entry] <= used + 8, (entry, used, regs[entry])

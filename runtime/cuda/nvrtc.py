@@ -194,6 +194,45 @@ class CompiledModule:
         """The parameter sizes of a registered entry ("moe_gmma_kernel<0, 64, 3>"), None if the PTX lacks it."""
         return self.param_sizes.get(self.lowered[entry])
 
+    @functools.cached_property
+    def registers(self) -> dict[str, int]:
+        """Registered entry -> registers per thread, read from the CUBIN (no GPU needed)."""
+        by_symbol = cubin_register_counts(self.cubin)
+        return {entry: by_symbol[sym] for entry, sym in self.lowered.items() if sym in by_symbol}
+
+
+def cubin_register_counts(cubin: bytes) -> dict[str, int]:
+    """Symbol -> registers per thread of every kernel in a CUBIN: the EIATTR_REGCOUNT records of its .nv.info
+    section (each record: format byte, attribute byte, u16 size, then for this attribute the u32 symbol index
+    and the u32 count), symbols resolved through .symtab / .strtab. (What cuobjdump -res-usage prints.)"""
+    import struct
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+
+    def cstr(offset: int) -> str:
+        return cubin[offset:cubin.index(b"\0", offset)].decode()
+
+    names = [cstr(sections[shstrndx][4] + sec[0]) for sec in sections]
+    symtab, strtab = sections[names.index(".symtab")], sections[names.index(".strtab")]
+    symbols = [cstr(strtab[4] + struct.unpack_from("<I", cubin, off)[0])
+               for off in range(symtab[4], symtab[4] + symtab[5], 24)]
+    counts = {}
+    for sec, name in zip(sections, names):
+        if name != ".nv.info":
+            continue
+        at, end = sec[4], sec[4] + sec[5]
+        while at < end:
+            fmt, attr, size = struct.unpack_from("<BBH", cubin, at)
+            if fmt == 0x04:                  # EIFMT_SVAL: `size` bytes of value follow
+                if attr == 0x2F:             # EIATTR_REGCOUNT
+                    sym, regs = struct.unpack_from("<II", cubin, at + 4)
+                    counts[symbols[sym]] = regs
+                at += 4 + size
+            else:                            # EIFMT_NVAL / BVAL / HVAL: the 4-byte header only
+                at += 4
+    return counts
+
 
 _PTX_PARAM_TYPE = re.compile(r"\.[bsuf](8|16|32|64)\b")
 
