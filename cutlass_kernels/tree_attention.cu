@@ -454,38 +454,3 @@ attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict
   }
   o[(size_t)qi * ldo + head * D + threadIdx.x] = __float2bfloat16(den > 0.f ? num / den : 0.f);
 }
-
-template __global__ void tree_attention_kernel<64>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, int, const uint32_t*, int, const int*, __nv_bfloat16*, int, float*, float*, int, int,
-    int, float, const int*);
-template __global__ void tree_attention_kernel<128>(const __nv_bfloat16*, int, const __nv_bfloat16*, int,
-    const __nv_bfloat16*, int, const uint32_t*, int, const int*, __nv_bfloat16*, int, float*, float*, int, int,
-    int, float, const int*);
-template __global__ void decode_attention_kernel<64, 32, 2>(const __nv_bfloat16*, int,
-    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
-    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
-template __global__ void decode_attention_kernel<64, 32, 3>(const __nv_bfloat16*, int,
-    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
-    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
-template __global__ void decode_attention_kernel<64, 16, 2>(const __nv_bfloat16*, int,
-    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
-    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
-template __global__ void decode_attention_kernel<64, 16, 3>(const __nv_bfloat16*, int,
-    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
-    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
-template __global__ void decode_attention_kernel<128, 32, 2>(const __nv_bfloat16*, int,
-    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
-    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
-template __global__ void decode_attention_kernel<128, 32, 3>(const __nv_bfloat16*, int,
-    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
-    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
-template __global__ void decode_attention_kernel<128, 16, 2>(const __nv_bfloat16*, int,
-    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
-    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
-template __global__ void decode_attention_kernel<128, 16, 3>(const __nv_bfloat16*, int,
-    const __nv_bfloat16*, int, const __nv_bfloat16*, int, const uint32_t*, int, const int*,
-    __nv_bfloat16*, int, float*, float*, int, int, int, float, const int*);
-template __global__ void attention_combine_kernel<64>(const float*, const float*, int, __nv_bfloat16*, int, int,
-    int, const int*, const int*);
-template __global__ void attention_combine_kernel<128>(const float*, const float*, int, __nv_bfloat16*, int, int,
-    int, const int*, const int*);
