@@ -700,6 +700,14 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(Dk == D and v_cache.shape[-1] == D, op, f"head dims q {D}, k {Dk}, v {v_cache.shape[-1]} must agree")
     _need(D in (64, 128), op, f"head_dim {D}: kernels exist for 64 and 128")
     _need(Hq % Hkv == 0, op, f"Hq = {Hq} not a multiple of Hkv = {Hkv}")
+    ldq, ldk, ldv, ldo = ldq or Hq * D, ldk or Hkv * D, ldv or Hkv * D, ldo or Hq * D
+    _need(ldq >= Hq * D and ldo >= Hq * D and ldk >= Hkv * D and ldv >= Hkv * D, op,
+          f"row strides q {ldq}, k {ldk}, v {ldv}, out {ldo} are shorter than a row ({Hq} / {Hkv} heads x {D})")
+    _need(ldq % 2 == 0 and ldo % 2 == 0 and ldk % 8 == 0 and ldv % 8 == 0, op,
+          f"row strides q {ldq} and out {ldo} must be even (4-byte accesses), k {ldk} and v {ldv} multiples of 8 "
+          "(16-byte copies)")
+    kernel = attention_kernel_for(T, Hq, Hkv, kernel)
+    decode = decode_variant(D, decode) if kernel == "decode" else None
     words = -(-T // 32)
     _need(visibility.dtype == np.uint32 and visibility.size >= T * words, op,
           f"visibility must be uint32 [{T}, {words}], got {visibility.dtype} {visibility.shape}")
@@ -710,8 +718,6 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(T <= max_keys <= cap, op, f"max_keys = {max_keys} must be in T..capacity = {T}..{cap}")
     n_prefix_dev = _scalar_on_device(n_prefix, "n_prefix", op)
     dev = get_device()
-    kernel = attention_kernel_for(T, Hq, Hkv, kernel)
-    decode = decode_variant(D, decode) if kernel == "decode" else None
     split_table = np.uint64(0)  # forced: the kernels use every split of the grid
     if splits is None:
         split_table, plan = attention_split_table(T, Hq, Hkv, D, cap, dev.sm_count, kernel, decode)
@@ -732,9 +738,8 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
         smem = attention_smem_bytes(D)
         if smem > 48 * 1024:
             kern.set_max_dynamic_smem(smem)
-    ldo = ldo or Hq * D
     kern.launch(grid, 128,
-                [q, _i32(ldq or Hq * D), k_cache, _i32(ldk or Hkv * D), v_cache, _i32(ldv or Hkv * D),
+                [q, _i32(ldq), k_cache, _i32(ldk), v_cache, _i32(ldv),
                  visibility, _i32(words), n_prefix_dev, out, _i32(ldo), ws_o, ws_lse,
                  _i32(T), _i32(Hq), _i32(Hkv), np.float32(scale / LN2), split_table],
                 smem=smem, stream=stream)

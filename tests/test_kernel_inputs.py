@@ -87,6 +87,16 @@ def test_attention():
         dk.attention(q, k, v, 5, fake((3, 1), np.int32), 0.1, fake((3, 8, 128)))
     with pytest.raises(ValueError, match="n_prefix must be int32"):
         dk.attention(q, k, v, fake((1,), np.int64), vis, 0.1, fake((3, 8, 128)), max_keys=50)
+    with pytest.raises(ValueError, match="k 260 and v 256 multiples of 8"):
+        dk.attention(q, k, v, 5, vis, 0.1, fake((3, 8, 128)), ldk=260)
+    with pytest.raises(ValueError, match="q 1025 and out 1024 must be even"):
+        dk.attention(q, k, v, 5, vis, 0.1, fake((3, 8, 128)), ldq=1025)
+    with pytest.raises(ValueError, match="shorter than a row"):
+        dk.attention(q, k, v, 5, vis, 0.1, fake((3, 8, 128)), ldo=512)
+    with pytest.raises(ValueError, match="kernel 'fast'"):
+        dk.attention(q, k, v, 5, vis, 0.1, fake((3, 8, 128)), kernel="fast")
+    with pytest.raises(ValueError, match=r"decode variant \(8, 8\)"):
+        dk.attention(fake((1, 8, 128)), k, v, 5, vis, 0.1, fake((1, 8, 128)), decode=(8, 8))
 
 
 def test_host_values_refused_while_capturing(monkeypatch):
