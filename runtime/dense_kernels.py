@@ -664,6 +664,11 @@ def attention_split_table(T: int, Hq: int, Hkv: int, D: int, capacity: int, sm_c
     return hit
 
 
+def attention_grid_splits(plan: np.ndarray, max_keys: int) -> int:
+    """The split grid a launch needs for prefixes up to max_keys keys: the most any of them plans."""
+    return int(plan[:-(-max_keys // ATTN_TILE_KEYS) + 1].max())
+
+
 def _decode_kernel(D: int, variant: tuple[int, int]):
     """decode_attention_kernel<D, KT, S> with its dynamic shared memory allowed; (kernel, smem bytes)."""
     kt, stages = variant
@@ -721,7 +726,7 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     split_table = np.uint64(0)  # forced: the kernels use every split of the grid
     if splits is None:
         split_table, plan = attention_split_table(T, Hq, Hkv, D, cap, dev.sm_count, kernel, decode)
-        splits = int(plan[:-(-max_keys // ATTN_TILE_KEYS) + 1].max())  # the most any prefix up to max_keys uses
+        splits = attention_grid_splits(plan, max_keys)
     G = Hq // Hkv
     grid = (-(-T * G // ATTN_ROWS_PER_BLOCK) if kernel == "tree" else 1, Hkv, splits)
     ws = ws or default_workspace()

@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
-
 
 def configure(spec: str, default_variants: dict) -> None:
     """Set runtime.dense_kernels' attention choice for the engines built from now on."""
@@ -52,30 +50,28 @@ def main(argv=None) -> int:
     specs = [s for s in args.attn.split(",") if s]
     prompts = [int(p) for p in args.prompts.split(",") if p]
 
-    from tools.profile_step import _time_graph, install_fake
+    from tools.profile_step import _time_graph, install_fake, random_engine
     if args.fake:
         install_fake()
     import runtime.dense_kernels as dk
     from runtime import cuda_engine as ce
     from runtime.backends.cuda_backend import CudaBackend
     from runtime.engine import Engine
-    from tools.bench_e2e import random_drafter, random_target
 
     b = CudaBackend(graphs=True)
     print(f"bench_ar: building a random {args.random} in memory ...", file=sys.stderr, flush=True)
-    target = random_target(RANDOM_SHAPES[args.random], b)
-    drafter = random_drafter(target, b)
-    vocab = min(32000, target.vocab_size)
+    # one target and drafter for every configuration; prompt n = the first n tokens of one random prompt
+    built, prompt = random_engine(b, args.random, None, max(prompts))
+    target, drafter = built.target, built.drafter
+    del built
     default_variants = dict(dk.DECODE_VARIANTS)
     rows = []
     for spec in specs:
         configure(spec, default_variants)
         engine = Engine(target, drafter)
-        rng = np.random.default_rng(0)           # the same prompts for every configuration
         cells = []
         for n in prompts:
-            r = engine.generate([int(x) for x in rng.integers(16, vocab, n)], mode="ar",
-                                max_new_tokens=args.new_tokens)
+            r = engine.generate(prompt[:n], mode="ar", max_new_tokens=args.new_tokens)
             graph = ce.graph_decoder(engine).graphs[("ar", 0.0)]
             replay_us = _time_graph(graph.exec, b.stream, args.fake, args.iters) * 1e3
             cells.append(((len(r.tokens) - 1) / r.decode_s, replay_us))

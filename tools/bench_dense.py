@@ -269,7 +269,7 @@ def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 3276
                 splits = str(forced)
             else:
                 plan = dk.attention_split_table(T, Hq, Hkv, D, cap, get_device().sm_count, kernel, decode)[1]
-                splits = f"{plan[-(-(prefix + T) // dk.ATTN_TILE_KEYS)]}/{plan[:-(-max_keys // dk.ATTN_TILE_KEYS) + 1].max()}"
+                splits = f"{plan[-(-(prefix + T) // dk.ATTN_TILE_KEYS)]}/{dk.attention_grid_splits(plan, max_keys)}"
             us = graph_time_us(lambda i, s: dk.attention(q, kv[i % copies][0], kv[i % copies][1], n_prefix, vis,
                                                          D ** -0.5, out, T=T, max_keys=max_keys, splits=forced or None,
                                                          kernel=kernel, decode=decode, stream=s),

@@ -79,8 +79,8 @@ def _label(name, args, kwargs, lin_names, sm_count) -> tuple[str, str]:
         q, k_cache = args[0], args[1]
         T, max_keys = kwargs.get("T") or q.shape[0], kwargs.get("max_keys")
         kernel = dk.attention_kernel_for(T, q.shape[-2], k_cache.shape[-2], kwargs.get("kernel"))
-        splits = (dk.attention_split_table(T, q.shape[-2], k_cache.shape[-2], q.shape[-1], k_cache.shape[0], sm_count,
-                                           kernel)[1][:-(-max_keys // dk.ATTN_TILE_KEYS) + 1].max()
+        splits = (dk.attention_grid_splits(dk.attention_split_table(T, q.shape[-2], k_cache.shape[-2], q.shape[-1],
+                                                                    k_cache.shape[0], sm_count, kernel)[1], max_keys)
                   if max_keys else "?")
         return "attention", (f"{kernel} T={T} max_keys={max_keys} kv splits planned at max_keys={splits} "
                              "(+ combine when > 1)")
