@@ -284,13 +284,14 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
   }
 }
 
-// Decode and trees of a few nodes: all T * G query rows of a KV head fit one warp's 16 rows. Instead of one warp
-// computing while three wait at the block's barriers (tree_attention_kernel), every warp streams its own KT-slot
-// tiles (the block's split dealt round-robin) through its own S-stage shared ring, with no block barrier in the
-// loop; the warps' softmax states meet in shared memory at the end. Splits over blockIdx.z as in
-// tree_attention_kernel (counted in KT-slot tiles; the plan's table is indexed by 64-slot tiles), partials for
-// attention_combine_kernel.
-// grid (1, Hkv, splits), block 128, dynamic smem = decode_attention_smem_bytes(D, KT, S) (runtime/dense_kernels.py).
+// Decode and small trees, one block per 16 packed query rows of a KV head (blockIdx.x; one block where all
+// T * G rows fit). Instead of one warp computing while three wait at the block's barriers (tree_attention_kernel
+// with few rows), every warp streams its own KT-slot tiles (the block's split dealt round-robin) through its own
+// S-stage shared ring, with no block barrier in the loop; the warps' softmax states meet in shared memory at the
+// end. Splits over blockIdx.z as in tree_attention_kernel (counted in KT-slot tiles; the plan's table is indexed
+// by 64-slot tiles), partials for attention_combine_kernel.
+// grid (ceil(T * G / 16), Hkv, splits), block 128, dynamic smem = decode_attention_smem_bytes(D, KT, S)
+// (runtime/dense_kernels.py).
 template <int D, int KT, int S>
 __global__ void __launch_bounds__(kWarps * 32)
 decode_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
@@ -323,7 +324,8 @@ decode_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
 
   int qi[2], head[2];
   bool valid[2];
-  query_rows(g, T, G, kvh, qi, head, valid);
+  const int row0 = blockIdx.x * 16;   // this block's first packed row
+  query_rows(row0 + g, T, G, kvh, qi, head, valid);
   uint32_t qa[D / 16][4];
   load_q_fragments<D>(qa, q, ldq, qi, head, valid, t);
   float oacc[D / 8][4];
@@ -379,7 +381,7 @@ decode_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
     if (t == 0) { sm[row] = row_max[h]; sl[row] = row_sum[h]; }
   }
   __syncthreads();
-  const int rows = T * G;
+  const int rows = min(16, T * G - row0);   // this block's rows; row r here is packed row row0 + r
   float lse = NEG_INF;
   if (threadIdx.x < rows) {  // per row: each warp's weight 2^(max_w - max), the merged sum
     const int row = threadIdx.x;
@@ -408,7 +410,7 @@ decode_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
       const float4 v = *reinterpret_cast<const float4*>(so + (w * 16 + row) * D + d);
       acc.x += wt * v.x; acc.y += wt * v.y; acc.z += wt * v.z; acc.w += wt * v.w;
     }
-    const int qrow = row / G, qhead = kvh * G + row % G;
+    const int qrow = (row0 + row) / G, qhead = kvh * G + (row0 + row) % G;
     if (splits == 1) {
       __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(o + (size_t)qrow * ldo + qhead * D + d);
       dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
@@ -419,7 +421,7 @@ decode_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
     }
   }
   if (splits > 1 && threadIdx.x < rows) {
-    const int row = threadIdx.x;
+    const int row = row0 + threadIdx.x;
     ws_lse[(size_t)blockIdx.z * T * Hq + (size_t)(row / G) * Hq + kvh * G + row % G] = lse;
   }
 }

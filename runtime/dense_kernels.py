@@ -580,14 +580,11 @@ def decode_variant(head_dim: int, variant: tuple[int, int] | None = None) -> tup
 
 def attention_kernel_for(T: int, Hq: int, Hkv: int, kernel: str | None = None) -> str:
     """"decode" (decode_attention_kernel) where all T * G query rows of a KV head fit one warp, else "tree"
-    (tree_attention_kernel); `kernel` forces one (decode only where the rows fit)."""
-    fits = T * (Hq // Hkv) <= DECODE_ATTN_ROWS
+    (tree_attention_kernel); `kernel` forces one (the decode kernel takes any rows, 16 per block)."""
     if kernel is not None:
         _need(kernel in ("decode", "tree"), "attention", f"kernel {kernel!r}: 'decode' or 'tree'")
-        _need(kernel == "tree" or fits, "attention", f"the decode kernel holds T * G <= {DECODE_ATTN_ROWS} query "
-              f"rows, got {T} x {Hq // Hkv}")
         return kernel
-    return "decode" if fits and ATTN_DECODE else "tree"
+    return "decode" if T * (Hq // Hkv) <= DECODE_ATTN_ROWS and ATTN_DECODE else "tree"
 
 
 # KV split plan of tree_attention_kernel: a cost model fitted to split sweeps on the H200 (docs/PERF.md, "Dense
@@ -619,7 +616,7 @@ def attention_splits(T: int, Hq: int, Hkv: int, n_keys: int, sm_count: int, D: i
     2% of the fastest."""
     if kernel == "decode":
         kt, _ = decode_variant(D, decode)
-        blocks, tile_keys, per_round = Hkv, kt, 4
+        blocks, tile_keys, per_round = -(-T * (Hq // Hkv) // DECODE_ATTN_ROWS) * Hkv, kt, 4
         resident, round_us, merge_us = sm_count * blocks_per_sm, DECODE_ROUND_US[kt], DECODE_MERGE_US
     else:
         blocks, tile_keys, per_round = -(-T * (Hq // Hkv) // ATTN_ROWS_PER_BLOCK) * Hkv, ATTN_TILE_KEYS, 1
@@ -728,7 +725,7 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
         split_table, plan = attention_split_table(T, Hq, Hkv, D, cap, dev.sm_count, kernel, decode)
         splits = attention_grid_splits(plan, max_keys)
     G = Hq // Hkv
-    grid = (-(-T * G // ATTN_ROWS_PER_BLOCK) if kernel == "tree" else 1, Hkv, splits)
+    grid = (-(-T * G // (ATTN_ROWS_PER_BLOCK if kernel == "tree" else DECODE_ATTN_ROWS)), Hkv, splits)
     ws = ws or default_workspace()
     if splits > 1:
         scratch = ws.scratch(splits * T * Hq * (D + 1) * 4)

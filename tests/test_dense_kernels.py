@@ -162,6 +162,9 @@ def test_swiglu_add_embedding(dk, ref):
     dict(T=3, prefix=700, Hq=8, Hkv=2, D=128, mask="tree", kernel="tree"),
     dict(T=4, prefix=190, Hq=12, Hkv=3, D=64, mask="causal", splits=1),   # 16 rows: decode kernel
     dict(T=5, prefix=190, Hq=12, Hkv=3, D=64, mask="tree", splits=2),     # 20 rows: tree kernel
+    dict(T=5, prefix=190, Hq=12, Hkv=3, D=64, mask="tree", splits=2, kernel="decode"),   # 20 rows: 2 blocks
+    dict(T=17, prefix=300, Hq=9, Hkv=3, D=64, mask="tree", kernel="decode"),  # budget-16 verify, SmolLM2 heads
+    dict(T=65, prefix=2000, Hq=32, Hkv=8, D=128, mask="tree", kernel="decode"),  # 260 rows, planned splits
     dict(T=17, prefix=300, Hq=9, Hkv=3, D=64, mask="tree"),               # small tree, SmolLM2 heads
     dict(T=65, prefix=300, Hq=9, Hkv=3, D=64, mask="tree", splits=11),    # budget-64 verify; idle splits
     dict(T=65, prefix=0, Hq=4, Hkv=4, D=128, mask="causal"),              # prefill

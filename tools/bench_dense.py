@@ -250,8 +250,6 @@ def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 3276
         runs = []   # (budget, kernel, decode variant or None, forced splits): the decode kernel once per variant
         for budget, kernel_ask in ((b, k) for b in budgets for k in kernels):
             T = budget + 1
-            if kernel_ask == "decode" and T * (Hq // Hkv) > dk.DECODE_ATTN_ROWS:
-                continue
             kernel = dk.attention_kernel_for(T, Hq, Hkv, kernel_ask)
             runs += [(budget, kernel, v if kernel == "decode" else None, f)
                      for v in (decode_variants if kernel == "decode" else [None]) for f in split_counts]
@@ -322,7 +320,7 @@ def main():
                     help="attention: KV split counts to time per budget (0 = the planned one)")
     ap.add_argument("--attn-budgets", type=int, nargs="+", help="attention: tree budgets (T = budget + 1; 0 = decode)")
     ap.add_argument("--attn-kernels", nargs="+", choices=("auto", "tree", "decode"), default=["auto"],
-                    help="attention: kernels to time (auto = the one attention() picks; decode only where it fits)")
+                    help="attention: kernels to time (auto = the one attention() picks)")
     ap.add_argument("--attn-decode-variants", nargs="+", metavar="KTxS",
                     help="attention: decode kernel instances to time, e.g. 32x2 16x3 (default: the planned one)")
     ap.add_argument("--torch-linear", metavar="JSON", help=argparse.SUPPRESS)  # the --peer child
