@@ -13,6 +13,7 @@
 //   routes up to 2 tokens (same code as moe_topk_kernel), and the last block to finish (an atomic ticket,
 //   reset by that block for the next graph replay) does the grouping (same code as moe_group_kernel). For
 //   T <= 64 that is a single block and no ticket. Results are bit-identical to the two-kernel path.
+// moe_route_one_kernel: T = 1 only, one warp: the routing, and the grouping's outputs straight from the picks.
 // Everything has a fixed launch shape for a token count, so the MoE layer is graph-capturable.
 // Programmatic dependent launch (family registered pdl=True): every entry waits for the previous kernel
 // (ddtree::grid_dependency_wait) before its first read of logits / ids and before any write; only the
@@ -32,8 +33,9 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
-// Routes token `tok` (one warp, all 32 lanes): writes topk_ids / topk_w [tok, 0..topk).
-__device__ __forceinline__ void route_token(const float* __restrict__ logits, const float* __restrict__ bias,
+// Routes token `tok` (one warp, all 32 lanes): writes topk_ids / topk_w [tok, 0..topk); returns pick `lane`'s
+// expert to lanes < topk.
+__device__ __forceinline__ int route_token(const float* __restrict__ logits, const float* __restrict__ bias,
                                             int tok, int E, int topk, int n_group, int topk_group,
                                             int norm_topk_prob, float routed_scaling_factor,
                                             int* __restrict__ topk_ids, float* __restrict__ topk_w) {
@@ -121,6 +123,7 @@ __device__ __forceinline__ void route_token(const float* __restrict__ logits, co
     topk_ids[tok * topk + lane] = my_id;
     topk_w[tok * topk + lane] = my_w * scale;
   }
+  return my_id;
 }
 
 extern "C" __global__ void moe_topk_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
@@ -243,6 +246,35 @@ moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int n
   ddtree::launch_dependents();
   group_block(topk_ids, T, topk, E, num_slots, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
               assign_pos, smem);
+}
+
+// T = 1 (decode): the routing and moe_group_kernel's outputs from one warp, without the block-wide grouping. With
+// one token every picked expert has count 1, so group_block's slot order (more tokens first, then lower id) is
+// the picks in increasing expert id, and a pick's sorted position is its expert's rank among the picks:
+// bit-identical outputs. num_slots = min(E, topk) = topk: every slot is used. Grid 1, block 32.
+extern "C" __global__ void __launch_bounds__(32)
+moe_route_one_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int topk,
+                     int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor,
+                     int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
+                     int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
+                     int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  const int lane = threadIdx.x;
+  const int my_id = route_token(logits, bias, 0, E, topk, n_group, topk_group, norm_topk_prob,
+                                routed_scaling_factor, topk_ids, topk_w);
+  int rank = 0;   // picks are distinct experts
+  for (int k = 0; k < topk; ++k) rank += __shfl_sync(0xffffffffu, my_id, k) < my_id;
+  for (int e = lane; e < E; e += 32) expert_count[e] = 0;
+  __syncwarp();   // the zeros land before the picks' ones
+  if (lane < topk) {
+    expert_count[my_id] = 1;
+    slot_expert[rank] = my_id;
+    slot_offset[rank] = rank;
+    slot_count[rank] = 1;
+    sorted_token[rank] = 0;
+    assign_pos[lane] = rank;
+  }
 }
 
 // Top-k and grouping in one launch. Grid: ceil(T / (32 * ROUTE_TOKENS_PER_WARP)) blocks of 1024 threads;

@@ -339,7 +339,8 @@ class MoeLayer:
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
     Launch plan (defaults = fastest measured; the switches exist for A/B timing and tests, all give the same
-    bits): fused_routing: one moe_route_kernel instead of moe_topk + moe_group; fuse_combine (default
+    bits): fused_routing: one moe_route_kernel instead of moe_topk + moe_group; route_one (default T == 1):
+    moe_route_one_kernel, one warp, instead of either; fuse_combine (default
     T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
     moe_combine_kernel; early: the down GEMM starts its weight stream before its dependency wait (PDL);
     pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter);
@@ -366,7 +367,8 @@ class MoeLayer:
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
-                 fused_routing: bool = False, fuse_combine: bool | None = None, early: bool = False,
+                 fused_routing: bool = False, route_one: bool | None = None, fuse_combine: bool | None = None,
+                 early: bool = False,
                  pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
                  gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None):
@@ -443,6 +445,9 @@ class MoeLayer:
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
         self.x_slot = None   # the slot-ordered copy of x (made below where a hot tier runs PIPE 6-8)
         self.fused_routing = bool(fused_routing)
+        self.route_one = T == 1 if route_one is None else bool(route_one)
+        if self.route_one and T != 1:
+            raise ValueError(f"route_one: moe_route_one_kernel routes one token, T = {T}")
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
 
@@ -451,7 +456,11 @@ class MoeLayer:
                       I32(int(norm_topk_prob)), F32(routed_scaling_factor)]
         group_outs = [self.expert_count, self.slot_expert, self.slot_offset, self.slot_count, self.sorted_token,
                       self.assign_pos]
-        if self.fused_routing:
+        if self.route_one:
+            routing = [cuda.get_kernel("moe_routing", "moe_route_one_kernel").prepare((1,), (32,), [
+                self.logits, self.bias, I32(E), I32(topk), I32(n_group), I32(topk_group), I32(int(norm_topk_prob)),
+                F32(routed_scaling_factor), self.topk_ids, self.topk_w, *group_outs])]
+        elif self.fused_routing:
             route_k = cuda.get_kernel("moe_routing", "moe_route_kernel")
             if group_smem > 48 * 1024:
                 route_k.set_max_dynamic_smem(group_smem)

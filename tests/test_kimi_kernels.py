@@ -383,23 +383,44 @@ def test_fused_routing_same_bits_as_two_kernels(cuda_device, T, n_group, topk_gr
     rng = np.random.default_rng(T + 17)
     bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
     bias[9] = bias[5]
-    fused = _routing_layer(E, T, bias, topk, n_group, topk_group, fused_routing=True)
-    two = _routing_layer(E, T, bias, topk, n_group, topk_group, fused_routing=False)
-    assert [n for n, _ in fused.stages].count("route") == 1 and [n for n, _ in two.stages].count("route") == 2
+    fused = _routing_layer(E, T, bias, topk, n_group, topk_group, fused_routing=True, route_one=False)
+    two = _routing_layer(E, T, bias, topk, n_group, topk_group, fused_routing=False, route_one=False)
+    _assert_same_routing_bits(fused, two, rng, T, E, bias, topk, n_group, topk_group)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (8, 4)])
+def test_route_one_same_bits_as_two_kernels(cuda_device, n_group, topk_group):
+    """moe_route_one_kernel (T = 1, one warp) against moe_topk + moe_group: every output bit-identical, ties
+    included, over three launches."""
+    E, topk, T = 384, 8, 1
+    rng = np.random.default_rng(n_group + 41)
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    bias[9] = bias[5]
+    one = _routing_layer(E, T, bias, topk, n_group, topk_group)
+    two = _routing_layer(E, T, bias, topk, n_group, topk_group, route_one=False)
+    assert one.route_one and not two.route_one
+    _assert_same_routing_bits(one, two, rng, T, E, bias, topk, n_group, topk_group)
+
+
+def _assert_same_routing_bits(a, b, rng, T, E, bias, topk, n_group, topk_group):
+    """Both layers' route stages on the same logits, three launches (the last with an exact tie in the scores),
+    outputs poisoned before each: the reference's experts, and every output of `a` bit-identical to `b`'s."""
+    assert [n for n, _ in a.stages].count("route") == 1 and [n for n, _ in b.stages].count("route") == 2
     for trial in range(3):
         logits = rng.standard_normal((T, E)).astype(np.float32)
         if trial == 2:
             logits[:, 5] = logits[:, 9]   # exact ties in the scores: the lower expert id must win
-        for layer in (fused, two):
+        for layer in (a, b):
             layer.logits.upload(logits)
             for name in ROUTE_OUTPUTS:
                 getattr(layer, name).fill_bytes(0xFF)
             layer.forward(stages=("route",))
         ids_ref, _ = ref.route(logits, bias, topk, n_group, topk_group)
-        np.testing.assert_array_equal(fused.topk_ids.download(), ids_ref)
+        np.testing.assert_array_equal(a.topk_ids.download(), ids_ref)
         for name in ROUTE_OUTPUTS:
-            a, b = getattr(fused, name).download(), getattr(two, name).download()
-            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=f"{name}, launch {trial}")
+            got, want = getattr(a, name).download(), getattr(b, name).download()
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"{name}, launch {trial}")
 
 
 MOE_CASES = [
