@@ -554,14 +554,18 @@ def attention_smem_bytes(head_dim: int) -> int:
     return 2 * 2 * ATTN_TILE_KEYS * (head_dim + 8) * 2  # K and V, two stages, padded rows
 
 
-# decode_attention_kernel<D, KT, S>: T * G <= one warp's 16 query rows; each of the 4 warps streams its own KT-slot
-# K/V tiles through an S-stage ring. DECODE_VARIANTS: (KT, S) per head dim (instances: DECODE_ATTN_VARIANTS).
-# DDTREE_ATTN_DECODE=0: tree_attention_kernel for those shapes too (A/B).
+# decode_attention_kernel<D, KT, S>: one block per 16 packed query rows (one warp's mma rows) of a KV head; each of
+# the 4 warps streams its own KT-slot K/V tiles through an S-stage ring. DECODE_VARIANTS: (KT, S) per head dim
+# (instances: DECODE_ATTN_VARIANTS). DDTREE_ATTN_DECODE=0: tree_attention_kernel for every shape (A/B).
 DECODE_ATTN_ROWS = 16
 # Picked in the engine's AR graph, not alone: the smallest ring at D = 64 (37 KB of shared memory per block; the
 # 110 KB of <64, 32, 3>, fastest alone, made the SmolLM2 AR step 5-8% slower), 32x2 at D = 128 (docs/PERF.md).
 DECODE_VARIANTS = {64: (16, 2), 128: (32, 2)}
 ATTN_DECODE = os.environ.get("DDTREE_ATTN_DECODE", "1") != "0"
+# Rows per KV head up to which "auto" takes the decode kernel (one block per 16 rows), per head dim: at D = 64 it
+# beat the tree kernel up to 195 rows (SmolLM2 b64, prefix 1k-8k) and in the verify graph; at D = 128 the tree
+# kernel's 64-row blocks, which share each K/V tile among 4 warps, win from 68 rows (docs/PERF.md, session 16).
+DECODE_MAX_ROWS = {64: 256, 128: DECODE_ATTN_ROWS}
 
 
 def decode_attention_smem_bytes(head_dim: int, variant: tuple[int, int]) -> int:
@@ -578,13 +582,13 @@ def decode_variant(head_dim: int, variant: tuple[int, int] | None = None) -> tup
     return variant
 
 
-def attention_kernel_for(T: int, Hq: int, Hkv: int, kernel: str | None = None) -> str:
-    """"decode" (decode_attention_kernel) where all T * G query rows of a KV head fit one warp, else "tree"
-    (tree_attention_kernel); `kernel` forces one (the decode kernel takes any rows, 16 per block)."""
+def attention_kernel_for(T: int, Hq: int, Hkv: int, D: int, kernel: str | None = None) -> str:
+    """"decode" (decode_attention_kernel) where a KV head's T * G query rows are at most DECODE_MAX_ROWS[D], else
+    "tree" (tree_attention_kernel); `kernel` forces one (either takes any rows)."""
     if kernel is not None:
         _need(kernel in ("decode", "tree"), "attention", f"kernel {kernel!r}: 'decode' or 'tree'")
         return kernel
-    return "decode" if T * (Hq // Hkv) <= DECODE_ATTN_ROWS and ATTN_DECODE else "tree"
+    return "decode" if T * (Hq // Hkv) <= DECODE_MAX_ROWS.get(D, DECODE_ATTN_ROWS) and ATTN_DECODE else "tree"
 
 
 # KV split plan of tree_attention_kernel: a cost model fitted to split sweeps on the H200 (docs/PERF.md, "Dense
@@ -708,7 +712,7 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(ldq % 2 == 0 and ldo % 2 == 0 and ldk % 8 == 0 and ldv % 8 == 0, op,
           f"row strides q {ldq} and out {ldo} must be even (4-byte accesses), k {ldk} and v {ldv} multiples of 8 "
           "(16-byte copies)")
-    kernel = attention_kernel_for(T, Hq, Hkv, kernel)
+    kernel = attention_kernel_for(T, Hq, Hkv, D, kernel)
     decode = decode_variant(D, decode) if kernel == "decode" else None
     words = -(-T // 32)
     _need(visibility.dtype == np.uint32 and visibility.size >= T * words, op,

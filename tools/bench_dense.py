@@ -250,7 +250,7 @@ def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 3276
         runs = []   # (budget, kernel, decode variant or None, forced splits): the decode kernel once per variant
         for budget, kernel_ask in ((b, k) for b in budgets for k in kernels):
             T = budget + 1
-            kernel = dk.attention_kernel_for(T, Hq, Hkv, kernel_ask)
+            kernel = dk.attention_kernel_for(T, Hq, Hkv, D, kernel_ask)
             runs += [(budget, kernel, v if kernel == "decode" else None, f)
                      for v in (decode_variants if kernel == "decode" else [None]) for f in split_counts]
         for budget, kernel, variant, forced in runs:

@@ -78,7 +78,7 @@ def _label(name, args, kwargs, lin_names, sm_count) -> tuple[str, str]:
     if name == "attention":
         q, k_cache = args[0], args[1]
         T, max_keys = kwargs.get("T") or q.shape[0], kwargs.get("max_keys")
-        kernel = dk.attention_kernel_for(T, q.shape[-2], k_cache.shape[-2], kwargs.get("kernel"))
+        kernel = dk.attention_kernel_for(T, q.shape[-2], k_cache.shape[-2], q.shape[-1], kwargs.get("kernel"))
         splits = (dk.attention_grid_splits(dk.attention_split_table(T, q.shape[-2], k_cache.shape[-2], q.shape[-1],
                                                                     k_cache.shape[0], sm_count, kernel)[1], max_keys)
                   if max_keys else "?")
