@@ -78,6 +78,8 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
   constexpr int SN = SPLIT_S ? 32 : 64;   // positions of S per warpgroup
   constexpr int SACC = SN / 2;            // S accumulators per thread
 
+  ddtree::grid_dependency_wait();  // PDL: q and the KV cache are earlier kernels' outputs
+  ddtree::launch_dependents();
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int rows_total = Tq * H;

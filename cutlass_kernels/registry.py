@@ -248,6 +248,7 @@ register(KernelFamily(
     entries=("mla_attention_kernel", "mla_combine_kernel", "mla_head_gemm_kernel"),
     required_sass={a: r"HMMA" for a in ALL_ARCHS},
     required_ptx={a: _MMA_SYNC_PTX for a in ALL_ARCHS},
+    pdl=True,
 ))
 
 # The same attention on Hopper wgmma (S from shared-memory operands, P V with P from registers), sm_90a only.
@@ -258,6 +259,7 @@ register(KernelFamily(
     archs=("90a",),
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},
+    pdl=True,
 ))
 
 # ---------------------------------------------------------------- CUDA backend / engine (issue 6, engine on CUDA)

@@ -743,7 +743,7 @@ class MlaAttention:
         self.combine = None
         if self.splits > 1:
             self.combine = cuda.get_kernel("mla_verify", "mla_combine_kernel").prepare(
-                (rows, 4), (128,), [self.part_o, self.part_ml, I32(self.splits), I32(rows), self.out])
+                (rows, 4), (256,), [self.part_o, self.part_ml, I32(self.splits), I32(rows), self.out])
 
     def forward(self, stream=None):
         self.attn(stream)

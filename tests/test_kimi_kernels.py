@@ -666,7 +666,7 @@ MLA_CASES = [
     (40, 8, 77, False, None),      # prefill (causal)
     (33, 64, 2048, True, 1),       # single split: direct bf16 output
     (128, 16, 4000, True, None),
-    (2, 64, 3000, True, 2),        # the merge with fewer splits than its 4 warps
+    (2, 64, 3000, True, 2),        # the merge with fewer splits than its 8 warps
     (1, 8, 9000, True, 283),       # many short splits (9 rows each), some warps with one split more
 ]
 
