@@ -65,3 +65,23 @@ def test_bench_ar_fake_end_to_end():
         assert row in p.stdout, p.stdout
     bad = subprocess.run(cmd[:-1] + ["decode:8x8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "decode variant (8, 8)" in bad.stderr, bad.stdout + bad.stderr
+
+
+def test_logit_error_measures_the_paths():
+    """tools.logit_error: the numpy backend against itself has no error on any path; a model with other weights
+    shows large errors and argmax misses (the measurement can tell them apart)."""
+    from runtime.backends.numpy_backend import NumpyBackend
+    from tools.bench_e2e import RANDOM_SHAPES, random_target
+    from tools.logit_error import compare
+    cfg = dict(RANDOM_SHAPES["smollm2-135m"], num_hidden_layers=2)
+    ref = random_target(cfg, NumpyBackend())
+    prompt = [11, 2000, 345, 7777, 90]
+    rows, seq = compare(ref, random_target(cfg, NumpyBackend()), prompt, new_tokens=6, verify_rows=4)
+    assert len(seq) == 11 and [r["pos"] for r in rows] == list(range(4, 10))
+    for r in rows:
+        for k in ("prefill", "ar"):
+            assert r[k][0] < 1e-3 and r[k][1] == r["best"], (k, r)
+    assert sum("verify 4" in r for r in rows) == 3   # its rows but the last (whose next token is not known)
+    other, _ = compare(ref, random_target(cfg, NumpyBackend(), seed=1), prompt, new_tokens=6, verify_rows=4)
+    assert min(r["prefill"][0] for r in other) > 0.5
+    assert any(r["ar"][1] != r["best"] for r in other)

@@ -112,7 +112,12 @@ def _reference_logits(ref_model, seq):
     return ref_model.backend.to_host(ref_model.logits(h[-1:]))[0], len(seq) - 1
 
 
-NEAR_TIE = 0.05     # a divergence is a bf16 near-tie when the reference top-2 gap is below this x logits' std
+# A divergence is a bf16 near-tie when the reference top-2 gap is below this x the logits' std. On the real
+# SmolLM2 weights (H200, tools/logit_error.py, docs/PERF.md session 16) each GPU path's largest logit error per
+# position is 0.06-0.24 std (median 0.11 prefill / verify, 0.13 AR), so AR and verify can order two logits
+# differently up to a gap of that size; 0.05 failed there at a 0.074 gap. Both tokens must still be the
+# reference's top two.
+NEAR_TIE = 0.15
 
 
 def check_lossless(ref_model, prompt, ar_tokens, dd_tokens, what) -> str | None:
