@@ -49,6 +49,9 @@ e2e_model=(--random smollm2-135m)
 [ -n "${DDTREE_SMOLLM2_GGUF:-}" ] && e2e_model=(--model "$DDTREE_SMOLLM2_GGUF")
 # AR step in the graph vs prompt length, the tree-verify attention kernel against the decode kernel
 step bench_ar python3 -m tools.bench_ar --prompts 8,512,1024
+# bf16 rounding of the AR / verify / prefill paths vs the float32 reference on the real weights: what the lossless
+# tests' near-tie tolerance rests on (tests/test_cuda_engine.py NEAR_TIE)
+[ -n "${DDTREE_SMOLLM2_GGUF:-}" ] && step logit_error python3 -m tools.logit_error --model "$DDTREE_SMOLLM2_GGUF"
 step bench_e2e_cuda python3 -m tools.bench_e2e --backend cuda --budgets 16,64,256 --max-new-tokens 128 --hf "${e2e_model[@]}"
 # Verify step time vs budget (issue 6): a Qwen3-8B-shaped random bf16 model (16 GB, built in memory), prefix
 # 1024, graph replay of the one-token step and of verify at budgets 16..256 as ratios to it, weights / time vs
