@@ -563,9 +563,10 @@ DECODE_ATTN_ROWS = 16
 DECODE_VARIANTS = {64: (16, 2), 128: (32, 2)}
 ATTN_DECODE = os.environ.get("DDTREE_ATTN_DECODE", "1") != "0"
 # Rows per KV head up to which "auto" takes the decode kernel (one block per 16 rows), per head dim: at D = 64 it
-# beat the tree kernel up to 195 rows (SmolLM2 b64, prefix 1k-8k) and in the verify graph; at D = 128 the tree
-# kernel's 64-row blocks, which share each K/V tile among 4 warps, win from 68 rows (docs/PERF.md, session 16).
-DECODE_MAX_ROWS = {64: 256, 128: DECODE_ATTN_ROWS}
+# beat the tree kernel up to 387 rows (SmolLM2 b128; alone at prefix 256-4k, in the verify graph at 256 and 1k)
+# and lost at 771 rows (b256) from prefix 8k; at D = 128 the tree kernel's 64-row blocks, which share each K/V
+# tile among 4 warps, win from 68 rows (docs/PERF.md, session 16).
+DECODE_MAX_ROWS = {64: 512, 128: DECODE_ATTN_ROWS}
 
 
 def decode_attention_smem_bytes(head_dim: int, variant: tuple[int, int]) -> int:

@@ -393,8 +393,8 @@ def test_attention_split_plan_model():
     # the decode kernel: four 32-slot tiles a round per block, so a short prefix is one block per KV head
     from runtime.dense_kernels import attention_kernel_for
     assert attention_kernel_for(1, 32, 8, 128) == "decode" and attention_kernel_for(5, 12, 3, 128) == "tree"
-    # D = 64: the decode kernel up to 256 rows (SmolLM2's b64 verify: 65 x 3), the tree kernel above
-    assert attention_kernel_for(65, 9, 3, 64) == "decode" and attention_kernel_for(129, 9, 3, 64) == "tree"
+    # D = 64: the decode kernel up to 512 rows (SmolLM2's b128 verify: 129 x 3), the tree kernel above
+    assert attention_kernel_for(129, 9, 3, 64) == "decode" and attention_kernel_for(257, 9, 3, 64) == "tree"
     assert attention_splits(1, 9, 3, 128, 132, 64, "decode", (32, 2), 3) == 1
     decode = [attention_splits(1, 32, 8, n, 132, 128, "decode", (32, 2), 1) for n in (1024, 8192, 32768)]
     assert decode == sorted(decode) and decode[-1] > 1, decode
