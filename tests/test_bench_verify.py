@@ -55,16 +55,19 @@ def test_bench_verify_fake_end_to_end():
 
 
 def test_bench_ar_fake_end_to_end():
-    """tools/bench_ar.py: every attention configuration builds its engine, decodes and prints its row; a decode
-    instance that does not exist is refused before any engine is built."""
+    """tools/bench_ar.py: every configuration (attention, gemv knobs) builds its engine, decodes and prints its
+    row; a decode instance that does not exist, or an unknown term, is refused before the model is built."""
     cmd = [sys.executable, "-m", "tools.bench_ar", "--random", "qwen3-tiny", "--fake", "--prompts", "8,40",
-           "--new-tokens", "3", "--iters", "2", "--attn", "tree,decode,decode:32x3"]
+           "--new-tokens", "3", "--iters", "2", "--configs", "tree,decode,decode:32x3,decode+kw4+persist0,gemv0"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    for row in ("| tree | ", "| decode | ", "| decode:32x3 | "):
+    for row in ("| tree | ", "| decode | ", "| decode:32x3 | ", "| decode+kw4+persist0 | ", "| gemv0 | "):
         assert row in p.stdout, p.stdout
     bad = subprocess.run(cmd[:-1] + ["decode:8x8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "decode variant (8, 8)" in bad.stderr, bad.stdout + bad.stderr
+    assert "building" not in bad.stderr, bad.stderr     # refused before the model is built
+    typo = subprocess.run(cmd[:-1] + ["decode+kw3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert typo.returncode != 0 and "term 'kw3'" in typo.stderr, typo.stdout + typo.stderr
 
 
 def test_logit_error_measures_the_paths():

@@ -6,10 +6,17 @@ side (issue 6): tok/s over --new-tokens greedy tokens (host work included) and t
     python -m tools.bench_ar --random qwen3-8b --new-tokens 48 --prompts 8,512,1024,1536
     python -m tools.bench_ar --random qwen3-tiny --fake --prompts 8,40 --new-tokens 4   # CPU stand-in
 
-An attention configuration is "tree" (tree_attention_kernel for every shape, as DDTREE_ATTN_DECODE=0), "decode"
-(decode_attention_kernel where T x G <= 16 rows, its default instance per head dim) or "decode:KTxS" (that
-instance for every head dim). Each configuration gets its own Engine, whose graphs are captured with it, on the
-same target weights. The replay is timed after each generate, so at prefix = prompt + new tokens.
+A configuration is one or more terms joined by "+", each setting one of runtime.dense_kernels' launch choices
+(the rest keep their defaults):
+  tree          tree_attention_kernel for every shape (as DDTREE_ATTN_DECODE=0)
+  decode        decode_attention_kernel where the rule takes it (the default), its default instance per head dim
+  decode:KTxS   that decode instance for every head dim
+  kw8, kw4, kw2 every gemv launch with that many warps per W tile (as DDTREE_GEMV_KW)
+  persist0/1    gemv grids one block per row tile / persistent (as DDTREE_GEMV_PERSIST)
+  gemv0         decode-size linears on the split-K x-resident kernel instead of the gemv (as DDTREE_LINEAR_GEMV=0)
+e.g. `--configs decode,decode+kw4,decode+kw8,decode+persist0`. Each configuration gets its own Engine, whose
+graphs are captured with it, on the same target weights. The replay is timed after each generate, so at
+prefix = prompt + new tokens.
 
 Why a tool: per-op timings (bench_dense, profile_step) did not rank the decode kernel's instances the way the
 AR graph does (docs/PERF.md, session of 2026-12-04 (15)). On --fake the times are host seconds of numpy
@@ -21,33 +28,49 @@ import argparse
 import sys
 
 
-def configure(spec: str, default_variants: dict) -> None:
-    """Set runtime.dense_kernels' attention choice for the engines built from now on."""
+def configure(spec: str, defaults: dict) -> None:
+    """Set runtime.dense_kernels' launch choices for the engines built from now on: `defaults` (the module's
+    values at start), then each "+"-joined term of `spec` (see above)."""
     import runtime.dense_kernels as dk
-    kernel, _, variant = spec.partition(":")
-    if kernel not in ("tree", "decode") or (variant and kernel != "decode"):
-        raise SystemExit(f"bench_ar: --attn {spec!r}: tree, decode or decode:KTxS")
-    dk.ATTN_DECODE = kernel == "decode"
-    dk.DECODE_VARIANTS = dict(default_variants)
-    if variant:
-        kt_s = tuple(int(x) for x in variant.split("x"))
-        dk.DECODE_VARIANTS = {d: kt_s for d in default_variants}
-        for d in default_variants:
-            dk.decode_variant(d)                 # an instance that exists, or a clear error now
+    for name, value in defaults.items():
+        setattr(dk, name, dict(value) if isinstance(value, dict) else value)
+    for term in spec.split("+"):
+        kernel, _, variant = term.partition(":")
+        if kernel in ("tree", "decode") and (not variant or kernel == "decode"):
+            dk.ATTN_DECODE = kernel == "decode"
+            if variant:
+                kt_s = tuple(int(x) for x in variant.split("x"))
+                dk.DECODE_VARIANTS = {d: kt_s for d in defaults["DECODE_VARIANTS"]}
+                for d in dk.DECODE_VARIANTS:
+                    dk.decode_variant(d)             # an instance that exists, or a clear error now
+        elif term in ("kw8", "kw4", "kw2"):
+            dk.GEMV_KW_FORCED = int(term[2:])
+        elif term in ("persist0", "persist1"):
+            dk.GEMV_PERSIST_FORCED = term[-1]
+        elif term == "gemv0":
+            dk.LINEAR_GEMV = False
+        else:
+            raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
+                             "persist0, persist1 or gemv0")
+
+
+# the launch choices a configuration may change, restored before each one
+KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV")
 
 
 def main(argv=None) -> int:
     from tools.bench_e2e import RANDOM_SHAPES
     ap = argparse.ArgumentParser(prog="bench_ar", description=__doc__.split("\n\n")[0])
     ap.add_argument("--random", choices=sorted(RANDOM_SHAPES), default="smollm2-135m", help="model shape")
-    ap.add_argument("--attn", default="tree,decode", help="comma-separated attention configurations (see above)")
+    ap.add_argument("--configs", "--attn", dest="configs", default="tree,decode",
+                    help="comma-separated configurations (see above)")
     ap.add_argument("--prompts", default="8,128,256,512,1024,1536", help="comma-separated prompt lengths")
     ap.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
     ap.add_argument("--iters", type=int, default=20, help="timed replays of the AR graph (median)")
     ap.add_argument("--fake", action="store_true", help="run on the CPU stand-in (tests/fake_cuda.py); "
                     "times are meaningless, checks the tool end to end")
     args = ap.parse_args(argv)
-    specs = [s for s in args.attn.split(",") if s]
+    specs = [s for s in args.configs.split(",") if s]
     prompts = [int(p) for p in args.prompts.split(",") if p]
 
     from tools.profile_step import _time_graph, install_fake, random_engine
@@ -58,16 +81,18 @@ def main(argv=None) -> int:
     from runtime.backends.cuda_backend import CudaBackend
     from runtime.engine import Engine
 
+    defaults = {name: getattr(dk, name) for name in KNOBS}
+    for spec in specs:              # every configuration valid before the model is built
+        configure(spec, defaults)
     b = CudaBackend(graphs=True)
     print(f"bench_ar: building a random {args.random} in memory ...", file=sys.stderr, flush=True)
     # one target and drafter for every configuration; prompt n = the first n tokens of one random prompt
     built, prompt = random_engine(b, args.random, None, max(prompts))
     target, drafter = built.target, built.drafter
     del built
-    default_variants = dict(dk.DECODE_VARIANTS)
     rows = []
     for spec in specs:
-        configure(spec, default_variants)
+        configure(spec, defaults)
         engine = Engine(target, drafter)
         cells = []
         for n in prompts:
@@ -79,12 +104,12 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
         rows.append((spec, cells))
         del engine
-    configure("decode", default_variants)
+    configure("decode", defaults)
 
     unit = "host us (fake: meaningless)" if args.fake else "us"
     print(f"\n{args.random}, AR, {args.new_tokens} new tokens per prompt; tok/s and AR graph replay ({unit}) after "
           "them; x = replay / the first configuration's")
-    print(f"| attention | " + " | ".join(f"prompt {n}" for n in prompts) + " |")
+    print(f"| configuration | " + " | ".join(f"prompt {n}" for n in prompts) + " |")
     print("|---|" + "---|" * len(prompts))
     base = rows[0][1]
     for spec, cells in rows:
