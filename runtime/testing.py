@@ -111,3 +111,45 @@ def poisoned(shape, dtype=np.uint16):
     """An output buffer with every byte 0xFF (bf16 and float32 NaN, int32 -1): a skipped element fails."""
     from runtime.cuda import empty
     return empty(shape, dtype).fill_bytes(0xFF)
+
+
+# ---------------------------------------------------------------- greedy splits (lossless checks)
+# The engine's AR step and its tree verify run different kernels (one-row gemv and decode attention vs many-row
+# GEMMs), which round differently in bf16, so greedy AR and DDTree outputs may split where the target's two best
+# logits are nearly equal. A split is such a near-tie when the float32 reference (numpy backend, same weights)
+# has a top-2 gap below NEAR_TIE x its logits' std there and both split tokens are its top two. On the real
+# SmolLM2 weights (H200, tools/logit_error.py, docs/PERF.md session 16) each GPU path's largest logit error per
+# position is 0.06-0.24 std (median 0.11 prefill / verify, 0.13 AR); 0.05 failed there at a 0.074 gap.
+NEAR_TIE = 0.15
+
+
+def first_divergence(a, b) -> int | None:
+    """The first index where token lists a and b differ (None if one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def reference_logits(ref_model, seq) -> tuple[np.ndarray, int]:
+    """The reference model's logits after the token sequence `seq` (prefilled from position 0) on the host, and
+    the position of its last token (what a sample of the next token is keyed by)."""
+    from runtime.backends.base import causal_visibility
+    b = ref_model.backend
+    cache = ref_model.new_cache(len(seq) + 1)
+    h, _ = ref_model.forward(cache, b.from_host(np.asarray(seq, np.int32)),
+                             b.from_host(np.arange(len(seq), dtype=np.int32)), b.from_host(causal_visibility(len(seq))))
+    return np.asarray(b.to_host(ref_model.logits(h[-1:])), np.float32)[0], len(seq) - 1
+
+
+def greedy_split(ref_model, prompt, a_tokens, b_tokens) -> dict | None:
+    """Where greedy outputs a and b (continuations of `prompt`) first differ, what the reference says there:
+    {index, a, b, gap (its top-2 gap), gap_std (over its logits' std), top2 (both tokens are its two best),
+    tie (top2 and gap_std < NEAR_TIE)}; None where they do not differ."""
+    i = first_divergence(a_tokens, b_tokens)
+    if i is None:
+        return None
+    z, _ = reference_logits(ref_model, list(prompt) + list(a_tokens[:i]))
+    order = np.argsort(z)
+    gap = float(z[order[-1]] - z[order[-2]])
+    top2 = {int(a_tokens[i]), int(b_tokens[i])} <= {int(order[-1]), int(order[-2])}
+    gap_std = gap / float(z.std())
+    return dict(index=i, a=int(a_tokens[i]), b=int(b_tokens[i]), gap=gap, gap_std=gap_std, top2=top2,
+                tie=top2 and gap_std < NEAR_TIE)

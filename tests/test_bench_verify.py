@@ -88,3 +88,44 @@ def test_logit_error_measures_the_paths():
     other, _ = compare(ref, random_target(cfg, NumpyBackend(), seed=1), prompt, new_tokens=6, verify_rows=4)
     assert min(r["prefill"][0] for r in other) > 0.5
     assert any(r["ar"][1] != r["best"] for r in other)
+
+
+def test_greedy_split_reads_the_reference_at_the_divergence():
+    """runtime.testing.greedy_split: no split for equal outputs; at a split to the reference's second-best token
+    it reports that token pair as its top two with the reference's gap; a token outside its top two is never a
+    tie (whatever the gap)."""
+    from runtime.backends.numpy_backend import NumpyBackend
+    from runtime.testing import NEAR_TIE, greedy_split, reference_logits
+    from tools.bench_e2e import RANDOM_SHAPES, random_target
+    from tools.logit_error import greedy
+    ref = random_target(dict(RANDOM_SHAPES["smollm2-135m"], num_hidden_layers=2), NumpyBackend())
+    prompt = [11, 2000, 345, 7777, 90]
+    cont = greedy(ref, prompt, 5)[len(prompt):]
+    assert greedy_split(ref, prompt, cont, cont) is None
+    z, _ = reference_logits(ref, prompt + cont[:3])
+    order = np.argsort(z)
+    assert cont[3] == int(order[-1])
+    second = cont[:3] + [int(order[-2])]
+    split = greedy_split(ref, prompt, cont, second)
+    assert split["index"] == 3 and split["top2"] and (split["a"], split["b"]) == (cont[3], int(order[-2]))
+    assert abs(split["gap_std"] - float(z[order[-1]] - z[order[-2]]) / float(z.std())) < 1e-6
+    assert split["tie"] == (split["gap_std"] < NEAR_TIE)
+    far = greedy_split(ref, prompt, cont, cont[:3] + [int(order[0])])
+    assert not far["top2"] and not far["tie"]
+
+
+def test_bench_e2e_reference_target(monkeypatch, capsys):
+    """bench_e2e's float32 reference for the lossless column: the random shape's weights on the numpy backend
+    (the same ones the benchmarked target got), and none (with a notice) over the size cap."""
+    from argparse import Namespace
+    from runtime.backends.numpy_backend import NumpyBackend
+    from runtime.testing import reference_logits
+    import tools.bench_e2e as be
+    args = Namespace(random="qwen3-tiny", model=None)
+    ref = be.reference_target(args, hf_peer=False)
+    same = be.random_target(be.RANDOM_SHAPES["qwen3-tiny"], NumpyBackend())
+    z, _ = reference_logits(ref, [5, 6, 7])
+    assert np.array_equal(z, reference_logits(same, [5, 6, 7])[0])
+    monkeypatch.setattr(be, "REFERENCE_MAX_BYTES", 0)
+    assert be.reference_target(args, hf_peer=False) is None
+    assert "no float32 reference" in capsys.readouterr().err
