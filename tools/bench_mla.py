@@ -40,6 +40,21 @@ def bf16_matmul_rate() -> float:
         return 790e12
 
 
+IN_GRAPH_REPS = 10
+
+
+def in_graph_us(fn, stream, iters: int) -> float:
+    """us per call of fn(stream) captured IN_GRAPH_REPS times back to back in one graph (0 when fn is None: no
+    combine with one split)."""
+    if fn is None:
+        return 0.0
+    with cuda.capture(stream) as g:
+        for _ in range(IN_GRAPH_REPS):
+            fn(stream)
+    graph = g.instantiate()
+    return cuda.bench(lambda: graph.launch(stream), iters=iters, stream=stream) * 1e3 / IN_GRAPH_REPS
+
+
 def chain_mask(n: int) -> np.ndarray:
     """A tree of n nodes with random parents among the 8 nodes before each (deep, like a real draft tree)."""
     return random_tree_visibility(np.random.default_rng(n), n, window=8)
@@ -53,7 +68,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--splits", default="0", help="comma list of KV split counts to time; 0 = the planned one")
     ap.add_argument("--kernel", default="auto",
-                    help="comma list: auto (gmma on sm_90a, else mma), mma (mma.sync), gmma (wgmma, sm_90a)")
+                    help="comma list: auto (gmma-split on sm_90a, else mma), mma (mma.sync), gmma / gmma-split "
+                         "(wgmma, sm_90a)")
     args = ap.parse_args(argv)
     dev = cuda.require_device()
     bw = read_bandwidth()
@@ -61,7 +77,10 @@ def main(argv=None):
     print(f"device: {dev.name}; read bandwidth {bw / 1e12:.2f} TB/s; bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     rng = np.random.default_rng(0)
     stream = cuda.Stream()
+    print(f"(launch / graph: one forward per launch or graph, its launch latency included; in-graph: {IN_GRAPH_REPS} "
+          "forwards back to back in one graph, per forward, and each kernel's share; x floor: in-graph)")
     print(f"{'kern':4s} {'H':>3s} {'prefix':>6s} {'budget':>6s} {'splits':>6s} {'launch us':>9s} {'graph us':>9s} "
+          f"{'in-graph':>8s} {'attn':>7s} {'combine':>7s} "
           f"{'MB':>7s} {'GFLOP':>8s} {'bytes floor':>11s} {'flop floor':>10s} {'x floor':>7s}")
     for heads in (int(v) for v in args.heads.split(",")):
         for prefix in (int(v) for v in args.prefix.split(",")):
@@ -79,13 +98,17 @@ def main(argv=None):
                     attn.forward(stream)
                 graph = g.instantiate()
                 t_graph = cuda.bench(lambda: graph.launch(stream), iters=args.iters, stream=stream)
+                # back to back inside one graph (as in a model's step): per forward, and each kernel's share
+                per = {name: in_graph_us(fn, stream, args.iters) for name, fn in (
+                    ("fwd", attn.forward), ("attn", attn.attn), ("combine", attn.combine))}
                 kv_len = prefix + tq
                 nbytes = kv_len * MLA_D * 2 + tq * heads * (MLA_D + 512) * 2 + mask.nbytes
                 flops = 2.0 * tq * heads * kv_len * (MLA_D + 512)
                 fb, ff = nbytes / bw, flops / rate
                 print(f"{attn.kernel:4s} {heads:3d} {prefix:6d} {budget:6d} {attn.splits:6d} {t_launch * 1e3:9.1f} "
-                      f"{t_graph * 1e3:9.1f} {nbytes / 1e6:7.2f} {flops / 1e9:8.2f} {fb * 1e6:9.1f}us "
-                      f"{ff * 1e6:8.1f}us {t_graph * 1e-3 / max(fb, ff):7.2f}", flush=True)
+                      f"{t_graph * 1e3:9.1f} {per['fwd']:8.1f} {per['attn']:7.1f} {per['combine']:7.1f} "
+                      f"{nbytes / 1e6:7.2f} {flops / 1e9:8.2f} {fb * 1e6:9.1f}us "
+                      f"{ff * 1e6:8.1f}us {per['fwd'] * 1e-6 / max(fb, ff):7.2f}", flush=True)
 
 
 if __name__ == "__main__":
