@@ -720,6 +720,9 @@ class MlaAttention:
                                  or mask.shape[1] < need_words):
             raise ValueError(f"mask {mask.dtype} {mask.shape}: want uint32 [tq, ceil(tq/32)] = "
                              f"[{self.tq}, {need_words}]")
+        if splits is not None and not 1 <= splits <= MLA_MAX_SPLITS:
+            raise ValueError(f"splits={splits}: 1..{MLA_MAX_SPLITS} (mla_combine_kernel's weight table), or None "
+                             "for the planned count")
         dev = cuda.get_device()
         if self.kernel == "auto":
             self.kernel = "gmma-split" if _family_runs_here("mla_verify_sm90", dev) else "mma"

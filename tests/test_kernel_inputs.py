@@ -194,6 +194,9 @@ def test_kimi_entry_points():
         kk.MlaAttention(40, 8, kv, 10, 0.1, mask=fake((40, 1), np.uint32))
     with pytest.raises(ValueError, match="heads=0"):
         kk.MlaAttention(8, 0, kv, 10, 0.1)
+    for bad in (0, kk.MLA_MAX_SPLITS + 1):   # the combine's shared weight table holds MLA_MAX_SPLITS
+        with pytest.raises(ValueError, match=f"splits={bad}: 1..{kk.MLA_MAX_SPLITS}"):
+            kk.MlaAttention(8, 8, kv, 10, 0.1, splits=bad)
     with pytest.raises(ValueError, match="y must be bf16"):
         kk.mla_head_gemm(fake((3, 8, 192)), fake((2048, 512)), fake((3, 8, 576), np.float32), 3, 8, 512, 128, 192,
                          576, 256 * 512, 1, 512)
