@@ -14,6 +14,9 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
   kw8, kw4, kw2 every gemv launch with that many warps per W tile (as DDTREE_GEMV_KW)
   persist0/1    gemv grids one block per row tile / persistent (as DDTREE_GEMV_PERSIST)
   gemv0         decode-size linears on the split-K x-resident kernel instead of the gemv (as DDTREE_LINEAR_GEMV=0)
+  gmma0         verify-size linears on the mma.sync chunked kernel instead of GMMA (as DDTREE_LINEAR_GMMA=0)
+With --verify-budgets the same configurations also decode with DDTree at those budgets (the random drafter) and
+the verify graph of each budget's bucket is timed after them.
 e.g. `--configs decode,decode+kw4,decode+kw8,decode+persist0`. Each configuration gets its own Engine, whose
 graphs are captured with it, on the same target weights. The replay is timed after each generate, so at
 prefix = prompt + new tokens.
@@ -32,8 +35,10 @@ def configure(spec: str, defaults: dict) -> None:
     """Set runtime.dense_kernels' launch choices for the engines built from now on: `defaults` (the module's
     values at start), then each "+"-joined term of `spec` (see above)."""
     import runtime.dense_kernels as dk
+    from runtime import dense_gmma
     for name, value in defaults.items():
-        setattr(dk, name, dict(value) if isinstance(value, dict) else value)
+        module = dense_gmma if name == "GMMA_ENABLED" else dk
+        setattr(module, name, dict(value) if isinstance(value, dict) else value)
     for term in spec.split("+"):
         kernel, _, variant = term.partition(":")
         if kernel in ("tree", "decode") and (not variant or kernel == "decode"):
@@ -49,13 +54,15 @@ def configure(spec: str, defaults: dict) -> None:
             dk.GEMV_PERSIST_FORCED = term[-1]
         elif term == "gemv0":
             dk.LINEAR_GEMV = False
+        elif term == "gmma0":
+            dense_gmma.GMMA_ENABLED = False
         else:
             raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
-                             "persist0, persist1 or gemv0")
+                             "persist0, persist1, gemv0 or gmma0")
 
 
 # the launch choices a configuration may change, restored before each one
-KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV")
+KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV", "GMMA_ENABLED")
 
 
 def main(argv=None) -> int:
@@ -67,11 +74,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default="8,128,256,512,1024,1536", help="comma-separated prompt lengths")
     ap.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
     ap.add_argument("--iters", type=int, default=20, help="timed replays of the AR graph (median)")
+    ap.add_argument("--verify-budgets", default="", help="comma-separated DDTree budgets whose verify graph is "
+                    "timed too (after a DDTree generate at each prompt)")
     ap.add_argument("--fake", action="store_true", help="run on the CPU stand-in (tests/fake_cuda.py); "
                     "times are meaningless, checks the tool end to end")
     args = ap.parse_args(argv)
     specs = [s for s in args.configs.split(",") if s]
     prompts = [int(p) for p in args.prompts.split(",") if p]
+    budgets = [int(x) for x in args.verify_budgets.split(",") if x]
 
     from tools.profile_step import _time_graph, install_fake, random_engine
     if args.fake:
@@ -80,8 +90,9 @@ def main(argv=None) -> int:
     from runtime import cuda_engine as ce
     from runtime.backends.cuda_backend import CudaBackend
     from runtime.engine import Engine
-
-    defaults = {name: getattr(dk, name) for name in KNOBS}
+    from runtime.cuda import bucket_for
+    from runtime import dense_gmma
+    defaults = {name: getattr(dense_gmma if name == "GMMA_ENABLED" else dk, name) for name in KNOBS}
     for spec in specs:              # every configuration valid before the model is built
         configure(spec, defaults)
     b = CudaBackend(graphs=True)
@@ -90,7 +101,7 @@ def main(argv=None) -> int:
     built, prompt = random_engine(b, args.random, None, max(prompts))
     target, drafter = built.target, built.drafter
     del built
-    rows = []
+    rows, verify = [], {}
     for spec in specs:
         configure(spec, defaults)
         engine = Engine(target, drafter)
@@ -102,6 +113,13 @@ def main(argv=None) -> int:
             cells.append(((len(r.tokens) - 1) / r.decode_s, replay_us))
             print(f"  {spec:14s} prompt {n:5d}: {cells[-1][0]:8.1f} tok/s, AR replay {replay_us:8.1f} us",
                   file=sys.stderr, flush=True)
+            for budget in budgets:
+                engine.generate(prompt[:n], mode="ddtree", budget=budget, max_new_tokens=args.new_tokens)
+                bkt = bucket_for(budget, ce.BUCKETS)
+                g = ce.graph_decoder(engine).graphs[("verify", bkt, 0.0)]
+                verify[(spec, n, budget)] = _time_graph(g.exec, b.stream, args.fake, args.iters) * 1e3
+                print(f"  {spec:14s} prompt {n:5d}: verify b{budget} replay {verify[(spec, n, budget)]:8.1f} us",
+                      file=sys.stderr, flush=True)
         rows.append((spec, cells))
         del engine
     configure("decode", defaults)
@@ -115,6 +133,15 @@ def main(argv=None) -> int:
     for spec, cells in rows:
         print(f"| {spec} | " + " | ".join(f"{tps:.0f} tok/s, {us:.1f} ({us / b0[1]:.2f}x)"
                                           for (tps, us), b0 in zip(cells, base)) + " |")
+    for budget in budgets:
+        print(f"\nverify graph replay at budget {budget} ({unit}) after a DDTree generate; x = / the first "
+              "configuration's")
+        print(f"| configuration | " + " | ".join(f"prompt {n}" for n in prompts) + " |")
+        print("|---|" + "---|" * len(prompts))
+        for spec in specs:
+            print(f"| {spec} | " + " | ".join(
+                f"{verify[(spec, n, budget)]:.1f} ({verify[(spec, n, budget)] / verify[(specs[0], n, budget)]:.2f}x)"
+                for n in prompts) + " |")
     return 0
 
 
