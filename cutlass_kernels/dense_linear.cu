@@ -222,6 +222,66 @@ struct NormWeights {  // this thread's 16-byte vector of the rmsnorm weight (onl
   }
 };
 
+// kXRmsNorm rows c0..c0+kChunk-1 of the x tile (those below `rows`): each thread's 16-byte vector of every row,
+// the row's sum of squares over the block, then the normalised slice k_begin..k_end-1 into xs.
+template <int kChunk, int XMODE>
+__device__ __forceinline__ void rmsnorm_rows(__nv_bfloat16* xs, int xs_ld,
+                                             const __nv_bfloat16* __restrict__ x, int ldx,
+                                             const __nv_bfloat16* __restrict__ x2, int ldx2,
+                                             const NormWeights<XMODE>& nw, float eps,
+                                             __nv_bfloat16* __restrict__ sum_out, int ldsum, int K, int m0, int c0,
+                                             int rows, int k_begin, int k_end) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __shared__ float partial[kChunk][kWarps];
+  const int vec = threadIdx.x;  // this thread's 16-byte vector of each row
+  const bool active = vec < K / 8;
+  uint4 hv[kChunk];  // each row's h as bf16 (exact: x is bf16 and the residual sum is rounded to bf16)
+#pragma unroll
+  for (int row = 0; row < kChunk; ++row) {
+    const int m = m0 + c0 + row;
+    hv[row] = make_uint4(0, 0, 0, 0);
+    if (c0 + row >= rows) continue;
+    float h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (active) {
+      hv[row] = *reinterpret_cast<const uint4*>(x + (size_t)m * ldx + 8 * vec);
+      unpack8(hv[row], h);
+      if (x2) {
+        float r[8];
+        unpack8(*reinterpret_cast<const uint4*>(x2 + (size_t)m * ldx2 + 8 * vec), r);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) h[j] += r[j];
+        hv[row] = pack8(h);
+        unpack8(hv[row], h);  // the rounded value, as stored
+        if (sum_out) *reinterpret_cast<uint4*>(sum_out + (size_t)m * ldsum + 8 * vec) = hv[row];
+      }
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ss += h[j] * h[j];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) partial[row][warp] = ss;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int row = 0; row < kChunk; ++row) {
+    if (c0 + row >= rows) break;
+    // the cross-warp sum of rmsnorm_kernel's block_sum: a butterfly over lanes holding the warp partials
+    float v = lane < kWarps ? partial[row][lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const float inv = rsqrtf(v / (float)K + eps);
+    const int col = 8 * vec - k_begin;
+    if (active && col >= 0 && 8 * vec < k_end) {
+      float h[8];
+      unpack8(hv[row], h);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) h[j] = h[j] * inv * nw.v[j];
+      *reinterpret_cast<uint4*>(xs + (c0 + row) * xs_ld + col) = pack8(h);
+    }
+  }
+}
+
 template <int kRows, int XMODE>
 __device__ __forceinline__ void load_x_tile(__nv_bfloat16* xs, int xs_ld,
                                             const __nv_bfloat16* __restrict__ x, int ldx,
@@ -256,53 +316,13 @@ __device__ __forceinline__ void load_x_tile(__nv_bfloat16* xs, int xs_ld,
       *reinterpret_cast<uint4*>(xs + row * xs_ld + col) = v;
     }
   } else {  // kXRmsNorm: every block normalises whole rows (K <= 8 * kThreads), keeps its k slice
-    __shared__ float partial[kRows][kWarps];
-    const int vec = threadIdx.x;  // this thread's 16-byte vector of each row
-    const bool active = vec < K / 8;
     const int rows = min(kRows, M - m0);
-    uint4 hv[kRows];  // each row's h as bf16 (exact: x is bf16 and the residual sum is rounded to bf16)
-#pragma unroll
-    for (int row = 0; row < kRows; ++row) {
-      const int m = m0 + row;
-      hv[row] = make_uint4(0, 0, 0, 0);
-      if (row >= rows) continue;
-      float h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      if (active) {
-        hv[row] = *reinterpret_cast<const uint4*>(x + (size_t)m * ldx + 8 * vec);
-        unpack8(hv[row], h);
-        if (x2) {
-          float r[8];
-          unpack8(*reinterpret_cast<const uint4*>(x2 + (size_t)m * ldx2 + 8 * vec), r);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) h[j] += r[j];
-          hv[row] = pack8(h);
-          unpack8(hv[row], h);  // the rounded value, as stored
-          if (sum_out) *reinterpret_cast<uint4*>(sum_out + (size_t)m * ldsum + 8 * vec) = hv[row];
-        }
-      }
-      float ss = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) ss += h[j] * h[j];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      if (lane == 0) partial[row][warp] = ss;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int row = 0; row < kRows; ++row) {
-      if (row >= rows) break;
-      // the cross-warp sum of rmsnorm_kernel's block_sum: a butterfly over lanes holding the warp partials
-      float v = lane < kWarps ? partial[row][lane] : 0.f;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      const float inv = rsqrtf(v / (float)K + eps);
-      const int col = 8 * vec - k_begin;
-      if (active && col >= 0 && 8 * vec < k_end) {
-        float h[8];
-        unpack8(hv[row], h);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) h[j] = h[j] * inv * nw.v[j];
-        *reinterpret_cast<uint4*>(xs + row * xs_ld + col) = pack8(h);
+    if constexpr (kRows <= 8) {
+      rmsnorm_rows<kRows>(xs, xs_ld, x, ldx, x2, ldx2, nw, eps, sum_out, ldsum, K, m0, 0, rows, k_begin, k_end);
+    } else {  // 8 rows at a time: each thread holds a chunk's h in registers
+      for (int c0 = 0; c0 < rows; c0 += 8) {
+        if (c0 > 0) __syncthreads();  // the previous chunk has read the warp partials
+        rmsnorm_rows<8>(xs, xs_ld, x, ldx, x2, ldx2, nw, eps, sum_out, ldsum, K, m0, c0, rows, k_begin, k_end);
       }
     }
     // rows past M and the columns past K (the width rounds up to 64) must read as zeros

@@ -109,6 +109,8 @@ register(KernelFamily(
              "linear_bf16_xres_kernel<4, 4, 0>", "linear_bf16_xres_kernel<8, 4, 0>",
              "linear_bf16_xres_kernel<1, 2, 0>", "linear_bf16_xres_kernel<8, 2, 0>",
              "linear_bf16_xres_kernel<1, 2, 1>", "linear_bf16_xres_kernel<1, 2, 2>",
+             "linear_bf16_xres_kernel<2, 4, 1>", "linear_bf16_xres_kernel<2, 4, 2>",
+             "linear_bf16_xres_kernel<4, 4, 1>", "linear_bf16_xres_kernel<4, 4, 2>",
              *(f"linear_bf16_gemv_kernel<{kw}, {st}, {xm}>" for kw, st in GEMV_SHAPES for xm in (0, 1, 2)
                if (kw, st, xm) in GEMV_INSTANCES)),
     required_ptx=_MMA_BF16_PTX,

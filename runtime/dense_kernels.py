@@ -105,10 +105,17 @@ XRES_SMEM_CAP = 100 * 1024       # x slice per block, so two blocks fit an SM's 
 # without it the model split SmolLM2's lm_head (K = 576) into 9 one-unit blocks, measured 2x slower than
 # one split (37.0 vs 18.4 us on the H200).
 XRES_BLOCK_OVERHEAD_UNITS = 2
-# (MT, STAGES, XMODE) built in dense_linear.cu; XMODE 1/2 fuse rmsnorm / swiglu into the x load (M <= 8)
-XRES_INSTANCES = {(1, 4, 0), (2, 4, 0), (4, 4, 0), (8, 4, 0), (1, 2, 0), (8, 2, 0), (1, 2, 1), (1, 2, 2)}
+# (MT, STAGES, XMODE) built in dense_linear.cu; XMODE 1/2 fuse rmsnorm / swiglu into the x load (M <= 32)
+XRES_INSTANCES = {(1, 4, 0), (2, 4, 0), (4, 4, 0), (8, 4, 0), (1, 2, 0), (8, 2, 0), (1, 2, 1), (1, 2, 2),
+                  (2, 4, 1), (2, 4, 2), (4, 4, 1), (4, 4, 2)}
 PROLOGUES = {"none": 0, "rmsnorm": 1, "swiglu": 2}  # linear(prologue=...) -> XMODE
 FUSED_NORM_MAX_K = 8 * 256       # the fused rmsnorm gives each of the 256 threads one 16-byte vector of a row
+# Rows up to which the model's rmsnorm -> linear and swiglu -> linear run as one launch (fused_prologue_ok). 8: the
+# decode sizes (gemv / x-resident kernel). 16 or 32 (DDTREE_FUSED_PROLOGUE_ROWS): also small verify and drafter
+# batches, on the x-resident kernel with 16- / 32-row tiles instead of GMMA, which makes a verify layer six
+# launches as in the AR step; not yet timed on a GPU (docs/PERF.md, session 16).
+FUSED_PROLOGUE_MAX_ROWS = 32
+FUSED_PROLOGUE_ROWS = int(os.environ.get("DDTREE_FUSED_PROLOGUE_ROWS", "8"))
 
 
 # DDTREE_LINEAR_GEMV=0: decode-size linears (M <= 8) back on the split-K x-resident kernel, for A/B timing
@@ -196,10 +203,11 @@ def gemv_plan(M: int, N: int, K: int, sm_count: int, kw: int | None = None, stag
 
 
 def fused_prologue_ok(M: int, K: int, prologue: str) -> bool:
-    """Whether linear(prologue=...) has a kernel for this size (the decode path: M <= 8 rows)."""
+    """Whether linear(prologue=...) takes this size: M <= FUSED_PROLOGUE_ROWS (8 by default: the decode path)."""
     if prologue == "none":
         return True
-    return 1 <= M <= 8 and K % 8 == 0 and (prologue != "rmsnorm" or K <= FUSED_NORM_MAX_K)
+    return (1 <= M <= min(FUSED_PROLOGUE_ROWS, FUSED_PROLOGUE_MAX_ROWS) and K % 8 == 0
+            and (prologue != "rmsnorm" or K <= FUSED_NORM_MAX_K))
 _smem_raised: set = set()
 
 
@@ -241,11 +249,12 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
     if kernel == "auto":
         # Measured on the H200 (docs/PERF.md): the x-resident kernel with a 2-deep ring is the fastest at
         # M <= 8 on every Qwen3-8B shape but qkv; from M = 16 the chunked kernel wins on most shapes.
-        if M <= 8:
+        if M <= 8 or xmode:
             return linear_plan(M, N, K, sm_count, splits, "xres", stages, xmode=xmode)
         kernel = "chunked"
-    _need(xmode == 0 or (kernel in ("xres", "auto") and M <= 8), "linear",
-          f"a fused prologue needs the x-resident kernel and M <= 8 (M = {M}, kernel {kernel!r})")
+    _need(xmode == 0 or (kernel in ("xres", "auto") and M <= FUSED_PROLOGUE_MAX_ROWS), "linear",
+          f"a fused prologue needs the x-resident kernel and M <= {FUSED_PROLOGUE_MAX_ROWS} (M = {M}, kernel "
+          f"{kernel!r})")
     if kernel == "xres":
         _need(M <= 64, "linear", f"the x-resident kernel takes M <= 64, got M = {M}")
         units = -(-K // 64)
@@ -327,7 +336,7 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
            eps: float = 1e-6, sum_out: DeviceArray | None = None, ldsum: int | None = None) -> DeviceArray:
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]) in bf16 with fp32 accumulation.
     kernel/splits/stages/rt/kw/persist override the plan (benchmarks and tests).
-    prologue fuses the op that makes x into the x load (M <= 8, see fused_prologue_ok):
+    prologue fuses the op that makes x into the x load (M <= FUSED_PROLOGUE_ROWS, see fused_prologue_ok):
       "rmsnorm": x <- rmsnorm(x (+ x2), norm_weight, eps), as `rmsnorm`; with x2, sum_out (optional, not
                  aliasing x or x2) receives bf16(x + x2), as rmsnorm's residual_out.
       "swiglu":  x <- silu(x) * x2 (x = gate [M, K], x2 = up [M, K]), as `swiglu`."""

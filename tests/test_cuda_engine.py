@@ -146,6 +146,18 @@ def test_ddtree_equals_ar_every_bucket(cuda_backend, tiny_dirs):
     assert all(dec.graphs[k] is g for k, g in before.items()), "graphs were captured again"
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_fused_prologues_at_verify_sizes(cuda_backend, tiny_dirs, kind, monkeypatch):
+    """DDTREE_FUSED_PROLOGUE_ROWS=32: rmsnorm (+ the pending residual add) and swiglu fused into the linears up
+    to 32 rows (the 9-token prefill, budget-16 verify and drafter blocks): logits within bf16 tolerance of the
+    reference, and DDTree still equal to AR at every bucket."""
+    import runtime.dense_kernels as dk
+    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", 32)
+    test_logits_match_numpy(cuda_backend, tiny_dirs, kind)
+    if kind == "qwen3":
+        test_ddtree_equals_ar_every_bucket(cuda_backend, tiny_dirs)
+
+
 def test_eager_cuda_engine_matches_graphs(tiny_dirs, cuda_device):
     """The generic engine loop on the CUDA backend (no graphs, host prefix) gives the graph path's tokens,
     greedy and sampled."""

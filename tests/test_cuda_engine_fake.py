@@ -42,3 +42,8 @@ def test_eager_cuda_engine_matches_graphs(backend_cls, tiny_dirs):
 
 def test_sampled_ddtree_equals_ar(backend_cls, tiny_dirs):
     gpu_tests.test_sampled_ddtree_equals_ar(backend_cls(), tiny_dirs)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_fused_prologues_at_verify_sizes(backend_cls, tiny_dirs, kind, monkeypatch):
+    gpu_tests.test_fused_prologues_at_verify_sizes(backend_cls(), tiny_dirs, kind, monkeypatch)

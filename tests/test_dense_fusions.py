@@ -39,10 +39,19 @@ def test_linear_gemv(dk, ref, M, N, K, kw, persist):
                      atol=ATOL)
 
 
+@pytest.fixture
+def verify_rows(dk, monkeypatch):
+    """Fused prologues up to 32 rows (DDTREE_FUSED_PROLOGUE_ROWS=32): the 16- and 32-row x-resident tiles."""
+    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", 32)
+
+
 @pytest.mark.parametrize("M,N,K,with_add,splits", [
     (1, 960, 576, True, None), (1, 3072, 576, False, None), (3, 989, 2048, True, 5), (8, 333, 1000, True, 1),
-    (5, 4096, 136, False, 3), (1, 49152, 576, False, None)])
-def test_linear_rmsnorm_prologue(dk, ref, M, N, K, with_add, splits):
+    (5, 4096, 136, False, 3), (1, 49152, 576, False, None),
+    # verify sizes (16- / 32-row tiles; the rmsnorm in chunks of 8 rows)
+    (17, 960, 576, True, None), (32, 3072, 576, False, None), (12, 989, 2048, True, 3), (9, 333, 1000, True, 1),
+    (25, 576, 576, True, 2)])
+def test_linear_rmsnorm_prologue(dk, ref, verify_rows, M, N, K, with_add, splits):
     rng = np.random.default_rng(M * 131 + N + K)
     x = round_bf16(rng.standard_normal((M, K), dtype=np.float32) * 2)
     r = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
@@ -53,7 +62,7 @@ def test_linear_rmsnorm_prologue(dk, ref, M, N, K, with_add, splits):
     normed, total = poisoned((M, K)), poisoned((M, K))
     dk.rmsnorm(xd, gd, normed, 1e-6, residual=rd if with_add else None, residual_out=total if with_add else None)
     want = poisoned((M, N))
-    dk.linear(normed, wd, want, splits=splits)
+    dk.linear(normed, wd, want, splits=splits, kernel="auto" if M <= 8 else "xres")  # the fused kernel's plan
     # fused
     out, total2 = poisoned((M, N)), poisoned((M, K))
     for _ in range(2):  # twice: split-K tickets reset
@@ -68,8 +77,9 @@ def test_linear_rmsnorm_prologue(dk, ref, M, N, K, with_add, splits):
                  dtype="bf16", atol=ATOL)
 
 
-@pytest.mark.parametrize("M,N,K,splits", [(1, 576, 1536, None), (4, 4096, 12288, None), (8, 777, 1000, 3)])
-def test_linear_swiglu_prologue(dk, ref, M, N, K, splits):
+@pytest.mark.parametrize("M,N,K,splits", [(1, 576, 1536, None), (4, 4096, 12288, None), (8, 777, 1000, 3),
+                                          (17, 576, 1536, None), (32, 777, 1000, 2), (12, 4096, 12288, None)])
+def test_linear_swiglu_prologue(dk, ref, verify_rows, M, N, K, splits):
     rng = np.random.default_rng(M + N + K)
     gu = round_bf16(rng.standard_normal((M, 2 * K), dtype=np.float32) * 2)
     w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
@@ -78,7 +88,7 @@ def test_linear_swiglu_prologue(dk, ref, M, N, K, splits):
     act = poisoned((M, K))
     dk.swiglu(gate, up, act, T=M, I=K, ldg=2 * K, ldu=2 * K)
     want = poisoned((M, N))
-    dk.linear(act, wd, want, splits=splits)
+    dk.linear(act, wd, want, splits=splits, kernel="auto" if M <= 8 else "xres")  # the fused kernel's plan
     out = poisoned((M, N))
     dk.linear(gate, wd, out, ldx=2 * K, splits=splits, prologue="swiglu", x2=up, ldx2=2 * K)
     np.testing.assert_array_equal(bits(out), bits(want), err_msg="fused swiglu linear != swiglu + linear")
@@ -88,8 +98,8 @@ def test_linear_swiglu_prologue(dk, ref, M, N, K, splits):
 
 def test_linear_prologue_rejects(dk):
     from runtime.cuda import empty
-    x, w, o = empty((16, 64), np.uint16), empty((8, 64), np.uint16), empty((16, 8), np.uint16)
-    with pytest.raises(ValueError, match="no fused"):
+    x, w, o = empty((40, 64), np.uint16), empty((8, 64), np.uint16), empty((40, 8), np.uint16)
+    with pytest.raises(ValueError, match="no fused"):   # above FUSED_PROLOGUE_MAX_ROWS (32)
         dk.linear(x, w, o, prologue="swiglu", x2=x)
     with pytest.raises(ValueError, match="needs norm_weight"):
         dk.linear(empty((1, 64), np.uint16), w, empty((1, 8), np.uint16), prologue="rmsnorm")

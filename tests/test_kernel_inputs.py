@@ -287,6 +287,27 @@ def test_linear_plan_token_tiles():
     assert dk.linear_plan(65, 1000, 2048, 132, rt=2)[0] == "linear_bf16_kernel<8, 2>"
 
 
+def test_fused_prologue_rows(monkeypatch):
+    """Fused rmsnorm / swiglu prologues: up to 8 rows by default; with FUSED_PROLOGUE_ROWS = 32 (the env knob)
+    verify-size batches take the 16- / 32-row x-resident instances, which exist; never above 32 rows."""
+    from cutlass_kernels.registry import FAMILIES
+    built = set(FAMILIES["dense_linear"].entries)
+    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", 8)
+    assert dk.fused_prologue_ok(8, 576, "rmsnorm") and not dk.fused_prologue_ok(9, 576, "rmsnorm")
+    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", 32)
+    for M, mt in ((9, 2), (16, 2), (17, 4), (32, 4)):
+        for prologue, xmode in (("rmsnorm", 1), ("swiglu", 2)):
+            assert dk.fused_prologue_ok(M, 576, prologue)
+            entry, grid, k_per_split, smem = dk.linear_plan(M, 960, 576, 132, xmode=xmode)
+            assert entry == f"linear_bf16_xres_kernel<{mt}, 4, {xmode}>" and entry in built, (M, entry)
+            assert grid[2] == 1 and smem <= dk.XRES_SMEM_CAP
+    assert not dk.fused_prologue_ok(33, 576, "swiglu") and not dk.fused_prologue_ok(17, 4096, "rmsnorm")
+    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", 64)
+    assert not dk.fused_prologue_ok(33, 576, "swiglu")      # no instance above 32 rows
+    with pytest.raises(ValueError, match="M <= 32"):
+        dk.linear_plan(40, 960, 576, 132, xmode=1)
+
+
 def test_moe_scale_range():
     """The INT4 MoE dequantization's scale range (kimi_kernels.check_scale_range): 0 and 2^-123 <= |s| < 2^-2 pass;
     2^-2 and above, below 2^-123, inf and NaN are refused with the count and the first offender."""

@@ -15,6 +15,8 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
   persist0/1    gemv grids one block per row tile / persistent (as DDTREE_GEMV_PERSIST)
   gemv0         decode-size linears on the split-K x-resident kernel instead of the gemv (as DDTREE_LINEAR_GEMV=0)
   gmma0         verify-size linears on the mma.sync chunked kernel instead of GMMA (as DDTREE_LINEAR_GMMA=0)
+  fuse16/fuse32 rmsnorm and swiglu fused into the linears up to 16 / 32 rows (as DDTREE_FUSED_PROLOGUE_ROWS):
+                verify b16 and drafter blocks as six launches per layer, on the x-resident kernel
 With --verify-budgets the same configurations also decode with DDTree at those budgets (the random drafter) and
 the verify graph of each budget's bucket is timed after them.
 e.g. `--configs decode,decode+kw4,decode+kw8,decode+persist0`. Each configuration gets its own Engine, whose
@@ -56,13 +58,16 @@ def configure(spec: str, defaults: dict) -> None:
             dk.LINEAR_GEMV = False
         elif term == "gmma0":
             dense_gmma.GMMA_ENABLED = False
+        elif term in ("fuse16", "fuse32"):
+            dk.FUSED_PROLOGUE_ROWS = int(term[4:])
         else:
             raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
-                             "persist0, persist1, gemv0 or gmma0")
+                             "persist0, persist1, gemv0, gmma0, fuse16 or fuse32")
 
 
 # the launch choices a configuration may change, restored before each one
-KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV", "GMMA_ENABLED")
+KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV", "GMMA_ENABLED",
+         "FUSED_PROLOGUE_ROWS")
 
 
 def main(argv=None) -> int:
