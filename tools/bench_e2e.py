@@ -26,7 +26,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a short poem 
 def main(argv=None) -> int:
     from tools.ddtree_run import CliError, load_drafter, load_target, select_backend
     from runtime.engine import Engine
-    from runtime.testing import greedy_split
+    from runtime.testing import first_divergence, greedy_split
     from runtime.models.dflash import DFlashDrafter, random_checkpoint
     import loader
 
@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     checker = {}     # the float32 reference that tells a bf16 near-tie from a real split, built on first need
 
     def split_note(i, ids, ar_tokens, tokens):
-        j = next((k for k, (x, y) in enumerate(zip(tokens, ar_tokens)) if x != y), len(tokens))
+        j = first_divergence(tokens, ar_tokens)
+        j = min(len(tokens), len(ar_tokens)) if j is None else j      # one output stops early
         if backend.name == "cuda" and "ref" not in checker:
             checker["ref"] = reference_target(args, hf_peer)
         ref = checker.get("ref")
