@@ -1,7 +1,8 @@
 """Helpers shared by the kernel tests and the benchmarks (no GPU needed to import): random draft trees as
 visibility bitmasks, the one numpy compare helper every kernel test uses (DESIGN.md: shape, dtype, then a
-tolerance scaled to the dtype, printing the first mismatches; NaN and inf never pass), and device buffers
-for the GPU tests (bf16 uploads, NaN-poisoned outputs)."""
+tolerance scaled to the dtype, printing the first mismatches; NaN and inf never pass), device buffers
+for the GPU tests (bf16 uploads, NaN-poisoned outputs), and the greedy-split check of the lossless tests (where
+AR and DDTree outputs differ, is it a bf16 near-tie of the float32 reference?)."""
 from __future__ import annotations
 
 import numpy as np
@@ -128,15 +129,27 @@ def first_divergence(a, b) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def forward_logits(model, seq, chunks) -> np.ndarray:
+    """Logits [len(seq), vocab] (float32, host) of `model` over the token sequence `seq` from position 0, fed as
+    forwards of the given chunk lengths into one KV cache (each chunk's rows see the cache and, causally, each
+    other): [len(seq)] is one prefill, [n, 1, 1, ...] AR steps after an n-token prompt."""
+    from runtime.backends.base import causal_visibility
+    b = model.backend
+    cache = model.new_cache(len(seq) + 1)
+    out, p = [], 0
+    for n in chunks:
+        h, _ = model.forward(cache, b.from_host(np.asarray(seq[p:p + n], np.int32)),
+                             b.from_host(np.arange(p, p + n, dtype=np.int32)), b.from_host(causal_visibility(n)))
+        cache.length += n
+        out.append(np.asarray(b.to_host(model.logits(h)), np.float32))
+        p += n
+    return np.concatenate(out)
+
+
 def reference_logits(ref_model, seq) -> tuple[np.ndarray, int]:
     """The reference model's logits after the token sequence `seq` (prefilled from position 0) on the host, and
     the position of its last token (what a sample of the next token is keyed by)."""
-    from runtime.backends.base import causal_visibility
-    b = ref_model.backend
-    cache = ref_model.new_cache(len(seq) + 1)
-    h, _ = ref_model.forward(cache, b.from_host(np.asarray(seq, np.int32)),
-                             b.from_host(np.arange(len(seq), dtype=np.int32)), b.from_host(causal_visibility(len(seq))))
-    return np.asarray(b.to_host(ref_model.logits(h[-1:])), np.float32)[0], len(seq) - 1
+    return forward_logits(ref_model, seq, [len(seq)])[-1], len(seq) - 1
 
 
 def greedy_split(ref_model, prompt, a_tokens, b_tokens) -> dict | None:

@@ -25,40 +25,26 @@ import sys
 import numpy as np
 
 
-def path_logits(model, seq, chunks) -> np.ndarray:
-    """Logits [len(seq), vocab] (float32, host) of `model` over `seq`, fed as forwards of the given chunk lengths
-    into one KV cache (each chunk's rows see the cache and, causally, each other)."""
-    from runtime.backends.base import causal_visibility
-    b = model.backend
-    cache = model.new_cache(len(seq) + 1)
-    out, p = [], 0
-    for n in chunks:
-        h, _ = model.forward(cache, b.from_host(np.asarray(seq[p:p + n], np.int32)),
-                             b.from_host(np.arange(p, p + n, dtype=np.int32)), b.from_host(causal_visibility(n)))
-        cache.length += n
-        out.append(np.asarray(b.to_host(model.logits(h)), np.float32))
-        p += n
-    return np.concatenate(out)
-
-
 def greedy(model, prompt, new_tokens: int) -> list[int]:
     """prompt + the model's greedy continuation (re-prefilled each step: the reference's own choices)."""
+    from runtime.testing import forward_logits
     seq = list(prompt)
     for _ in range(new_tokens):
-        seq.append(int(np.argmax(path_logits(model, seq, [len(seq)])[-1])))
+        seq.append(int(np.argmax(forward_logits(model, seq, [len(seq)])[-1])))
     return seq
 
 
 def compare(ref, model, prompt, new_tokens: int = 24, verify_rows: int = 17) -> tuple[list[dict], list[int]]:
     """Per-position rows {pos, best, gap, <path>: (err, argmax)} for positions len(prompt) - 1 .. end - 1, and
     the reference's sequence."""
+    from runtime.testing import forward_logits
     seq = greedy(ref, prompt, new_tokens)
     n0, n = len(prompt), len(seq)
     vt = min(verify_rows, n - 1)
-    z_ref = path_logits(ref, seq, [n])
-    paths = {"prefill": (path_logits(model, seq, [n]), 0),
-             "ar": (path_logits(model, seq, [n0] + [1] * (n - n0)), 0),
-             f"verify {vt}": (path_logits(model, seq, [n - vt, vt]), n - vt)}
+    z_ref = forward_logits(ref, seq, [n])
+    paths = {"prefill": (forward_logits(model, seq, [n]), 0),
+             "ar": (forward_logits(model, seq, [n0] + [1] * (n - n0)), 0),
+             f"verify {vt}": (forward_logits(model, seq, [n - vt, vt]), n - vt)}
     rows = []
     for p in range(n0 - 1, n - 1):
         z = z_ref[p]
