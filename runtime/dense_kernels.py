@@ -110,12 +110,26 @@ XRES_INSTANCES = {(1, 4, 0), (2, 4, 0), (4, 4, 0), (8, 4, 0), (1, 2, 0), (8, 2, 
                   (2, 4, 1), (2, 4, 2), (4, 4, 1), (4, 4, 2)}
 PROLOGUES = {"none": 0, "rmsnorm": 1, "swiglu": 2}  # linear(prologue=...) -> XMODE
 FUSED_NORM_MAX_K = 8 * 256       # the fused rmsnorm gives each of the 256 threads one 16-byte vector of a row
-# Rows up to which the model's rmsnorm -> linear and swiglu -> linear run as one launch (fused_prologue_ok). 8: the
-# decode sizes (gemv / x-resident kernel). 16 or 32 (DDTREE_FUSED_PROLOGUE_ROWS): also small verify and drafter
-# batches, on the x-resident kernel with 16- / 32-row tiles instead of GMMA, which makes a verify layer six
-# launches as in the AR step; not yet timed on a GPU (docs/PERF.md, session 16).
+# Rows up to which the model's rmsnorm -> linear and swiglu -> linear run as one launch (fused_prologue_ok), per
+# prologue. 8: the decode sizes (gemv / x-resident kernel). 16 or 32: also small verify and drafter batches, on
+# the x-resident kernel with 16- / 32-row tiles instead of GMMA, which makes a verify layer six launches as in the
+# AR step; not yet timed on a GPU (docs/PERF.md, session 16). DDTREE_FUSED_PROLOGUE_ROWS=32 sets both,
+# =rmsnorm:32,swiglu:8 each.
 FUSED_PROLOGUE_MAX_ROWS = 32
-FUSED_PROLOGUE_ROWS = int(os.environ.get("DDTREE_FUSED_PROLOGUE_ROWS", "8"))
+
+
+def _fused_prologue_rows(spec: str) -> dict[str, int]:
+    rows = {"rmsnorm": 8, "swiglu": 8}
+    for part in filter(None, spec.split(",")):
+        name, _, n = part.rpartition(":")
+        for key in ([name] if name else list(rows)):
+            if key not in rows or not n.isdigit():
+                raise ValueError(f"DDTREE_FUSED_PROLOGUE_ROWS={spec!r}: N, or rmsnorm:N and / or swiglu:N")
+            rows[key] = int(n)
+    return rows
+
+
+FUSED_PROLOGUE_ROWS = _fused_prologue_rows(os.environ.get("DDTREE_FUSED_PROLOGUE_ROWS", ""))
 
 
 # DDTREE_LINEAR_GEMV=0: decode-size linears (M <= 8) back on the split-K x-resident kernel, for A/B timing
@@ -203,10 +217,11 @@ def gemv_plan(M: int, N: int, K: int, sm_count: int, kw: int | None = None, stag
 
 
 def fused_prologue_ok(M: int, K: int, prologue: str) -> bool:
-    """Whether linear(prologue=...) takes this size: M <= FUSED_PROLOGUE_ROWS (8 by default: the decode path)."""
+    """Whether linear(prologue=...) takes this size: M <= FUSED_PROLOGUE_ROWS[prologue] (8 by default: the decode
+    path)."""
     if prologue == "none":
         return True
-    return (1 <= M <= min(FUSED_PROLOGUE_ROWS, FUSED_PROLOGUE_MAX_ROWS) and K % 8 == 0
+    return (1 <= M <= min(FUSED_PROLOGUE_ROWS[prologue], FUSED_PROLOGUE_MAX_ROWS) and K % 8 == 0
             and (prologue != "rmsnorm" or K <= FUSED_NORM_MAX_K))
 _smem_raised: set = set()
 
@@ -336,7 +351,8 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
            eps: float = 1e-6, sum_out: DeviceArray | None = None, ldsum: int | None = None) -> DeviceArray:
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]) in bf16 with fp32 accumulation.
     kernel/splits/stages/rt/kw/persist override the plan (benchmarks and tests).
-    prologue fuses the op that makes x into the x load (M <= FUSED_PROLOGUE_ROWS, see fused_prologue_ok):
+    prologue fuses the op that makes x into the x load (M <= FUSED_PROLOGUE_ROWS[prologue], see
+    fused_prologue_ok):
       "rmsnorm": x <- rmsnorm(x (+ x2), norm_weight, eps), as `rmsnorm`; with x2, sum_out (optional, not
                  aliasing x or x2) receives bf16(x + x2), as rmsnorm's residual_out.
       "swiglu":  x <- silu(x) * x2 (x = gate [M, K], x2 = up [M, K]), as `swiglu`."""

@@ -152,7 +152,7 @@ def test_fused_prologues_at_verify_sizes(cuda_backend, tiny_dirs, kind, monkeypa
     to 32 rows (the 9-token prefill, budget-16 verify and drafter blocks): logits within bf16 tolerance of the
     reference, and DDTree still equal to AR at every bucket."""
     import runtime.dense_kernels as dk
-    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", 32)
+    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", {"rmsnorm": 32, "swiglu": 32})
     test_logits_match_numpy(cuda_backend, tiny_dirs, kind)
     if kind == "qwen3":
         test_ddtree_equals_ar_every_bucket(cuda_backend, tiny_dirs)

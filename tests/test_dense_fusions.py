@@ -42,7 +42,7 @@ def test_linear_gemv(dk, ref, M, N, K, kw, persist):
 @pytest.fixture
 def verify_rows(dk, monkeypatch):
     """Fused prologues up to 32 rows (DDTREE_FUSED_PROLOGUE_ROWS=32): the 16- and 32-row x-resident tiles."""
-    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", 32)
+    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", {"rmsnorm": 32, "swiglu": 32})
 
 
 @pytest.mark.parametrize("M,N,K,with_add,splits", [

@@ -292,9 +292,9 @@ def test_fused_prologue_rows(monkeypatch):
     verify-size batches take the 16- / 32-row x-resident instances, which exist; never above 32 rows."""
     from cutlass_kernels.registry import FAMILIES
     built = set(FAMILIES["dense_linear"].entries)
-    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", 8)
+    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", {"rmsnorm": 8, "swiglu": 8})
     assert dk.fused_prologue_ok(8, 576, "rmsnorm") and not dk.fused_prologue_ok(9, 576, "rmsnorm")
-    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", 32)
+    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", {"rmsnorm": 32, "swiglu": 32})
     for M, mt in ((9, 2), (16, 2), (17, 4), (32, 4)):
         for prologue, xmode in (("rmsnorm", 1), ("swiglu", 2)):
             assert dk.fused_prologue_ok(M, 576, prologue)
@@ -302,10 +302,18 @@ def test_fused_prologue_rows(monkeypatch):
             assert entry == f"linear_bf16_xres_kernel<{mt}, 4, {xmode}>" and entry in built, (M, entry)
             assert grid[2] == 1 and smem <= dk.XRES_SMEM_CAP
     assert not dk.fused_prologue_ok(33, 576, "swiglu") and not dk.fused_prologue_ok(17, 4096, "rmsnorm")
-    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", 64)
+    monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", {"rmsnorm": 64, "swiglu": 64})
     assert not dk.fused_prologue_ok(33, 576, "swiglu")      # no instance above 32 rows
     with pytest.raises(ValueError, match="M <= 32"):
         dk.linear_plan(40, 960, 576, 132, xmode=1)
+    # the env knob: both, or each prologue
+    assert dk._fused_prologue_rows("") == {"rmsnorm": 8, "swiglu": 8}
+    assert dk._fused_prologue_rows("32") == {"rmsnorm": 32, "swiglu": 32}
+    assert dk._fused_prologue_rows("swiglu:32") == {"rmsnorm": 8, "swiglu": 32}
+    assert dk._fused_prologue_rows("rmsnorm:16,swiglu:32") == {"rmsnorm": 16, "swiglu": 32}
+    for bad in ("x", "norm:32", "swiglu:"):
+        with pytest.raises(ValueError, match="DDTREE_FUSED_PROLOGUE_ROWS"):
+            dk._fused_prologue_rows(bad)
 
 
 def test_moe_scale_range():

@@ -16,7 +16,8 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
   gemv0         decode-size linears on the split-K x-resident kernel instead of the gemv (as DDTREE_LINEAR_GEMV=0)
   gmma0         verify-size linears on the mma.sync chunked kernel instead of GMMA (as DDTREE_LINEAR_GMMA=0)
   fuse16/fuse32 rmsnorm and swiglu fused into the linears up to 16 / 32 rows (as DDTREE_FUSED_PROLOGUE_ROWS):
-                verify b16 and drafter blocks as six launches per layer, on the x-resident kernel
+                verify b16 and drafter blocks as six launches per layer, on the x-resident kernel; norm32 /
+                swiglu32 only the one prologue
 With --verify-budgets the same configurations also decode with DDTree at those budgets (the random drafter) and
 the verify graph of each budget's bucket is timed after them.
 e.g. `--configs decode,decode+kw4,decode+kw8,decode+persist0`. Each configuration gets its own Engine, whose
@@ -58,13 +59,15 @@ def configure(spec: str, defaults: dict) -> None:
             dk.LINEAR_GEMV = False
         elif term == "gmma0":
             dense_gmma.GMMA_ENABLED = False
-        elif term in ("fuse16", "fuse32"):
-            dk.FUSED_PROLOGUE_ROWS = int(term[4:])
+        elif term[:-2] in FUSE_TERMS and term[-2:] in ("16", "32"):
+            for prologue in FUSE_TERMS[term[:-2]]:
+                dk.FUSED_PROLOGUE_ROWS[prologue] = int(term[-2:])
         else:
             raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
-                             "persist0, persist1, gemv0, gmma0, fuse16 or fuse32")
+                             "persist0, persist1, gemv0, gmma0, fuse16/32, norm16/32 or swiglu16/32")
 
 
+FUSE_TERMS = {"fuse": ("rmsnorm", "swiglu"), "norm": ("rmsnorm",), "swiglu": ("swiglu",)}
 # the launch choices a configuration may change, restored before each one
 KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV", "GMMA_ENABLED",
          "FUSED_PROLOGUE_ROWS")

@@ -50,7 +50,7 @@ e2e_model=(--random smollm2-135m)
 # AR step and verify b16 / b64 in the graph vs prompt length: the tree-verify attention kernel against the decode
 # kernel, the gemv's per-shape plan (KW, persistence) against forcing each, GMMA against mma.sync at verify sizes,
 # all in the graph (each was picked from per-op timings)
-step bench_ar python3 -m tools.bench_ar --prompts 8,512,1024 --verify-budgets 16,64 --configs tree,decode,decode+kw4,decode+kw8,decode+persist0,decode+persist1,decode+gmma0,decode+fuse32
+step bench_ar python3 -m tools.bench_ar --prompts 8,512,1024 --verify-budgets 16,64 --configs tree,decode,decode+kw4,decode+kw8,decode+persist0,decode+persist1,decode+gmma0,decode+fuse32,decode+swiglu32
 # bf16 rounding of the AR / verify / prefill paths vs the float32 reference on the real weights: what the lossless
 # tests' near-tie tolerance rests on (tests/test_cuda_engine.py NEAR_TIE)
 [ -n "${DDTREE_SMOLLM2_GGUF:-}" ] && step logit_error python3 -m tools.logit_error --model "$DDTREE_SMOLLM2_GGUF"
