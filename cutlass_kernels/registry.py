@@ -89,6 +89,10 @@ def _linear_reduce_ilp() -> int:
     return int(v)
 
 
+# linear_bf16_xres_kernel <MT, STAGES, XMODE> (8*MT-row token tile; XMODE 1 / 2 fuse rmsnorm / swiglu into the x
+# load): the instances runtime/dense_kernels.py's plans may name.
+XRES_INSTANCES = ((1, 4, 0), (2, 4, 0), (4, 4, 0), (8, 4, 0), (1, 2, 0), (8, 2, 0), (1, 2, 1), (1, 2, 2),
+                  (2, 4, 1), (2, 4, 2), (4, 4, 1), (4, 4, 2))
 # (KW, STAGES, XMODE) of linear_bf16_gemv_kernel (M <= 8, no cross-block split): runtime/dense_kernels.py
 # picks among these.
 GEMV_SHAPES = ((8, 2), (8, 4), (4, 4), (2, 4))
@@ -105,12 +109,7 @@ register(KernelFamily(
     source="dense_linear.cu",
     entries=("linear_bf16_kernel<1, 1>", "linear_bf16_kernel<2, 1>", "linear_bf16_kernel<4, 1>",
              "linear_bf16_kernel<8, 1>", "linear_bf16_kernel<9, 1>", "linear_bf16_kernel<8, 2>",
-             "linear_bf16_xres_kernel<1, 4, 0>", "linear_bf16_xres_kernel<2, 4, 0>",
-             "linear_bf16_xres_kernel<4, 4, 0>", "linear_bf16_xres_kernel<8, 4, 0>",
-             "linear_bf16_xres_kernel<1, 2, 0>", "linear_bf16_xres_kernel<8, 2, 0>",
-             "linear_bf16_xres_kernel<1, 2, 1>", "linear_bf16_xres_kernel<1, 2, 2>",
-             "linear_bf16_xres_kernel<2, 4, 1>", "linear_bf16_xres_kernel<2, 4, 2>",
-             "linear_bf16_xres_kernel<4, 4, 1>", "linear_bf16_xres_kernel<4, 4, 2>",
+             *(f"linear_bf16_xres_kernel<{mt}, {st}, {xm}>" for mt, st, xm in XRES_INSTANCES),
              *(f"linear_bf16_gemv_kernel<{kw}, {st}, {xm}>" for kw, st in GEMV_SHAPES for xm in (0, 1, 2)
                if (kw, st, xm) in GEMV_INSTANCES)),
     required_ptx=_MMA_BF16_PTX,

@@ -105,9 +105,6 @@ XRES_SMEM_CAP = 100 * 1024       # x slice per block, so two blocks fit an SM's 
 # without it the model split SmolLM2's lm_head (K = 576) into 9 one-unit blocks, measured 2x slower than
 # one split (37.0 vs 18.4 us on the H200).
 XRES_BLOCK_OVERHEAD_UNITS = 2
-# (MT, STAGES, XMODE) built in dense_linear.cu; XMODE 1/2 fuse rmsnorm / swiglu into the x load (M <= 32)
-XRES_INSTANCES = {(1, 4, 0), (2, 4, 0), (4, 4, 0), (8, 4, 0), (1, 2, 0), (8, 2, 0), (1, 2, 1), (1, 2, 2),
-                  (2, 4, 1), (2, 4, 2), (4, 4, 1), (4, 4, 2)}
 PROLOGUES = {"none": 0, "rmsnorm": 1, "swiglu": 2}  # linear(prologue=...) -> XMODE
 FUSED_NORM_MAX_K = 8 * 256       # the fused rmsnorm gives each of the 256 threads one 16-byte vector of a row
 # Rows up to which the model's rmsnorm -> linear and swiglu -> linear run as one launch (fused_prologue_ok), per
@@ -296,6 +293,7 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
         splits = -(-units // per)
         k_per_split = per * 64
         stages = stages or (2 if mt in (1, 8) else 4)  # the 2-deep ring measured faster where it exists
+        from cutlass_kernels.registry import XRES_INSTANCES
         _need((mt, stages, xmode) in XRES_INSTANCES, "linear", f"no x-resident kernel <MT={mt}, "
               f"STAGES={stages}, XMODE={xmode}>; built: {sorted(XRES_INSTANCES)}")
         entry = f"linear_bf16_xres_kernel<{mt}, {stages}, {xmode}>"
