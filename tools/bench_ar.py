@@ -40,8 +40,7 @@ def configure(spec: str, defaults: dict) -> None:
     import runtime.dense_kernels as dk
     from runtime import dense_gmma
     for name, value in defaults.items():
-        module = dense_gmma if name == "GMMA_ENABLED" else dk
-        setattr(module, name, dict(value) if isinstance(value, dict) else value)
+        setattr(knob_owner(name), name, dict(value) if isinstance(value, dict) else value)
     for term in spec.split("+"):
         kernel, _, variant = term.partition(":")
         if kernel in ("tree", "decode") and (not variant or kernel == "decode"):
@@ -73,6 +72,13 @@ KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCE
          "FUSED_PROLOGUE_ROWS")
 
 
+def knob_owner(name: str):
+    """The module that holds launch choice `name` (runtime.dense_gmma for GMMA_ENABLED, else dense_kernels)."""
+    import runtime.dense_kernels as dk
+    from runtime import dense_gmma
+    return dense_gmma if name == "GMMA_ENABLED" else dk
+
+
 def main(argv=None) -> int:
     from tools.bench_e2e import RANDOM_SHAPES
     ap = argparse.ArgumentParser(prog="bench_ar", description=__doc__.split("\n\n")[0])
@@ -94,13 +100,11 @@ def main(argv=None) -> int:
     from tools.profile_step import _time_graph, install_fake, random_engine
     if args.fake:
         install_fake()
-    import runtime.dense_kernels as dk
     from runtime import cuda_engine as ce
     from runtime.backends.cuda_backend import CudaBackend
     from runtime.engine import Engine
     from runtime.cuda import bucket_for
-    from runtime import dense_gmma
-    defaults = {name: getattr(dense_gmma if name == "GMMA_ENABLED" else dk, name) for name in KNOBS}
+    defaults = {name: getattr(knob_owner(name), name) for name in KNOBS}
     for spec in specs:              # every configuration valid before the model is built
         configure(spec, defaults)
     b = CudaBackend(graphs=True)
