@@ -22,13 +22,17 @@ using cuda::std::uint16_t;
 using cuda::std::uint32_t;
 #include <cute/arch/mma_sm80.hpp>
 #include "device_common.cuh"
+#include "tree_attention_common.cuh"
 
 namespace {
 
 constexpr int kRowsPerWarp = 16;
 constexpr int kWarps = 4;
 constexpr int kTileRows = kRowsPerWarp * kWarps;  // query rows per block
-constexpr int kTileKeys = 64;                      // cache slots per stage
+using tree_attention::kTileKeys;
+using tree_attention::active_splits;
+using tree_attention::query_rows;
+using tree_attention::load_q_fragments;
 #define NEG_INF __int_as_float(0xff800000u)
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -57,39 +61,6 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
                                     uint32_t b0, uint32_t b1) {
   cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a0, a1, a2, a3, b0, b1,
                                             d[0], d[1], d[2], d[3]);
-}
-
-// Splits in use for n_keys keys: the plan's entry for that many key tiles (clamped to the grid), else all.
-__device__ __forceinline__ int active_splits(int n_keys, int grid_splits, const int* __restrict__ split_table) {
-  if (split_table == nullptr) return grid_splits;
-  const int n_tiles = (n_keys + kTileKeys - 1) / kTileKeys;
-  return max(1, min(grid_splits, __ldg(split_table + n_tiles)));
-}
-
-// This lane's two query rows r and r + 8 of the packed (query, head-in-group) rows: query index, q head, valid.
-__device__ __forceinline__ void query_rows(int r, int T, int G, int kvh, int (&qi)[2], int (&head)[2],
-                                           bool (&valid)[2]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int rh = r + 8 * h;
-    valid[h] = rh < T * G;
-    qi[h] = valid[h] ? rh / G : 0;
-    head[h] = kvh * G + (valid[h] ? rh % G : 0);
-  }
-}
-
-// The lane's Q fragments for all of D, loaded once (A operand: rows g / g+8, k = 2t.. and 2t+8..).
-template <int D>
-__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[D / 16][4], const __nv_bfloat16* __restrict__ q,
-                                                 int ldq, const int (&qi)[2], const int (&head)[2],
-                                                 const bool (&valid)[2], int t) {
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int h = c & 1, d = kk * 16 + 2 * t + 8 * (c >> 1);
-      qa[kk][c] = valid[h] ? *reinterpret_cast<const uint32_t*>(q + (size_t)qi[h] * ldq + head[h] * D + d) : 0u;
-    }
 }
 
 // One warp, its 16 query rows (this lane: g and g + 8) against KEYS cache slots from key0 on, K and V rows

@@ -597,6 +597,21 @@ def decode_attention_smem_bytes(head_dim: int, variant: tuple[int, int]) -> int:
     return 4 * stages * 2 * kt * (head_dim + 8) * 2  # 4 warps x stages x K and V, padded rows
 
 
+# tree_attention_gmma_kernel<D, STAGES> (sm_90a, tree_attention_sm90.cu): the tree kernel's contract on wgmma, one
+# warpgroup per 64 packed rows; STAGES-deep K/V ring (instances: TREE_ATTN_GMMA_INSTANCES). "auto" takes it on
+# sm_90a wherever it would take tree_attention_kernel: H200, Qwen3-8B heads, prefix 1k-32k, budgets 16-1024,
+# 1.07-1.33x faster (3 stages; 2 within 1%); SmolLM2 heads 0.97-1.09x (2 stages) (docs/PERF.md, session 17).
+# DDTREE_ATTN_GMMA=0 keeps tree_attention_kernel there (A/B).
+ATTN_GMMA_STAGES = {64: 2, 128: 3}
+ATTN_GMMA = os.environ.get("DDTREE_ATTN_GMMA", "1") != "0"
+ATTN_GMMA_ARCHS = ("90a",)
+
+
+def tree_attention_gmma_smem_bytes(head_dim: int, stages: int) -> int:
+    """stages x (K, V) tiles of 64 rows x head_dim bf16, + 1 KB to align the swizzled tiles."""
+    return 1024 + 2 * stages * 64 * head_dim * 2
+
+
 def decode_variant(head_dim: int, variant: tuple[int, int] | None = None) -> tuple[int, int]:
     """(KT, S) of the decode kernel for head_dim: `variant` if given (it must be an instance), else the default."""
     from cutlass_kernels.registry import DECODE_ATTN_VARIANTS
@@ -606,13 +621,19 @@ def decode_variant(head_dim: int, variant: tuple[int, int] | None = None) -> tup
     return variant
 
 
-def attention_kernel_for(T: int, Hq: int, Hkv: int, D: int, kernel: str | None = None) -> str:
+def attention_kernel_for(T: int, Hq: int, Hkv: int, D: int, kernel: str | None = None,
+                         arch: str | None = None) -> str:
     """"decode" (decode_attention_kernel) where a KV head's T * G query rows are at most DECODE_MAX_ROWS[D], else
-    "tree" (tree_attention_kernel); `kernel` forces one (either takes any rows)."""
+    "gmma" (tree_attention_gmma_kernel) on an arch of ATTN_GMMA_ARCHS (when ATTN_GMMA), else "tree"
+    (tree_attention_kernel); `kernel` forces one (each takes any rows; "gmma" only on ATTN_GMMA_ARCHS)."""
     if kernel is not None:
-        _need(kernel in ("decode", "tree"), "attention", f"kernel {kernel!r}: 'decode' or 'tree'")
+        _need(kernel in ("decode", "tree", "gmma"), "attention", f"kernel {kernel!r}: 'decode', 'tree' or 'gmma'")
+        _need(kernel != "gmma" or arch is None or arch in ATTN_GMMA_ARCHS, "attention",
+              f"the gmma attention kernel is built for sm_{'/'.join(ATTN_GMMA_ARCHS)}, this device is sm_{arch}")
         return kernel
-    return "decode" if T * (Hq // Hkv) <= DECODE_MAX_ROWS.get(D, DECODE_ATTN_ROWS) and ATTN_DECODE else "tree"
+    if T * (Hq // Hkv) <= DECODE_MAX_ROWS.get(D, DECODE_ATTN_ROWS) and ATTN_DECODE:
+        return "decode"
+    return "gmma" if ATTN_GMMA and arch in ATTN_GMMA_ARCHS else "tree"
 
 
 # KV split plan of tree_attention_kernel: a cost model fitted to split sweeps on the H200 (docs/PERF.md, "Dense
@@ -634,21 +655,24 @@ ATTN_MAX_SPLITS = 64
 # slots); the combine's fixed cost is what it adds inside the engine's AR graph, where PDL hides its launch: with
 # ATTN_MERGE_US the plan kept one split up to prefix ~400, which measured slower there (docs/PERF.md).
 DECODE_ROUND_US = {16: 0.6, 32: 1.0}
+# tree_attention_gmma_kernel's round (one 64-slot tile over its resident blocks); the merge as the tree kernel's
+ATTN_GMMA_ROUND_US = 2.5
 DECODE_MERGE_US = 0.5
 
 
 def attention_splits(T: int, Hq: int, Hkv: int, n_keys: int, sm_count: int, D: int = 128,
                      kernel: str = "tree", decode: tuple[int, int] | None = None, blocks_per_sm: int = 1) -> int:
-    """KV splits (blocks along z) for T queries over n_keys cache slots on `kernel` ("tree", or "decode" with
-    its (KT, S) variant and resident blocks per SM): the fewest whose time under the cost model above is within
-    2% of the fastest."""
+    """KV splits (blocks along z) for T queries over n_keys cache slots on `kernel` ("tree"; "decode" with its
+    (KT, S) variant and resident blocks per SM; "gmma" with its resident blocks per SM): the fewest whose time
+    under the cost model above is within 2% of the fastest."""
     if kernel == "decode":
         kt, _ = decode_variant(D, decode)
         blocks, tile_keys, per_round = -(-T * (Hq // Hkv) // DECODE_ATTN_ROWS) * Hkv, kt, 4
         resident, round_us, merge_us = sm_count * blocks_per_sm, DECODE_ROUND_US[kt], DECODE_MERGE_US
-    else:
+    else:   # tree / gmma: 64 packed rows per block, 64-slot tiles
         blocks, tile_keys, per_round = -(-T * (Hq // Hkv) // ATTN_ROWS_PER_BLOCK) * Hkv, ATTN_TILE_KEYS, 1
-        resident, round_us, merge_us = sm_count * ATTN_BLOCKS_PER_SM.get(D, 2), ATTN_ROUND_US, ATTN_MERGE_US
+        resident = sm_count * (blocks_per_sm if kernel == "gmma" else ATTN_BLOCKS_PER_SM.get(D, 2))
+        round_us, merge_us = ATTN_GMMA_ROUND_US if kernel == "gmma" else ATTN_ROUND_US, ATTN_MERGE_US
     tiles = max(1, -(-n_keys // tile_keys))
 
     def est_us(s: int) -> float:
@@ -673,7 +697,7 @@ def attention_split_table(T: int, Hq: int, Hkv: int, D: int, capacity: int, sm_c
     Made (one upload) on the first call for a shape, outside any capture; cached."""
     from runtime.cuda import graph, to_device
     decode = decode_variant(D, decode) if kernel == "decode" else None
-    key = (T, Hq, Hkv, D, capacity, sm_count, kernel, decode)
+    key = (T, Hq, Hkv, D, capacity, sm_count, kernel, decode, ATTN_GMMA_STAGES[D] if kernel == "gmma" else None)
     hit = _split_tables.get(key)
     if hit is None:
         _need(not graph._active, "attention", "the KV split table for this shape is made on first use: run the "
@@ -682,6 +706,9 @@ def attention_split_table(T: int, Hq: int, Hkv: int, D: int, capacity: int, sm_c
         per_sm = 1
         if decode is not None:
             kern, smem = _decode_kernel(D, decode)
+            per_sm = kern.blocks_per_sm(128, smem)
+        elif kernel == "gmma":
+            kern, smem = _gmma_attention_kernel(D, ATTN_GMMA_STAGES[D])
             per_sm = kern.blocks_per_sm(128, smem)
         plan = np.asarray([1] + [attention_splits(T, Hq, Hkv, n * ATTN_TILE_KEYS, sm_count, D, kernel, decode, per_sm)
                                  for n in range(1, tiles + 1)], np.int32)
@@ -701,6 +728,17 @@ def _decode_kernel(D: int, variant: tuple[int, int]):
     smem = decode_attention_smem_bytes(D, variant)
     if smem > 48 * 1024:
         kern.set_max_dynamic_smem(smem)
+    return kern, smem
+
+
+def _gmma_attention_kernel(D: int, stages: int):
+    """tree_attention_gmma_kernel<D, stages> with its dynamic shared memory allowed; (kernel, smem bytes)."""
+    from cutlass_kernels.registry import TREE_ATTN_GMMA_INSTANCES
+    _need((D, stages) in TREE_ATTN_GMMA_INSTANCES, "attention", f"no gmma attention instance <{D}, {stages}>; "
+          f"built: {TREE_ATTN_GMMA_INSTANCES}")
+    kern = get_kernel("tree_attention_sm90", f"tree_attention_gmma_kernel<{D}, {stages}>")
+    smem = tree_attention_gmma_smem_bytes(D, stages)
+    kern.set_max_dynamic_smem(smem)
     return kern, smem
 
 
@@ -736,7 +774,8 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(ldq % 2 == 0 and ldo % 2 == 0 and ldk % 8 == 0 and ldv % 8 == 0, op,
           f"row strides q {ldq} and out {ldo} must be even (4-byte accesses), k {ldk} and v {ldv} multiples of 8 "
           "(16-byte copies)")
-    kernel = attention_kernel_for(T, Hq, Hkv, D, kernel)
+    dev = get_device()
+    kernel = attention_kernel_for(T, Hq, Hkv, D, kernel, dev.arch)
     decode = decode_variant(D, decode) if kernel == "decode" else None
     words = -(-T // 32)
     _need(visibility.dtype == np.uint32 and visibility.size >= T * words, op,
@@ -747,13 +786,12 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(max_keys is not None, op, "pass max_keys with a device n_prefix")
     _need(T <= max_keys <= cap, op, f"max_keys = {max_keys} must be in T..capacity = {T}..{cap}")
     n_prefix_dev = _scalar_on_device(n_prefix, "n_prefix", op)
-    dev = get_device()
     split_table = np.uint64(0)  # forced: the kernels use every split of the grid
     if splits is None:
         split_table, plan = attention_split_table(T, Hq, Hkv, D, cap, dev.sm_count, kernel, decode)
         splits = attention_grid_splits(plan, max_keys)
     G = Hq // Hkv
-    grid = (-(-T * G // (ATTN_ROWS_PER_BLOCK if kernel == "tree" else DECODE_ATTN_ROWS)), Hkv, splits)
+    grid = (-(-T * G // (DECODE_ATTN_ROWS if kernel == "decode" else ATTN_ROWS_PER_BLOCK)), Hkv, splits)
     ws = ws or default_workspace()
     if splits > 1:
         scratch = ws.scratch(splits * T * Hq * (D + 1) * 4)
@@ -763,6 +801,8 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
         ws_o = ws_lse = out  # unused
     if decode is not None:
         kern, smem = _decode_kernel(D, decode)
+    elif kernel == "gmma":
+        kern, smem = _gmma_attention_kernel(D, ATTN_GMMA_STAGES[D])
     else:
         kern = get_kernel("tree_attention", f"tree_attention_kernel<{D}>")
         smem = attention_smem_bytes(D)

@@ -171,9 +171,26 @@ def test_swiglu_add_embedding(dk, ref):
     dict(T=111, prefix=77, Hq=9, Hkv=3, D=64, mask="causal", splits=3),
     dict(T=33, prefix=129, Hq=8, Hkv=1, D=128, mask="full"),              # DFlash block
     dict(T=257, prefix=2000, Hq=32, Hkv=8, D=128, mask="tree", device_prefix=True),
+    # the wgmma kernel (sm_90a): both head dims and ring depths, planned / forced / idle splits, every mask
+    dict(T=1, prefix=1000, Hq=8, Hkv=2, D=128, mask="tree", kernel="gmma"),
+    dict(T=17, prefix=300, Hq=9, Hkv=3, D=64, mask="tree", kernel="gmma"),
+    dict(T=17, prefix=300, Hq=9, Hkv=3, D=64, mask="tree", kernel="gmma", stages=4),
+    dict(T=65, prefix=2000, Hq=32, Hkv=8, D=128, mask="tree", kernel="gmma"),
+    dict(T=65, prefix=2000, Hq=32, Hkv=8, D=128, mask="tree", kernel="gmma", stages=2, splits=5),
+    dict(T=65, prefix=300, Hq=9, Hkv=3, D=64, mask="tree", splits=11, kernel="gmma"),
+    dict(T=65, prefix=0, Hq=4, Hkv=4, D=128, mask="causal", kernel="gmma"),
+    dict(T=111, prefix=77, Hq=9, Hkv=3, D=64, mask="causal", splits=3, kernel="gmma"),
+    dict(T=33, prefix=129, Hq=8, Hkv=1, D=128, mask="full", kernel="gmma"),
+    dict(T=257, prefix=2000, Hq=32, Hkv=8, D=128, mask="tree", device_prefix=True, kernel="gmma"),
+    dict(T=2, prefix=130, Hq=16, Hkv=1, D=64, mask="tree", splits=40, kernel="gmma"),   # splits without tiles
 ])
-def test_attention(dk, ref, case):
-    from runtime.cuda import to_device
+def test_attention(dk, ref, case, monkeypatch):
+    from runtime.cuda import get_device, to_device
+    if case.get("kernel") == "gmma":
+        if get_device().arch not in dk.ATTN_GMMA_ARCHS:
+            pytest.skip(f"the gmma attention kernel is sm_90a only (device sm_{get_device().arch})")
+        if "stages" in case:
+            monkeypatch.setitem(dk.ATTN_GMMA_STAGES, case["D"], case["stages"])
     rng = np.random.default_rng(case["T"] * 1000 + case["prefix"])
     T, P, Hq, Hkv, D = case["T"], case["prefix"], case["Hq"], case["Hkv"], case["D"]
     cap = P + T + 5
@@ -323,13 +340,15 @@ def test_kv_compact(dk, ref):
         np.testing.assert_array_equal(c.download(), want)
 
 
-@pytest.mark.parametrize("kernel", ["tree", "decode"])
+@pytest.mark.parametrize("kernel", ["tree", "decode", "gmma"])
 def test_attention_split_plan_follows_the_replayed_prefix(dk, ref, kernel):
     """The split grid is sized for max_keys; at replay both kernels take the count planned for the actual
     prefix from the device split table: one split writes O itself and the combine kernel exits, several
     merge only their own partials. Output and stale partials poisoned before every replay."""
     from runtime.cuda import Stream, capture, get_device, to_device
     from runtime.dense_kernels import ATTN_TILE_KEYS, Workspace, attention_split_table
+    if kernel == "gmma" and get_device().arch not in dk.ATTN_GMMA_ARCHS:
+        pytest.skip(f"the gmma attention kernel is sm_90a only (device sm_{get_device().arch})")
     rng = np.random.default_rng(23)
     T, Hq, Hkv, D, cap = 2, 9, 3, 64, 4096
     plan = attention_split_table(T, Hq, Hkv, D, cap, get_device().sm_count, kernel)[1]
@@ -395,6 +414,15 @@ def test_attention_split_plan_model():
     assert attention_kernel_for(1, 32, 8, 128) == "decode" and attention_kernel_for(5, 12, 3, 128) == "tree"
     # D = 64: the decode kernel up to 512 rows (SmolLM2's b128 verify: 129 x 3), the tree kernel above
     assert attention_kernel_for(129, 9, 3, 64) == "decode" and attention_kernel_for(257, 9, 3, 64) == "tree"
+    # sm_90a: the wgmma kernel where the tree kernel would run (unless DDTREE_ATTN_GMMA=0); elsewhere refused
+    from runtime import dense_kernels as dk
+    want = "gmma" if dk.ATTN_GMMA else "tree"
+    assert attention_kernel_for(257, 9, 3, 64, arch="90a") == want and attention_kernel_for(65, 32, 8, 128, arch="90a") == want
+    assert attention_kernel_for(1, 32, 8, 128, arch="90a") == "decode"
+    assert attention_kernel_for(65, 32, 8, 128, arch="120a") == "tree"
+    with pytest.raises(ValueError, match="sm_90a"):
+        attention_kernel_for(65, 32, 8, 128, "gmma", arch="120a")
+    assert attention_splits(65, 32, 8, 8192, 132, 128, "gmma", blocks_per_sm=2) >= 1
     assert attention_splits(1, 9, 3, 128, 132, 64, "decode", (32, 2), 3) == 1
     decode = [attention_splits(1, 32, 8, n, 132, 128, "decode", (32, 2), 1) for n in (1024, 8192, 32768)]
     assert decode == sorted(decode) and decode[-1] > 1, decode

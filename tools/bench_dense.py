@@ -225,10 +225,11 @@ ATTN_HEADS = {"qwen3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # (q heads,
 
 
 def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 32768), model="qwen3-8b", capacity=None,
-                    budgets=None, kernels=(None,), decode_variants=(None,)):
+                    budgets=None, kernels=(None,), decode_variants=(None,), gmma_stages=(None,)):
     from runtime.backends.base import causal_visibility
     rng = np.random.default_rng(1)
     Hq, Hkv, D = ATTN_HEADS[model]
+    default_stages = dk.ATTN_GMMA_STAGES[D]
     print(f"\n## tree-verify attention, {model} heads ({Hq} q / {Hkv} kv, d {D}); one layer; ratio vs the first row "
           "of the prefix (T = 1 decode)")
     print("| prefix | budget | T | kernel | splits | us | x decode | KV GB/s |")
@@ -250,13 +251,16 @@ def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 3276
         runs = []   # (budget, kernel, decode variant or None, forced splits): the decode kernel once per variant
         for budget, kernel_ask in ((b, k) for b in budgets for k in kernels):
             T = budget + 1
-            kernel = dk.attention_kernel_for(T, Hq, Hkv, D, kernel_ask)
-            runs += [(budget, kernel, v if kernel == "decode" else None, f)
-                     for v in (decode_variants if kernel == "decode" else [None]) for f in split_counts]
+            kernel = dk.attention_kernel_for(T, Hq, Hkv, D, kernel_ask, get_device().arch)
+            variants = {"decode": decode_variants, "gmma": gmma_stages}.get(kernel, [None])
+            runs += [(budget, kernel, v, f) for v in variants for f in split_counts]
         for budget, kernel, variant, forced in runs:
             T = budget + 1
             decode = dk.decode_variant(D, variant) if kernel == "decode" else None
             label = kernel if decode is None else f"decode {decode[0]}x{decode[1]}"
+            if kernel == "gmma":   # the ring depth: the instance attention() launches and the split plan's
+                dk.ATTN_GMMA_STAGES[D] = variant or default_stages
+                label = f"gmma {dk.ATTN_GMMA_STAGES[D]} stages"
             q = to_device(to_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32)))
             vis = to_device(causal_visibility(T))  # a chain: the densest tree mask
             out = empty((T, Hq, D), np.uint16)
@@ -319,10 +323,12 @@ def main():
     ap.add_argument("--attn-splits", type=int, nargs="+", default=[0],
                     help="attention: KV split counts to time per budget (0 = the planned one)")
     ap.add_argument("--attn-budgets", type=int, nargs="+", help="attention: tree budgets (T = budget + 1; 0 = decode)")
-    ap.add_argument("--attn-kernels", nargs="+", choices=("auto", "tree", "decode"), default=["auto"],
+    ap.add_argument("--attn-kernels", nargs="+", choices=("auto", "tree", "decode", "gmma"), default=["auto"],
                     help="attention: kernels to time (auto = the one attention() picks)")
     ap.add_argument("--attn-decode-variants", nargs="+", metavar="KTxS",
                     help="attention: decode kernel instances to time, e.g. 32x2 16x3 (default: the planned one)")
+    ap.add_argument("--attn-gmma-stages", type=int, nargs="+",
+                    help="attention: K/V ring depths of the gmma kernel to time (default: ATTN_GMMA_STAGES)")
     ap.add_argument("--torch-linear", metavar="JSON", help=argparse.SUPPRESS)  # the --peer child
     args = ap.parse_args()
     if args.torch_linear:
@@ -338,7 +344,8 @@ def main():
     if not args.linear_only:
         bench_attention(stream, args.quick, args.attn_splits, args.attn_prefix, args.attn_model, args.attn_capacity,
                         args.attn_budgets, [None if k == "auto" else k for k in args.attn_kernels],
-                        [tuple(int(x) for x in v.split("x")) for v in args.attn_decode_variants or []] or [None])
+                        [tuple(int(x) for x in v.split("x")) for v in args.attn_decode_variants or []] or [None],
+                        args.attn_gmma_stages or [None])
         bench_sampling(stream)
 
 

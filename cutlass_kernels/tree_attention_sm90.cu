@@ -1,0 +1,240 @@
+// GQA tree-verify attention on Hopper GMMA (wgmma), sm_90a only: the contract of tree_attention.cu's
+// tree_attention_kernel (same arguments, grid, split table and fp32 partials for attention_combine_kernel),
+// with the tensor-core work on wgmma instead of mma.sync. The mma.sync kernel ran 84 TFLOP/s at budget 64 over
+// an 8k prefix (Qwen3-8B heads), where four warps each read the whole K and V tile from shared memory through
+// ldmatrix; here one warpgroup reads each tile once per wgmma.
+//
+// Block: one warpgroup (128 threads) over 64 packed (query, head-in-group) rows of one KV head, KV tiles of 64
+// cache slots. Per tile: S = Q K^T (wgmma m64n64k16, Q from registers as the A fragments, K K-major in shared
+// memory, D / 16 steps), mask
+// (prefix visible, tree slots through the uint32 visibility rows) and the online softmax in base 2 on the S
+// registers, then O += P V with P straight from the S registers (the accumulator layout is the A-register
+// layout: wgmma RS) and V read MN-major (m64nDk16, 4 k16 steps). O stays in registers (D / 2 fp32 per thread).
+//
+// Shared memory (dynamic, 1024-aligned): STAGES x (K tile, V tile), each [D / 64 chunks][64 rows][128 B] with
+// the 128-byte swizzle (16-byte unit u of row r at unit u ^ (r % 8)), filled by cp.async; STAGES - 1 tiles are
+// in flight while the current one is computed. (Q stays in registers so that 3 stages at D = 128, 97 KB, still
+// leave two blocks per SM: the kernel is bound by the KV bytes in flight, not by the tensor cores.)
+#include <cuda_bf16.h>
+#include <cuda/std/cstdint>  // NVRTC has no <cstdint>
+#include <cuda/std/utility>
+using cuda::std::uint16_t;
+using cuda::std::uint32_t;
+using cuda::std::uint64_t;
+#include "gmma_sm90.cuh"
+#include "device_common.cuh"
+#include "mla_common.cuh"
+#include "tree_attention_common.cuh"
+
+namespace ta90 {
+constexpr int BM = 64;                 // packed query rows per block
+constexpr int BN = tree_attention::kTileKeys;   // cache slots per KV tile
+constexpr int THREADS = 128;
+constexpr int CHUNK_BYTES = 64 * 128;  // 64 rows x 64 bf16 columns
+template <int D>
+constexpr int tile_bytes() { return (D / 64) * CHUNK_BYTES; }
+
+// O += P V for a D-wide V tile read MN-major, A (P) from registers.
+template <int D> struct OpPV;
+template <> struct OpPV<64> {
+  using type = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+};
+template <> struct OpPV<128> {
+  using type = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+};
+
+// 64 rows of D bf16 into a swizzled tile: row r from row_ptr(r), or zeros where that is nullptr.
+template <int D, class RowPtr>
+__device__ __forceinline__ void load_tile(uint32_t tile, RowPtr row_ptr, const uint16_t* any_valid) {
+  constexpr int U = D / 8;   // 16-byte units per row
+  for (int i = threadIdx.x; i < 64 * U; i += THREADS) {
+    const int r = i / U, u = i % U;
+    const uint16_t* src = row_ptr(r);
+    ddtree::cp_async16_s(tile + (u >> 3) * CHUNK_BYTES + r * 128 + (((u & 7) ^ (r & 7)) << 4),
+                         (src != nullptr ? src : any_valid) + u * 8, src != nullptr);
+  }
+}
+}  // namespace ta90
+
+// grid (ceil(T * G / 64), Hkv, splits), block 128, dynamic smem = tree_attention_gmma_smem_bytes(D, STAGES)
+// (runtime/dense_kernels.py). Arguments as tree_attention_kernel's.
+template <int D, int STAGES>
+__global__ void __launch_bounds__(ta90::THREADS)
+tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
+                           const uint16_t* __restrict__ k_cache, int ldk,
+                           const uint16_t* __restrict__ v_cache, int ldv,
+                           const uint32_t* __restrict__ visibility, int vis_words,
+                           const int* __restrict__ n_prefix_ptr,
+                           __nv_bfloat16* __restrict__ o, int ldo,
+                           float* __restrict__ ws_o, float* __restrict__ ws_lse,
+                           int T, int Hq, int Hkv, float scale_log2, const int* __restrict__ split_table) {
+  using namespace ta90;
+  static_assert(D == 64 || D == 128, "head dims 64 and 128");
+  static_assert(STAGES >= 2, "at least double-buffered");
+  constexpr int TB = tile_bytes<D>();
+  using OpS = ddtree::GmmaRsOp<BN>::type;
+  using OpO = typename OpPV<D>::type;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  auto k_stage = [&](int s) { return smem + 2 * s * TB; };   // V of stage s follows its K
+  const float NEG_INF = __int_as_float(0xff800000);
+
+  ddtree::grid_dependency_wait();  // PDL: q and the cache are earlier kernels' outputs
+  ddtree::launch_dependents();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int G = Hq / Hkv;
+  const int kvh = blockIdx.y;
+  const int n_prefix = *n_prefix_ptr;
+  const int n_keys = n_prefix + T;
+  const int n_tiles = (n_keys + BN - 1) / BN;
+  const int splits = tree_attention::active_splits(n_keys, gridDim.z, split_table);
+  if ((int)blockIdx.z >= splits) return;
+  const int per_split = (n_tiles + splits - 1) / splits;
+  const int tile_begin = blockIdx.z * per_split;
+  const int tile_end = min(n_tiles, tile_begin + per_split);
+  const int ntiles = max(0, tile_end - tile_begin);
+
+  // This thread's rows of the S / O accumulators (wgmma m64nN: warp w holds rows 16 w .. 16 w + 15; element
+  // 4 j + 2 i + b is row 16 w + g + 8 i, column 8 j + 2 t + b), as (query, head).
+  const int row0 = blockIdx.x * BM;
+  int qi[2], head[2];
+  bool valid[2];
+  tree_attention::query_rows(row0 + warp * 16 + g, T, G, kvh, qi, head, valid);
+
+  uint32_t qa[D / 16][4];   // Q as the A registers of the D / 16 k16 steps of S
+  tree_attention::load_q_fragments<D>(qa, reinterpret_cast<const __nv_bfloat16*>(q), ldq, qi, head, valid, t);
+  auto load_kv = [&](int it) {   // tile tile_begin + it into stage it % STAGES
+    const int key0 = (tile_begin + it) * BN;
+    const uint32_t sk = k_stage(it % STAGES);
+    load_tile<D>(sk, [&](int r) -> const uint16_t* {
+      return key0 + r < n_keys ? k_cache + (size_t)(key0 + r) * ldk + kvh * D : nullptr;
+    }, k_cache);
+    load_tile<D>(sk + TB, [&](int r) -> const uint16_t* {
+      return key0 + r < n_keys ? v_cache + (size_t)(key0 + r) * ldv + kvh * D : nullptr;
+    }, v_cache);
+  };
+  // Prologue: the first STAGES - 1 tiles, one commit group each.
+#pragma unroll
+  for (int it = 0; it < STAGES - 1; ++it) {
+    if (it < ntiles) load_kv(it);
+    ddtree::cp_async_commit();
+  }
+
+  float oacc[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) {
+    oacc[i] = 0.f;
+    cute::warpgroup_fence_operand(oacc[i]);
+  }
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+  for (int it = 0; it < ntiles; ++it) {
+    const uint32_t sk = k_stage(it % STAGES), sv = sk + TB;
+    ddtree::cp_async_wait<STAGES - 2>();   // tile it landed for this thread's copies
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async (generic) -> wgmma (async proxy)
+    __syncthreads();   // ... for everyone's copies; and every warp is done with the stage refilled below
+    if (it + STAGES - 1 < ntiles) load_kv(it + STAGES - 1);
+    ddtree::cp_async_commit();   // (an empty group past the end keeps the wait count uniform)
+
+    // S = Q K^T over D: D / 64 chunks x 4 k16 steps.
+    float s[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      s[i] = 0.f;
+      cute::warpgroup_fence_operand(s[i]);
+    }
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) {
+      const uint64_t db = ddtree::sw128_desc(sk + c * CHUNK_BYTES, 16);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        ddtree::gmma_rs<OpS>(qa[4 * c + kk], db + 2 * kk, s, cuda::std::make_integer_sequence<int, BN / 2>{});
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(s[i]);
+
+    // Mask and scale (log2 domain), then the online softmax per row (the 4 lanes of a quad share a row).
+    const int key0 = (tile_begin + it) * BN;
+    float mnew[2] = {m[0], m[1]};
+    if (key0 + BN <= n_prefix) {   // a tile of prefix slots only: every slot visible to every row (the common
+#pragma unroll                    // case at long prefixes; the per-slot test is most of a tile's instructions)
+      for (int i = 0; i < BN / 2; ++i) {
+        s[i] *= scale_log2;
+        mnew[(i >> 1) & 1] = fmaxf(mnew[(i >> 1) & 1], s[i]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ri = e >> 1;
+          const int key = key0 + j * 8 + 2 * t + (e & 1);
+          bool vis = key < n_keys;
+          if (vis && key >= n_prefix) {
+            const int nj = key - n_prefix;
+            vis = valid[ri] && ((visibility[(size_t)qi[ri] * vis_words + (nj >> 5)] >> (nj & 31)) & 1u);
+          }
+          const float v = vis ? s[4 * j + e] * scale_log2 : NEG_INF;
+          s[4 * j + e] = v;
+          mnew[ri] = fmaxf(mnew[ri], v);
+        }
+    }
+    float corr[2];
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      mnew[ri] = mla_common::quad_max(mnew[ri]);
+      corr[ri] = mnew[ri] == NEG_INF ? 1.f : exp2f(m[ri] - mnew[ri]);
+      m[ri] = mnew[ri];
+      l[ri] *= corr[ri];
+    }
+    uint32_t pa[BN / 16][4];   // P as the A registers of the k16 steps (slots 16 kk .. 16 kk + 15)
+    mla_common::exp_pack<BN / 8>([&](int j, int e) -> float& { return s[4 * j + e]; }, m, l, pa);
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      oacc[4 * j + 0] *= corr[0]; oacc[4 * j + 1] *= corr[0];
+      oacc[4 * j + 2] *= corr[1]; oacc[4 * j + 3] *= corr[1];
+    }
+
+    // O += P V: V tile MN-major (D columns: D / 64 chunks CHUNK_BYTES apart), 16 slots per k16 step.
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) cute::warpgroup_fence_operand(oacc[i]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      ddtree::gmma_rs<OpO>(pa[kk], ddtree::sw128_desc(sv + kk * 16 * 128, CHUNK_BYTES), oacc,
+                           cuda::std::make_integer_sequence<int, D / 2>{});
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) cute::warpgroup_fence_operand(oacc[i]);
+  }
+  ddtree::cp_async_wait<0>();   // (only empty groups can be left: nothing lands after the exit)
+
+  // Epilogue: O / l per row; several splits write fp32 partials and the base-2 log-sum-exp.
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const float lsum = mla_common::quad_sum(l[ri]);
+    if (!valid[ri]) continue;
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    const size_t qh = (size_t)qi[ri] * Hq + head[ri];
+    if (splits == 1) {
+      __nv_bfloat16* dst = o + (size_t)qi[ri] * ldo + head[ri] * D;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<__nv_bfloat162*>(dst + j * 8 + 2 * t) =
+            __floats2bfloat162_rn(oacc[4 * j + 2 * ri] * inv, oacc[4 * j + 2 * ri + 1] * inv);
+    } else {
+      const size_t part = (size_t)blockIdx.z * T * Hq + qh;
+      float* dst = ws_o + part * D;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<float2*>(dst + j * 8 + 2 * t) =
+            make_float2(oacc[4 * j + 2 * ri] * inv, oacc[4 * j + 2 * ri + 1] * inv);
+      if (t == 0) ws_lse[part] = lsum > 0.f ? m[ri] + log2f(lsum) : NEG_INF;
+    }
+  }
+}
