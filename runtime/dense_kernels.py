@@ -599,10 +599,12 @@ def decode_attention_smem_bytes(head_dim: int, variant: tuple[int, int]) -> int:
 
 # tree_attention_gmma_kernel<D, STAGES> (sm_90a, tree_attention_sm90.cu): the tree kernel's contract on wgmma, one
 # warpgroup per 64 packed rows; STAGES-deep K/V ring (instances: TREE_ATTN_GMMA_INSTANCES). "auto" takes it on
-# sm_90a wherever it would take tree_attention_kernel: H200, Qwen3-8B heads, prefix 1k-32k, budgets 16-1024,
-# 1.07-1.33x faster (3 stages; 2 within 1%); SmolLM2 heads 0.97-1.09x (2 stages) (docs/PERF.md, session 17).
-# DDTREE_ATTN_GMMA=0 keeps tree_attention_kernel there (A/B).
+# sm_90a where it would take tree_attention_kernel, for the head dims of ATTN_GMMA_AUTO_DIMS. H200 (docs/PERF.md,
+# session 17), against the tree kernel with its mask-free prefix tiles: Qwen3-8B heads (D = 128), prefix 1k-32k,
+# budgets 16-256, 1.01-1.06x faster with 3 stages; SmolLM2 heads (D = 64), budgets 256-1024, 0.95-1.01x with 2
+# stages (4: 0.83-1.12x), so D = 64 stays on the tree kernel. DDTREE_ATTN_GMMA=0: the tree kernel everywhere (A/B).
 ATTN_GMMA_STAGES = {64: 2, 128: 3}
+ATTN_GMMA_AUTO_DIMS = (128,)
 ATTN_GMMA = os.environ.get("DDTREE_ATTN_GMMA", "1") != "0"
 ATTN_GMMA_ARCHS = ("90a",)
 
@@ -624,7 +626,8 @@ def decode_variant(head_dim: int, variant: tuple[int, int] | None = None) -> tup
 def attention_kernel_for(T: int, Hq: int, Hkv: int, D: int, kernel: str | None = None,
                          arch: str | None = None) -> str:
     """"decode" (decode_attention_kernel) where a KV head's T * G query rows are at most DECODE_MAX_ROWS[D], else
-    "gmma" (tree_attention_gmma_kernel) on an arch of ATTN_GMMA_ARCHS (when ATTN_GMMA), else "tree"
+    "gmma" (tree_attention_gmma_kernel) on an arch of ATTN_GMMA_ARCHS for D in ATTN_GMMA_AUTO_DIMS (when
+    ATTN_GMMA), else "tree"
     (tree_attention_kernel); `kernel` forces one (each takes any rows; "gmma" only on ATTN_GMMA_ARCHS)."""
     if kernel is not None:
         _need(kernel in ("decode", "tree", "gmma"), "attention", f"kernel {kernel!r}: 'decode', 'tree' or 'gmma'")
@@ -633,7 +636,7 @@ def attention_kernel_for(T: int, Hq: int, Hkv: int, D: int, kernel: str | None =
         return kernel
     if T * (Hq // Hkv) <= DECODE_MAX_ROWS.get(D, DECODE_ATTN_ROWS) and ATTN_DECODE:
         return "decode"
-    return "gmma" if ATTN_GMMA and arch in ATTN_GMMA_ARCHS else "tree"
+    return "gmma" if ATTN_GMMA and arch in ATTN_GMMA_ARCHS and D in ATTN_GMMA_AUTO_DIMS else "tree"
 
 
 # KV split plan of tree_attention_kernel: a cost model fitted to split sweeps on the H200 (docs/PERF.md, "Dense

@@ -282,6 +282,7 @@ def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 3276
             print(f"| {prefix} | {budget} | {T} | {label} | {splits} | {us:.2f} | {us / base_us:.2f} | {gbs:.0f} |",
                   flush=True)
         del kv
+    dk.ATTN_GMMA_STAGES[D] = default_stages
 
 
 def bench_sampling(stream):
