@@ -39,8 +39,8 @@ step sanitizer bash tools/gpu_sanitize.sh
 step pytest_kernel_build python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernel_build.py
 # Other benchmarks: one `step NAME command` line each, below this one.
 step bench_tree python3 tools/bench_tree.py
-# attention: the decode kernel (rows of T * G <= 16) and the tree-verify kernel at every budget, same run
-step bench_dense python3 tools/bench_dense.py --quick --peer --attn-kernels decode tree
+# attention: the decode kernel, the tree-verify kernel and its wgmma twin (sm_90a) at every budget, same run
+step bench_dense python3 tools/bench_dense.py --quick --peer --attn-kernels decode tree gmma
 # the default plan against: no wgmma hot path, PIPE 7 on the hot experts (the T <= 255 default before PIPE 8),
 # the warp-specialized tier alone (the T >= 256 default before the PIPE 8 tier), that tier with PIPE 8 for 16..63
 # tokens, and every expert on PIPE 8's 32-token tiles (PERF.md session 13) (all plans: `--plans ''`, ~1 hour);
