@@ -149,18 +149,26 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
     // Mask, scale (log2 domain), online softmax per row (the 4 lanes of a quad share a row).
     auto s_at = [&](int j, int e) -> float& { return s[4 * j + e]; };
     float mnew[2] = {m[0], m[1]};
-#pragma unroll
-    for (int j = 0; j < SN / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ri = e >> 1;
-        const int p = ps + j * 8 + 2 * t + (e & 1);
-        const int tok = my_tok[ri];
-        const bool vis = mla_common::visible(p, tok, kv_end, prefix_len, mask, mask_words);
-        const float v = vis ? s[4 * j + e] * sl2 : NEG_INF;
-        s[4 * j + e] = v;
-        mnew[ri] = fmaxf(mnew[ri], v);
+    if (ps + SN <= min(prefix_len, kv_end)) {   // prefix positions only: visible to every real row, no per-slot
+#pragma unroll                                 // test (as tree_attention_sm90.cu; padding rows are never stored)
+      for (int i = 0; i < SACC; ++i) {
+        s[i] *= sl2;
+        mnew[(i >> 1) & 1] = fmaxf(mnew[(i >> 1) & 1], s[i]);
       }
+    } else {
+#pragma unroll
+      for (int j = 0; j < SN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ri = e >> 1;
+          const int p = ps + j * 8 + 2 * t + (e & 1);
+          const int tok = my_tok[ri];
+          const bool vis = mla_common::visible(p, tok, kv_end, prefix_len, mask, mask_words);
+          const float v = vis ? s[4 * j + e] * sl2 : NEG_INF;
+          s[4 * j + e] = v;
+          mnew[ri] = fmaxf(mnew[ri], v);
+        }
+    }
     float corr[2];
 #pragma unroll
     for (int ri = 0; ri < 2; ++ri) mnew[ri] = mla_common::quad_max(mnew[ri]);
