@@ -777,9 +777,9 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(ldq % 2 == 0 and ldo % 2 == 0 and ldk % 8 == 0 and ldv % 8 == 0, op,
           f"row strides q {ldq} and out {ldo} must be even (4-byte accesses), k {ldk} and v {ldv} multiples of 8 "
           "(16-byte copies)")
-    dev = get_device()
-    kernel = attention_kernel_for(T, Hq, Hkv, D, kernel, dev.arch)
-    decode = decode_variant(D, decode) if kernel == "decode" else None
+    # the name and the decode variant are checked before the device is touched (the decode choice needs no arch)
+    if attention_kernel_for(T, Hq, Hkv, D, kernel) == "decode":
+        decode_variant(D, decode)
     words = -(-T // 32)
     _need(visibility.dtype == np.uint32 and visibility.size >= T * words, op,
           f"visibility must be uint32 [{T}, {words}], got {visibility.dtype} {visibility.shape}")
@@ -789,6 +789,9 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(max_keys is not None, op, "pass max_keys with a device n_prefix")
     _need(T <= max_keys <= cap, op, f"max_keys = {max_keys} must be in T..capacity = {T}..{cap}")
     n_prefix_dev = _scalar_on_device(n_prefix, "n_prefix", op)
+    dev = get_device()
+    kernel = attention_kernel_for(T, Hq, Hkv, D, kernel, dev.arch)   # auto: "gmma" or "tree" by the device's arch
+    decode = decode_variant(D, decode) if kernel == "decode" else None
     split_table = np.uint64(0)  # forced: the kernels use every split of the grid
     if splits is None:
         split_table, plan = attention_split_table(T, Hq, Hkv, D, cap, dev.sm_count, kernel, decode)
