@@ -38,6 +38,18 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// The running row maxima m move to mnew (each already the row's max over its quad): corr = 2^(m - mnew) for the
+// sums l (multiplied here) and the caller's O; a row that has seen nothing visible yet keeps corr = 1.
+__device__ __forceinline__ void rescale_rows(const float (&mnew)[2], float (&m)[2], float (&l)[2], float (&corr)[2]) {
+  const float NEG_INF = __int_as_float(0xff800000);
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    corr[ri] = mnew[ri] == NEG_INF ? 1.f : exp2f(m[ri] - mnew[ri]);
+    m[ri] = mnew[ri];
+    l[ri] *= corr[ri];
+  }
+}
+
 // A thread's S values as NJ groups of 4 reached through s_at(j, e): element (j, e) is row ri = e >> 1 (the m16n8
 // / wgmma accumulator layout). P = 2^(s - m) (0 where masked), added to the row sums l, packed bf16 as the A
 // registers of NJ / 2 k16 steps.

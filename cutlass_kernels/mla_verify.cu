@@ -178,12 +178,8 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
       }
     float corr[2];
 #pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-      mnew[ri] = mla_common::quad_max(mnew[ri]);
-      corr[ri] = mnew[ri] == NEG_INF ? 1.f : exp2f(m[ri] - mnew[ri]);
-      m[ri] = mnew[ri];
-      l[ri] *= corr[ri];
-    }
+    for (int ri = 0; ri < 2; ++ri) mnew[ri] = mla_common::quad_max(mnew[ri]);
+    mla_common::rescale_rows(mnew, m, l, corr);
     uint32_t pa[2][4];   // P as A fragments for two k16 steps of positions
     mla_common::exp_pack<4>(s_at, m, l, pa);
 #pragma unroll

@@ -181,12 +181,7 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
       mnew[0] = fmaxf(mnew[0], xchg[(1 - wg) * 64 + warp * 16 + g]);
       mnew[1] = fmaxf(mnew[1], xchg[(1 - wg) * 64 + warp * 16 + g + 8]);
     }
-#pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-      corr[ri] = mnew[ri] == NEG_INF ? 1.f : exp2f(m[ri] - mnew[ri]);
-      m[ri] = mnew[ri];
-      l[ri] *= corr[ri];
-    }
+    mla_common::rescale_rows(mnew, m, l, corr);
     uint32_t pa[SN / 16][4];   // P as the A registers of k16 steps (positions 16 kk .. 16 kk + 15)
     mla_common::exp_pack<SN / 8>(s_at, m, l, pa);
 #pragma unroll

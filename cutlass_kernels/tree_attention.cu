@@ -33,6 +33,7 @@ using tree_attention::kTileKeys;
 using tree_attention::active_splits;
 using tree_attention::query_rows;
 using tree_attention::load_q_fragments;
+using tree_attention::slot_visible;
 #define NEG_INF __int_as_float(0xff800000u)
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -112,11 +113,7 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], con
       for (int c = 0; c < 4; ++c) {
         const int h = c >> 1;
         const int key = key0 + j * 8 + 2 * t + (c & 1);
-        bool vis = key < n_keys;
-        if (vis && key >= n_prefix) {
-          const int nj = key - n_prefix;
-          vis = valid[h] && ((visibility[(size_t)qi[h] * vis_words + (nj >> 5)] >> (nj & 31)) & 1u);
-        }
+        const bool vis = slot_visible(key, n_keys, n_prefix, valid[h], qi[h], visibility, vis_words);
         s[j][c] = vis ? s[j][c] * scale_log2 : NEG_INF;
         tile_max[h] = fmaxf(tile_max[h], s[j][c]);
       }

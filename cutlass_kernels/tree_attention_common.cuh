@@ -26,6 +26,18 @@ __device__ __forceinline__ void query_rows(int r, int T, int G, int kvh, int (&q
   }
 }
 
+// Whether cache slot `key` is visible to query qi (valid: the packed row is a real one): every prefix slot, tree
+// slot key - n_prefix through its bit of the query's visibility row, nothing at or past n_keys.
+__device__ __forceinline__ bool slot_visible(int key, int n_keys, int n_prefix, bool valid, int qi,
+                                             const uint32_t* __restrict__ visibility, int vis_words) {
+  bool vis = key < n_keys;
+  if (vis && key >= n_prefix) {
+    const int nj = key - n_prefix;
+    vis = valid && ((visibility[(size_t)qi * vis_words + (nj >> 5)] >> (nj & 31)) & 1u);
+  }
+  return vis;
+}
+
 // The lane's Q fragments for all of D, loaded once (A operand: rows g / g+8, k = 2t.. and 2t+8..).
 template <int D>
 __device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[D / 16][4], const __nv_bfloat16* __restrict__ q,

@@ -1,20 +1,21 @@
 // GQA tree-verify attention on Hopper GMMA (wgmma), sm_90a only: the contract of tree_attention.cu's
 // tree_attention_kernel (same arguments, grid, split table and fp32 partials for attention_combine_kernel),
-// with the tensor-core work on wgmma instead of mma.sync. The mma.sync kernel ran 84 TFLOP/s at budget 64 over
-// an 8k prefix (Qwen3-8B heads), where four warps each read the whole K and V tile from shared memory through
-// ldmatrix; here one warpgroup reads each tile once per wgmma.
+// with the tensor-core work on wgmma instead of mma.sync. Both kernels are bound by the instructions they issue
+// per KV tile (ncu, H200: DRAM 20% busy, 0.3-0.5 issued warps per scheduler at 32k / budget 16), not by the
+// tensor cores or the bytes in flight; this one issues fewer (no ldmatrix, one wgmma per 16 slots): 1.01-1.06x
+// the mma.sync kernel at D = 128 (docs/PERF.md, session 17).
 //
 // Block: one warpgroup (128 threads) over 64 packed (query, head-in-group) rows of one KV head, KV tiles of 64
 // cache slots. Per tile: S = Q K^T (wgmma m64n64k16, Q from registers as the A fragments, K K-major in shared
-// memory, D / 16 steps), mask
-// (prefix visible, tree slots through the uint32 visibility rows) and the online softmax in base 2 on the S
-// registers, then O += P V with P straight from the S registers (the accumulator layout is the A-register
-// layout: wgmma RS) and V read MN-major (m64nDk16, 4 k16 steps). O stays in registers (D / 2 fp32 per thread).
+// memory, D / 16 steps), mask (prefix visible, tree slots through the uint32 visibility rows; none on tiles of
+// prefix slots only) and the online softmax in base 2 on the S registers, then O += P V with P straight from the
+// S registers (the accumulator layout is the A-register layout: wgmma RS) and V read MN-major (m64nDk16, 4 k16
+// steps). O stays in registers (D / 2 fp32 per thread).
 //
 // Shared memory (dynamic, 1024-aligned): STAGES x (K tile, V tile), each [D / 64 chunks][64 rows][128 B] with
 // the 128-byte swizzle (16-byte unit u of row r at unit u ^ (r % 8)), filled by cp.async; STAGES - 1 tiles are
-// in flight while the current one is computed. (Q stays in registers so that 3 stages at D = 128, 97 KB, still
-// leave two blocks per SM: the kernel is bound by the KV bytes in flight, not by the tensor cores.)
+// in flight while the current one is computed. (Q in registers keeps 3 stages at D = 128 in 97 KB: two blocks
+// per SM.)
 #include <cuda_bf16.h>
 #include <cuda/std/cstdint>  // NVRTC has no <cstdint>
 #include <cuda/std/utility>
@@ -173,11 +174,8 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
         for (int e = 0; e < 4; ++e) {
           const int ri = e >> 1;
           const int key = key0 + j * 8 + 2 * t + (e & 1);
-          bool vis = key < n_keys;
-          if (vis && key >= n_prefix) {
-            const int nj = key - n_prefix;
-            vis = valid[ri] && ((visibility[(size_t)qi[ri] * vis_words + (nj >> 5)] >> (nj & 31)) & 1u);
-          }
+          const bool vis = tree_attention::slot_visible(key, n_keys, n_prefix, valid[ri], qi[ri], visibility,
+                                                        vis_words);
           const float v = vis ? s[4 * j + e] * scale_log2 : NEG_INF;
           s[4 * j + e] = v;
           mnew[ri] = fmaxf(mnew[ri], v);
@@ -185,12 +183,8 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
     }
     float corr[2];
 #pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-      mnew[ri] = mla_common::quad_max(mnew[ri]);
-      corr[ri] = mnew[ri] == NEG_INF ? 1.f : exp2f(m[ri] - mnew[ri]);
-      m[ri] = mnew[ri];
-      l[ri] *= corr[ri];
-    }
+    for (int ri = 0; ri < 2; ++ri) mnew[ri] = mla_common::quad_max(mnew[ri]);
+    mla_common::rescale_rows(mnew, m, l, corr);
     uint32_t pa[BN / 16][4];   // P as the A registers of the k16 steps (slots 16 kk .. 16 kk + 15)
     mla_common::exp_pack<BN / 8>([&](int j, int e) -> float& { return s[4 * j + e]; }, m, l, pa);
 #pragma unroll

@@ -625,10 +625,10 @@ def decode_variant(head_dim: int, variant: tuple[int, int] | None = None) -> tup
 
 def attention_kernel_for(T: int, Hq: int, Hkv: int, D: int, kernel: str | None = None,
                          arch: str | None = None) -> str:
-    """"decode" (decode_attention_kernel) where a KV head's T * G query rows are at most DECODE_MAX_ROWS[D], else
+    """"decode" (decode_attention_kernel) where a KV head's T * G query rows are at most DECODE_MAX_ROWS[D]; else
     "gmma" (tree_attention_gmma_kernel) on an arch of ATTN_GMMA_ARCHS for D in ATTN_GMMA_AUTO_DIMS (when
-    ATTN_GMMA), else "tree"
-    (tree_attention_kernel); `kernel` forces one (each takes any rows; "gmma" only on ATTN_GMMA_ARCHS)."""
+    ATTN_GMMA); else "tree" (tree_attention_kernel). `kernel` forces one (each takes any rows; "gmma" only on
+    ATTN_GMMA_ARCHS). Without `arch` the answer is "decode" or "tree" (the decode choice needs no arch)."""
     if kernel is not None:
         _need(kernel in ("decode", "tree", "gmma"), "attention", f"kernel {kernel!r}: 'decode', 'tree' or 'gmma'")
         _need(kernel != "gmma" or arch is None or arch in ATTN_GMMA_ARCHS, "attention",
@@ -658,8 +658,6 @@ ATTN_MAX_SPLITS = 64
 # slots); the combine's fixed cost is what it adds inside the engine's AR graph, where PDL hides its launch: with
 # ATTN_MERGE_US the plan kept one split up to prefix ~400, which measured slower there (docs/PERF.md).
 DECODE_ROUND_US = {16: 0.6, 32: 1.0}
-# tree_attention_gmma_kernel's round (one 64-slot tile over its resident blocks); the merge as the tree kernel's
-ATTN_GMMA_ROUND_US = 2.5
 DECODE_MERGE_US = 0.5
 
 
@@ -672,10 +670,11 @@ def attention_splits(T: int, Hq: int, Hkv: int, n_keys: int, sm_count: int, D: i
         kt, _ = decode_variant(D, decode)
         blocks, tile_keys, per_round = -(-T * (Hq // Hkv) // DECODE_ATTN_ROWS) * Hkv, kt, 4
         resident, round_us, merge_us = sm_count * blocks_per_sm, DECODE_ROUND_US[kt], DECODE_MERGE_US
-    else:   # tree / gmma: 64 packed rows per block, 64-slot tiles
+    else:   # tree / gmma: 64 packed rows per block, 64-slot tiles; the gmma kernel's split sweeps (H200, session
+        # 17) matched the tree kernel's round cost, only its resident blocks come from the driver
         blocks, tile_keys, per_round = -(-T * (Hq // Hkv) // ATTN_ROWS_PER_BLOCK) * Hkv, ATTN_TILE_KEYS, 1
         resident = sm_count * (blocks_per_sm if kernel == "gmma" else ATTN_BLOCKS_PER_SM.get(D, 2))
-        round_us, merge_us = ATTN_GMMA_ROUND_US if kernel == "gmma" else ATTN_ROUND_US, ATTN_MERGE_US
+        round_us, merge_us = ATTN_ROUND_US, ATTN_MERGE_US
     tiles = max(1, -(-n_keys // tile_keys))
 
     def est_us(s: int) -> float:
@@ -777,9 +776,9 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(ldq % 2 == 0 and ldo % 2 == 0 and ldk % 8 == 0 and ldv % 8 == 0, op,
           f"row strides q {ldq} and out {ldo} must be even (4-byte accesses), k {ldk} and v {ldv} multiples of 8 "
           "(16-byte copies)")
-    # the name and the decode variant are checked before the device is touched (the decode choice needs no arch)
-    if attention_kernel_for(T, Hq, Hkv, D, kernel) == "decode":
-        decode_variant(D, decode)
+    # the kernel name and the decode variant are checked before the device is touched (the decode choice needs no
+    # arch; tree vs gmma is made below, by the device's)
+    decode = decode_variant(D, decode) if attention_kernel_for(T, Hq, Hkv, D, kernel) == "decode" else None
     words = -(-T // 32)
     _need(visibility.dtype == np.uint32 and visibility.size >= T * words, op,
           f"visibility must be uint32 [{T}, {words}], got {visibility.dtype} {visibility.shape}")
@@ -790,8 +789,7 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     _need(T <= max_keys <= cap, op, f"max_keys = {max_keys} must be in T..capacity = {T}..{cap}")
     n_prefix_dev = _scalar_on_device(n_prefix, "n_prefix", op)
     dev = get_device()
-    kernel = attention_kernel_for(T, Hq, Hkv, D, kernel, dev.arch)   # auto: "gmma" or "tree" by the device's arch
-    decode = decode_variant(D, decode) if kernel == "decode" else None
+    kernel = attention_kernel_for(T, Hq, Hkv, D, kernel, dev.arch)
     split_table = np.uint64(0)  # forced: the kernels use every split of the grid
     if splits is None:
         split_table, plan = attention_split_table(T, Hq, Hkv, D, cap, dev.sm_count, kernel, decode)
