@@ -1,6 +1,8 @@
-// Pieces shared by the MLA attention kernels (mla_verify.cu: mma.sync, every arch; mla_verify_sm90.cu: wgmma).
+// Pieces shared by the MLA attention kernels (mla_verify.cu: mma.sync, every arch; mla_verify_sm90.cu: wgmma); the
+// online-softmax steps also serve the wgmma tree kernel (tree_attention_sm90.cu).
 #pragma once
 #include <cuda_bf16.h>
+#include "device_common.cuh"
 
 namespace mla_common {
 
@@ -25,8 +27,10 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return *reinterpret_cast<unsigned*>(&v);
 }
 
-// Online-softmax steps both kernels run per KV tile. (The mask-and-scale loop stays in each kernel: as a
-// shared helper it compiled differently, branches turned into predicated selects, and that is unmeasured.)
+// Online-softmax steps the MLA kernels and the wgmma tree kernel run per KV tile, in base 2 on the raw scores
+// (masked ones -inf): scaling by scale > 0 (softmax scale x log2 e) keeps their order, so a tile's row maxima are
+// taken raw and the scale folds into one FFMA per score in front of the exponential. (The mask loop stays in
+// each kernel: as a shared helper it compiled differently, branches turned into predicated selects.)
 
 // Over the 4 lanes of a quad (the threads that share a row).
 __device__ __forceinline__ float quad_max(float v) {
@@ -38,37 +42,51 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// The running row maxima m move to mnew (each already the row's max over its quad): corr = 2^(m - mnew) for the
-// sums l (multiplied here) and the caller's O; a row that has seen nothing visible yet keeps corr = 1.
-__device__ __forceinline__ void rescale_rows(const float (&mnew)[2], float (&m)[2], float (&l)[2], float (&corr)[2]) {
-  const float NEG_INF = __int_as_float(0xff800000);
+// The running row maxima m move to max(m, mraw x scale), mraw = the row's largest raw score of the tile (each
+// already the max over its quad): corr = 2^(m - new m) for the sums l (multiplied here) and the caller's O, 1
+// where the max held (so also for a row that has seen nothing visible yet).
+__device__ __forceinline__ void rescale_rows(const float (&mraw)[2], float scale, float (&m)[2], float (&l)[2],
+                                             float (&corr)[2]) {
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
-    corr[ri] = mnew[ri] == NEG_INF ? 1.f : exp2f(m[ri] - mnew[ri]);
-    m[ri] = mnew[ri];
+    const float mnew = fmaxf(m[ri], mraw[ri] * scale);
+    corr[ri] = mnew == m[ri] ? 1.f : ddtree::exp2_approx(m[ri] - mnew);
+    m[ri] = mnew;
     l[ri] *= corr[ri];
   }
 }
 
-// A thread's S values as NJ groups of 4 reached through s_at(j, e): element (j, e) is row ri = e >> 1 (the m16n8
-// / wgmma accumulator layout). P = 2^(s - m) (0 where masked), added to the row sums l, packed bf16 as the A
-// registers of NJ / 2 k16 steps.
+// A thread's raw S values as NJ groups of 4 reached through s_at(j, e): element (j, e) is row ri = e >> 1 (the
+// m16n8 / wgmma accumulator layout). P = 2^(s scale - m) (0 where masked: a row with nothing visible yet takes 0
+// for m, so -inf gives 0, not NaN), added to the row sums l, packed bf16 as the A registers of NJ / 2 k16 steps.
 template <int NJ, class SAt>
-__device__ __forceinline__ void exp_pack(SAt s_at, const float (&m)[2], float (&l)[2], unsigned (&pa)[NJ / 2][4]) {
+__device__ __forceinline__ void exp_pack(SAt s_at, float scale, const float (&m)[2], float (&l)[2],
+                                         unsigned (&pa)[NJ / 2][4]) {
   const float NEG_INF = __int_as_float(0xff800000);
+  const float base[2] = {m[0] == NEG_INF ? 0.f : m[0], m[1] == NEG_INF ? 0.f : m[1]};
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
     float e4[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int ri = e >> 1;
-      const float x = s_at(j, e);
-      e4[e] = x == NEG_INF ? 0.f : exp2f(x - m[ri]);
+      e4[e] = ddtree::exp2_approx(fmaf(s_at(j, e), scale, -base[ri]));
       l[ri] += e4[e];
     }
     pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16(e4[0], e4[1]);   // row g
     pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(e4[2], e4[3]);   // row g + 8
   }
+}
+
+// O's rows times corr, as NJ groups of 4 accumulators reached through o_at(j, e) (element e is row e >> 1); skipped
+// when every row of the warp kept its max, which is most tiles once a long prefix has been seen.
+template <int NJ, class OAt>
+__device__ __forceinline__ void rescale_o(OAt o_at, const float (&corr)[2]) {
+  if (!__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) return;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o_at(j, e) *= corr[e >> 1];
 }
 
 // One row's result, NJ pairs of columns NJ * 8 * group + 8 j + 2 t (+ 1) with values o_of(j, 0 / 1): normalised

@@ -54,13 +54,21 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
 }
 using mla_common::pack_bf16;
 
-// Rows [row0, row0+BM) of a [rows, D] bf16 matrix into smem (zero rows past the end).
-__device__ __forceinline__ void load_rows_async(uint16_t* s, const uint16_t* g, int row0, int nrows_tile,
-                                                int rows_total) {
-  for (int c = threadIdx.x; c < nrows_tile * (D / 8); c += THREADS) {
-    const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+// Rows [row0, row0 + NROWS) of a [rows_total, D] bf16 matrix into smem (zero rows past the end). This thread
+// copies 16-byte unit tid % 8 of each of the 9 128-byte chunks of rows tid / 8 + 32 h: every address is a base
+// plus a constant. (A loop over units i = tid, tid + 256, .. that divided by 72 per copy cost several times the
+// instructions.)
+template <int NROWS>
+__device__ __forceinline__ void load_rows_async(uint16_t* s, const uint16_t* g, int row0, int rows_total) {
+  static_assert(THREADS == 256 && NROWS % 32 == 0, "8 lanes per 128-byte chunk row, 32 rows per pass");
+  const int uc = threadIdx.x & 7, r0 = threadIdx.x >> 3;
+#pragma unroll
+  for (int h = 0; h < NROWS / 32; ++h) {
+    const int r = r0 + 32 * h;
     const bool ok = row0 + r < rows_total;
-    cp_async16(s + r * LD + col, g + (long long)(ok ? row0 + r : 0) * D + col, ok);
+    const uint16_t* src = g + (long long)(ok ? row0 + r : 0) * D + uc * 8;
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) cp_async16(s + r * LD + c * 64 + uc * 8, src + c * 64, ok);
   }
 }
 }  // namespace mla
@@ -100,9 +108,9 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
 #pragma unroll
   for (int i = 0; i < 2; ++i) my_tok[i] = my_row[i] < rows_total ? my_row[i] / H : -1;
 
-  load_rows_async(sq, q, row0, BM, rows_total);
+  load_rows_async<BM>(sq, q, row0, rows_total);
   const int ntiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
-  if (ntiles > 0) load_rows_async(skv, kv, kv_begin, BN, kv_end);
+  if (ntiles > 0) load_rows_async<BN>(skv, kv, kv_begin, kv_end);
   cp_async_commit();
 
   float o[32][4];
@@ -118,7 +126,7 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
     const int p0 = kv_begin + it * BN;
     uint16_t* cur = skv + (it & 1) * BN * LD;
     if (it + 1 < ntiles) {
-      load_rows_async(skv + ((it + 1) & 1) * BN * LD, kv, p0 + BN, BN, kv_end);
+      load_rows_async<BN>(skv + ((it + 1) & 1) * BN * LD, kv, p0 + BN, kv_end);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -161,32 +169,33 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
         s[j][c] = half == 0 ? s[j][c] + ov : ov + s[j][c];
       }
 
-    // Mask, scale (log2 domain), online softmax per row.
+    // Mask (masked positions -inf), the row maxima of the raw scores, online softmax per row (mla_common: base 2,
+    // the scale folded into the exponent). A tile of prefix positions only skips the per-position test.
     auto s_at = [&](int j, int c) -> float& { return s[j][c]; };
-    float mnew[2] = {m[0], m[1]};
+    float mraw[2] = {NEG_INF, NEG_INF};
+    if (p0 + BN <= min(prefix_len, kv_end)) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int ri = c >> 1;
-        const int p = p0 + j * 8 + 2 * t + (c & 1);
-        const int tok = my_tok[ri];
-        const bool vis = mla_common::visible(p, tok, kv_end, prefix_len, mask, mask_words);
-        const float v = vis ? s[j][c] * sl2 : NEG_INF;
-        s[j][c] = v;
-        mnew[ri] = fmaxf(mnew[ri], v);
-      }
+        for (int c = 0; c < 4; ++c) mraw[c >> 1] = fmaxf(mraw[c >> 1], s[j][c]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int ri = c >> 1;
+          const int p = p0 + j * 8 + 2 * t + (c & 1);
+          if (!mla_common::visible(p, my_tok[ri], kv_end, prefix_len, mask, mask_words)) s[j][c] = NEG_INF;
+          mraw[ri] = fmaxf(mraw[ri], s[j][c]);
+        }
+    }
     float corr[2];
 #pragma unroll
-    for (int ri = 0; ri < 2; ++ri) mnew[ri] = mla_common::quad_max(mnew[ri]);
-    mla_common::rescale_rows(mnew, m, l, corr);
+    for (int ri = 0; ri < 2; ++ri) mraw[ri] = mla_common::quad_max(mraw[ri]);
+    mla_common::rescale_rows(mraw, sl2, m, l, corr);
     uint32_t pa[2][4];   // P as A fragments for two k16 steps of positions
-    mla_common::exp_pack<4>(s_at, m, l, pa);
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[j][0] *= corr[0]; o[j][1] *= corr[0];
-      o[j][2] *= corr[1]; o[j][3] *= corr[1];
-    }
+    mla_common::exp_pack<4>(s_at, sl2, m, l, pa);
+    mla_common::rescale_o<32>([&](int j, int e) -> float& { return o[j][e]; }, corr);
     // O[16 x 256] += P[16 x 32] V[32 x 256]
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {

@@ -48,14 +48,21 @@ using ddtree::gmma_rs;
 using ddtree::gmma_ss;
 using ddtree::sw128_desc;
 
-// Rows [row0, row0 + 64) of a [rows_total, 576] bf16 matrix into a swizzled tile (zero rows past the end).
+// Rows [row0, row0 + 64) of a [rows_total, 576] bf16 matrix into a swizzled tile (zero rows past the end). This
+// thread copies 16-byte unit uc = tid % 8 of each of the 9 128-byte chunks of rows tid / 8 and tid / 8 + 32: the
+// swizzled position uc ^ (r % 8) is the same for both, so every address is a base plus a constant. (A loop over
+// units i = tid, tid + 256, .. that divided by 72 per copy was most of a tile's instructions.)
 __device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* g, int row0, int rows_total) {
-  for (int i = threadIdx.x; i < BM * (D / 8); i += THREADS) {
-    const int r = i / (D / 8), u = i % (D / 8);   // row, 16-byte unit of the row (72 per row)
-    const int c = u >> 3, uc = u & 7;              // chunk, unit inside the chunk
+  static_assert(THREADS == 256 && BM == 64, "8 lanes per 128-byte chunk row, 32 rows per pass, 2 passes");
+  const int uc = threadIdx.x & 7, r0 = threadIdx.x >> 3;
+  const uint32_t dst = tile + r0 * 128 + ((uc ^ (r0 & 7)) << 4);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 32 * h;
     const bool ok = row0 + r < rows_total;
-    cp_async16_s(tile + c * CHUNK_BYTES + r * 128 + ((uc ^ (r & 7)) << 4),
-                 g + (long long)(ok ? row0 + r : 0) * D + u * 8, ok);
+    const uint16_t* src = g + (long long)(ok ? row0 + r : 0) * D + uc * 8;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) cp_async16_s(dst + h * 32 * 128 + c * CHUNK_BYTES, src + c * 64, ok);
   }
 }
 
@@ -146,15 +153,13 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
     for (int i = 0; i < SACC; ++i) cute::warpgroup_fence_operand(s[i]);
     const int ps = p0 + (SPLIT_S ? wg * 32 : 0);   // position of this warpgroup's first S column
 
-    // Mask, scale (log2 domain), online softmax per row (the 4 lanes of a quad share a row).
+    // Mask (masked positions -inf), the row maxima of the raw scores, online softmax per row (the 4 lanes of a
+    // quad share a row; mla_common: base 2, the scale folded into the exponent).
     auto s_at = [&](int j, int e) -> float& { return s[4 * j + e]; };
-    float mnew[2] = {m[0], m[1]};
+    float mraw[2] = {NEG_INF, NEG_INF};
     if (ps + SN <= min(prefix_len, kv_end)) {   // prefix positions only: visible to every real row, no per-slot
 #pragma unroll                                 // test (as tree_attention_sm90.cu; padding rows are never stored)
-      for (int i = 0; i < SACC; ++i) {
-        s[i] *= sl2;
-        mnew[(i >> 1) & 1] = fmaxf(mnew[(i >> 1) & 1], s[i]);
-      }
+      for (int i = 0; i < SACC; ++i) mraw[(i >> 1) & 1] = fmaxf(mraw[(i >> 1) & 1], s[i]);
     } else {
 #pragma unroll
       for (int j = 0; j < SN / 8; ++j)
@@ -162,33 +167,26 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
         for (int e = 0; e < 4; ++e) {
           const int ri = e >> 1;
           const int p = ps + j * 8 + 2 * t + (e & 1);
-          const int tok = my_tok[ri];
-          const bool vis = mla_common::visible(p, tok, kv_end, prefix_len, mask, mask_words);
-          const float v = vis ? s[4 * j + e] * sl2 : NEG_INF;
-          s[4 * j + e] = v;
-          mnew[ri] = fmaxf(mnew[ri], v);
+          if (!mla_common::visible(p, my_tok[ri], kv_end, prefix_len, mask, mask_words)) s[4 * j + e] = NEG_INF;
+          mraw[ri] = fmaxf(mraw[ri], s[4 * j + e]);
         }
     }
     float corr[2];
 #pragma unroll
-    for (int ri = 0; ri < 2; ++ri) mnew[ri] = mla_common::quad_max(mnew[ri]);
+    for (int ri = 0; ri < 2; ++ri) mraw[ri] = mla_common::quad_max(mraw[ri]);
     if constexpr (SPLIT_S) {   // the row max over both halves: fmaxf is exact, so both get the same value
       if (t == 0) {
-        xchg[wg * 64 + warp * 16 + g] = mnew[0];
-        xchg[wg * 64 + warp * 16 + g + 8] = mnew[1];
+        xchg[wg * 64 + warp * 16 + g] = mraw[0];
+        xchg[wg * 64 + warp * 16 + g + 8] = mraw[1];
       }
       __syncthreads();
-      mnew[0] = fmaxf(mnew[0], xchg[(1 - wg) * 64 + warp * 16 + g]);
-      mnew[1] = fmaxf(mnew[1], xchg[(1 - wg) * 64 + warp * 16 + g + 8]);
+      mraw[0] = fmaxf(mraw[0], xchg[(1 - wg) * 64 + warp * 16 + g]);
+      mraw[1] = fmaxf(mraw[1], xchg[(1 - wg) * 64 + warp * 16 + g + 8]);
     }
-    mla_common::rescale_rows(mnew, m, l, corr);
+    mla_common::rescale_rows(mraw, sl2, m, l, corr);
     uint32_t pa[SN / 16][4];   // P as the A registers of k16 steps (positions 16 kk .. 16 kk + 15)
-    mla_common::exp_pack<SN / 8>(s_at, m, l, pa);
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j + 0] *= corr[0]; o[4 * j + 1] *= corr[0];
-      o[4 * j + 2] *= corr[1]; o[4 * j + 3] *= corr[1];
-    }
+    mla_common::exp_pack<SN / 8>(s_at, sl2, m, l, pa);
+    mla_common::rescale_o<32>([&](int j, int e) -> float& { return o[4 * j + e]; }, corr);
 
     if constexpr (SPLIT_S) {   // this half of P into the swizzled [64 rows][64 positions] tile
       unsigned char* pt = smem_raw + (sp - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)));

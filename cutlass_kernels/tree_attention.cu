@@ -64,6 +64,31 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
                                             d[0], d[1], d[2], d[3]);
 }
 
+// Cache rows key0 .. key0 + ROWS - 1 (row stride ld, this head's columns from head_col) into a padded
+// [ROWS][D + 8] tile, by NT threads (lane: this thread's index among them): 16-byte unit lane % U of rows
+// lane / U + (NT / U) j, so the addresses are one pointer and one shared offset stepped by constants. (A loop
+// over units i = lane, lane + NT, .. that worked out row and column per copy cost several times the
+// instructions.) Rows at or past n_keys are zero-filled (their source is the cache's first row, never read).
+template <int D, int ROWS, int NT>
+__device__ __forceinline__ void copy_rows(__nv_bfloat16 (*dst)[D + 8], const __nv_bfloat16* __restrict__ cache,
+                                          int ld, int head_col, int key0, int n_keys, int lane) {
+  constexpr int U = D / 8, RPP = NT / U;   // units per row, rows per pass
+  static_assert(NT % U == 0 && ROWS % RPP == 0, "whole passes");
+  const int r0 = lane / U, c = (lane % U) * 8;
+  const __nv_bfloat16* src = cache + (size_t)(key0 + r0) * ld + head_col + c;
+  const size_t step = (size_t)RPP * ld;
+  if (key0 + ROWS <= n_keys) {
+#pragma unroll
+    for (int j = 0; j < ROWS / RPP; ++j) cp_async16(&dst[r0 + RPP * j][c], src + j * step, true);
+  } else {
+#pragma unroll
+    for (int j = 0; j < ROWS / RPP; ++j) {
+      const bool in = key0 + r0 + RPP * j < n_keys;
+      cp_async16(&dst[r0 + RPP * j][c], in ? src + j * step : cache, in);
+    }
+  }
+}
+
 // One warp, its 16 query rows (this lane: g and g + 8) against KEYS cache slots from key0 on, K and V rows
 // [KEYS][D + 8] in shared memory: S = Q K^T, mask and scale, the online softmax update of row_max / row_sum
 // (base 2), O += P V.
@@ -93,19 +118,22 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], con
       mma(s[2 * n2 + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
     }
 
-  // Mask + scale, then the online softmax update per row (the 4 lanes of a row hold its KEYS keys).
+  // Mask (masked slots -inf), then the online softmax update per row (the 4 lanes of a row hold its KEYS keys) in
+  // base 2. The tree kernel's 64-slot tiles (RAW) take the row maxima of the raw scores (scaling by scale_log2 > 0
+  // keeps the order) and fold the scale into one FFMA before ex2.approx, and rescale O only when a row of the warp
+  // moved its max: fewer instructions per tile (mla_common's steps). The decode kernel's 16/32-slot tiles keep
+  // scale-then-exp2f and the unconditional rescale: with the RAW steps they measured 2-5% slower (SmolLM2 decode
+  // and AR step, H200, docs/PERF.md session 18).
+  constexpr bool RAW = KEYS >= 64;
   float tile_max[2] = {NEG_INF, NEG_INF};
   // A tile of prefix slots only: all visible, no per-slot test (most of a 64-slot tile's non-MMA instructions at
   // long prefixes: 1.05-1.27x on the tree kernel, H200; the decode kernel's 16/32-slot tiles keep the plain loop,
   // where the branch measured up to 10% slower at SmolLM2 b64, docs/PERF.md session 17).
-  if (KEYS >= 64 && key0 + KEYS <= n_prefix) {
+  if (RAW && key0 + KEYS <= n_prefix) {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        s[j][c] *= scale_log2;
-        tile_max[c >> 1] = fmaxf(tile_max[c >> 1], s[j][c]);
-      }
+      for (int c = 0; c < 4; ++c) tile_max[c >> 1] = fmaxf(tile_max[c >> 1], s[j][c]);
   } else {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
@@ -114,18 +142,21 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], con
         const int h = c >> 1;
         const int key = key0 + j * 8 + 2 * t + (c & 1);
         const bool vis = slot_visible(key, n_keys, n_prefix, valid[h], qi[h], visibility, vis_words);
-        s[j][c] = vis ? s[j][c] * scale_log2 : NEG_INF;
+        s[j][c] = vis ? (RAW ? s[j][c] : s[j][c] * scale_log2) : NEG_INF;
         tile_max[h] = fmaxf(tile_max[h], s[j][c]);
       }
   }
+  // alpha = 2^(old max - new max) for the sum and O; P = 2^(s - max); a row with nothing visible yet takes 0 in
+  // the exponent (masked scores give 0, not NaN).
   float alpha[2], base[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
     tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-    const float new_max = fmaxf(row_max[h], tile_max[h]);
-    base[h] = new_max == NEG_INF ? 0.f : new_max;  // a fully masked row so far: avoid inf - inf
-    alpha[h] = exp2f(row_max[h] - base[h]);
+    const float new_max = fmaxf(row_max[h], RAW ? tile_max[h] * scale_log2 : tile_max[h]);
+    base[h] = new_max == NEG_INF ? 0.f : new_max;
+    if (RAW) alpha[h] = new_max == row_max[h] ? 1.f : ddtree::exp2_approx(row_max[h] - new_max);
+    else alpha[h] = exp2f(row_max[h] - base[h]);
     row_max[h] = new_max;
   }
   float tile_sum[2] = {0.f, 0.f};
@@ -133,7 +164,7 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], con
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      s[j][c] = exp2f(s[j][c] - base[c >> 1]);
+      s[j][c] = RAW ? ddtree::exp2_approx(fmaf(s[j][c], scale_log2, -base[c >> 1])) : exp2f(s[j][c] - base[c >> 1]);
       tile_sum[c >> 1] += s[j][c];
     }
 #pragma unroll
@@ -142,10 +173,12 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], con
     tile_sum[h] += __shfl_xor_sync(0xffffffffu, tile_sum[h], 2);
     row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
   }
+  if (!RAW || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    oacc[j][0] *= alpha[0]; oacc[j][1] *= alpha[0];
-    oacc[j][2] *= alpha[1]; oacc[j][3] *= alpha[1];
+    for (int j = 0; j < D / 8; ++j) {
+      oacc[j][0] *= alpha[0]; oacc[j][1] *= alpha[0];
+      oacc[j][2] *= alpha[1]; oacc[j][3] *= alpha[1];
+    }
   }
   // O += P V: the S accumulators of key n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
 #pragma unroll
@@ -168,8 +201,9 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], con
 
 // grid (ceil(T*G / 64), Hkv, splits), block 128, dynamic smem = tree_attention_smem_bytes(D).
 // q/o token strides in elements (head stride D); k/v token strides in elements (head stride D).
+// (At D = 64 the register cap keeps 4 blocks per SM, as the split plan's ATTN_BLOCKS_PER_SM assumes.)
 template <int D>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, D == 64 ? 4 : 1)
 tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
                       const __nv_bfloat16* __restrict__ k_cache, int ldk,
                       const __nv_bfloat16* __restrict__ v_cache, int ldv,
@@ -217,15 +251,8 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
 
   auto load_tile = [&](int tile, int buf) {
     const int key0 = tile * kTileKeys;
-    constexpr int kVecsPerRow = D / 8;
-    for (int i = threadIdx.x; i < kTileKeys * kVecsPerRow; i += kWarps * 32) {
-      const int r = i / kVecsPerRow, c = (i % kVecsPerRow) * 8;
-      const int key = key0 + r;
-      const bool ok = key < n_keys;
-      const size_t slot = ok ? (size_t)key : 0;
-      cp_async16(&ks[buf][r][c], k_cache + slot * ldk + kvh * D + c, ok);
-      cp_async16(&vs[buf][r][c], v_cache + slot * ldv + kvh * D + c, ok);
-    }
+    copy_rows<D, kTileKeys, kWarps * 32>(ks[buf], k_cache, ldk, kvh * D, key0, n_keys, threadIdx.x);
+    copy_rows<D, kTileKeys, kWarps * 32>(vs[buf], v_cache, ldv, kvh * D, key0, n_keys, threadIdx.x);
     cp_async_commit();
   };
 
@@ -317,6 +344,8 @@ decode_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
   float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
 
   auto load_tile = [&](int tile, int stage) {  // the warp's own copies: only its lanes wait for them
+    // (a loop of at most KT / 2 copies per lane, 4 unrolled: copy_rows's fully unrolled two paths made the
+    // kernel 5-50% larger and measured 2-5% slower here)
     const int key0 = tile * KT;
     constexpr int kVecsPerRow = D / 8;
 #pragma unroll 4

@@ -1,9 +1,10 @@
 // GQA tree-verify attention on Hopper GMMA (wgmma), sm_90a only: the contract of tree_attention.cu's
 // tree_attention_kernel (same arguments, grid, split table and fp32 partials for attention_combine_kernel),
-// with the tensor-core work on wgmma instead of mma.sync. Both kernels are bound by the instructions they issue
-// per KV tile (ncu, H200: DRAM 20% busy, 0.3-0.5 issued warps per scheduler at 32k / budget 16), not by the
-// tensor cores or the bytes in flight; this one issues fewer (no ldmatrix, one wgmma per 16 slots): 1.01-1.06x
-// the mma.sync kernel at D = 128 (docs/PERF.md, session 17).
+// with the tensor-core work on wgmma instead of mma.sync. What bounds it is the instructions a warp issues per KV
+// tile (ncu, H200: DRAM 20% busy, 0.3-0.5 issued warps per scheduler with two blocks per SM). The tile copies
+// (TileCopy: one pointer and one swizzled offset per thread) and the softmax (mla_common: raw row maxima, one
+// FFMA + ex2.approx per score, O rescaled only when a row's max moved) cut a 64-slot prefix tile from ~1100 to
+// ~350 instructions per thread: 1.3-1.7x at Qwen3-8B heads from prefix 8k (docs/PERF.md, session 18).
 //
 // Block: one warpgroup (128 threads) over 64 packed (query, head-in-group) rows of one KV head, KV tiles of 64
 // cache slots. Per tile: S = Q K^T (wgmma m64n64k16, Q from registers as the A fragments, K K-major in shared
@@ -44,17 +45,43 @@ template <> struct OpPV<128> {
   using type = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
 };
 
-// 64 rows of D bf16 into a swizzled tile: row r from row_ptr(r), or zeros where that is nullptr.
-template <int D, class RowPtr>
-__device__ __forceinline__ void load_tile(uint32_t tile, RowPtr row_ptr, const uint16_t* any_valid) {
-  constexpr int U = D / 8;   // 16-byte units per row
-  for (int i = threadIdx.x; i < 64 * U; i += THREADS) {
-    const int r = i / U, u = i % U;
-    const uint16_t* src = row_ptr(r);
-    ddtree::cp_async16_s(tile + (u >> 3) * CHUNK_BYTES + r * 128 + (((u & 7) ^ (r & 7)) << 4),
-                         (src != nullptr ? src : any_valid) + u * 8, src != nullptr);
+// This thread's share of copying a 64-row tile of D bf16 into the swizzled layout: 16-byte unit u = tid % U of
+// rows r0 + RPI j (r0 = tid / U, j < 64 / RPI). RPI is a multiple of 8, so every one of those rows has the same
+// swizzled unit position (u & 7) ^ (r0 & 7): one shared offset and one global pointer per tile, stepped by a
+// constant per copy. (A loop over i = tid, tid + 128, .. with the row, unit and swizzle worked out per copy cost
+// ~25 instructions per cp.async, ~400 per thread per K/V tile.)
+template <int D>
+struct TileCopy {
+  static constexpr int U = D / 8;            // 16-byte units per row
+  static constexpr int RPI = THREADS / U;    // rows per pass of the block
+  static_assert(RPI % 8 == 0 && 64 % RPI == 0, "whole passes that keep r & 7");
+  int r0, col;
+  uint32_t dst;   // offset in the tile of this thread's unit in row r0
+
+  __device__ __forceinline__ TileCopy() {
+    const int u = threadIdx.x % U;
+    r0 = threadIdx.x / U;
+    col = u * 8;
+    dst = (u >> 3) * CHUNK_BYTES + r0 * 128 + (((u & 7) ^ (r0 & 7)) << 4);
   }
-}
+  // Cache rows key0 .. key0 + 63 (row stride ld, this head's columns from `head_col`) into `tile`; rows at or
+  // past n_keys zero-filled (their source is the cache's first row, never read).
+  __device__ __forceinline__ void load(uint32_t tile, const uint16_t* __restrict__ cache, int ld, int head_col,
+                                       int key0, int n_keys) const {
+    const uint16_t* src = cache + (size_t)(key0 + r0) * ld + head_col + col;
+    const size_t step = (size_t)RPI * ld;
+    if (key0 + 64 <= n_keys) {
+#pragma unroll
+      for (int j = 0; j < 64 / RPI; ++j) ddtree::cp_async16_s(tile + dst + j * RPI * 128, src + j * step, true);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 64 / RPI; ++j) {
+        const bool in = key0 + r0 + j * RPI < n_keys;
+        ddtree::cp_async16_s(tile + dst + j * RPI * 128, in ? src + j * step : cache, in);
+      }
+    }
+  }
+};
 }  // namespace ta90
 
 // grid (ceil(T * G / 64), Hkv, splits), block 128, dynamic smem = tree_attention_gmma_smem_bytes(D, STAGES)
@@ -105,15 +132,12 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
 
   uint32_t qa[D / 16][4];   // Q as the A registers of the D / 16 k16 steps of S
   tree_attention::load_q_fragments<D>(qa, reinterpret_cast<const __nv_bfloat16*>(q), ldq, qi, head, valid, t);
+  const TileCopy<D> copy;
   auto load_kv = [&](int it) {   // tile tile_begin + it into stage it % STAGES
     const int key0 = (tile_begin + it) * BN;
     const uint32_t sk = k_stage(it % STAGES);
-    load_tile<D>(sk, [&](int r) -> const uint16_t* {
-      return key0 + r < n_keys ? k_cache + (size_t)(key0 + r) * ldk + kvh * D : nullptr;
-    }, k_cache);
-    load_tile<D>(sk + TB, [&](int r) -> const uint16_t* {
-      return key0 + r < n_keys ? v_cache + (size_t)(key0 + r) * ldv + kvh * D : nullptr;
-    }, v_cache);
+    copy.load(sk, k_cache, ldk, kvh * D, key0, n_keys);
+    copy.load(sk + TB, v_cache, ldv, kvh * D, key0, n_keys);
   };
   // Prologue: the first STAGES - 1 tiles, one commit group each.
 #pragma unroll
@@ -158,15 +182,12 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(s[i]);
 
-    // Mask and scale (log2 domain), then the online softmax per row (the 4 lanes of a quad share a row).
+    // Mask (masked slots -inf) and the row maxima of the raw scores.
     const int key0 = (tile_begin + it) * BN;
-    float mnew[2] = {m[0], m[1]};
+    float mraw[2] = {NEG_INF, NEG_INF};
     if (key0 + BN <= n_prefix) {   // a tile of prefix slots only: every slot visible to every row (the common
 #pragma unroll                    // case at long prefixes; the per-slot test is most of a tile's instructions)
-      for (int i = 0; i < BN / 2; ++i) {
-        s[i] *= scale_log2;
-        mnew[(i >> 1) & 1] = fmaxf(mnew[(i >> 1) & 1], s[i]);
-      }
+      for (int i = 0; i < BN / 2; ++i) mraw[(i >> 1) & 1] = fmaxf(mraw[(i >> 1) & 1], s[i]);
     } else {
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
@@ -174,24 +195,19 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
         for (int e = 0; e < 4; ++e) {
           const int ri = e >> 1;
           const int key = key0 + j * 8 + 2 * t + (e & 1);
-          const bool vis = tree_attention::slot_visible(key, n_keys, n_prefix, valid[ri], qi[ri], visibility,
-                                                        vis_words);
-          const float v = vis ? s[4 * j + e] * scale_log2 : NEG_INF;
-          s[4 * j + e] = v;
-          mnew[ri] = fmaxf(mnew[ri], v);
+          if (!tree_attention::slot_visible(key, n_keys, n_prefix, valid[ri], qi[ri], visibility, vis_words))
+            s[4 * j + e] = NEG_INF;
+          mraw[ri] = fmaxf(mraw[ri], s[4 * j + e]);
         }
     }
+    // Online softmax (mla_common: base 2, the scale folded into the exponent's FFMA).
     float corr[2];
 #pragma unroll
-    for (int ri = 0; ri < 2; ++ri) mnew[ri] = mla_common::quad_max(mnew[ri]);
-    mla_common::rescale_rows(mnew, m, l, corr);
+    for (int ri = 0; ri < 2; ++ri) mraw[ri] = mla_common::quad_max(mraw[ri]);
+    mla_common::rescale_rows(mraw, scale_log2, m, l, corr);
     uint32_t pa[BN / 16][4];   // P as the A registers of the k16 steps (slots 16 kk .. 16 kk + 15)
-    mla_common::exp_pack<BN / 8>([&](int j, int e) -> float& { return s[4 * j + e]; }, m, l, pa);
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      oacc[4 * j + 0] *= corr[0]; oacc[4 * j + 1] *= corr[0];
-      oacc[4 * j + 2] *= corr[1]; oacc[4 * j + 3] *= corr[1];
-    }
+    mla_common::exp_pack<BN / 8>([&](int j, int e) -> float& { return s[4 * j + e]; }, scale_log2, m, l, pa);
+    mla_common::rescale_o<D / 8>([&](int j, int e) -> float& { return oacc[4 * j + e]; }, corr);
 
     // O += P V: V tile MN-major (D columns: D / 64 chunks CHUNK_BYTES apart), 16 slots per k16 step.
 #pragma unroll

@@ -600,11 +600,12 @@ def decode_attention_smem_bytes(head_dim: int, variant: tuple[int, int]) -> int:
 # tree_attention_gmma_kernel<D, STAGES> (sm_90a, tree_attention_sm90.cu): the tree kernel's contract on wgmma, one
 # warpgroup per 64 packed rows; STAGES-deep K/V ring (instances: TREE_ATTN_GMMA_INSTANCES). "auto" takes it on
 # sm_90a where it would take tree_attention_kernel, for the head dims of ATTN_GMMA_AUTO_DIMS. H200 (docs/PERF.md,
-# session 17), against the tree kernel with its mask-free prefix tiles: Qwen3-8B heads (D = 128), prefix 1k-32k,
-# budgets 16-256, 1.01-1.06x faster with 3 stages; SmolLM2 heads (D = 64), budgets 256-1024, 0.95-1.01x with 2
-# stages (4: 0.83-1.12x), so D = 64 stays on the tree kernel. DDTREE_ATTN_GMMA=0: the tree kernel everywhere (A/B).
-ATTN_GMMA_STAGES = {64: 2, 128: 3}
-ATTN_GMMA_AUTO_DIMS = (128,)
+# session 18: per-thread tile copies and the FFMA / ex2.approx softmax), against the tree kernel: Qwen3-8B heads
+# (D = 128), prefix 1k-32k, budgets 16-256, 1.1-1.6x faster with 3 stages; SmolLM2 heads (D = 64), budgets
+# 128-1024 at prefix 1k-8k, 1.0-1.46x with 4 stages (2 stages: 0.95-1.22x). DDTREE_ATTN_GMMA=0: the tree kernel
+# everywhere (A/B).
+ATTN_GMMA_STAGES = {64: 4, 128: 3}
+ATTN_GMMA_AUTO_DIMS = (64, 128)
 ATTN_GMMA = os.environ.get("DDTREE_ATTN_GMMA", "1") != "0"
 ATTN_GMMA_ARCHS = ("90a",)
 

@@ -418,7 +418,8 @@ def test_attention_split_plan_model():
     from runtime import dense_kernels as dk
     want = "gmma" if dk.ATTN_GMMA else "tree"
     assert attention_kernel_for(65, 32, 8, 128, arch="90a") == want
-    assert attention_kernel_for(257, 9, 3, 64, arch="90a") == "tree"   # D = 64: the gmma kernel measured no faster
+    assert attention_kernel_for(257, 9, 3, 64, arch="90a") == want     # both head dims (session 18)
+    assert attention_kernel_for(129, 9, 3, 64, arch="90a") == "decode"
     assert attention_kernel_for(1, 32, 8, 128, arch="90a") == "decode"
     assert attention_kernel_for(65, 32, 8, 128, arch="120a") == "tree"
     with pytest.raises(ValueError, match="sm_90a"):
