@@ -82,6 +82,22 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// Bits nj0 .. nj0 + 63 of a bitmask row of `words` uint32 words (row bit j = bit j % 32 of word j / 32) as a
+// uint64, bit i = row bit nj0 + i; row bits below 0 or past the row read as 0. At most three word loads, issued
+// together: the attention kernels test a whole KV tile's slots against it instead of loading a word per slot.
+__device__ __forceinline__ uint64_t bit_window64(const uint32_t* __restrict__ row, int words, int nj0) {
+  auto word = [&](int i) -> uint64_t { return i >= 0 && i < words ? row[i] : 0u; };
+  if (nj0 <= -64) return 0;
+  if (nj0 < 0) return (word(0) | word(1) << 32) << (-nj0);
+  const int a = nj0 >> 5, sh = nj0 & 31;
+  const uint64_t x = word(a) | word(a + 1) << 32;
+  return sh ? (x >> sh) | (word(a + 2) << (64 - sh)) : x;
+}
+// The low n bits set (n clamped to 0 .. 64).
+__device__ __forceinline__ uint64_t low_bits64(int n) {
+  return n <= 0 ? 0ull : n >= 64 ? ~0ull : (1ull << n) - 1;
+}
+
 // Programmatic dependent launch (sm_90 and later; every arch we build). A kernel launched with the PDL
 // attribute may start while the previous kernel on the stream still runs; it must call grid_dependency_wait()
 // before it reads anything that kernel writes and before it writes anything (a buffer the previous kernel

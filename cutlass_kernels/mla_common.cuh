@@ -8,18 +8,18 @@ namespace mla_common {
 
 constexpr int DV = 512;   // output (latent) width
 
-// Whether cache position p is visible to query token tok (tok < 0: a padding row): positions < prefix_len
-// to every query, tree node p - prefix_len through bit (node) of the token's mask row, or causally when
-// mask == nullptr (prefill); nothing at or past kv_end (this split's end).
-__device__ __forceinline__ bool visible(int p, int tok, int kv_end, int prefix_len, const unsigned* __restrict__ mask,
-                                        int mask_words) {
-  bool vis = p < kv_end && tok >= 0;
-  if (vis && p >= prefix_len) {
-    const int node = p - prefix_len;
-    vis = mask != nullptr ? ((mask[(long long)tok * mask_words + (node >> 5)] >> (node & 31)) & 1u) != 0
-                          : node <= tok;
-  }
-  return vis;
+// Which of the cache positions p0 .. p0 + 63 query token tok sees (tok < 0: a padding row, none), bit i = position
+// p0 + i: positions < prefix_len all; tree node p - prefix_len through bit (node) of the token's mask row, or
+// causally (node <= tok) when mask == nullptr (prefill); nothing at or past kv_end (the split's end). The row's
+// (at most three) mask words are loaded once per tile, not once per position.
+__device__ __forceinline__ uint64_t visible64(int p0, int tok, int kv_end, int prefix_len,
+                                              const unsigned* __restrict__ mask, int mask_words) {
+  if (tok < 0) return 0ull;
+  const int np = prefix_len - p0;   // positions below this bit are prefix ones
+  const uint64_t tree = mask != nullptr
+      ? ddtree::bit_window64(mask + (long long)tok * mask_words, mask_words, -np)
+      : ddtree::low_bits64(tok + np + 1) & ~ddtree::low_bits64(np);   // causal: node i - np <= tok
+  return (ddtree::low_bits64(np) | tree) & ddtree::low_bits64(kv_end - p0);
 }
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {

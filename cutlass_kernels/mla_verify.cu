@@ -178,14 +178,17 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c) mraw[c >> 1] = fmaxf(mraw[c >> 1], s[j][c]);
-    } else {
+    } else {   // this lane's columns 8 j + 2 t + (c & 1) of the tile's visibility bits, per row
+      uint64_t vis[2];
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri)
+        vis[ri] = mla_common::visible64(p0, my_tok[ri], kv_end, prefix_len, mask, mask_words) >> (2 * t);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int ri = c >> 1;
-          const int p = p0 + j * 8 + 2 * t + (c & 1);
-          if (!mla_common::visible(p, my_tok[ri], kv_end, prefix_len, mask, mask_words)) s[j][c] = NEG_INF;
+          if (!((vis[ri] >> (8 * j + (c & 1))) & 1u)) s[j][c] = NEG_INF;
           mraw[ri] = fmaxf(mraw[ri], s[j][c]);
         }
     }

@@ -119,10 +119,11 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], con
     }
 
   // Mask (masked slots -inf), then the online softmax update per row (the 4 lanes of a row hold its KEYS keys) in
-  // base 2. The tree kernel's 64-slot tiles (RAW) take the row maxima of the raw scores (scaling by scale_log2 > 0
-  // keeps the order) and fold the scale into one FFMA before ex2.approx, and rescale O only when a row of the warp
-  // moved its max: fewer instructions per tile (mla_common's steps). The decode kernel's 16/32-slot tiles keep
-  // scale-then-exp2f and the unconditional rescale: with the RAW steps they measured 2-5% slower (SmolLM2 decode
+  // base 2. The tree kernel's 64-slot tiles (RAW) test a tile's slots against its visibility bits loaded once
+  // (tile_visible64), take the row maxima of the raw scores (scaling by scale_log2 > 0 keeps the order), fold the
+  // scale into one FFMA before ex2.approx, and rescale O only when a row of the warp moved its max: fewer
+  // instructions per tile (mla_common's steps). The decode kernel's 16/32-slot tiles keep the per-slot test,
+  // scale-then-exp2f and the unconditional rescale: with the RAW softmax they measured 2-5% slower (SmolLM2 decode
   // and AR step, H200, docs/PERF.md session 18).
   constexpr bool RAW = KEYS >= 64;
   float tile_max[2] = {NEG_INF, NEG_INF};
@@ -134,6 +135,19 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], con
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) tile_max[c >> 1] = fmaxf(tile_max[c >> 1], s[j][c]);
+  } else if (RAW) {   // this lane's columns 8 j + 2 t + (c & 1) of the tile's visibility bits, per row
+    uint64_t vis[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      vis[h] = tree_attention::tile_visible64(key0, n_keys, n_prefix, valid[h], qi[h], visibility, vis_words) >> (2 * t);
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int h = c >> 1;
+        if (!((vis[h] >> (8 * j + (c & 1))) & 1u)) s[j][c] = NEG_INF;
+        tile_max[h] = fmaxf(tile_max[h], s[j][c]);
+      }
   } else {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
@@ -142,7 +156,7 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], con
         const int h = c >> 1;
         const int key = key0 + j * 8 + 2 * t + (c & 1);
         const bool vis = slot_visible(key, n_keys, n_prefix, valid[h], qi[h], visibility, vis_words);
-        s[j][c] = vis ? (RAW ? s[j][c] : s[j][c] * scale_log2) : NEG_INF;
+        s[j][c] = vis ? s[j][c] * scale_log2 : NEG_INF;
         tile_max[h] = fmaxf(tile_max[h], s[j][c]);
       }
   }

@@ -2,6 +2,7 @@
 // wgmma, sm_90a): the KV split in use at the replayed prefix, the packed (query, head-in-group) rows and
 // their Q fragments (the m16k16 A layout of mma.sync, also wgmma's A-register layout per warp).
 #pragma once
+#include "device_common.cuh"
 
 namespace tree_attention {
 
@@ -36,6 +37,15 @@ __device__ __forceinline__ bool slot_visible(int key, int n_keys, int n_prefix, 
     vis = valid && ((visibility[(size_t)qi * vis_words + (nj >> 5)] >> (nj & 31)) & 1u);
   }
   return vis;
+}
+
+// slot_visible for the 64 slots key0 .. key0 + 63 at once, bit i = slot key0 + i: one load of the query's (at most
+// three) visibility words per tile instead of one per slot.
+__device__ __forceinline__ uint64_t tile_visible64(int key0, int n_keys, int n_prefix, bool valid, int qi,
+                                                   const uint32_t* __restrict__ visibility, int vis_words) {
+  const uint64_t tree =
+      valid ? ddtree::bit_window64(visibility + (size_t)qi * vis_words, vis_words, key0 - n_prefix) : 0ull;
+  return (ddtree::low_bits64(n_prefix - key0) | tree) & ddtree::low_bits64(n_keys - key0);
 }
 
 // The lane's Q fragments for all of D, loaded once (A operand: rows g / g+8, k = 2t.. and 2t+8..).

@@ -188,15 +188,18 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
     if (key0 + BN <= n_prefix) {   // a tile of prefix slots only: every slot visible to every row (the common
 #pragma unroll                    // case at long prefixes; the per-slot test is most of a tile's instructions)
       for (int i = 0; i < BN / 2; ++i) mraw[(i >> 1) & 1] = fmaxf(mraw[(i >> 1) & 1], s[i]);
-    } else {
+    } else {   // this thread's columns 8 j + 2 t + (e & 1) of the tile's visibility bits, per row
+      uint64_t vis[2];
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri)
+        vis[ri] = tree_attention::tile_visible64(key0, n_keys, n_prefix, valid[ri], qi[ri], visibility, vis_words)
+                  >> (2 * t);
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int ri = e >> 1;
-          const int key = key0 + j * 8 + 2 * t + (e & 1);
-          if (!tree_attention::slot_visible(key, n_keys, n_prefix, valid[ri], qi[ri], visibility, vis_words))
-            s[4 * j + e] = NEG_INF;
+          if (!((vis[ri] >> (8 * j + (e & 1))) & 1u)) s[4 * j + e] = NEG_INF;
           mraw[ri] = fmaxf(mraw[ri], s[4 * j + e]);
         }
     }
