@@ -586,10 +586,11 @@ DECODE_ATTN_ROWS = 16
 DECODE_VARIANTS = {64: (16, 2), 128: (32, 2)}
 ATTN_DECODE = os.environ.get("DDTREE_ATTN_DECODE", "1") != "0"
 # Rows per KV head up to which "auto" takes the decode kernel (one block per 16 rows), per head dim: at D = 64 it
-# beat the tree kernel up to 387 rows (SmolLM2 b128; alone at prefix 256-4k, in the verify graph at 256 and 1k)
-# and lost at 771 rows (b256) from prefix 8k; at D = 128 the tree kernel's 64-row blocks, which share each K/V
-# tile among 4 warps, win from 68 rows (docs/PERF.md, session 16).
-DECODE_MAX_ROWS = {64: 512, 128: DECODE_ATTN_ROWS}
+# wins up to 195 rows (SmolLM2 b64); at 387 rows (b128) the SmolLM2 verify graph ran 5-7% faster on the gmma
+# kernel and 1-3% faster on the tree kernel (session 18; in session 16 the decode kernel still beat the tree kernel
+# there); at D = 128 the tree kernel's 64-row blocks, which share each K/V tile among 4 warps, win from 68 rows
+# (docs/PERF.md, session 16).
+DECODE_MAX_ROWS = {64: 256, 128: DECODE_ATTN_ROWS}
 
 
 def decode_attention_smem_bytes(head_dim: int, variant: tuple[int, int]) -> int:
@@ -604,10 +605,19 @@ def decode_attention_smem_bytes(head_dim: int, variant: tuple[int, int]) -> int:
 # (D = 128), prefix 1k-32k, budgets 16-256, 1.1-1.6x faster with 3 stages; SmolLM2 heads (D = 64), budgets
 # 128-1024 at prefix 1k-8k, 1.0-1.46x with 4 stages (2 stages: 0.95-1.22x). DDTREE_ATTN_GMMA=0: the tree kernel
 # everywhere (A/B).
-ATTN_GMMA_STAGES = {64: 4, 128: 3}
+# K/V ring depth per head dim: a depth, or {fewest packed rows per KV head: depth}. At D = 128 from 256 rows (b64 at
+# G = 4) 2 stages (65 KB, three blocks per SM) beat 3 (97 KB, two): 8k b64 37.1 vs 42.2 us, b256 112.4 vs 124.2,
+# 32k 0.97 / 0.90x; at 68 rows (b16) 3 won (8k 25.3 vs 27.9 us), as at 1k b64 (14.9 vs 16.5; H200, session 18).
+ATTN_GMMA_STAGES = {64: 4, 128: {0: 3, 256: 2}}
 ATTN_GMMA_AUTO_DIMS = (64, 128)
 ATTN_GMMA = os.environ.get("DDTREE_ATTN_GMMA", "1") != "0"
 ATTN_GMMA_ARCHS = ("90a",)
+
+
+def gmma_stages(head_dim: int, rows: int) -> int:
+    """The gmma kernel's ring depth (ATTN_GMMA_STAGES) for `rows` packed (query, head) rows per KV head."""
+    depth = ATTN_GMMA_STAGES[head_dim]
+    return depth if isinstance(depth, int) else depth[max(r for r in depth if r <= rows)]
 
 
 def tree_attention_gmma_smem_bytes(head_dim: int, stages: int) -> int:
@@ -700,7 +710,8 @@ def attention_split_table(T: int, Hq: int, Hkv: int, D: int, capacity: int, sm_c
     Made (one upload) on the first call for a shape, outside any capture; cached."""
     from runtime.cuda import graph, to_device
     decode = decode_variant(D, decode) if kernel == "decode" else None
-    key = (T, Hq, Hkv, D, capacity, sm_count, kernel, decode, ATTN_GMMA_STAGES[D] if kernel == "gmma" else None)
+    stages = gmma_stages(D, T * (Hq // Hkv)) if kernel == "gmma" else None
+    key = (T, Hq, Hkv, D, capacity, sm_count, kernel, decode, stages)
     hit = _split_tables.get(key)
     if hit is None:
         _need(not graph._active, "attention", "the KV split table for this shape is made on first use: run the "
@@ -711,7 +722,7 @@ def attention_split_table(T: int, Hq: int, Hkv: int, D: int, capacity: int, sm_c
             kern, smem = _decode_kernel(D, decode)
             per_sm = kern.blocks_per_sm(128, smem)
         elif kernel == "gmma":
-            kern, smem = _gmma_attention_kernel(D, ATTN_GMMA_STAGES[D])
+            kern, smem = _gmma_attention_kernel(D, stages)
             per_sm = kern.blocks_per_sm(128, smem)
         plan = np.asarray([1] + [attention_splits(T, Hq, Hkv, n * ATTN_TILE_KEYS, sm_count, D, kernel, decode, per_sm)
                                  for n in range(1, tiles + 1)], np.int32)
@@ -807,7 +818,7 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     if decode is not None:
         kern, smem = _decode_kernel(D, decode)
     elif kernel == "gmma":
-        kern, smem = _gmma_attention_kernel(D, ATTN_GMMA_STAGES[D])
+        kern, smem = _gmma_attention_kernel(D, gmma_stages(D, T * (Hq // Hkv)))
     else:
         kern = get_kernel("tree_attention", f"tree_attention_kernel<{D}>")
         smem = attention_smem_bytes(D)

@@ -412,14 +412,17 @@ def test_attention_split_plan_model():
     # the decode kernel: four 32-slot tiles a round per block, so a short prefix is one block per KV head
     from runtime.dense_kernels import attention_kernel_for
     assert attention_kernel_for(1, 32, 8, 128) == "decode" and attention_kernel_for(5, 12, 3, 128) == "tree"
-    # D = 64: the decode kernel up to 512 rows (SmolLM2's b128 verify: 129 x 3), the tree kernel above
-    assert attention_kernel_for(129, 9, 3, 64) == "decode" and attention_kernel_for(257, 9, 3, 64) == "tree"
+    # D = 64: the decode kernel up to 256 rows (SmolLM2's b64 verify: 65 x 3), the tree kernel above
+    assert attention_kernel_for(65, 9, 3, 64) == "decode" and attention_kernel_for(129, 9, 3, 64) == "tree"
     # sm_90a: the wgmma kernel where the tree kernel would run (unless DDTREE_ATTN_GMMA=0); elsewhere refused
     from runtime import dense_kernels as dk
     want = "gmma" if dk.ATTN_GMMA else "tree"
     assert attention_kernel_for(65, 32, 8, 128, arch="90a") == want
-    assert attention_kernel_for(257, 9, 3, 64, arch="90a") == want     # both head dims (session 18)
-    assert attention_kernel_for(129, 9, 3, 64, arch="90a") == "decode"
+    assert attention_kernel_for(129, 9, 3, 64, arch="90a") == want     # both head dims (session 18)
+    assert attention_kernel_for(65, 9, 3, 64, arch="90a") == "decode"
+    # the gmma kernel's ring: 3 stages for few rows at D = 128, 2 from 256 rows (three blocks per SM), 4 at D = 64
+    assert [dk.gmma_stages(128, r) for r in (4, 68, 255, 256, 1028)] == [3, 3, 3, 2, 2]
+    assert dk.gmma_stages(64, 1028) == 4
     assert attention_kernel_for(1, 32, 8, 128, arch="90a") == "decode"
     assert attention_kernel_for(65, 32, 8, 128, arch="120a") == "tree"
     with pytest.raises(ValueError, match="sm_90a"):
