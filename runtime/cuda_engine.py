@@ -35,7 +35,7 @@ from runtime.cuda import PinnedBuffer, bench, bucket_for, capture, check
 from runtime.cuda.device import driver
 from runtime import dense_kernels as dk
 from runtime.philox import seed_key
-from runtime.tree import DraftTree, build_tree
+from runtime.tree import DraftTree, build_tree, fill_verify_slots
 
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 
@@ -100,20 +100,15 @@ class _State:
 
 
 class _BucketSlots:
-    """One bucket's host slots in the state block, as views made once (the round loop only fills them), and
-    the word range one upload covers. Padded slots (from the tree's node count on) are rewritten only when the
-    tree does not fill the bucket."""
+    """One bucket's host slots in the state block, as views made once (the round loop fills them with
+    runtime.tree.fill_verify_slots: padded slots, from the tree's node count on, hold token 0 at the round's start
+    position and see only themselves), and the word range one upload covers."""
 
     def __init__(self, S: _State, bkt: int):
         self.T, self.W = bkt + 1, (bkt + 1 + 31) // 32
         self.ids, self.pos = S.h(("ids", bkt)), S.h(("pos", bkt))
         self.vis = S.h(("vis", bkt), np.uint32).reshape(self.T, self.W)
         self.lo, self.hi = S.bucket_range(bkt)
-        # visibility rows of padded slots: slot i sees only itself
-        T = self.T
-        self.pad_vis = np.zeros((T, self.W), np.uint32)
-        i = np.arange(T)
-        self.pad_vis[i, i // 32] = (np.uint32(1) << (i % 32).astype(np.uint32))
 
 
 class _Graph:
@@ -380,22 +375,7 @@ class GraphDecoder:
             self._tree = DraftTree(max(n, BUCKETS[-1]))
         tree = build_tree(top_logp, top_ids, n, bonus, out=self._tree)
         nodes, T = tree.n + 1, slots.T
-        tv = tree.visibility
-        tw = tv.shape[1]
-        if nodes == T and tw == slots.W:            # the tree fills the bucket (budget == bucket)
-            slots.ids[:] = tree.tokens
-            np.add(tree.depths, start, out=slots.pos)
-            slots.vis[:] = tv
-        else:
-            slots.ids[:nodes] = tree.tokens
-            np.add(tree.depths, start, out=slots.pos[:nodes])
-            vis = slots.vis
-            vis[:nodes, :tw] = tv
-            vis[:nodes, tw:] = 0
-            if nodes < T:
-                slots.ids[nodes:] = 0
-                slots.pos[nodes:] = start
-                vis[nodes:] = slots.pad_vis[nodes:]
+        fill_verify_slots(tree, slots.ids, slots.pos, slots.vis, start)
         times["tree"] = (t3 := time.perf_counter()) - t2
 
         # verify

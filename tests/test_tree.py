@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from runtime.accept import CommitPlan, commit_plan, walk
-from runtime.tree import DraftTree, build_tree, chain_tree
+from runtime.tree import DraftTree, build_tree, chain_tree, fill_verify_slots
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tree_reference import build_tree_ref, chain_tree_ref, walk_ref  # noqa: E402
@@ -152,6 +152,51 @@ def test_views_are_read_only():
     for name in FIELDS + ("first_child", "next_sibling"):
         with pytest.raises(ValueError):
             getattr(tree, name)[0] = 1
+
+
+def verify_slots_by_definition(tree, T, W, start):
+    """The verify bucket's inputs as numpy writes them: nodes, then padded slots (token 0 at `start`, self only)."""
+    ids, pos, vis = np.zeros(T, np.int32), np.full(T, start, np.int32), np.zeros((T, W), np.uint32)
+    rows, words = len(tree), tree.visibility.shape[1]
+    ids[:rows], pos[:rows], vis[:rows, :words] = tree.tokens, tree.depths + start, tree.visibility
+    for i in range(rows, T):
+        vis[i, i // 32] = np.uint32(1) << np.uint32(i % 32)
+    return ids, pos, vis
+
+
+def test_fill_verify_slots_matches_the_definition():
+    """The CUDA engine's verify inputs (runtime.tree.fill_verify_slots) over stale slots: full buckets, padded
+    ones (chains shorter than the bucket, budgets below it), word counts below the bucket's, reuse."""
+    rng = np.random.default_rng(21)
+    ws = DraftTree(1024)
+    for bucket, budget in ((16, 16), (16, 5), (64, 64), (64, 33), (128, 128), (128, 31), (1024, 1024), (256, 1)):
+        T, W = bucket + 1, (bucket + 1 + 31) // 32
+        for chain in (False, True):
+            if chain:
+                tree = chain_tree(rng.integers(0, 50, min(budget, 15)).astype(np.int32), 7, out=ws)
+            else:
+                lp, ids = random_inputs(rng, 15, max(2, -(-budget // 15) + 1))
+                tree = build_tree(lp, ids, budget, 7, out=ws)
+            got = (rng.integers(-5, 5, T).astype(np.int32), rng.integers(-5, 5, T).astype(np.int32),
+                   rng.integers(0, 2 ** 32, (T, W), dtype=np.uint64).astype(np.uint32))   # stale contents
+            start = int(rng.integers(0, 5000))
+            fill_verify_slots(tree, *got, start)
+            for g, w, name in zip(got, verify_slots_by_definition(tree, T, W, start), ("ids", "pos", "vis")):
+                np.testing.assert_array_equal(g, w, err_msg=f"bucket {bucket} budget {budget} chain {chain}: {name}")
+
+
+def test_fill_verify_slots_rejects_what_does_not_fit():
+    tree = build_tree(*random_inputs(np.random.default_rng(2), 4, 8), 20, 1)
+    ids, pos, vis = np.zeros(21, np.int32), np.zeros(21, np.int32), np.zeros((21, 1), np.uint32)
+    fill_verify_slots(tree, ids, pos, vis, 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        fill_verify_slots(tree, ids[:20], pos[:20], vis[:20], 0)            # fewer slots than rows
+    with pytest.raises(ValueError, match="one row per slot"):
+        fill_verify_slots(tree, ids, pos[:20], vis, 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        fill_verify_slots(tree, np.zeros(40, np.int32), np.zeros(40, np.int32), np.zeros((40, 1), np.uint32), 0)
+    with pytest.raises(ValueError):
+        fill_verify_slots(tree, ids.astype(np.int64), pos, vis, 0)          # wrong dtype
 
 
 # ---------------------------------------------------------------- commit plan
