@@ -123,8 +123,8 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], con
   // (tile_visible64), take the row maxima of the raw scores (scaling by scale_log2 > 0 keeps the order), fold the
   // scale into one FFMA before ex2.approx, and rescale O only when a row of the warp moved its max: fewer
   // instructions per tile (mla_common's steps). The decode kernel's 16/32-slot tiles keep the per-slot test,
-  // scale-then-exp2f and the unconditional rescale: with the RAW softmax they measured 2-5% slower (SmolLM2 decode
-  // and AR step, H200, docs/PERF.md session 18).
+  // scale-then-exp2f and the unconditional rescale: with the RAW softmax and copy_rows together it measured 2-5%
+  // slower (SmolLM2 decode and AR step, H200, docs/PERF.md session 18).
   constexpr bool RAW = KEYS >= 64;
   float tile_max[2] = {NEG_INF, NEG_INF};
   // A tile of prefix slots only: all visible, no per-slot test (most of a 64-slot tile's non-MMA instructions at
@@ -358,8 +358,8 @@ decode_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
   float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
 
   auto load_tile = [&](int tile, int stage) {  // the warp's own copies: only its lanes wait for them
-    // (a loop of at most KT / 2 copies per lane, 4 unrolled: copy_rows's fully unrolled two paths made the
-    // kernel 5-50% larger and measured 2-5% slower here)
+    // (main's loop, 4 copies unrolled: with copy_rows and the RAW softmax together this kernel grew 5-50% in SASS
+    // and measured 2-5% slower, session 18; the two were not timed apart, so both stay out of it)
     const int key0 = tile * KT;
     constexpr int kVecsPerRow = D / 8;
 #pragma unroll 4
