@@ -1,5 +1,5 @@
 // Pieces shared by the MLA attention kernels (mla_verify.cu: mma.sync, every arch; mla_verify_sm90.cu: wgmma); the
-// online-softmax steps also serve the wgmma tree kernel (tree_attention_sm90.cu).
+// online-softmax steps also serve the tree kernels (tree_attention_sm90.cu; tree_attention.cu's 64-slot tiles).
 #pragma once
 #include <cuda_bf16.h>
 #include "device_common.cuh"
@@ -27,10 +27,33 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return *reinterpret_cast<unsigned*>(&v);
 }
 
-// Online-softmax steps the MLA kernels and the wgmma tree kernel run per KV tile, in base 2 on the raw scores
-// (masked ones -inf): scaling by scale > 0 (softmax scale x log2 e) keeps their order, so a tile's row maxima are
-// taken raw and the scale folds into one FFMA per score in front of the exponential. (The mask loop stays in
-// each kernel: as a shared helper it compiled differently, branches turned into predicated selects.)
+// Online-softmax steps the MLA kernels and the tree kernels run per KV tile, in base 2 on the raw scores (masked
+// ones -inf): scaling by scale > 0 (softmax scale x log2 e) keeps their order, so a tile's row maxima are taken raw
+// and the scale folds into one FFMA per score in front of the exponential.
+
+// A thread's raw S values as NJ groups of 4 reached through s_at(j, e) (element e is row e >> 1, column 8 j + 2 t +
+// (e & 1): the m16n8 / wgmma accumulator layout); mraw = each row's largest over them. With vis, first set -inf
+// where the row's visibility bit is clear: vis[ri] = the tile's bits for row ri (visible64 / tile_visible64)
+// already shifted right by 2 t, so column 8 j + 2 t + b is bit 8 j + b.
+template <int NJ, class SAt>
+__device__ __forceinline__ void row_max_raw(SAt s_at, float (&mraw)[2]) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mraw[e >> 1] = fmaxf(mraw[e >> 1], s_at(j, e));
+}
+template <int NJ, class SAt>
+__device__ __forceinline__ void mask_row_max_raw(SAt s_at, const uint64_t (&vis)[2], float (&mraw)[2]) {
+  const float NEG_INF = __int_as_float(0xff800000);
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ri = e >> 1;
+      if (!((vis[ri] >> (8 * j + (e & 1))) & 1u)) s_at(j, e) = NEG_INF;
+      mraw[ri] = fmaxf(mraw[ri], s_at(j, e));
+    }
+}
 
 // Over the 4 lanes of a quad (the threads that share a row).
 __device__ __forceinline__ float quad_max(float v) {

@@ -174,23 +174,13 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
     auto s_at = [&](int j, int c) -> float& { return s[j][c]; };
     float mraw[2] = {NEG_INF, NEG_INF};
     if (p0 + BN <= min(prefix_len, kv_end)) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) mraw[c >> 1] = fmaxf(mraw[c >> 1], s[j][c]);
-    } else {   // this lane's columns 8 j + 2 t + (c & 1) of the tile's visibility bits, per row
+      mla_common::row_max_raw<4>(s_at, mraw);
+    } else {
       uint64_t vis[2];
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri)
         vis[ri] = mla_common::visible64(p0, my_tok[ri], kv_end, prefix_len, mask, mask_words) >> (2 * t);
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int ri = c >> 1;
-          if (!((vis[ri] >> (8 * j + (c & 1))) & 1u)) s[j][c] = NEG_INF;
-          mraw[ri] = fmaxf(mraw[ri], s[j][c]);
-        }
+      mla_common::mask_row_max_raw<4>(s_at, vis, mraw);
     }
     float corr[2];
 #pragma unroll

@@ -158,21 +158,13 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
     auto s_at = [&](int j, int e) -> float& { return s[4 * j + e]; };
     float mraw[2] = {NEG_INF, NEG_INF};
     if (ps + SN <= min(prefix_len, kv_end)) {   // prefix positions only: visible to every real row, no per-slot
-#pragma unroll                                 // test (as tree_attention_sm90.cu; padding rows are never stored)
-      for (int i = 0; i < SACC; ++i) mraw[(i >> 1) & 1] = fmaxf(mraw[(i >> 1) & 1], s[i]);
-    } else {   // this thread's columns 8 j + 2 t + (e & 1) of the tile's visibility bits, per row
+      mla_common::row_max_raw<SN / 8>(s_at, mraw);   // test (as tree_attention_sm90.cu; padding rows never stored)
+    } else {
       uint64_t vis[2];
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri)
         vis[ri] = mla_common::visible64(ps, my_tok[ri], kv_end, prefix_len, mask, mask_words) >> (2 * t);
-#pragma unroll
-      for (int j = 0; j < SN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int ri = e >> 1;
-          if (!((vis[ri] >> (8 * j + (e & 1))) & 1u)) s[4 * j + e] = NEG_INF;
-          mraw[ri] = fmaxf(mraw[ri], s[4 * j + e]);
-        }
+      mla_common::mask_row_max_raw<SN / 8>(s_at, vis, mraw);
     }
     float corr[2];
 #pragma unroll

@@ -22,6 +22,7 @@ using cuda::std::uint16_t;
 using cuda::std::uint32_t;
 #include <cute/arch/mma_sm80.hpp>
 #include "device_common.cuh"
+#include "mla_common.cuh"
 #include "tree_attention_common.cuh"
 
 namespace {
@@ -54,10 +55,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
 }
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
+using mla_common::pack_bf16;
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                     uint32_t b0, uint32_t b1) {
   cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a0, a1, a2, a3, b0, b1,
@@ -130,24 +128,15 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&qa)[D / 16][4], con
   // A tile of prefix slots only: all visible, no per-slot test (most of a 64-slot tile's non-MMA instructions at
   // long prefixes: 1.05-1.27x on the tree kernel, H200; the decode kernel's 16/32-slot tiles keep the plain loop,
   // where the branch measured up to 10% slower at SmolLM2 b64, docs/PERF.md session 17).
+  auto s_at = [&](int j, int c) -> float& { return s[j][c]; };
   if (RAW && key0 + KEYS <= n_prefix) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) tile_max[c >> 1] = fmaxf(tile_max[c >> 1], s[j][c]);
-  } else if (RAW) {   // this lane's columns 8 j + 2 t + (c & 1) of the tile's visibility bits, per row
+    mla_common::row_max_raw<NT>(s_at, tile_max);
+  } else if (RAW) {
     uint64_t vis[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       vis[h] = tree_attention::tile_visible64(key0, n_keys, n_prefix, valid[h], qi[h], visibility, vis_words) >> (2 * t);
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int h = c >> 1;
-        if (!((vis[h] >> (8 * j + (c & 1))) & 1u)) s[j][c] = NEG_INF;
-        tile_max[h] = fmaxf(tile_max[h], s[j][c]);
-      }
+    mla_common::mask_row_max_raw<NT>(s_at, vis, tile_max);
   } else {
 #pragma unroll
     for (int j = 0; j < NT; ++j)

@@ -184,24 +184,17 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
 
     // Mask (masked slots -inf) and the row maxima of the raw scores.
     const int key0 = (tile_begin + it) * BN;
+    auto s_at = [&](int j, int e) -> float& { return s[4 * j + e]; };
     float mraw[2] = {NEG_INF, NEG_INF};
     if (key0 + BN <= n_prefix) {   // a tile of prefix slots only: every slot visible to every row (the common
-#pragma unroll                    // case at long prefixes; the per-slot test is most of a tile's instructions)
-      for (int i = 0; i < BN / 2; ++i) mraw[(i >> 1) & 1] = fmaxf(mraw[(i >> 1) & 1], s[i]);
-    } else {   // this thread's columns 8 j + 2 t + (e & 1) of the tile's visibility bits, per row
+      mla_common::row_max_raw<BN / 8>(s_at, mraw);   // case at long prefixes: no visibility test)
+    } else {
       uint64_t vis[2];
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri)
         vis[ri] = tree_attention::tile_visible64(key0, n_keys, n_prefix, valid[ri], qi[ri], visibility, vis_words)
                   >> (2 * t);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int ri = e >> 1;
-          if (!((vis[ri] >> (8 * j + (e & 1))) & 1u)) s[4 * j + e] = NEG_INF;
-          mraw[ri] = fmaxf(mraw[ri], s[4 * j + e]);
-        }
+      mla_common::mask_row_max_raw<BN / 8>(s_at, vis, mraw);
     }
     // Online softmax (mla_common: base 2, the scale folded into the exponent's FFMA).
     float corr[2];
@@ -209,7 +202,7 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
     for (int ri = 0; ri < 2; ++ri) mraw[ri] = mla_common::quad_max(mraw[ri]);
     mla_common::rescale_rows(mraw, scale_log2, m, l, corr);
     uint32_t pa[BN / 16][4];   // P as the A registers of the k16 steps (slots 16 kk .. 16 kk + 15)
-    mla_common::exp_pack<BN / 8>([&](int j, int e) -> float& { return s[4 * j + e]; }, scale_log2, m, l, pa);
+    mla_common::exp_pack<BN / 8>(s_at, scale_log2, m, l, pa);
     mla_common::rescale_o<D / 8>([&](int j, int e) -> float& { return oacc[4 * j + e]; }, corr);
 
     // O += P V: V tile MN-major (D columns: D / 64 chunks CHUNK_BYTES apart), 16 slots per k16 step.

@@ -110,8 +110,8 @@ FUSED_NORM_MAX_K = 8 * 256       # the fused rmsnorm gives each of the 256 threa
 # Rows up to which the model's rmsnorm -> linear and swiglu -> linear run as one launch (fused_prologue_ok), per
 # prologue. 8: the decode sizes (gemv / x-resident kernel). 16 or 32: also small verify and drafter batches, on
 # the x-resident kernel with 16- / 32-row tiles instead of GMMA, which makes a verify layer six launches as in the
-# AR step; not yet timed on a GPU (docs/PERF.md, session 16). DDTREE_FUSED_PROLOGUE_ROWS=32 sets both,
-# =rmsnorm:32,swiglu:8 each.
+# AR step; that measured 1.35-2.4x slower (SmolLM2 verify b16, H200, docs/PERF.md session 17), so 8 stays the
+# default. DDTREE_FUSED_PROLOGUE_ROWS=32 sets both, =rmsnorm:32,swiglu:8 each.
 FUSED_PROLOGUE_MAX_ROWS = 32
 
 
@@ -818,7 +818,7 @@ def attention(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, n_pref
     if decode is not None:
         kern, smem = _decode_kernel(D, decode)
     elif kernel == "gmma":
-        kern, smem = _gmma_attention_kernel(D, gmma_stages(D, T * (Hq // Hkv)))
+        kern, smem = _gmma_attention_kernel(D, gmma_stages(D, T * G))
     else:
         kern = get_kernel("tree_attention", f"tree_attention_kernel<{D}>")
         smem = attention_smem_bytes(D)
