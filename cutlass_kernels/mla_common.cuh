@@ -80,38 +80,25 @@ __device__ __forceinline__ void rescale_rows(const float (&mraw)[2], float scale
 }
 
 // A thread's raw S values as NJ groups of 4 reached through s_at(j, e): element (j, e) is row ri = e >> 1 (the
-// m16n8 / wgmma accumulator layout), replaced by P = 2^(s scale - m) (0 where masked: a row with nothing visible
-// yet takes 0 for m, so -inf gives 0, not NaN) and added to the row sums l.
-template <int NJ, class SAt>
-__device__ __forceinline__ void exp_rows(SAt s_at, float scale, const float (&m)[2], float (&l)[2]) {
-  const float NEG_INF = __int_as_float(0xff800000);
-  const float base[2] = {m[0] == NEG_INF ? 0.f : m[0], m[1] == NEG_INF ? 0.f : m[1]};
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int ri = e >> 1;
-      s_at(j, e) = ddtree::exp2_approx(fmaf(s_at(j, e), scale, -base[ri]));
-      l[ri] += s_at(j, e);
-    }
-}
-
-// P (NJ groups of 4 through p_at, the layout above) packed bf16 as the A registers of NJ / 2 k16 steps.
-template <int NJ, class PAt>
-__device__ __forceinline__ void pack_p(PAt p_at, unsigned (&pa)[NJ / 2][4]) {
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16(p_at(j, 0), p_at(j, 1));   // row g
-    pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(p_at(j, 2), p_at(j, 3));   // row g + 8
-  }
-}
-
-// exp_rows then pack_p (the scores in s are replaced by P).
+// m16n8 / wgmma accumulator layout). P = 2^(s scale - m) (0 where masked: a row with nothing visible yet takes 0
+// for m, so -inf gives 0, not NaN), added to the row sums l, packed bf16 as the A registers of NJ / 2 k16 steps.
 template <int NJ, class SAt>
 __device__ __forceinline__ void exp_pack(SAt s_at, float scale, const float (&m)[2], float (&l)[2],
                                          unsigned (&pa)[NJ / 2][4]) {
-  exp_rows<NJ>(s_at, scale, m, l);
-  pack_p<NJ>(s_at, pa);
+  const float NEG_INF = __int_as_float(0xff800000);
+  const float base[2] = {m[0] == NEG_INF ? 0.f : m[0], m[1] == NEG_INF ? 0.f : m[1]};
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    float e4[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ri = e >> 1;
+      e4[e] = ddtree::exp2_approx(fmaf(s_at(j, e), scale, -base[ri]));
+      l[ri] += e4[e];
+    }
+    pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16(e4[0], e4[1]);   // row g
+    pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(e4[2], e4[3]);   // row g + 8
+  }
 }
 
 // O's rows times corr, as NJ groups of 4 accumulators reached through o_at(j, e) (element e is row e >> 1); skipped

@@ -172,12 +172,12 @@ register(KernelFamily(
     pdl=True,
 ))
 # The same tree-verify attention on Hopper wgmma (one warpgroup per 64 packed rows; S and P V on wgmma),
-# sm_90a only; its partials go through tree_attention's attention_combine_kernel. (D, STAGES, OVERLAP) instances:
-TREE_ATTN_GMMA_INSTANCES = tuple((d, s, o) for o in (False, True) for d, s in ((64, 2), (64, 4), (128, 2), (128, 3)))
+# sm_90a only; its partials go through tree_attention's attention_combine_kernel. (D, STAGES) instances:
+TREE_ATTN_GMMA_INSTANCES = ((64, 2), (64, 4), (128, 2), (128, 3))
 register(KernelFamily(
     name="tree_attention_sm90",
     source="tree_attention_sm90.cu",
-    entries=tuple(f"tree_attention_gmma_kernel<{d}, {s}, {str(o).lower()}>" for d, s, o in TREE_ATTN_GMMA_INSTANCES),
+    entries=tuple(f"tree_attention_gmma_kernel<{d}, {s}>" for d, s in TREE_ATTN_GMMA_INSTANCES),
     archs=("90a",),
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},

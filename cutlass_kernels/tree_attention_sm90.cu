@@ -86,15 +86,7 @@ struct TileCopy {
 
 // grid (ceil(T * G / 64), Hkv, splits), block 128, dynamic smem = tree_attention_gmma_smem_bytes(D, STAGES)
 // (runtime/dense_kernels.py). Arguments as tree_attention_kernel's.
-//
-// OVERLAP = false: per tile, S = Q K^T, wait, softmax, O += P V, wait; K and V of a tile land together. What
-// overlaps is only the work of the other blocks on the SM (ncu, 32k b64: 21% of the warp samples on the two waits).
-// OVERLAP = true (FA3's in-warpgroup overlap): tile j's S is issued together with tile j - 1's P V, and the softmax
-// of tile j runs while the tensor cores do that P V. V therefore lags K by one tile in the ring: the copy group
-// issued at tile j carries K of tile j + STAGES - 1 and V of tile j + STAGES - 2, so the shared memory and the
-// prefetch depth stay those of the serial schedule. P of tile j - 1 stays in registers until its P V retires
-// (the exponentials of tile j are taken in place in S and packed after that).
-template <int D, int STAGES, bool OVERLAP>
+template <int D, int STAGES>
 __global__ void __launch_bounds__(ta90::THREADS)
 tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
                            const uint16_t* __restrict__ k_cache, int ldk,
@@ -141,23 +133,18 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
   uint32_t qa[D / 16][4];   // Q as the A registers of the D / 16 k16 steps of S
   tree_attention::load_q_fragments<D>(qa, reinterpret_cast<const __nv_bfloat16*>(q), ldq, qi, head, valid, t);
   const TileCopy<D> copy;
-  auto load_k = [&](int it) {   // K of tile tile_begin + it into stage it % STAGES
-    if (it < ntiles) copy.load(k_stage(it % STAGES), k_cache, ldk, kvh * D, (tile_begin + it) * BN, n_keys);
+  auto load_kv = [&](int it) {   // tile tile_begin + it into stage it % STAGES
+    const int key0 = (tile_begin + it) * BN;
+    const uint32_t sk = k_stage(it % STAGES);
+    copy.load(sk, k_cache, ldk, kvh * D, key0, n_keys);
+    copy.load(sk + TB, v_cache, ldv, kvh * D, key0, n_keys);
   };
-  auto load_v = [&](int it) {
-    if (0 <= it && it < ntiles)
-      copy.load(k_stage(it % STAGES) + TB, v_cache, ldv, kvh * D, (tile_begin + it) * BN, n_keys);
-  };
-  // The copy group issued before tile it's compute (it = -(STAGES - 1) .. -1 in the prologue): K of tile
-  // it + STAGES - 1 and V of the same tile, or with OVERLAP of the tile before it. One commit group each (an
-  // empty one past the end keeps the wait count uniform).
-  auto load_group = [&](int it) {
-    load_k(it + STAGES - 1);
-    load_v(OVERLAP ? it + STAGES - 2 : it + STAGES - 1);
-    ddtree::cp_async_commit();
-  };
+  // Prologue: the first STAGES - 1 tiles, one commit group each.
 #pragma unroll
-  for (int it = -(STAGES - 1); it < 0; ++it) load_group(it);
+  for (int it = 0; it < STAGES - 1; ++it) {
+    if (it < ntiles) load_kv(it);
+    ddtree::cp_async_commit();
+  }
 
   float oacc[D / 2];
 #pragma unroll
@@ -166,12 +153,17 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
     cute::warpgroup_fence_operand(oacc[i]);
   }
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-  float s[BN / 2];          // S of the current tile (raw scores, then its exponentials)
-  uint32_t pa[BN / 16][4];  // P as the A registers of the k16 steps of P V (slots 16 kk .. 16 kk + 15)
-  auto s_at = [&](int j, int e) -> float& { return s[4 * j + e]; };
 
-  auto issue_s = [&](int it) {   // S = Q K^T over D: D / 64 chunks x 4 k16 steps
-    const uint32_t sk = k_stage(it % STAGES);
+  for (int it = 0; it < ntiles; ++it) {
+    const uint32_t sk = k_stage(it % STAGES), sv = sk + TB;
+    ddtree::cp_async_wait<STAGES - 2>();   // tile it landed for this thread's copies
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async (generic) -> wgmma (async proxy)
+    __syncthreads();   // ... for everyone's copies; and every warp is done with the stage refilled below
+    if (it + STAGES - 1 < ntiles) load_kv(it + STAGES - 1);
+    ddtree::cp_async_commit();   // (an empty group past the end keeps the wait count uniform)
+
+    // S = Q K^T over D: D / 64 chunks x 4 k16 steps.
+    float s[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
       s[i] = 0.f;
@@ -186,9 +178,34 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
         ddtree::gmma_rs<OpS>(qa[4 * c + kk], db + 2 * kk, s, cuda::std::make_integer_sequence<int, BN / 2>{});
     }
     cute::warpgroup_commit_batch();
-  };
-  auto issue_pv = [&](int it) {   // O += P V: V tile MN-major (D columns: D / 64 chunks CHUNK_BYTES apart)
-    const uint32_t sv = k_stage(it % STAGES) + TB;
+    cute::warpgroup_wait<0>();
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(s[i]);
+
+    // Mask (masked slots -inf) and the row maxima of the raw scores.
+    const int key0 = (tile_begin + it) * BN;
+    auto s_at = [&](int j, int e) -> float& { return s[4 * j + e]; };
+    float mraw[2] = {NEG_INF, NEG_INF};
+    if (key0 + BN <= n_prefix) {   // a tile of prefix slots only: every slot visible to every row (the common
+      mla_common::row_max_raw<BN / 8>(s_at, mraw);   // case at long prefixes: no visibility test)
+    } else {
+      uint64_t vis[2];
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri)
+        vis[ri] = tree_attention::tile_visible64(key0, n_keys, n_prefix, valid[ri], qi[ri], visibility, vis_words)
+                  >> (2 * t);
+      mla_common::mask_row_max_raw<BN / 8>(s_at, vis, mraw);
+    }
+    // Online softmax (mla_common: base 2, the scale folded into the exponent's FFMA).
+    float corr[2];
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) mraw[ri] = mla_common::quad_max(mraw[ri]);
+    mla_common::rescale_rows(mraw, scale_log2, m, l, corr);
+    uint32_t pa[BN / 16][4];   // P as the A registers of the k16 steps (slots 16 kk .. 16 kk + 15)
+    mla_common::exp_pack<BN / 8>(s_at, scale_log2, m, l, pa);
+    mla_common::rescale_o<D / 8>([&](int j, int e) -> float& { return oacc[4 * j + e]; }, corr);
+
+    // O += P V: V tile MN-major (D columns: D / 64 chunks CHUNK_BYTES apart), 16 slots per k16 step.
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) cute::warpgroup_fence_operand(oacc[i]);
     cute::warpgroup_arrive();
@@ -197,89 +214,9 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
       ddtree::gmma_rs<OpO>(pa[kk], ddtree::sw128_desc(sv + kk * 16 * 128, CHUNK_BYTES), oacc,
                            cuda::std::make_integer_sequence<int, D / 2>{});
     cute::warpgroup_commit_batch();
-  };
-  auto fence_o = [&] {
+    cute::warpgroup_wait<0>();
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) cute::warpgroup_fence_operand(oacc[i]);
-  };
-  // Tile it's scores in s -> masked (MASKED: by the rows' visibility bits vis, else a tile of prefix slots only,
-  // visible to every row), the running max / sums moved (corr for O) and s = P in fp32.
-  auto softmax = [&](auto masked, const uint64_t (&vis)[2], float (&corr)[2]) {
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(s[i]);
-    float mraw[2] = {NEG_INF, NEG_INF};
-    if constexpr (decltype(masked)::value) mla_common::mask_row_max_raw<BN / 8>(s_at, vis, mraw);
-    else mla_common::row_max_raw<BN / 8>(s_at, mraw);
-    // Online softmax (mla_common: base 2, the scale folded into the exponent's FFMA).
-#pragma unroll
-    for (int ri = 0; ri < 2; ++ri) mraw[ri] = mla_common::quad_max(mraw[ri]);
-    mla_common::rescale_rows(mraw, scale_log2, m, l, corr);
-    mla_common::exp_rows<BN / 8>(s_at, scale_log2, m, l);
-  };
-  auto o_at = [&](int j, int e) -> float& { return oacc[4 * j + e]; };
-  const bool never = T < 0;   // false, but not known to the compiler
-
-  // One tile. `masked` and `pv_behind` (the previous tile's P V runs behind this tile's S) are compile-time so that
-  // no branch falls between a wgmma's issue and its wait: ptxas waits for every wgmma in flight where control flow
-  // merges (seen in the SASS: the overlap was lost).
-  auto tile = [&](int it, auto masked, auto pv_behind) {
-    ddtree::cp_async_wait<STAGES - 2>();   // this tile's group landed for this thread's copies
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async (generic) -> wgmma (async proxy)
-    __syncthreads();   // ... for everyone's copies; and every warp is done with the stages refilled below
-    load_group(it);
-    uint64_t vis[2] = {0ull, 0ull};
-    if constexpr (decltype(masked)::value) {
-      const int key0 = (tile_begin + it) * BN;
-#pragma unroll
-      for (int ri = 0; ri < 2; ++ri)
-        vis[ri] = tree_attention::tile_visible64(key0, n_keys, n_prefix, valid[ri], qi[ri], visibility, vis_words)
-                  >> (2 * t);
-    }
-    float corr[2];
-    issue_s(it);
-    if constexpr (decltype(pv_behind)::value) {   // OVERLAP from the second tile
-      issue_pv(it - 1);            // P of tile it - 1 (in pa) times its V, behind this tile's S
-      cute::warpgroup_wait<1>();   // S landed; P V runs during the softmax
-      softmax(masked, vis, corr);
-      // ptxas's scheduler hoists the wait above the exponentials (seen in the SASS), which puts the softmax behind
-      // the P V again. A shared store it does not move across the wait, never executed, that depends on every
-      // exponential through the row sums keeps them above it.
-      if (never) asm volatile("st.shared.f32 [%0], %1;" ::"r"(smem), "f"(l[0] + l[1]) : "memory");
-      cute::warpgroup_wait<0>();
-      fence_o();
-      mla_common::rescale_o<D / 8>(o_at, corr);
-      mla_common::pack_p<BN / 8>(s_at, pa);
-    } else {
-      cute::warpgroup_wait<0>();
-      softmax(masked, vis, corr);
-      mla_common::pack_p<BN / 8>(s_at, pa);
-      mla_common::rescale_o<D / 8>(o_at, corr);
-      if constexpr (!OVERLAP) {
-        issue_pv(it);
-        cute::warpgroup_wait<0>();
-        fence_o();
-      }
-    }
-  };
-  using True = cuda::std::true_type;
-  using False = cuda::std::false_type;
-  // Tiles of prefix slots only come first; the rest (at most the last (T + 63) / 64 + 1) see the tree.
-  auto prefix_only = [&](int it) { return (tile_begin + it + 1) * BN <= n_prefix; };
-  if (ntiles > 0) {
-    if (prefix_only(0)) tile(0, False{}, False{});
-    else tile(0, True{}, False{});
-  }
-  for (int it = 1; it < ntiles; ++it) {
-    if (prefix_only(it)) tile(it, False{}, cuda::std::bool_constant<OVERLAP>{});
-    else tile(it, True{}, cuda::std::bool_constant<OVERLAP>{});
-  }
-  if (OVERLAP && ntiles > 0) {   // the last tile's P V (its V is in the last copy group)
-    ddtree::cp_async_wait<0>();
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    issue_pv(ntiles - 1);
-    cute::warpgroup_wait<0>();
-    fence_o();
   }
   ddtree::cp_async_wait<0>();   // (only empty groups can be left: nothing lands after the exit)
 

@@ -598,8 +598,8 @@ def decode_attention_smem_bytes(head_dim: int, variant: tuple[int, int]) -> int:
     return 4 * stages * 2 * kt * (head_dim + 8) * 2  # 4 warps x stages x K and V, padded rows
 
 
-# tree_attention_gmma_kernel<D, STAGES, OVERLAP> (sm_90a, tree_attention_sm90.cu): the tree kernel's contract on
-# wgmma, one warpgroup per 64 packed rows; STAGES-deep K/V ring (instances: TREE_ATTN_GMMA_INSTANCES). "auto" takes it on
+# tree_attention_gmma_kernel<D, STAGES> (sm_90a, tree_attention_sm90.cu): the tree kernel's contract on wgmma, one
+# warpgroup per 64 packed rows; STAGES-deep K/V ring (instances: TREE_ATTN_GMMA_INSTANCES). "auto" takes it on
 # sm_90a where it would take tree_attention_kernel, for the head dims of ATTN_GMMA_AUTO_DIMS. H200 (docs/PERF.md,
 # session 18: per-thread tile copies and the FFMA / ex2.approx softmax), against the tree kernel: Qwen3-8B heads
 # (D = 128), prefix 1k-32k, budgets 16-256, 1.1-1.6x faster with 3 stages; SmolLM2 heads (D = 64), budgets
@@ -611,9 +611,6 @@ def decode_attention_smem_bytes(head_dim: int, variant: tuple[int, int]) -> int:
 ATTN_GMMA_STAGES = {64: 4, 128: {0: 3, 256: 2}}
 ATTN_GMMA_AUTO_DIMS = (64, 128)
 ATTN_GMMA = os.environ.get("DDTREE_ATTN_GMMA", "1") != "0"
-# OVERLAP instances: the softmax of tile j runs while the tensor cores do tile j - 1's P V (FA3's in-warpgroup
-# overlap); DDTREE_ATTN_GMMA_OVERLAP=0: the serial schedule (A/B).
-ATTN_GMMA_OVERLAP = os.environ.get("DDTREE_ATTN_GMMA_OVERLAP", "1") != "0"
 ATTN_GMMA_ARCHS = ("90a",)
 
 
@@ -713,7 +710,7 @@ def attention_split_table(T: int, Hq: int, Hkv: int, D: int, capacity: int, sm_c
     Made (one upload) on the first call for a shape, outside any capture; cached."""
     from runtime.cuda import graph, to_device
     decode = decode_variant(D, decode) if kernel == "decode" else None
-    stages = (gmma_stages(D, T * (Hq // Hkv)), ATTN_GMMA_OVERLAP) if kernel == "gmma" else None
+    stages = gmma_stages(D, T * (Hq // Hkv)) if kernel == "gmma" else None
     key = (T, Hq, Hkv, D, capacity, sm_count, kernel, decode, stages)
     hit = _split_tables.get(key)
     if hit is None:
@@ -725,7 +722,7 @@ def attention_split_table(T: int, Hq: int, Hkv: int, D: int, capacity: int, sm_c
             kern, smem = _decode_kernel(D, decode)
             per_sm = kern.blocks_per_sm(128, smem)
         elif kernel == "gmma":
-            kern, smem = _gmma_attention_kernel(D, *stages)
+            kern, smem = _gmma_attention_kernel(D, stages)
             per_sm = kern.blocks_per_sm(128, smem)
         plan = np.asarray([1] + [attention_splits(T, Hq, Hkv, n * ATTN_TILE_KEYS, sm_count, D, kernel, decode, per_sm)
                                  for n in range(1, tiles + 1)], np.int32)
@@ -748,14 +745,12 @@ def _decode_kernel(D: int, variant: tuple[int, int]):
     return kern, smem
 
 
-def _gmma_attention_kernel(D: int, stages: int, overlap: bool | None = None):
-    """tree_attention_gmma_kernel<D, stages, overlap> (default ATTN_GMMA_OVERLAP) with its dynamic shared memory
-    allowed; (kernel, smem bytes)."""
+def _gmma_attention_kernel(D: int, stages: int):
+    """tree_attention_gmma_kernel<D, stages> with its dynamic shared memory allowed; (kernel, smem bytes)."""
     from cutlass_kernels.registry import TREE_ATTN_GMMA_INSTANCES
-    overlap = ATTN_GMMA_OVERLAP if overlap is None else overlap
-    _need((D, stages, overlap) in TREE_ATTN_GMMA_INSTANCES, "attention", f"no gmma attention instance <{D}, "
-          f"{stages}, {str(overlap).lower()}>; built: {TREE_ATTN_GMMA_INSTANCES}")
-    kern = get_kernel("tree_attention_sm90", f"tree_attention_gmma_kernel<{D}, {stages}, {str(overlap).lower()}>")
+    _need((D, stages) in TREE_ATTN_GMMA_INSTANCES, "attention", f"no gmma attention instance <{D}, {stages}>; "
+          f"built: {TREE_ATTN_GMMA_INSTANCES}")
+    kern = get_kernel("tree_attention_sm90", f"tree_attention_gmma_kernel<{D}, {stages}>")
     smem = tree_attention_gmma_smem_bytes(D, stages)
     kern.set_max_dynamic_smem(smem)
     return kern, smem

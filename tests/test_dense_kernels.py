@@ -183,12 +183,6 @@ def test_swiglu_add_embedding(dk, ref):
     dict(T=33, prefix=129, Hq=8, Hkv=1, D=128, mask="full", kernel="gmma"),
     dict(T=257, prefix=2000, Hq=32, Hkv=8, D=128, mask="tree", device_prefix=True, kernel="gmma"),
     dict(T=2, prefix=130, Hq=16, Hkv=1, D=64, mask="tree", splits=40, kernel="gmma"),   # splits without tiles
-    # the serial schedule (DDTREE_ATTN_GMMA_OVERLAP=0) of both head dims and ring depths
-    dict(T=65, prefix=2000, Hq=32, Hkv=8, D=128, mask="tree", kernel="gmma", stages=2, overlap=False),
-    dict(T=17, prefix=1000, Hq=8, Hkv=2, D=128, mask="tree", kernel="gmma", stages=3, splits=3, overlap=False),
-    dict(T=65, prefix=300, Hq=9, Hkv=3, D=64, mask="tree", kernel="gmma", stages=4, overlap=False),
-    dict(T=33, prefix=70, Hq=8, Hkv=2, D=64, mask="causal", kernel="gmma", stages=2, overlap=False),
-    dict(T=1, prefix=64, Hq=8, Hkv=2, D=128, mask="tree", kernel="gmma", stages=2, overlap=True),   # one tile each
 ])
 def test_attention(dk, ref, case, monkeypatch):
     from runtime.cuda import get_device, to_device
@@ -197,8 +191,6 @@ def test_attention(dk, ref, case, monkeypatch):
             pytest.skip(f"the gmma attention kernel is sm_90a only (device sm_{get_device().arch})")
         if "stages" in case:
             monkeypatch.setitem(dk.ATTN_GMMA_STAGES, case["D"], case["stages"])
-        if "overlap" in case:
-            monkeypatch.setattr(dk, "ATTN_GMMA_OVERLAP", case["overlap"])
     rng = np.random.default_rng(case["T"] * 1000 + case["prefix"])
     T, P, Hq, Hkv, D = case["T"], case["prefix"], case["Hq"], case["Hkv"], case["D"]
     cap = P + T + 5

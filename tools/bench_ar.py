@@ -16,7 +16,6 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
   gemv0         decode-size linears on the split-K x-resident kernel instead of the gemv (as DDTREE_LINEAR_GEMV=0)
   gmma0         verify-size linears on the mma.sync chunked kernel instead of GMMA (as DDTREE_LINEAR_GMMA=0)
   agmma0        tree_attention_kernel where the wgmma tree kernel would run (as DDTREE_ATTN_GMMA=0)
-  aover0        the wgmma tree kernel's serial schedule, no softmax / P V overlap (as DDTREE_ATTN_GMMA_OVERLAP=0)
   drowsN        the decode kernel up to N packed rows per KV head at every head dim (DECODE_MAX_ROWS)
   fuse16/fuse32 rmsnorm and swiglu fused into the linears up to 16 / 32 rows (as DDTREE_FUSED_PROLOGUE_ROWS):
                 verify b16 and drafter blocks as six launches per layer, on the x-resident kernel; norm32 /
@@ -63,8 +62,6 @@ def configure(spec: str, defaults: dict) -> None:
             dense_gmma.GMMA_ENABLED = False
         elif term == "agmma0":
             dk.ATTN_GMMA = False
-        elif term == "aover0":
-            dk.ATTN_GMMA_OVERLAP = False
         elif term.startswith("drows") and term[5:].isdigit():
             dk.DECODE_MAX_ROWS = {d: int(term[5:]) for d in defaults["DECODE_MAX_ROWS"]}
         elif term[:-2] in FUSE_TERMS and term[-2:] in ("16", "32"):
@@ -72,13 +69,13 @@ def configure(spec: str, defaults: dict) -> None:
                 dk.FUSED_PROLOGUE_ROWS[prologue] = int(term[-2:])
         else:
             raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
-                             "persist0, persist1, gemv0, gmma0, agmma0, aover0, drowsN, fuse16/32, norm16/32 or swiglu16/32")
+                             "persist0, persist1, gemv0, gmma0, agmma0, drowsN, fuse16/32, norm16/32 or swiglu16/32")
 
 
 FUSE_TERMS = {"fuse": ("rmsnorm", "swiglu"), "norm": ("rmsnorm",), "swiglu": ("swiglu",)}
 # the launch choices a configuration may change, restored before each one
 KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV", "GMMA_ENABLED",
-         "FUSED_PROLOGUE_ROWS", "ATTN_GMMA", "ATTN_GMMA_OVERLAP", "DECODE_MAX_ROWS")
+         "FUSED_PROLOGUE_ROWS", "ATTN_GMMA", "DECODE_MAX_ROWS")
 
 
 def knob_owner(name: str):

@@ -260,7 +260,7 @@ def bench_attention(stream, quick, split_counts=(0,), prefixes=(1024, 8192, 3276
             label = kernel if decode is None else f"decode {decode[0]}x{decode[1]}"
             if kernel == "gmma":   # the ring depth: the instance attention() launches and the split plan's
                 dk.ATTN_GMMA_STAGES[D] = variant or default_stages
-                label = f"gmma {dk.gmma_stages(D, T * (Hq // Hkv))} stages{' overlap' if dk.ATTN_GMMA_OVERLAP else ''}"
+                label = f"gmma {dk.gmma_stages(D, T * (Hq // Hkv))} stages"
             q = to_device(to_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32)))
             vis = to_device(causal_visibility(T))  # a chain: the densest tree mask
             out = empty((T, Hq, D), np.uint16)
