@@ -6,7 +6,8 @@
 // shared memory with the 128-byte swizzle; one "k atom" is 64 k (128 bytes of each row: the swizzle width).
 //
 // Block: NWG warpgroups (2: 256 threads, 128 W rows; 3: 384 threads, 192 W rows, so that a 24576-row W
-// is one wave of 128 blocks with no K split, the shape cuBLAS picks for it on the H200). Every thread both
+// is one wave of 128 blocks with no K split, the shape cuBLAS picks for it on the H200; 1: 128 threads, 64 W rows,
+// so that 4096-row Ws split in clusters of 2 are 128 blocks where 128-row blocks leave 36-68 SMs idle). Every thread both
 // loads and computes (no producer warp: wgmma being asynchronous, the issuing warps are free to issue
 // cp.async while the tensor cores work). Pipeline of STAGES shared-memory stages of
 // KA k atoms each, filled with 16-byte cp.async into the swizzled addresses (no tensor map, so no host
@@ -98,7 +99,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   static_assert(TN % 8 == 0 && TN >= 16 && TN <= 256, "wgmma N");
   static_assert(KA == 1 || KA == 2, "k atoms per stage");
   static_assert(RW == 1 || RW == 2, "W tiles per warpgroup");
-  static_assert(NWG == 2 || NWG == 3, "warpgroups per block");
+  static_assert(NWG >= 1 && NWG <= 3, "warpgroups per block");
   constexpr int kThreads = 128 * NWG;
   constexpr int kRowsW = 64 * NWG;               // W rows per block and 64-row tile index t
   constexpr int kAtomBytesW = kRowsW * 128;      // one 64-k atom of those rows: 8 KB per warpgroup
@@ -341,8 +342,8 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     ddtree::splitk_finish<TN, kRows, kThreads, kIlp>(out, ldo, residual, ldr, ws,
                                                       tickets + blockIdx.z * gridDim.x + blockIdx.x, M, N, m0, n0);
   } else {
-    __trap();  // three warpgroups split K only in a cluster (runtime/dense_gmma.py refuses a workspace split):
-  }            // at 168 registers the workspace reduction spilled
+    __trap();  // one or three warpgroups split K only in a cluster (runtime/dense_gmma.py refuses a workspace
+  }            // split; with three, at 168 registers, the workspace reduction spilled)
 }
 
 // Instances: cutlass_kernels/registry.py DENSE_GMMA_INSTANCES (NVRTC instantiates its name expressions).

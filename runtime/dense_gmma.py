@@ -55,6 +55,8 @@ _DEFAULT_CONFIG = {16: (2, 4, 1), 32: (2, 4, 1), 48: (2, 4, 1), 64: (2, 4, 1), 7
                    96: (1, 6, 1), 128: (1, 6, 1), 192: (1, 4, 1), 256: (1, 4, 1)}
 # three warpgroups (192 rows): one 64-k atom per stage, as deep as ~200 KB allows
 _DEFAULT_CONFIG_3WG = {16: (1, 8, 1), 32: (1, 7, 1), 64: (1, 6, 1), 72: (1, 6, 1)}
+# one warpgroup (64 rows)
+_DEFAULT_CONFIG_1WG = {48: (2, 4, 1), 72: (2, 4, 1)}
 _smem_raised: set = set()
 
 
@@ -161,6 +163,20 @@ def _one_full_wave_of_3wg(M: int, N: int, tn: int, sm_count: int) -> bool:
     return 0.9 * slots <= blocks <= slots
 
 
+# One-warpgroup blocks (64 rows) in clusters of 2 where they fill one wave and 128-row blocks cannot: Qwen3-8B's o
+# (4096x4096) and down (4096x12288), 128 blocks where clusters of 3 of 128 rows fill 96 SMs. H200, session 19:
+# o 12.12 vs 12.97 us at M = 65, 11.23 vs 12.27 at M = 33; down 29.96 vs 30.13, 28.33 vs 30.27. At M = 17 (token
+# tile 32) it lost by 1.5-2% and has no instance. DDTREE_GMMA_ONE_WG=0 turns it off (A/B).
+GMMA_ONE_WG = os.environ.get("DDTREE_GMMA_ONE_WG", "1") != "0"
+
+
+def _one_full_wave_of_1wg_pairs(M: int, N: int, tn: int, sm_count: int) -> bool:
+    """Whether one-warpgroup blocks in clusters of 2 (an instance for token tile tn) fill one wave to >= 90%."""
+    cfg = (tn, *_DEFAULT_CONFIG_1WG.get(tn, (0, 0, 0)), 2, 1)
+    blocks = 2 * -(-N // GMMA_ROWS_PER_WARPGROUP) * -(-M // tn)
+    return GMMA_ONE_WG and cfg in GMMA_INSTANCES and 0.9 * sm_count <= blocks <= sm_count
+
+
 def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, tn: int | None = None,
               ka: int | None = None, stages: int | None = None, rw: int | None = None, cs: int | None = None,
               cluster_slots=None, nwg: int | None = None):
@@ -173,19 +189,23 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
     for workspace splits the fp32 partials written and read back. tn/ka/stages/rw pick an instance.
     cluster_slots(cfg, smem): resident blocks of an instance's clusters (device_cluster_slots on a device);
     None: the estimate _cluster_slots. nwg: warpgroups per block (unforced: 3 where unsplit 192-row blocks fill
-    one wave, else 2; forcing any of splits/cs/ka/stages/rw keeps 2 unless nwg says 3)."""
+    one wave, 1 (in clusters of 2) where 64-row blocks do, else 2; forcing any of splits/cs/ka/stages/rw keeps 2
+    unless nwg says otherwise)."""
     op = "linear_gmma"
     tn = tn or token_tile(M)
     if nwg is None and splits is None and cs is None and ka is None and stages is None and rw is None:
         if _one_full_wave_of_3wg(M, N, tn, sm_count):
             nwg, cs = GMMA_NWG_ONE_WAVE, 1  # unsplit (the cluster split of 2 measured slower: 55.3 us at M = 65)
+        elif _one_full_wave_of_1wg_pairs(M, N, tn, sm_count):
+            nwg, cs = 1, 2
     nwg = nwg or GMMA_NWG
-    d_ka, d_st, d_rw = (_DEFAULT_CONFIG_3WG if nwg == 3 else _DEFAULT_CONFIG).get(tn, (1, 4, 1))
+    d_ka, d_st, d_rw = {3: _DEFAULT_CONFIG_3WG, 1: _DEFAULT_CONFIG_1WG}.get(nwg, _DEFAULT_CONFIG).get(tn, (1, 4, 1))
     ka, stages, rw = ka or d_ka, stages or d_st, rw or d_rw
     _need(splits is None or cs is None or cs == 1 or splits == cs, op,
           f"splits={splits} with cs={cs}: a cluster split has exactly cs splits")
     _need(nwg == GMMA_NWG or splits is None or splits == 1 or (cs or 1) > 1, op,
-          f"nwg={nwg}: three-warpgroup blocks split K only inside a cluster (cs > 1), not through the workspace")
+          f"nwg={nwg}: blocks of one or three warpgroups split K only inside a cluster (cs > 1), not through the "
+          "workspace")
     atom_k = 64 * ka
     units = -(-K // atom_k)  # pipeline stages over the whole K
     rows = GMMA_ROWS_PER_WARPGROUP * nwg * rw

@@ -92,6 +92,8 @@ class FakeDevice:
                 return (0, dev.alloc(n))
 
             def cuMemFree(self, p):
+                # the real driver invalidates a stream capture that a cuMemFree falls into
+                assert dev.capturing is None, "cuMemFree inside a stream capture (the driver invalidates it)"
                 return (0,)
 
             def cuMemGetInfo(self):

@@ -50,11 +50,13 @@ def graph_time_us(launch_one, reps: int, stream, iters: int = 10) -> float:
 
 # --gmma: overrides of the GMMA plan timed besides the planned one, per token tile
 # (nwg 3: 192-row blocks of three warpgroups, the one-wave shape cuBLAS picks for gate_up; planned where it
-# fills one wave)
+# fills one wave; nwg 1: 64-row blocks of one warpgroup)
 GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
                      32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
+                     48: ({"cs": 1}, {"cs": 2}, {"nwg": 1, "cs": 2}),
                      64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}, {"nwg": 3, "cs": 1}),
-                     72: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, {"nwg": 3, "cs": 2}),
+                     72: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, {"nwg": 3, "cs": 2},
+                          {"nwg": 1, "cs": 2}),
                      128: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "stages": 4, "cs": 1}),
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}
 
