@@ -661,6 +661,14 @@ ATTN_MERGE_US = 1.5
 ATTN_MERGE_SPLIT_US = 0.2
 ATTN_MERGE_BYTES_PER_US = 4.0e6
 ATTN_MAX_SPLITS = 64
+# tree_attention_gmma_kernel's round at D = 128, fitted to its split sweeps (H200, session 19: counts 2..32 at
+# Qwen3-8B heads, prefix 1k / 8k / 32k, budgets 16 / 64 / 256): since session 18 a tile costs a third of the
+# instructions, so the merge weighs more against a round than the tree kernel's 2.5 us gave (planned counts had
+# measured up to 1.28x the best: 1k b16 9 splits 12.0 us vs 8 splits 9.4). Alone: 1k b16 12.0 -> 9.9 us, 8k b16
+# 25.5 -> 23.5, 8k b256 112.5 -> 107.1; in the 12-layer Qwen3-8B-shaped verify graph b16 -2.1% / -1.8% at prefix
+# 512 / 1024, b64 -0.7% at 1024, +0.7% at 128. At D = 64 the fit (0.4) won alone at b128 / b256 from 1k but lost
+# 3.5-8% in SmolLM2's verify graph (b128 / b256, prompts 64-256): D = 64 keeps ATTN_ROUND_US.
+ATTN_GMMA_ROUND_US = {128: 0.6}
 
 
 # decode_attention_kernel's plan: the same model with its own constants. A round is one KT-slot tile per warp, the
@@ -681,11 +689,12 @@ def attention_splits(T: int, Hq: int, Hkv: int, n_keys: int, sm_count: int, D: i
         kt, _ = decode_variant(D, decode)
         blocks, tile_keys, per_round = -(-T * (Hq // Hkv) // DECODE_ATTN_ROWS) * Hkv, kt, 4
         resident, round_us, merge_us = sm_count * blocks_per_sm, DECODE_ROUND_US[kt], DECODE_MERGE_US
-    else:   # tree / gmma: 64 packed rows per block, 64-slot tiles; the gmma kernel's split sweeps (H200, session
-        # 17) matched the tree kernel's round cost, only its resident blocks come from the driver
+    else:   # tree / gmma: 64 packed rows per block, 64-slot tiles; the gmma kernel's resident blocks come from the
+        # driver and its round from its own sweeps
         blocks, tile_keys, per_round = -(-T * (Hq // Hkv) // ATTN_ROWS_PER_BLOCK) * Hkv, ATTN_TILE_KEYS, 1
         resident = sm_count * (blocks_per_sm if kernel == "gmma" else ATTN_BLOCKS_PER_SM.get(D, 2))
-        round_us, merge_us = ATTN_ROUND_US, ATTN_MERGE_US
+        round_us = ATTN_GMMA_ROUND_US.get(D, ATTN_ROUND_US) if kernel == "gmma" else ATTN_ROUND_US
+        merge_us = ATTN_MERGE_US
     tiles = max(1, -(-n_keys // tile_keys))
 
     def est_us(s: int) -> float:
