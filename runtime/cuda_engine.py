@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from runtime.accept import walk
+from runtime.accept import committed_tokens, fill_draft_head, walk
 from runtime.backends.base import causal_visibility
 from runtime.backends.cuda_backend import CudaArray, Meter, Region
 from runtime.cuda import PinnedBuffer, bench, bucket_for, capture, check
@@ -151,7 +151,6 @@ class GraphDecoder:
         self._tree = None
         self._slots: dict = {}                  # bucket -> _BucketSlots
         self._round_ctx: dict = {}              # (bucket, k, temperature) -> graphs and views of a round
-        self._block_range = np.arange(self.block, dtype=np.int32)
         S = self.state
         # head views of the state block, filled every round
         self._h_start, self._h_meta = S.h("start"), S.h("meta")
@@ -349,21 +348,9 @@ class GraphDecoder:
         # draft: last round's commit + this round's block
         t = time.perf_counter()
         ctx_start, accepted = self.commit
-        m = len(accepted)
-        self._h_start[0] = start
-        meta = self._h_meta
-        meta[0] = ctx_start
-        meta[1] = m
-        rows = self._h_ctx_rows
-        if m:
-            np.add(accepted, ctx_start, out=self._h_compact[:m])
-            rows[:m] = accepted
-        if self._prev_m > m:
-            rows[m:self._prev_m] = 0
-        self._prev_m = m
-        np.add(self._block_range, ctx_start, out=self._h_ctx_pos)
-        self._h_draft_ids[0] = bonus
-        np.add(self._block_range, start, out=self._h_draft_pos)
+        fill_draft_head(self._h_start, self._h_meta, self._h_compact, self._h_ctx_rows, self._h_ctx_pos,
+                        self._h_draft_ids, self._h_draft_pos, start, ctx_start, accepted, bonus, self._prev_m)
+        self._prev_m = len(accepted)
         S.upload(0, S.head_words)
         g_draft.exec.launch(stream)
         g_draft.read(stream)
@@ -389,12 +376,9 @@ class GraphDecoder:
         m = len(accepted)
         self.commit = (start, accepted)          # walk returns a fresh int32 array; applied by the next draft
         self.start = start + m
-        acc = accepted.tolist()
-        new = tree.tokens[accepted[1:]].tolist() if m > 1 else []
-        new.append(int(new_bonus))
+        new, first_moved = committed_tokens(tree, accepted, new_bonus)   # first_moved: accepted[i] != i from there
         times["walk"] = (t5 := time.perf_counter()) - t4
         times["host"] = (t5 - t) - waits
-        first_moved = next((i for i, a in enumerate(acc) if a != i), m)     # accepted[i] == i: KV already there
         return new, RoundStats(committed=len(new), tree_size=nodes, times=times, kv_moved=m - first_moved)
 
     # ---- measurement --------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from runtime.accept import CommitPlan, commit_plan, walk
+from runtime.accept import CommitPlan, commit_plan, committed_tokens, fill_draft_head, walk
 from runtime.tree import DraftTree, build_tree, chain_tree, fill_verify_slots
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -197,6 +197,47 @@ def test_fill_verify_slots_rejects_what_does_not_fit():
         fill_verify_slots(tree, np.zeros(40, np.int32), np.zeros(40, np.int32), np.zeros((40, 1), np.uint32), 0)
     with pytest.raises(ValueError):
         fill_verify_slots(tree, ids.astype(np.int64), pos, vis, 0)          # wrong dtype
+
+
+def test_committed_tokens_and_draft_head_match_the_definition():
+    """The CUDA engine's round helpers: committed_tokens against commit_plan's tokens and the first moved depth;
+    fill_draft_head against the numpy writes it replaced, over stale views, with shrinking and growing commits."""
+    rng = np.random.default_rng(5)
+    block = 16
+    views = [rng.integers(-9, 9, n).astype(np.int32) for n in (1, 2, block, block, block, block, block)]
+    prev_m = block
+    for trial in range(60):
+        lp, ids = random_inputs(rng, 15, 4)
+        tree = build_tree(lp, ids, int(rng.integers(1, 60)), 3)
+        accepted, bonus = walk(tree, rng.integers(0, 8, tree.n + 1).astype(np.int32))
+        if trial % 3 == 0:
+            accepted = accepted.astype(np.int64)
+        plan = commit_plan(tree, accepted, bonus, 100)
+        tokens, first_moved = committed_tokens(tree, accepted, bonus)
+        assert tokens == plan.tokens[1:].tolist()
+        assert first_moved == next((k for k, a in enumerate(accepted.tolist()) if a != k), len(accepted))
+        start, ctx_start = int(rng.integers(100, 9000)), int(rng.integers(0, 100))
+        want = [v.copy() for v in views]
+        m = len(accepted)
+        want[0][0] = start
+        want[1][:] = ctx_start, m
+        want[2][:m] = accepted + ctx_start
+        want[3][:m] = accepted
+        want[3][m:prev_m] = 0
+        want[4][:] = ctx_start + np.arange(block)
+        want[5][0] = bonus
+        want[6][:] = start + np.arange(block)
+        fill_draft_head(*views, start, ctx_start, accepted, bonus, prev_m)
+        for g, w, name in zip(views, want, ("start", "meta", "compact_src", "ctx_rows", "ctx_pos", "draft_ids",
+                                            "draft_pos")):
+            np.testing.assert_array_equal(g, w, err_msg=f"trial {trial}: {name}")
+        prev_m = m
+    with pytest.raises(ValueError, match="not a node"):
+        committed_tokens(tree, np.array([0, tree.n + 1], np.int32), 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        fill_draft_head(*views, 0, 0, np.arange(block + 1, dtype=np.int32), 1, 0)
+    with pytest.raises(ValueError, match="int32"):
+        fill_draft_head(views[0].astype(np.int64), *views[1:], 0, 0, accepted, 1, 0)
 
 
 # ---------------------------------------------------------------- commit plan
