@@ -3,7 +3,8 @@ out[M, N] = x[M, K] @ w[N, K]^T (+ residual) for every M >= 9: the verify bucket
 the tokens are walked in tiles on blockIdx.z, re-reading W once per tile).
 
 Launch plan: a block is NWG warpgroups (2: 256 threads over 128 W rows; 3: 384 threads over 192 rows, planned
-where their unsplit blocks fill one wave, e.g. Qwen3-8B's gate_up) and TN tokens (the wgmma N), fed by a STAGES-deep
+where their unsplit blocks fill one wave, e.g. Qwen3-8B's gate_up; 1: 128 threads over 64 rows, in clusters of 2
+where those fill one wave, e.g. its o and down) and TN tokens (the wgmma N), fed by a STAGES-deep
 shared-memory pipeline of KA 64-k atoms per stage. TN is the smallest instance >= M (one token tile up to
 256 rows). K is split over blockIdx.y when the row blocks alone cannot fill the GPU (gmma_plan's cost
 model): either inside a (1, CS, 1) thread-block cluster whose blocks sum their partial tiles through
