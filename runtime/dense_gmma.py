@@ -58,7 +58,6 @@ _DEFAULT_CONFIG = {16: (2, 4, 1), 32: (2, 4, 1), 48: (2, 4, 1), 64: (2, 4, 1), 7
 _DEFAULT_CONFIG_3WG = {16: (1, 8, 1), 32: (1, 7, 1), 64: (1, 6, 1), 72: (1, 6, 1)}
 # one warpgroup (64 rows)
 _DEFAULT_CONFIG_1WG = {48: (2, 4, 1), 72: (2, 4, 1)}
-_smem_raised: set = set()
 
 
 def gmma_smem_bytes(tn: int, ka: int, stages: int, rw: int = 1, nwg: int = GMMA_NWG) -> int:
@@ -136,7 +135,7 @@ def device_cluster_slots(cfg: tuple, smem: int) -> int:
     if n is None:
         entry = gmma_entry(cfg)
         kern = get_kernel(FAMILY, entry)
-        _raise_smem(kern, entry, smem)
+        kern.set_max_dynamic_smem(smem)
         drv = driver()
         conf = drv.CUlaunchConfig()
         conf.gridDimX, conf.gridDimY, conf.gridDimZ = 1, cfg[4], 1
@@ -145,12 +144,6 @@ def device_cluster_slots(cfg: tuple, smem: int) -> int:
         n = _resident_clusters[key] = cfg[4] * check(drv.cuOccupancyMaxActiveClusters(kern.function, conf),
                                                      f"cuOccupancyMaxActiveClusters({kern})")
     return n
-
-
-def _raise_smem(kern, entry: str, smem: int):
-    if (get_device().ordinal, entry) not in _smem_raised:  # smem is fixed per instance
-        kern.set_max_dynamic_smem(smem)
-        _smem_raised.add((get_device().ordinal, entry))
 
 
 def _one_full_wave_of_3wg(M: int, N: int, tn: int, sm_count: int) -> bool:
@@ -298,7 +291,7 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
     else:
         scratch = tickets = out  # unused by the kernel
     kern = get_kernel(FAMILY, entry)
-    _raise_smem(kern, entry, smem)
+    kern.set_max_dynamic_smem(smem)
     kern.launch(grid, gmma_threads(cfg[5]),
                 [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),
                  _i32(ldr or 0), scratch, tickets, _i32(M), _i32(N), _i32(K), _i32(k_per_split)],

@@ -220,7 +220,6 @@ def fused_prologue_ok(M: int, K: int, prologue: str) -> bool:
         return True
     return (1 <= M <= min(FUSED_PROLOGUE_ROWS[prologue], FUSED_PROLOGUE_MAX_ROWS) and K % 8 == 0
             and (prologue != "rmsnorm" or K <= FUSED_NORM_MAX_K))
-_smem_raised: set = set()
 
 
 # DDTREE_LINEAR_72_ROWS=0: M = 65..72 back on 64-row tiles (two token tiles), for A/B timing
@@ -394,9 +393,8 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
     else:
         scratch = tickets = out  # unused by the kernel
     kern = get_kernel("dense_linear", entry)
-    if smem and entry not in _smem_raised:  # dynamic + static smem may pass 48 KB: opt in once per kernel
+    if smem:  # dynamic + static smem may pass 48 KB (one opt-in per kernel: Kernel.set_max_dynamic_smem)
         kern.set_max_dynamic_smem(XRES_SMEM_CAP + 8192)
-        _smem_raised.add(entry)
     null = np.uint64(0)
     tail = [w, out, _i32(ldo), residual if residual is not None else null, _i32(ldr or 0), scratch, tickets,
             _i32(M), _i32(N), _i32(K), _i32(k_per_split)]

@@ -156,6 +156,27 @@ def test_pinned_view_keeps_its_buffer_alive(monkeypatch):
     assert len(freed) == 1
 
 
+def test_max_dynamic_smem_opt_in_once_per_value(monkeypatch):
+    """Kernel.set_max_dynamic_smem calls the driver only for a value above the largest it has set (the launch paths
+    call it before every launch)."""
+    from types import SimpleNamespace
+    import runtime.cuda.kernel as rck
+    calls = []
+
+    class Driver:
+        CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES=8)
+
+        def cuFuncSetAttribute(self, fn, attr, value):
+            calls.append(value)
+            return (0,)
+
+    monkeypatch.setattr(rck, "driver", lambda: Driver())
+    k = rck.Kernel("fam", "entry", None, "90a")
+    for n in (100_000, 100_000, 60_000, 150_000, 120_000, 150_000):
+        k.set_max_dynamic_smem(n)
+    assert calls == [100_000, 150_000] and k.max_dynamic_smem == 150_000
+
+
 def test_empty_rejects_negative_sizes():
     with pytest.raises(ValueError, match="non-negative"):  # checked before any driver call
         rc.empty((3, -2), np.float32)

@@ -69,16 +69,21 @@ class Kernel:
         self.pdl = bool(pdl) and _PDL_ENABLED  # launched with programmatic stream serialization
         self.param_sizes = param_sizes  # bytes per parameter (PTX signature); Launch checks the arguments
         self.checked_types: set = set()  # argument type lists already checked against param_sizes
+        self.max_dynamic_smem = 0        # the largest dynamic shared memory opt-in made so far
 
     def __repr__(self):
         return f"Kernel({self.family}:{self.entry}, sm_{self.arch})"
 
     def set_max_dynamic_smem(self, nbytes: int):
-        """Opt in to more than 48 KiB of dynamic shared memory for this kernel."""
+        """Opt in to more than 48 KiB of dynamic shared memory for this kernel. A value at or below one already set
+        makes no driver call, so launch paths may call it before every launch."""
+        if nbytes <= self.max_dynamic_smem:
+            return
         drv = driver()
         check(drv.cuFuncSetAttribute(self.function,
                                      drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                      int(nbytes)), f"cuFuncSetAttribute(max dynamic smem, {self})")
+        self.max_dynamic_smem = int(nbytes)
 
     def attribute(self, name: str) -> int:
         """e.g. attribute("NUM_REGS"), "MAX_THREADS_PER_BLOCK", "LOCAL_SIZE_BYTES"."""
