@@ -21,7 +21,7 @@ from collections import namedtuple
 
 cimport numpy as cnp
 
-from runtime.tree cimport DraftTree
+from runtime.tree cimport DraftTree, writable_array
 
 cnp.import_array()
 
@@ -182,14 +182,6 @@ def committed_tokens(DraftTree tree not None, accepted, bonus):
     return tokens, first_moved
 
 
-cdef int32_t* _head_array(object a, str name) except NULL:
-    if not (isinstance(a, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>a) == cnp.NPY_INT32
-            and cnp.PyArray_NDIM(<cnp.ndarray>a) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a)
-            and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>a)):
-        raise ValueError(f"fill_draft_head: {name} must be a writeable C-contiguous 1-D int32 array")
-    return <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>a)
-
-
 def fill_draft_head(start_v, meta_v, compact_src, ctx_rows, ctx_pos, draft_ids, draft_pos, int start, int ctx_start,
                     accepted, int bonus, int prev_m):
     """Write the CUDA engine's draft-stage inputs (views of its pinned state block): start_v[0] = start; the last
@@ -198,13 +190,14 @@ def fill_draft_head(start_v, meta_v, compact_src, ctx_rows, ctx_pos, draft_ids, 
     the block: draft_ids[0] = bonus, draft_pos[i] = start + i. Every view int32; the block views (compact_src ..
     draft_pos) of one length >= m and >= prev_m. (The numpy writes it replaces cost ~5.4 us on the development
     machine.)"""
-    cdef int32_t* s_p = _head_array(start_v, "start")
-    cdef int32_t* meta_p = _head_array(meta_v, "meta")
-    cdef int32_t* src_p = _head_array(compact_src, "compact_src")
-    cdef int32_t* rows_p = _head_array(ctx_rows, "ctx_rows")
-    cdef int32_t* cpos_p = _head_array(ctx_pos, "ctx_pos")
-    cdef int32_t* ids_p = _head_array(draft_ids, "draft_ids")
-    cdef int32_t* dpos_p = _head_array(draft_pos, "draft_pos")
+    cdef str me = "fill_draft_head"
+    cdef int32_t* s_p = <int32_t*>writable_array(start_v, me, "start", cnp.NPY_INT32, 1)
+    cdef int32_t* meta_p = <int32_t*>writable_array(meta_v, me, "meta", cnp.NPY_INT32, 1)
+    cdef int32_t* src_p = <int32_t*>writable_array(compact_src, me, "compact_src", cnp.NPY_INT32, 1)
+    cdef int32_t* rows_p = <int32_t*>writable_array(ctx_rows, me, "ctx_rows", cnp.NPY_INT32, 1)
+    cdef int32_t* cpos_p = <int32_t*>writable_array(ctx_pos, me, "ctx_pos", cnp.NPY_INT32, 1)
+    cdef int32_t* ids_p = <int32_t*>writable_array(draft_ids, me, "draft_ids", cnp.NPY_INT32, 1)
+    cdef int32_t* dpos_p = <int32_t*>writable_array(draft_pos, me, "draft_pos", cnp.NPY_INT32, 1)
     _check_tokens_array(accepted, "accepted", -1)
     cdef Py_ssize_t block = cnp.PyArray_DIMS(<cnp.ndarray>ctx_pos)[0]
     cdef Py_ssize_t m = cnp.PyArray_DIMS(<cnp.ndarray>accepted)[0]

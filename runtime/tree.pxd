@@ -38,3 +38,8 @@ cdef class DraftTree:
 
     cdef void _set_size(self, int n)
     cdef tuple _get_views(self)
+
+
+# The data pointer of a writeable C-contiguous numpy array of that type and rank, else ValueError naming the caller:
+# the round helpers (fill_verify_slots here, accept.pyx's fill_draft_head) write the CUDA engine's pinned views.
+cdef void* writable_array(object a, str caller, str name, int typenum, int ndim) except NULL

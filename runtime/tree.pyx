@@ -434,12 +434,12 @@ def chain_tree(tokens, root_token, DraftTree out=None):
     return t
 
 
-cdef void* _slot_array(object a, str name, int typenum, int ndim) except NULL:
+cdef void* writable_array(object a, str caller, str name, int typenum, int ndim) except NULL:
     if not (isinstance(a, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>a) == typenum
             and cnp.PyArray_NDIM(<cnp.ndarray>a) == ndim and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a)
             and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>a)):
-        raise ValueError(f"fill_verify_slots: {name} must be a writeable C-contiguous {ndim}-D numpy array of "
-                         f"{np.dtype(np.int32 if typenum == cnp.NPY_INT32 else np.uint32)}")
+        raise ValueError(f"{caller}: {name} must be a writeable C-contiguous {ndim}-D numpy array of "
+                         f"{cnp.PyArray_DescrFromType(typenum)}")
     return cnp.PyArray_DATA(<cnp.ndarray>a)
 
 
@@ -449,9 +449,9 @@ def fill_verify_slots(DraftTree tree, ids, pos, vis, int start):
     i >= n + 1 gets token 0 at position start, seeing only itself. ids, pos: int32 [T]; vis: uint32 [T, W] with
     T >= n + 1 and W >= both the tree's words and ceil(T / 32). (The numpy writes it replaces cost ~2.7 us a round
     on the development machine at budget 64, this 0.3 us.)"""
-    cdef int32_t* ids_p = <int32_t*>_slot_array(ids, "ids", cnp.NPY_INT32, 1)
-    cdef int32_t* pos_p = <int32_t*>_slot_array(pos, "pos", cnp.NPY_INT32, 1)
-    cdef uint32_t* vis_p = <uint32_t*>_slot_array(vis, "vis", cnp.NPY_UINT32, 2)
+    cdef int32_t* ids_p = <int32_t*>writable_array(ids, "fill_verify_slots", "ids", cnp.NPY_INT32, 1)
+    cdef int32_t* pos_p = <int32_t*>writable_array(pos, "fill_verify_slots", "pos", cnp.NPY_INT32, 1)
+    cdef uint32_t* vis_p = <uint32_t*>writable_array(vis, "fill_verify_slots", "vis", cnp.NPY_UINT32, 2)
     cdef Py_ssize_t T = cnp.PyArray_DIMS(<cnp.ndarray>ids)[0], W = cnp.PyArray_DIMS(<cnp.ndarray>vis)[1]
     cdef int rows = tree.n + 1, words = tree.num_words
     if cnp.PyArray_DIMS(<cnp.ndarray>pos)[0] != T or cnp.PyArray_DIMS(<cnp.ndarray>vis)[0] != T:
