@@ -53,7 +53,7 @@ GMMA_INSTANCES = frozenset(DENSE_GMMA_INSTANCES)  # (TN, KA, STAGES, RW, CS, NWG
 TOKEN_TILES = tuple(sorted({c[0] for c in DENSE_GMMA_INSTANCES if c[5] == GMMA_NWG}))
 # default (KA, STAGES, RW) per token tile: one block per SM with 3-5 stages in flight
 _DEFAULT_CONFIG = {16: (2, 4, 1), 32: (2, 4, 1), 48: (2, 4, 1), 64: (2, 4, 1), 72: (2, 4, 1),
-                   96: (1, 6, 1), 128: (1, 6, 1), 192: (1, 4, 1), 256: (1, 4, 1)}
+                   96: (1, 6, 1), 128: (1, 6, 1), 136: (1, 6, 1), 192: (1, 4, 1), 256: (1, 4, 1)}
 # three warpgroups (192 rows): one 64-k atom per stage, as deep as ~200 KB allows
 _DEFAULT_CONFIG_3WG = {16: (1, 8, 1), 32: (1, 7, 1), 64: (1, 6, 1), 72: (1, 6, 1)}
 # one warpgroup (64 rows)
