@@ -133,7 +133,9 @@ DENSE_GMMA_INSTANCES = tuple((*c, cs, 2) for c in _GMMA_BASE for cs in (1, 2)) +
     (64, 1, 4, 2, 1), (128, 1, 4, 2, 1))) + (
     # three warpgroups, 192 rows, one 64-k atom per stage and 6-8 stages (~200 KB: cuBLAS's nvjet shape for
     # 24576x4096 at M = 1..65 on the H200, one wave of 128 blocks); not planned until measured
-    (16, 1, 8, 1, 1, 3), (32, 1, 7, 1, 1, 3), (64, 1, 6, 1, 1, 3), (72, 1, 6, 1, 1, 3), (72, 1, 6, 1, 2, 3)) + (
+    (16, 1, 8, 1, 1, 3), (32, 1, 7, 1, 1, 3), (64, 1, 6, 1, 1, 3), (72, 1, 6, 1, 1, 3), (72, 1, 6, 1, 2, 3),
+    # and the many-token tiles (the verify buckets 128..512), planned where unsplit blocks fill their waves
+    (136, 1, 5, 1, 1, 3), (192, 1, 4, 1, 1, 3)) + (
     # one warpgroup, 64 rows, clusters of 2: a 4096-row W is 128 blocks, where 128-row blocks fill 64 or 96 SMs
     # (runtime/dense_gmma.py _one_full_wave_of_1wg_pairs)
     (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1))

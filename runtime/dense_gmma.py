@@ -55,7 +55,7 @@ TOKEN_TILES = tuple(sorted({c[0] for c in DENSE_GMMA_INSTANCES if c[5] == GMMA_N
 _DEFAULT_CONFIG = {16: (2, 4, 1), 32: (2, 4, 1), 48: (2, 4, 1), 64: (2, 4, 1), 72: (2, 4, 1),
                    96: (1, 6, 1), 128: (1, 6, 1), 136: (1, 6, 1), 192: (1, 4, 1), 256: (1, 4, 1)}
 # three warpgroups (192 rows): one 64-k atom per stage, as deep as ~200 KB allows
-_DEFAULT_CONFIG_3WG = {16: (1, 8, 1), 32: (1, 7, 1), 64: (1, 6, 1), 72: (1, 6, 1)}
+_DEFAULT_CONFIG_3WG = {16: (1, 8, 1), 32: (1, 7, 1), 64: (1, 6, 1), 72: (1, 6, 1), 136: (1, 5, 1), 192: (1, 4, 1)}
 # one warpgroup (64 rows)
 _DEFAULT_CONFIG_1WG = {48: (2, 4, 1), 72: (2, 4, 1)}
 
@@ -148,13 +148,37 @@ def device_cluster_slots(cfg: tuple, smem: int) -> int:
 
 def _one_full_wave_of_3wg(M: int, N: int, tn: int, sm_count: int) -> bool:
     """Whether unsplit 192-row blocks (three warpgroups, cs = 1) fill one wave to >= 90%: then each SM streams
-    one long K run with 6-8 stages in flight and nothing ramps twice (cuBLAS's shape for 24576x4096)."""
+    one long K run with 6-8 stages in flight and nothing ramps twice (cuBLAS's shape for 24576x4096). The
+    many-token tiles have their own rule (_filled_waves_of_3wg)."""
+    if tn in _THREE_WG_MANY_TOKEN_TILES:
+        return False
     cfg = (tn, *_DEFAULT_CONFIG_3WG.get(tn, (0, 0, 0)), 1, GMMA_NWG_ONE_WAVE)
     if cfg not in GMMA_INSTANCES:
         return False
     slots = gmma_blocks_per_sm(tn, cfg[1], cfg[2], cfg[3], GMMA_NWG_ONE_WAVE) * sm_count
     blocks = -(-N // (GMMA_ROWS_PER_WARPGROUP * GMMA_NWG_ONE_WAVE)) * -(-M // tn)
     return 0.9 * slots <= blocks <= slots
+
+
+# Three warpgroups at the many-token tiles, where the MMAs bind: unsplit 192-row blocks wherever they fill their
+# waves to >= 70%. H200, session 20, against the two-warpgroup plan: gate_up 24576x4096 at M = 129 / 257 / 513
+# 80.3 -> 66.1 / 159.5 -> 130.6 / 257.8 -> 231.7 us, lm_head 151936x4096 -10 / -18 / -18%, qkv 6144x4096 at M = 513
+# (96 blocks) -15%; where they fill less they lost (qkv at M = 257, 64 blocks: +18%; o and down, 22-66 blocks:
+# +15..140%), and a 256-token tile (three stages) lost at M = 1025 (gate_up +6%), so it is not built.
+# Measured per op only (the whole-step A/B was not run): DDTREE_GMMA_THREE_WG=0 turns it off.
+_THREE_WG_MANY_TOKEN_TILES = (136, 192)
+GMMA_THREE_WG_MANY = os.environ.get("DDTREE_GMMA_THREE_WG", "1") != "0"
+
+
+def _filled_waves_of_3wg(M: int, N: int, tn: int, sm_count: int) -> bool:
+    """Whether unsplit 192-row blocks at a many-token tile fill at least 70% of one wave and of their waves."""
+    if not GMMA_THREE_WG_MANY or tn not in _THREE_WG_MANY_TOKEN_TILES:
+        return False
+    cfg = (tn, *_DEFAULT_CONFIG_3WG[tn], 1, GMMA_NWG_ONE_WAVE)
+    slots = gmma_blocks_per_sm(tn, cfg[1], cfg[2], cfg[3], GMMA_NWG_ONE_WAVE) * sm_count
+    blocks = -(-N // (GMMA_ROWS_PER_WARPGROUP * GMMA_NWG_ONE_WAVE)) * -(-M // tn)
+    waves = -(-blocks // slots)
+    return cfg in GMMA_INSTANCES and blocks >= 0.7 * slots and blocks >= 0.7 * waves * slots
 
 
 # One-warpgroup blocks (64 rows) in clusters of 2 where they fill one wave and 128-row blocks cannot: Qwen3-8B's o
@@ -183,12 +207,12 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
     for workspace splits the fp32 partials written and read back. tn/ka/stages/rw pick an instance.
     cluster_slots(cfg, smem): resident blocks of an instance's clusters (device_cluster_slots on a device);
     None: the estimate _cluster_slots. nwg: warpgroups per block (unforced: 3 where unsplit 192-row blocks fill
-    one wave, 1 (in clusters of 2) where 64-row blocks do, else 2; forcing any of splits/cs/ka/stages/rw keeps 2
-    unless nwg says otherwise)."""
+    one wave, or at the token tiles 136 / 192 fill their waves to 70%; 1 (in clusters of 2) where 64-row blocks
+    fill one wave; else 2; forcing any of splits/cs/ka/stages/rw keeps 2 unless nwg says otherwise)."""
     op = "linear_gmma"
     tn = tn or token_tile(M)
     if nwg is None and splits is None and cs is None and ka is None and stages is None and rw is None:
-        if _one_full_wave_of_3wg(M, N, tn, sm_count):
+        if _one_full_wave_of_3wg(M, N, tn, sm_count) or _filled_waves_of_3wg(M, N, tn, sm_count):
             nwg, cs = GMMA_NWG_ONE_WAVE, 1  # unsplit (the cluster split of 2 measured slower: 55.3 us at M = 65)
         elif _one_full_wave_of_1wg_pairs(M, N, tn, sm_count):
             nwg, cs = 1, 2
