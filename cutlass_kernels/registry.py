@@ -132,7 +132,8 @@ DENSE_GMMA_INSTANCES = tuple((*c, cs, 2) for c in _GMMA_BASE for cs in (1, 2)) +
     (16, 2, 4, 1, 4), (32, 2, 4, 1, 4), (64, 2, 4, 1, 4), (72, 2, 4, 1, 4), (128, 1, 6, 1, 4), (256, 1, 4, 1, 4),
     (64, 1, 4, 2, 1), (128, 1, 4, 2, 1))) + (
     # three warpgroups, 192 rows, one 64-k atom per stage and 6-8 stages (~200 KB: cuBLAS's nvjet shape for
-    # 24576x4096 at M = 1..65 on the H200, one wave of 128 blocks); not planned until measured
+    # 24576x4096 at M = 1..65 on the H200, one wave of 128 blocks); runtime/dense_gmma.py plans them where
+    # unsplit blocks fill one wave
     (16, 1, 8, 1, 1, 3), (32, 1, 7, 1, 1, 3), (64, 1, 6, 1, 1, 3), (72, 1, 6, 1, 1, 3), (72, 1, 6, 1, 2, 3),
     # and the many-token tiles (the verify buckets 128..512), planned where unsplit blocks fill their waves
     (136, 1, 5, 1, 1, 3), (192, 1, 4, 1, 1, 3)) + (
