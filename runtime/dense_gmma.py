@@ -160,8 +160,8 @@ def _one_full_wave_of_3wg(M: int, N: int, tn: int, sm_count: int) -> bool:
     return 0.9 * slots <= blocks <= slots
 
 
-# Three warpgroups at the many-token tiles, where the MMAs bind: unsplit 192-row blocks wherever they fill their
-# waves to >= 70%. H200, session 20, against the two-warpgroup plan: gate_up 24576x4096 at M = 129 / 257 / 513
+# Three warpgroups at the many-token tiles (M = 129..512, where two warpgroups issue too few MMAs per block to reach
+# either the bytes or the FLOPs floor): unsplit 192-row blocks wherever they fill their waves to >= 70%. H200, session 20, against the two-warpgroup plan: gate_up 24576x4096 at M = 129 / 257 / 513
 # 80.3 -> 66.1 / 159.5 -> 130.6 / 257.8 -> 231.7 us, lm_head 151936x4096 -10 / -18 / -18%, qkv 6144x4096 at M = 513
 # (96 blocks) -15%; where they fill less they lost (qkv at M = 257, 64 blocks: +18%; o and down, 22-66 blocks:
 # +15..140%), and a 256-token tile (three stages) lost at M = 1025 (gate_up +6%), so it is not built.
