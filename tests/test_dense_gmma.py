@@ -44,6 +44,8 @@ def _data(M, N, K, seed):
     (300, 333, 1000, {}), (300, 989, 136, {"splits": 1}), (300, 989, 1000, {"cs": 2}),
     # the verify buckets 128 and 256 (token tile 136: one tile, two)
     (129, 989, 1000, {}), (257, 4096, 1000, {}),
+    # a wide W at those sizes: three warpgroups, unsplit (one wave at M = 129, two at 257)
+    (129, 24576, 200, {}), (257, 24576, 200, {}),
     # cluster splits: trailing splits without any k (K = 64 is one stage), forced sizes
     (60, 333, 64, {"cs": 4}), (65, 4096, 136, {"cs": 2}), (13, 989, 4096, {"cs": 4}), (256, 333, 4096, {"cs": 2}),
     (150, 4096, 1000, {"tn": 64, "ka": 2, "stages": 4, "rw": 1, "cs": 1, "splits": 3}),
