@@ -4,6 +4,7 @@ GPU tests (sm_90a only; skipped elsewhere) against the numpy backend on fresh ra
 output poisoned with NaN bits before each launch, every instance and forced split counts, launched twice
 (the split-K tickets must reset), residual and strides, a back-to-back chain that exercises the PDL waits,
 and a captured graph replayed with new inputs. CPU tests: the plan, and the family's SASS."""
+import itertools
 import re
 
 import numpy as np
@@ -220,20 +221,23 @@ def test_plan_covers_every_shape():
                                     token_tile)
     for tn, ka, st, rw, _, nwg in GMMA_INSTANCES:
         assert gmma_smem_bytes(tn, ka, st, rw, nwg) <= SMEM_PER_BLOCK_MAX
-    for M in (9, 16, 17, 33, 64, 65, 72, 100, 129, 256, 300, 1000):
-        for N, K in ((111, 64), (333, 136), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)):
-            entry, grid, kps, smem = gmma_plan(M, N, K, 132)
-            cfg = gmma_config(entry)
-            tn, ka, st, rw, cs, nwg = cfg
-            assert cfg in GMMA_INSTANCES
-            assert nwg == 2 or (nwg == 3 and grid[1] == 1 and 119 <= grid[0] * grid[2] <= 132) or (
-                nwg == 3 and grid[1] == 1 and tn in (136, 192) and grid[0] * grid[2] >= 0.7 * 132) or (
-                nwg == 1 and grid[1] == cs == 2 and 119 <= 2 * grid[0] * grid[2] <= 132)  # 3 / 1: one full wave
-            assert tn == token_tile(M) and (tn >= M if M <= 256 else grid[2] == -(-M // 256)), (M, tn)
-            assert grid[0] * 64 * nwg * rw >= N and grid[2] * tn >= M
-            assert kps % (64 * ka) == 0 and grid[1] * kps >= K
-            assert grid[1] == cs if cs > 1 else (grid[1] - 1) * kps < K  # workspace splits: none empty
-            assert smem == gmma_smem_bytes(tn, ka, st, rw, nwg)
+    # H200 / H100 SXM (132 SMs), H100 PCIe (114), H20 (78), and a larger part (144)
+    for sms, M, (N, K) in itertools.product(
+        (132, 114, 78, 144), (9, 16, 17, 33, 64, 65, 72, 100, 129, 256, 257, 300, 513, 1000, 1025),
+        ((111, 64), (333, 136), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096))):
+        entry, grid, kps, smem = gmma_plan(M, N, K, sms)
+        cfg = gmma_config(entry)
+        tn, ka, st, rw, cs, nwg = cfg
+        assert cfg in GMMA_INSTANCES
+        blocks = grid[0] * grid[2]
+        assert nwg == 2 or (nwg == 3 and grid[1] == 1 and 0.9 * sms <= blocks <= sms) or (
+            nwg == 3 and grid[1] == 1 and tn in (136, 192) and blocks >= 0.7 * sms) or (
+            nwg == 1 and grid[1] == cs == 2 and 0.9 * sms <= 2 * blocks <= sms), (sms, M, N, K, entry, grid)
+        assert tn == token_tile(M) and (tn >= M if M <= 256 else grid[2] == -(-M // 256)), (M, tn)
+        assert grid[0] * 64 * nwg * rw >= N and grid[2] * tn >= M
+        assert kps % (64 * ka) == 0 and grid[1] * kps >= K
+        assert grid[1] == cs if cs > 1 else (grid[1] - 1) * kps < K  # workspace splits: none empty
+        assert smem == gmma_smem_bytes(tn, ka, st, rw, nwg)
 
 
 def test_family_builds_for_sm90a_with_hgmma():
