@@ -146,39 +146,31 @@ def device_cluster_slots(cfg: tuple, smem: int) -> int:
     return n
 
 
-def _one_full_wave_of_3wg(M: int, N: int, tn: int, sm_count: int) -> bool:
-    """Whether unsplit 192-row blocks (three warpgroups, cs = 1) fill one wave to >= 90%: then each SM streams
-    one long K run with 6-8 stages in flight and nothing ramps twice (cuBLAS's shape for 24576x4096). The
-    many-token tiles have their own rule (_filled_waves_of_3wg)."""
-    if tn in _THREE_WG_MANY_TOKEN_TILES:
-        return False
+# Three warpgroups at the many-token tiles (M = 129..512, where two warpgroups issue too few MMAs per block to reach
+# either the bytes or the FLOPs floor): unsplit 192-row blocks wherever they fill their waves to >= 70%. H200,
+# session 20, against the two-warpgroup plan: gate_up 24576x4096 at M = 129 / 257 / 513 80.3 -> 66.1 / 159.5 ->
+# 130.6 / 257.8 -> 231.7 us, lm_head 151936x4096 -10 / -18 / -18%, qkv 6144x4096 at M = 513 (96 blocks) -15%; where
+# they fill less they lost (qkv at M = 257, 64 blocks: +18%; o and down, 22-66 blocks: +15..140%), and a 256-token
+# tile (three stages) lost at M = 1025 (gate_up +6%), so it is not built. Measured per op only (the whole-step A/B
+# was not run): DDTREE_GMMA_THREE_WG=0 turns it off.
+_THREE_WG_MANY_TOKEN_TILES = (136, 192)
+GMMA_THREE_WG_MANY = os.environ.get("DDTREE_GMMA_THREE_WG", "1") != "0"
+
+
+def _three_wg_unsplit(M: int, N: int, tn: int, sm_count: int) -> bool:
+    """Whether to plan unsplit 192-row blocks (three warpgroups, cs = 1) for token tile tn. At the tiles up to 72
+    where they fill one wave to >= 90%: each SM streams one long K run with 6-8 stages in flight and nothing ramps
+    twice (cuBLAS's shape for 24576x4096). At the many-token tiles where they fill >= 70% of one wave and of their
+    waves."""
     cfg = (tn, *_DEFAULT_CONFIG_3WG.get(tn, (0, 0, 0)), 1, GMMA_NWG_ONE_WAVE)
     if cfg not in GMMA_INSTANCES:
         return False
     slots = gmma_blocks_per_sm(tn, cfg[1], cfg[2], cfg[3], GMMA_NWG_ONE_WAVE) * sm_count
     blocks = -(-N // (GMMA_ROWS_PER_WARPGROUP * GMMA_NWG_ONE_WAVE)) * -(-M // tn)
+    if tn in _THREE_WG_MANY_TOKEN_TILES:
+        waves = -(-blocks // slots)
+        return GMMA_THREE_WG_MANY and blocks >= 0.7 * slots and blocks >= 0.7 * waves * slots
     return 0.9 * slots <= blocks <= slots
-
-
-# Three warpgroups at the many-token tiles (M = 129..512, where two warpgroups issue too few MMAs per block to reach
-# either the bytes or the FLOPs floor): unsplit 192-row blocks wherever they fill their waves to >= 70%. H200, session 20, against the two-warpgroup plan: gate_up 24576x4096 at M = 129 / 257 / 513
-# 80.3 -> 66.1 / 159.5 -> 130.6 / 257.8 -> 231.7 us, lm_head 151936x4096 -10 / -18 / -18%, qkv 6144x4096 at M = 513
-# (96 blocks) -15%; where they fill less they lost (qkv at M = 257, 64 blocks: +18%; o and down, 22-66 blocks:
-# +15..140%), and a 256-token tile (three stages) lost at M = 1025 (gate_up +6%), so it is not built.
-# Measured per op only (the whole-step A/B was not run): DDTREE_GMMA_THREE_WG=0 turns it off.
-_THREE_WG_MANY_TOKEN_TILES = (136, 192)
-GMMA_THREE_WG_MANY = os.environ.get("DDTREE_GMMA_THREE_WG", "1") != "0"
-
-
-def _filled_waves_of_3wg(M: int, N: int, tn: int, sm_count: int) -> bool:
-    """Whether unsplit 192-row blocks at a many-token tile fill at least 70% of one wave and of their waves."""
-    if not GMMA_THREE_WG_MANY or tn not in _THREE_WG_MANY_TOKEN_TILES:
-        return False
-    cfg = (tn, *_DEFAULT_CONFIG_3WG[tn], 1, GMMA_NWG_ONE_WAVE)
-    slots = gmma_blocks_per_sm(tn, cfg[1], cfg[2], cfg[3], GMMA_NWG_ONE_WAVE) * sm_count
-    blocks = -(-N // (GMMA_ROWS_PER_WARPGROUP * GMMA_NWG_ONE_WAVE)) * -(-M // tn)
-    waves = -(-blocks // slots)
-    return cfg in GMMA_INSTANCES and blocks >= 0.7 * slots and blocks >= 0.7 * waves * slots
 
 
 # One-warpgroup blocks (64 rows) in clusters of 2 where they fill one wave and 128-row blocks cannot: Qwen3-8B's o
@@ -212,7 +204,7 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
     op = "linear_gmma"
     tn = tn or token_tile(M)
     if nwg is None and splits is None and cs is None and ka is None and stages is None and rw is None:
-        if _one_full_wave_of_3wg(M, N, tn, sm_count) or _filled_waves_of_3wg(M, N, tn, sm_count):
+        if _three_wg_unsplit(M, N, tn, sm_count):
             nwg, cs = GMMA_NWG_ONE_WAVE, 1  # unsplit (the cluster split of 2 measured slower: 55.3 us at M = 65)
         elif _one_full_wave_of_1wg_pairs(M, N, tn, sm_count):
             nwg, cs = 1, 2
