@@ -59,18 +59,42 @@ def test_bench_ar_fake_end_to_end():
     row; a decode instance that does not exist, or an unknown term, is refused before the model is built."""
     cmd = [sys.executable, "-m", "tools.bench_ar", "--random", "qwen3-tiny", "--fake", "--prompts", "8,40",
            "--new-tokens", "3", "--iters", "2", "--verify-budgets", "4",
-           "--configs", "tree,decode,decode:32x3,decode+kw4+persist0,gemv0+gmma0+fuse32,swiglu16,decode+drows256+agmma0"]
+           "--configs", "tree,decode,decode:32x3,decode+kw4+persist0,gemv0+gmma0+fuse32,swiglu16,decode+drows256+agmma0",
+           "--layers", "1"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     for row in ("| tree | ", "| decode | ", "| decode:32x3 | ", "| decode+kw4+persist0 | ", "| gemv0+gmma0+fuse32 | ",
                 "| swiglu16 | ", "| decode+drows256+agmma0 | "):
         assert p.stdout.count(row) == 2, p.stdout          # the AR table and the verify b4 table
     assert "verify graph replay at budget 4" in p.stdout, p.stdout
-    bad = subprocess.run(cmd[:-1] + ["decode:8x8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(cmd[:-3] + ["decode:8x8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "decode variant (8, 8)" in bad.stderr, bad.stdout + bad.stderr
     assert "building" not in bad.stderr, bad.stderr     # refused before the model is built
-    typo = subprocess.run(cmd[:-1] + ["decode+kw3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    typo = subprocess.run(cmd[:-3] + ["decode+kw3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert typo.returncode != 0 and "term 'kw3'" in typo.stderr, typo.stdout + typo.stderr
+
+
+def test_bench_ar_configure_sets_and_restores_the_gmma_knobs():
+    """bench_ar's 3wg0 / 1wg0 terms turn runtime.dense_gmma's plan rules off, and the next configuration starts
+    from the defaults again (so an A/B's first column is the default plan)."""
+    from runtime import dense_gmma
+    from tools.bench_ar import KNOBS, configure, knob_owner
+    defaults = {name: getattr(knob_owner(name), name) for name in KNOBS}
+    assert defaults["GMMA_THREE_WG_MANY"] is True and defaults["GMMA_ONE_WG"] is True
+    try:
+        configure("decode+3wg0+1wg0", defaults)
+        assert dense_gmma.GMMA_THREE_WG_MANY is False and dense_gmma.GMMA_ONE_WG is False
+        # the plan follows the knob: Qwen3-8B gate_up at M = 129 on 132 SMs leaves three warpgroups
+        assert dense_gmma.gmma_plan(129, 24576, 4096, 132)[0] != _plan_3wg(dense_gmma)
+        configure("decode", defaults)
+        assert dense_gmma.GMMA_THREE_WG_MANY is True and dense_gmma.GMMA_ONE_WG is True
+        assert dense_gmma.gmma_plan(129, 24576, 4096, 132)[0] == _plan_3wg(dense_gmma)
+    finally:
+        configure("decode", defaults)
+
+
+def _plan_3wg(dense_gmma):
+    return dense_gmma.gmma_entry((136, *dense_gmma._DEFAULT_CONFIG_3WG[136], 1, 3))
 
 
 def test_logit_error_measures_the_paths():

@@ -4,6 +4,8 @@ side (issue 6): tok/s over --new-tokens greedy tokens (host work included) and t
     python -m tools.bench_ar                                          # SmolLM2-135M shape: tree vs decode
     python -m tools.bench_ar --attn tree,decode:16x2,decode:32x3 --prompts 8,512,1024
     python -m tools.bench_ar --random qwen3-8b --new-tokens 48 --prompts 8,512,1024,1536
+    python -m tools.bench_ar --random qwen3-8b --layers 12 --prompts 1024 --new-tokens 8 \
+        --verify-budgets 128,256,512 --configs decode,decode+3wg0     # the GMMA plan's knobs in the verify graph
     python -m tools.bench_ar --random qwen3-tiny --fake --prompts 8,40 --new-tokens 4   # CPU stand-in
 
 A configuration is one or more terms joined by "+", each setting one of runtime.dense_kernels' launch choices
@@ -16,6 +18,8 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
   gemv0         decode-size linears on the split-K x-resident kernel instead of the gemv (as DDTREE_LINEAR_GEMV=0)
   gmma0         verify-size linears on the mma.sync chunked kernel instead of GMMA (as DDTREE_LINEAR_GMMA=0)
   agmma0        tree_attention_kernel where the wgmma tree kernel would run (as DDTREE_ATTN_GMMA=0)
+  3wg0          GMMA linear: two-warpgroup blocks at the token tiles 136 / 192 (as DDTREE_GMMA_THREE_WG=0)
+  1wg0          GMMA linear: no one-warpgroup blocks in clusters of 2 (as DDTREE_GMMA_ONE_WG=0)
   drowsN        the decode kernel up to N packed rows per KV head at every head dim (DECODE_MAX_ROWS)
   fuse16/fuse32 rmsnorm and swiglu fused into the linears up to 16 / 32 rows (as DDTREE_FUSED_PROLOGUE_ROWS):
                 verify b16 and drafter blocks as six launches per layer, on the x-resident kernel; norm32 /
@@ -62,6 +66,10 @@ def configure(spec: str, defaults: dict) -> None:
             dense_gmma.GMMA_ENABLED = False
         elif term == "agmma0":
             dk.ATTN_GMMA = False
+        elif term == "3wg0":
+            dense_gmma.GMMA_THREE_WG_MANY = False
+        elif term == "1wg0":
+            dense_gmma.GMMA_ONE_WG = False
         elif term.startswith("drows") and term[5:].isdigit():
             dk.DECODE_MAX_ROWS = {d: int(term[5:]) for d in defaults["DECODE_MAX_ROWS"]}
         elif term[:-2] in FUSE_TERMS and term[-2:] in ("16", "32"):
@@ -69,26 +77,28 @@ def configure(spec: str, defaults: dict) -> None:
                 dk.FUSED_PROLOGUE_ROWS[prologue] = int(term[-2:])
         else:
             raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
-                             "persist0, persist1, gemv0, gmma0, agmma0, drowsN, fuse16/32, norm16/32 or swiglu16/32")
+                             "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, drowsN, fuse16/32, norm16/32 or swiglu16/32")
 
 
 FUSE_TERMS = {"fuse": ("rmsnorm", "swiglu"), "norm": ("rmsnorm",), "swiglu": ("swiglu",)}
 # the launch choices a configuration may change, restored before each one
 KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV", "GMMA_ENABLED",
-         "FUSED_PROLOGUE_ROWS", "ATTN_GMMA", "DECODE_MAX_ROWS")
+         "FUSED_PROLOGUE_ROWS", "ATTN_GMMA", "DECODE_MAX_ROWS", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG")
+GMMA_KNOBS = ("GMMA_ENABLED", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG")   # held by runtime.dense_gmma
 
 
 def knob_owner(name: str):
-    """The module that holds launch choice `name` (runtime.dense_gmma for GMMA_ENABLED, else dense_kernels)."""
+    """The module that holds launch choice `name` (runtime.dense_gmma for GMMA_KNOBS, else dense_kernels)."""
     import runtime.dense_kernels as dk
     from runtime import dense_gmma
-    return dense_gmma if name == "GMMA_ENABLED" else dk
+    return dense_gmma if name in GMMA_KNOBS else dk
 
 
 def main(argv=None) -> int:
     from tools.bench_e2e import RANDOM_SHAPES
     ap = argparse.ArgumentParser(prog="bench_ar", description=__doc__.split("\n\n")[0])
     ap.add_argument("--random", choices=sorted(RANDOM_SHAPES), default="smollm2-135m", help="model shape")
+    ap.add_argument("--layers", type=int, help="override the number of layers (a quicker, smaller model)")
     ap.add_argument("--configs", "--attn", dest="configs", default="tree,decode",
                     help="comma-separated configurations (see above)")
     ap.add_argument("--prompts", default="8,128,256,512,1024,1536", help="comma-separated prompt lengths")
@@ -116,7 +126,7 @@ def main(argv=None) -> int:
     b = CudaBackend(graphs=True)
     print(f"bench_ar: building a random {args.random} in memory ...", file=sys.stderr, flush=True)
     # one target and drafter for every configuration; prompt n = the first n tokens of one random prompt
-    built, prompt = random_engine(b, args.random, None, max(prompts))
+    built, prompt = random_engine(b, args.random, args.layers, max(prompts))
     target, drafter = built.target, built.drafter
     del built
     rows, verify = [], {}

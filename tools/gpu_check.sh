@@ -66,6 +66,10 @@ step bench_e2e_cuda python3 -m tools.bench_e2e --backend cuda --budgets 16,64,25
 # 1024, graph replay of the one-token step and of verify at budgets 16..256 as ratios to it, weights / time vs
 # the read bandwidth, the target line "budget 64 <= 1.25x AR", and the per-op table of AR vs verify b64.
 step bench_verify python3 -m tools.bench_verify --per-op 64
+# The GMMA linear's plan rules in the verify graph (each picked from per-op timings): a 12-layer Qwen3-8B shape at
+# prefix 1024, verify b64..b512, the default plan against two-warpgroup blocks at the token tiles 136 / 192 and
+# against no one-warpgroup pairs, same weights, one run
+step bench_ar_gmma python3 -m tools.bench_ar --random qwen3-8b --layers 12 --prompts 1024 --new-tokens 8 --verify-budgets 64,128,256,512 --configs decode,decode+3wg0,decode+1wg0
 
 for want in ${GPU_CHECK_STEPS:-}; do   # a misspelt step name must not pass as "all steps passed"
   [[ " ${known[*]} " == *" $want "* ]] || failed+=("unknown-step:$want")
