@@ -50,13 +50,16 @@ def graph_time_us(launch_one, reps: int, stream, iters: int = 10) -> float:
 
 # --gmma: overrides of the GMMA plan timed besides the planned one, per token tile
 # (nwg 3: 192-row blocks of three warpgroups, the one-wave shape cuBLAS picks for gate_up; planned where it
-# fills one wave; nwg 1: 64-row blocks of one warpgroup)
+# fills one wave; nwg 1: 64-row blocks of one warpgroup; splits s: K split s ways through the fp32 workspace, which
+# can fill one wave where the cluster splits fill 96 SMs, e.g. qkv / o / down at M = 17..72)
+_WS = tuple({"splits": s} for s in (2, 3, 4, 8))
 GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
-                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
-                     48: ({"cs": 1}, {"cs": 2}, {"nwg": 1, "cs": 2}),
-                     64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}, {"nwg": 3, "cs": 1}),
+                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_WS),
+                     48: ({"cs": 1}, {"cs": 2}, {"nwg": 1, "cs": 2}, *_WS),
+                     64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}, {"nwg": 3, "cs": 1},
+                          *_WS),
                      72: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, {"nwg": 3, "cs": 2},
-                          {"nwg": 1, "cs": 2}),
+                          {"nwg": 1, "cs": 2}, *_WS),
                      128: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "stages": 4, "cs": 1}),
                      136: ({"cs": 1}, {"cs": 2}, {"nwg": 3, "cs": 1}, {"tn": 192}),
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}
@@ -171,8 +174,12 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                              for k in (8, 4, 2) for p in (False, True)]
             if gmma and M >= 9:  # the sm_90a GMMA kernel (runtime/dense_gmma.py), every model's shapes
                 # base: the mma.sync kernel the auto plan picked for M >= 9 before the GMMA hook (chunked)
+                tn = dg.token_tile(M)
+                unsplit_blocks = -(-N // (dg.GMMA_ROWS_PER_WARPGROUP * dg.GMMA_NWG)) * -(-M // tn)
                 variants = [("mma.sync", {"kernel": "chunked"}), ("gmma", {"gmma": True})] + [
-                    (f"gmma {c}", {"gmma": True, **c}) for c in GMMA_ALTERNATIVES.get(dg.token_tile(M), ())]
+                    (f"gmma {c}", {"gmma": True, **c}) for c in GMMA_ALTERNATIVES.get(tn, ())
+                    if "splits" not in c or unsplit_blocks < get_device().sm_count]  # workspace splits: to fill
+                # one wave only
             base_us = None
             timed = {}  # variant name -> us, for the peer's ratio
             for vname, kw in variants:
