@@ -97,6 +97,11 @@ __device__ __forceinline__ uint64_t bit_window64(const uint32_t* __restrict__ ro
 __device__ __forceinline__ uint64_t low_bits64(int n) {
   return n <= 0 ? 0ull : n >= 64 ? ~0ull : (1ull << n) - 1;
 }
+// Which of the 64 cache slots p0 .. p0 + 63 an attention row sees, bit i = slot p0 + i: every slot below prefix
+// (the committed prefix), tree slots through tree_bits (bit i = slot p0 + i's visibility bit), none at or past end.
+__device__ __forceinline__ uint64_t window_visible64(int p0, int prefix, int end, uint64_t tree_bits) {
+  return (low_bits64(prefix - p0) | tree_bits) & low_bits64(end - p0);
+}
 
 // Programmatic dependent launch (sm_90 and later; every arch we build). A kernel launched with the PDL
 // attribute may start while the previous kernel on the stream still runs; it must call grid_dependency_wait()

@@ -19,7 +19,7 @@ __device__ __forceinline__ uint64_t visible64(int p0, int tok, int kv_end, int p
   const uint64_t tree = mask != nullptr
       ? ddtree::bit_window64(mask + (long long)tok * mask_words, mask_words, -np)
       : ddtree::low_bits64(tok + np + 1) & ~ddtree::low_bits64(np);   // causal: node i - np <= tok
-  return (ddtree::low_bits64(np) | tree) & ddtree::low_bits64(kv_end - p0);
+  return ddtree::window_visible64(p0, prefix_len, kv_end, tree);
 }
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {

@@ -45,7 +45,7 @@ __device__ __forceinline__ uint64_t tile_visible64(int key0, int n_keys, int n_p
                                                    const uint32_t* __restrict__ visibility, int vis_words) {
   const uint64_t tree =
       valid ? ddtree::bit_window64(visibility + (size_t)qi * vis_words, vis_words, key0 - n_prefix) : 0ull;
-  return (ddtree::low_bits64(n_prefix - key0) | tree) & ddtree::low_bits64(n_keys - key0);
+  return ddtree::window_visible64(key0, n_prefix, n_keys, tree);
 }
 
 // The lane's Q fragments for all of D, loaded once (A operand: rows g / g+8, k = 2t.. and 2t+8..).
