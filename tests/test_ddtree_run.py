@@ -67,11 +67,47 @@ def test_default_model_runs(capsys):
         loader.default_model_path()
     except Exception as e:
         pytest.skip(f"default SmolLM2 GGUF not available: {e}")
-    code, out, err = run_cli(["--backend", "numpy", "--max-new-tokens", "3", "--stats",
+    code, out, err = run_cli(["--backend", "numpy", "--max-new-tokens", "3", "--stats", "--no-chat",
                               "The capital of France is"], capsys)
     assert code == 0, err
     assert "Paris" in out
-    assert "decoding autoregressively" in err and "tokens/s" in err
+    assert "decoding autoregressively" in err and "tokens/s" in err and "chat template" not in err
+
+
+def test_default_model_answers_a_question_through_its_chat_template(capsys, monkeypatch):
+    """An instruct model's chat template is applied by default: SmolLM2-Instruct given the raw question stops at
+    once (its first token is the end of turn), through the template it answers. The prompt may come from stdin."""
+    import io
+    import loader
+    try:
+        loader.default_model_path()
+    except Exception as e:
+        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+    args = ["--backend", "numpy", "--max-new-tokens", "8", "--stats"]
+    code, out, err = run_cli(args + ["Why is the sky blue?"], capsys)
+    assert code == 0, err
+    assert "prompt wrapped in the model's chat template" in err
+    assert len(out.split()) >= 4 and "generated 8" in err, (out, err)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Why is the sky blue?\n"))
+    code, piped, err = run_cli(args + ["-"], capsys)
+    assert code == 0 and piped == out, (piped, out, err)
+    code, raw, err = run_cli(args + ["--no-chat", "Why is the sky blue?"], capsys)
+    assert code == 0 and "chat template" not in err
+    assert raw != out
+
+
+def test_prompt_from_stdin_refuses_a_terminal_and_empty_input(capsys, monkeypatch):
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr("sys.stdin", Tty(""))
+    code, _, err = run_cli(["--backend", "numpy"], capsys)
+    assert code == EXIT_USAGE and "no prompt" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO(" \n"))
+    code, _, err = run_cli(["--backend", "numpy", "-"], capsys)
+    assert code == EXIT_USAGE and "prompt read from stdin is empty" in err
 
 
 def _word_tokenizer(path):
@@ -99,6 +135,7 @@ def test_target_dir_with_drafter_dir(tmp_path, capsys):
     code, dd_out, err = run_cli(["--draft", str(draft_dir), "--budget", "16", "--stats"] + common, capsys)
     assert code == 0, err
     assert "mode ddtree" in err and "per round" in err
+    assert "chat template" not in err            # a tokenizer without a chat template: raw completion
     assert dd_out == ar_out and len(ar_out.split()) == 24
     code, stream_out, err = run_cli(["--draft", str(draft_dir), "--stream"] + common, capsys)
     assert code == 0 and stream_out.split() == ar_out.split()

