@@ -110,6 +110,36 @@ def test_prompt_from_stdin_refuses_a_terminal_and_empty_input(capsys, monkeypatc
     assert code == EXIT_USAGE and "prompt read from stdin is empty" in err
 
 
+def test_load_progress_is_quiet_for_quick_loads_and_reports_slow_ones(capsys, monkeypatch):
+    """ddtree-run's model-load progress: nothing for a load under LoadProgress.LOAD_QUIET_S; past it, a line per
+    LOAD_EVERY_S with the layer reached, and the total at the end. runtime.models.common.Weights calls it once per
+    layer, at the layer's first tensor."""
+    from runtime.models.common import Weights
+    from tools import ddtree_run
+    clock = [0.0]
+    monkeypatch.setattr(ddtree_run.time, "perf_counter", lambda: clock[0])
+    quick = ddtree_run.LoadProgress("m.gguf", 30)
+    for i in range(30):
+        clock[0] += 0.01
+        quick(i)
+    quick.done()
+    assert capsys.readouterr().err == ""
+    clock[0] = 0.0
+    slow = ddtree_run.LoadProgress("big", 36)
+    w = Weights({f"model.layers.{i}.{n}": np.zeros(2, np.float32) for i in range(36) for n in ("a", "b")}
+                | {"model.norm.weight": np.zeros(2, np.float32)}, on_layer=slow)
+    for i in range(36):
+        clock[0] += 1.0
+        for n in ("a", "b"):
+            w.get(f"model.layers.{i}.{n}")
+    w.get("model.norm.weight")
+    slow.done()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "ddtree-run: loading big: layer 2/36 (2 s)", lines
+    assert lines[1] == "ddtree-run: loading big: layer 7/36 (7 s)", lines
+    assert len(lines) == 8 and lines[-1] == "ddtree-run: loaded big in 36.0 s", lines
+
+
 def _word_tokenizer(path):
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     vocab = {f"w{i}": i for i in range(VOCAB)}

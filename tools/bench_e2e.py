@@ -243,30 +243,12 @@ def random_target(config: dict, backend, seed: int = 0, progress=None):
     import loader
     from loader.testing import RandomWeights
     from runtime.models import build_model
+    from runtime.models.common import Weights
     spec = loader.load_config(config)
     weights = RandomWeights(spec, seed=seed)
     if progress is not None:
-        weights = _LayerProgress(weights, spec.num_hidden_layers, progress)
+        weights = Weights(weights, on_layer=lambda i: progress(i, spec.num_hidden_layers))
     return build_model(spec, weights, backend)
-
-
-class _LayerProgress:
-    """A weight source that reports the first read of each layer's tensors (a big model's build is slow)."""
-
-    def __init__(self, source, layers: int, progress):
-        self.source, self.layers, self.progress, self.seen = source, layers, progress, -1
-
-    def names(self):
-        return self.source.names()
-
-    def tensor(self, name):
-        parts = name.split(".")
-        if "layers" in parts:
-            i = int(parts[parts.index("layers") + 1])
-            if i > self.seen:
-                self.seen = i
-                self.progress(i, self.layers)
-        return self.source.tensor(name)
 
 
 def random_drafter(target, backend, seed: int = 0, block_size: int = 16):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 EXIT_USAGE, EXIT_BACKEND, EXIT_INTERRUPTED = 2, 3, 130
@@ -118,6 +119,7 @@ def load_target(model_arg, backend):
     """(model, tokenizer, stop ids) from --model (a .gguf file or an HF directory) or the embedded default."""
     import loader
     from runtime.models import build_model
+    from runtime.models.common import Weights
     try:
         if model_arg is None:
             try:
@@ -137,7 +139,9 @@ def load_target(model_arg, backend):
         else:
             spec, weights = loader.load_model(path)
             tok = loader.load_tokenizer(path)
-        model = build_model(spec, weights, backend)
+        progress = LoadProgress(path.name, getattr(spec, "num_hidden_layers", 0))
+        model = build_model(spec, Weights(weights, on_layer=progress), backend)
+        progress.done()
     except loader.LoadError as e:
         raise CliError(f"cannot load model: {e}") from None
     except KeyError as e:                       # a tensor the model needs is not in the checkpoint
@@ -148,6 +152,27 @@ def load_target(model_arg, backend):
         raise CliError(f"{path} is a DFlash drafter; pass it with --draft and give the target with --model")
     stops = tuple(dict.fromkeys(tuple(tok.eos_token_ids) + tuple(spec.eos_token_id)))
     return model, tok, stops, path
+
+
+class LoadProgress:
+    """on_layer callback of a model load: once the load has run LOAD_QUIET_S, a stderr line per layer reached every
+    LOAD_EVERY_S ("loading NAME: layer i/n (t s)"), and the total at the end; quick loads print nothing."""
+    LOAD_QUIET_S, LOAD_EVERY_S = 2.0, 5.0
+
+    def __init__(self, name: str, layers: int):
+        self.name, self.layers = name, layers
+        self.t0 = time.perf_counter()
+        self.next_s, self.shown = self.LOAD_QUIET_S, False
+
+    def __call__(self, layer: int) -> None:
+        t = time.perf_counter() - self.t0
+        if t >= self.next_s:
+            _notice(f"loading {self.name}: layer {layer + 1}/{self.layers} ({t:.0f} s)")
+            self.next_s, self.shown = t + self.LOAD_EVERY_S, True
+
+    def done(self) -> None:
+        if self.shown:
+            _notice(f"loaded {self.name} in {time.perf_counter() - self.t0:.1f} s")
 
 
 def load_drafter(draft_arg, target, backend):

@@ -13,12 +13,15 @@ from loader.spec import RopeScaling
 
 class Weights:
     """Named host tensors in HF naming (float32, or uint16 bf16 bits), from any source: a dict (a state dict
-    in tests), a loader Checkpoint (.names() / .tensor(name)), or a GGUFModel (.tensors dict). `prefix` is
-    prepended to every lookup (a DFlash checkpoint is unprefixed; a target is under 'model.')."""
+    in tests), a loader Checkpoint (.names() / .tensor(name)), or a GGUFModel (.tensors dict).
+    on_layer(i) is called at the first read of a tensor of layer i (HF names '...layers.{i}....'): a big model's
+    load is slow, and the caller can show how far it got."""
 
-    def __init__(self, source: Any):
+    def __init__(self, source: Any, on_layer: Callable[[int], None] | None = None):
+        self._on_layer, self._last_layer = on_layer, -1
         if isinstance(source, Weights):
             self._get, self._names = source._get, source._names
+            self._on_layer = on_layer or source._on_layer
         elif isinstance(source, Mapping):
             self._get, self._names = source.__getitem__, lambda: list(source.keys())
         elif hasattr(source, "tensors") and isinstance(source.tensors, Mapping):        # GGUFModel
@@ -40,6 +43,11 @@ class Weights:
     def get(self, name: str) -> np.ndarray:
         if not self.has(name):
             raise KeyError(f"checkpoint has no tensor {name!r}")
+        if self._on_layer is not None and ".layers." in name:
+            i = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+            if i > self._last_layer:
+                self._last_layer = i
+                self._on_layer(i)
         a = np.asarray(self._get(name))
         if a.dtype.kind == "f" and a.dtype != np.float32:
             a = a.astype(np.float32)      # f16 / f64 sources; ints (INT4 packs, shapes) and bf16 bits stay
