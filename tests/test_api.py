@@ -1,0 +1,114 @@
+"""runtime.api, the embedding API: load a target (+ DFlash drafter), encode prompts (chat template by default where
+the model has one), generate text; the errors it raises for bad input. numpy backend (CPU)."""
+import json
+
+import numpy as np
+import pytest
+
+from loader import LoadError, save_safetensors
+from runtime import api
+from test_ddtree_run import _word_tokenizer
+from test_models import hf_tiny, tiny_drafter_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """(target dir, drafter dir): a tiny HF llama with a word-level tokenizer (no chat template) and a DFlash
+    drafter for it."""
+    root = tmp_path_factory.mktemp("api")
+    _, target = hf_tiny("llama", root)
+    target_dir = root / "llama"
+    _word_tokenizer(target_dir)
+    config, weights = tiny_drafter_checkpoint(target, taps=(0, 2))
+    draft_dir = root / "draft"
+    draft_dir.mkdir()
+    (draft_dir / "config.json").write_text(json.dumps(config))
+    save_safetensors(draft_dir / "model.safetensors", weights)
+    return target_dir, draft_dir
+
+
+PROMPT = "w3 w17 w42 w8 w91"
+
+
+def test_generate_with_and_without_a_drafter(tiny_dirs):
+    target_dir, draft_dir = tiny_dirs
+    notices = []
+    ar = api.load(target_dir, backend="numpy", notice=notices.append)
+    assert ar.drafter is None and ar.backend.name == "numpy" and not ar.has_chat_template
+    out = ar.generate(PROMPT, max_new_tokens=20)
+    assert out.mode == "ar" and len(out.text.split()) == 20 and len(out.tokens) == 20
+    assert out.prompt_tokens == 5 and out.result.stop_reason == "max_new_tokens"
+    assert notices == []                          # numpy asked for by name, a quick load, no template: nothing said
+    dd = api.load(target_dir, draft=draft_dir, backend="numpy")
+    for mode in (None, "chain", "ar"):
+        got = dd.generate(PROMPT, max_new_tokens=20, mode=mode, budget=16)
+        assert got.mode == (mode or "ddtree") and got.text == out.text and got.tokens == out.tokens
+    assert dd.generate(ar.encode(PROMPT), max_new_tokens=20).text == out.text     # token ids as they are
+    pieces = []
+    streamed = dd.generate(PROMPT, max_new_tokens=20, temperature=0.8, seed=5, on_text=pieces.append)
+    assert "".join(pieces) == streamed.text and len(pieces) > 1
+    assert streamed.text == ar.generate(PROMPT, max_new_tokens=20, temperature=0.8, seed=5).text
+    assert streamed.text != out.text
+
+
+def test_bad_input_raises_clear_errors(tiny_dirs, tmp_path):
+    target_dir, draft_dir = tiny_dirs
+    with pytest.raises(LoadError, match="model path does not exist"):
+        api.load(tmp_path / "nope", backend="numpy")
+    with pytest.raises(LoadError, match="drafter directory does not exist"):
+        api.load(target_dir, draft=tmp_path / "nope", backend="numpy")
+    with pytest.raises(LoadError, match="DFlash drafter"):
+        api.load(draft_dir, backend="numpy")
+    with pytest.raises(LoadError, match="not a DFlash drafter"):
+        api.load(target_dir, draft=target_dir, backend="numpy")
+    (tmp_path / "w.bin").write_bytes(b"x")
+    with pytest.raises(LoadError, match="must be a .gguf"):
+        api.load(tmp_path / "w.bin", backend="numpy")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        api.load(target_dir, backend="tpu")
+    llm = api.load(target_dir, backend="numpy")
+    with pytest.raises(ValueError, match="needs a DFlash drafter"):
+        llm.generate(PROMPT, mode="ddtree")
+    with pytest.raises(ValueError, match="system message needs the chat template"):
+        llm.encode(PROMPT, chat=False, system="be brief")
+    with pytest.raises(ValueError, match="needs the chat template"):
+        llm.encode([{"role": "user", "content": PROMPT}], chat=False)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        llm.generate(PROMPT, max_new_tokens=0)
+
+
+def test_cuda_backend_unavailable_without_a_gpu():
+    from runtime.cuda import NoDeviceError, require_device
+    try:
+        require_device()
+        pytest.skip("a CUDA device is usable here; this test covers the no-GPU error")
+    except NoDeviceError:
+        pass
+    with pytest.raises(api.BackendUnavailable, match="no usable CUDA device"):
+        api.select_backend("cuda")
+    said = []
+    assert api.select_backend("auto", said.append).name == "numpy"
+    assert said and said[0].startswith("backend: numpy (CPU reference), because no usable CUDA device")
+
+
+def test_default_model_chat_template_by_default():
+    """The embedded SmolLM2-135M-Instruct: a question goes through its chat template unless chat=False; a message
+    list and a system message are rendered by the same template."""
+    import loader
+    try:
+        loader.default_model_path()
+    except Exception as e:
+        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+    said = []
+    llm = api.load(backend="numpy", notice=said.append)
+    assert llm.has_chat_template
+    question = "Why is the sky blue?"
+    ids = llm.encode(question)
+    assert any("chat template" in s for s in said)
+    assert ids == llm.encode([{"role": "user", "content": question}])
+    assert len(ids) > len(llm.encode(question, chat=False))
+    with_system = llm.encode(question, system="Answer in one word.")
+    assert "Answer in one word." in llm.tokenizer.decode(with_system)
+    out = llm.generate(question, max_new_tokens=6)
+    assert len(out.text.split()) >= 3 and out.prompt_tokens == len(ids)
+    assert np.all(np.asarray(out.tokens) >= 0)
