@@ -1,30 +1,17 @@
 """runtime.api, the embedding API: load a target (+ DFlash drafter), encode prompts (chat template by default where
 the model has one), generate text; the errors it raises for bad input. numpy backend (CPU)."""
-import json
-
 import numpy as np
 import pytest
 
-from loader import LoadError, save_safetensors
+from loader import LoadError
 from runtime import api
-from test_ddtree_run import _word_tokenizer
-from test_models import hf_tiny, tiny_drafter_checkpoint
+from test_ddtree_run import tiny_model_dirs
 
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    """(target dir, drafter dir): a tiny HF llama with a word-level tokenizer (no chat template) and a DFlash
-    drafter for it."""
-    root = tmp_path_factory.mktemp("api")
-    _, target = hf_tiny("llama", root)
-    target_dir = root / "llama"
-    _word_tokenizer(target_dir)
-    config, weights = tiny_drafter_checkpoint(target, taps=(0, 2))
-    draft_dir = root / "draft"
-    draft_dir.mkdir()
-    (draft_dir / "config.json").write_text(json.dumps(config))
-    save_safetensors(draft_dir / "model.safetensors", weights)
-    return target_dir, draft_dir
+    """(target dir, drafter dir): a tiny HF llama with a word-level tokenizer (no chat template), its drafter."""
+    return tiny_model_dirs(tmp_path_factory.mktemp("api"))
 
 
 PROMPT = "w3 w17 w42 w8 w91"

@@ -139,24 +139,26 @@ def test_load_progress_is_quiet_for_quick_loads_and_reports_slow_ones(monkeypatc
     assert len(lines) == 8 and lines[-1] == "loaded big in 36.0 s", lines
 
 
-def _word_tokenizer(path):
+def tiny_model_dirs(root):
+    """(target dir, drafter dir) under root: a tiny HF llama with a word-level tokenizer ("w0".."w96", no chat
+    template) and a DFlash drafter checkpoint for it."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    _, target = hf_tiny("llama", root)
+    target_dir = root / "llama"
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
-    tok.save(str(path / "tokenizer.json"))
-
-
-def test_target_dir_with_drafter_dir(tmp_path, capsys):
-    _, target = hf_tiny("llama", tmp_path)
-    target_dir = tmp_path / "llama"
-    _word_tokenizer(target_dir)
+    tok.save(str(target_dir / "tokenizer.json"))
     config, weights = tiny_drafter_checkpoint(target, taps=(0, 2))
-    draft_dir = tmp_path / "draft"
+    draft_dir = root / "draft"
     draft_dir.mkdir()
     (draft_dir / "config.json").write_text(json.dumps(config))
     save_safetensors(draft_dir / "model.safetensors", weights)
+    return target_dir, draft_dir
+
+
+def test_target_dir_with_drafter_dir(tmp_path, capsys):
+    target_dir, draft_dir = tiny_model_dirs(tmp_path)
     prompt = "w3 w17 w42 w8 w91"
     common = ["--backend", "numpy", "--model", str(target_dir), "--max-new-tokens", "24", prompt]
     code, ar_out, err = run_cli(["--mode", "ar"] + common, capsys)
