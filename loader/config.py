@@ -3,6 +3,7 @@ name we do not know is an error, never a guess."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -15,6 +16,9 @@ DEEPSEEK_ARCHS = ("DeepseekV3ForCausalLM", "KimiK2ForCausalLM")
 # Multimodal Kimi wrappers keep the language model's config under "text_config".
 TEXT_CONFIG_ARCHS = ("KimiK25ForConditionalGeneration", "KimiVLForConditionalGeneration")
 DFLASH_ARCHS = ("DFlashDraftModel",)
+
+
+INT_LIMIT = 2 ** 31
 
 
 class _Cfg:
@@ -34,14 +38,16 @@ class _Cfg:
             v = default
         if not isinstance(v, int) or isinstance(v, bool):
             raise LoadError(f"config key {key!r} should be an integer, got {v!r}", self.path, key)
+        if not -INT_LIMIT < v < INT_LIMIT:   # sizes, ids and counts index int32 device arrays
+            raise LoadError(f"config key {key!r} is out of range: {v}", self.path, key)
         return v
 
     def float(self, key: str, default=None) -> float:
         v = self.req(key) if default is None else self.d.get(key, default)
         if v is None:
             v = default
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise LoadError(f"config key {key!r} should be a number, got {v!r}", self.path, key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise LoadError(f"config key {key!r} should be a finite number, got {v!r}", self.path, key)
         return float(v)
 
     def bool(self, key: str, default: bool) -> bool:
@@ -79,6 +85,10 @@ def load_config(path_or_dir_or_dict: os.PathLike | str | Mapping) -> ModelSpec:
     if not isinstance(archs, list) or not archs:
         raise LoadError("config has no 'architectures' list", path, "architectures")
     arch = archs[0]
+    return _check_numbers(_build_spec(d, path, arch), path)
+
+
+def _build_spec(d: dict, path, arch) -> ModelSpec:
     if arch in TEXT_CONFIG_ARCHS:
         text = d.get("text_config")
         if not isinstance(text, dict):
@@ -133,11 +143,38 @@ def _rope_theta(c: _Cfg) -> float:
     return 10000.0
 
 
+def _token_ids(c: _Cfg, key: str) -> tuple[int, ...]:
+    """A token-id key (eos_token_id: one id or a list of them) as a tuple of ids in 0 .. vocab_size - 1."""
+    v = c.d.get(key)
+    ids = [] if v is None else v if isinstance(v, list) else [v]
+    vocab = c.d.get("vocab_size")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (isinstance(vocab, int) and t >= vocab):
+            raise LoadError(f"config key {key!r} should be token ids in 0 .. vocab_size - 1, got {v!r}", c.path,
+                            key)
+    return tuple(ids)
+
+
 def _eos(c: _Cfg) -> tuple[int, ...]:
-    e = c.d.get("eos_token_id")
-    if e is None:
-        return ()
-    return tuple(e) if isinstance(e, list) else (int(e),)
+    return _token_ids(c, "eos_token_id")
+
+
+def _bos(c: _Cfg) -> int | None:
+    if isinstance(c.d.get("bos_token_id"), list):
+        raise LoadError(f"config key 'bos_token_id' should be one token id, got {c.d['bos_token_id']!r}", c.path,
+                        "bos_token_id")
+    ids = _token_ids(c, "bos_token_id")
+    return ids[0] if ids else None
+
+
+def _check_numbers(spec: ModelSpec, path) -> ModelSpec:
+    """What every spec needs of its float keys and context length: a negative norm epsilon or a non-positive RoPE
+    base would give NaNs in the first layer, a context of 0 nothing at all."""
+    for key, ok in (("rms_norm_eps", spec.rms_norm_eps >= 0), ("rope_theta", spec.rope_theta > 0),
+                    ("max_position_embeddings", spec.max_position_embeddings >= 1)):
+        if not ok:
+            raise LoadError(f"config key {key!r} is out of range: {getattr(spec, key)!r}", path, key)
+    return spec
 
 
 def _positive(c: _Cfg, *keys: str):
@@ -171,7 +208,7 @@ def _llama(c: _Cfg, arch: str) -> LlamaSpec:
         rope_theta=_rope_theta(c), max_position_embeddings=c.int("max_position_embeddings", 2048),
         tie_word_embeddings=c.bool("tie_word_embeddings", False), qk_norm=arch == "Qwen3ForCausalLM",
         attention_bias=c.bool("attention_bias", arch == "Qwen2ForCausalLM"), rope_scaling=_rope_scaling(c),
-        bos_token_id=c.get("bos_token_id"), eos_token_id=_eos(c))
+        bos_token_id=_bos(c), eos_token_id=_eos(c))
 
 
 def _quant(c: _Cfg) -> QuantSpec | None:
@@ -222,7 +259,7 @@ def _deepseek(c: _Cfg, arch: str) -> DeepseekV3Spec:
         scoring_func=c.get("scoring_func", "sigmoid"), rms_norm_eps=c.float("rms_norm_eps", 1e-6),
         rope_theta=_rope_theta(c), max_position_embeddings=c.int("max_position_embeddings", 4096),
         tie_word_embeddings=c.bool("tie_word_embeddings", False), rope_scaling=_rope_scaling(c),
-        quant=_quant(c), bos_token_id=c.get("bos_token_id"), eos_token_id=_eos(c))
+        quant=_quant(c), bos_token_id=_bos(c), eos_token_id=_eos(c))
     if spec.q_lora_rank is not None and (not isinstance(spec.q_lora_rank, int) or spec.q_lora_rank <= 0):
         raise LoadError(f"bad q_lora_rank {spec.q_lora_rank!r}", c.path, "q_lora_rank")
     if spec.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):

@@ -124,6 +124,16 @@ def test_config_from_dir_and_file(tmp_path):
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs original_max_position_embeddings"),
     ({"num_attention_heads": 0}, "'num_attention_heads' must be a positive integer"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+    ({"hidden_size": 10 ** 30}, "'hidden_size' is out of range"),
+    ({"rms_norm_eps": -1e-6}, "'rms_norm_eps' is out of range"),
+    ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' should be a finite number"),
+    ({"rope_theta": 0}, "'rope_theta' is out of range"),
+    ({"max_position_embeddings": 0}, "'max_position_embeddings' is out of range"),
+    ({"eos_token_id": "2"}, "'eos_token_id' should be token ids"),
+    ({"eos_token_id": [2, 1.5]}, "'eos_token_id' should be token ids"),
+    ({"eos_token_id": 10 ** 6}, "'eos_token_id' should be token ids in 0 .. vocab_size - 1"),
+    ({"bos_token_id": -1}, "'bos_token_id' should be token ids"),
+    ({"bos_token_id": [1, 2]}, "'bos_token_id' should be one token id"),
 ])
 def test_bad_llama_config(tmp_path, change, match):
     cfg = {**TINY_LLAMA_CONFIG, **change}
