@@ -69,7 +69,8 @@ class Tokenizer:
             try:
                 return _render_jinja(self.chat_template, messages, add_generation_prompt,
                                      self._special(self.bos_token_id), self._special(self.eos_token_ids[0]
-                                                                                     if self.eos_token_ids else None))
+                                                                                     if self.eos_token_ids else None),
+                                     self.source)
             except ImportError:
                 if "<|im_start|>" not in self.chat_template:
                     raise LoadError("rendering this model's chat template needs jinja2 (pip install jinja2)",
@@ -96,8 +97,11 @@ def chatml(messages: Sequence[dict], add_generation_prompt: bool = True,
     return "".join(out)
 
 
-def _render_jinja(template: str, messages, add_generation_prompt: bool, bos: str, eos: str) -> str:
-    from jinja2.exceptions import TemplateError
+def _render_jinja(template: str, messages, add_generation_prompt: bool, bos: str, eos: str, source: str) -> str:
+    """The template rendered in jinja2's sandbox. A template that does not parse is a LoadError (a bad file); one
+    that refuses these messages (raise_exception, e.g. "roles must alternate", or an error while rendering) is a
+    ValueError naming the template's reason."""
+    from jinja2.exceptions import TemplateError, TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(msg):
@@ -105,8 +109,15 @@ def _render_jinja(template: str, messages, add_generation_prompt: bool, bos: str
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                            bos_token=bos, eos_token=eos)
+    try:
+        compiled = env.from_string(template)
+    except TemplateSyntaxError as e:
+        raise LoadError(f"the chat template does not parse: {e}", source, "chat_template") from None
+    try:
+        return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                               bos_token=bos, eos_token=eos)
+    except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ValueError(f"the model's chat template refused these messages: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -311,6 +311,27 @@ def test_bad_tokenizer_files(tmp_path):
         loader.load_tokenizer(tmp_path)
 
 
+def test_chat_template_errors(smol):
+    """A template that does not parse is a LoadError naming the tokenizer's file; one that refuses the messages
+    (raise_exception, or an error while rendering) a ValueError with the template's reason."""
+    from loader.tokenizer import Tokenizer
+    src = smol.tokenizer
+
+    def with_template(t):
+        return Tokenizer(src._tok, bos_token_id=src.bos_token_id, eos_token_ids=src.eos_token_ids,
+                         add_bos=src.add_bos, chat_template=t, source="x.gguf")
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    with pytest.raises(LoadError, match="chat template does not parse") as e:
+        with_template("{% for m in messages %}{{ m.content }").apply_chat_template(msgs)
+    assert e.value.path == "x.gguf"
+    refuse = "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    with pytest.raises(ValueError, match="refused these messages: System role not supported"):
+        with_template(refuse).apply_chat_template(msgs)
+    with pytest.raises(ValueError, match="refused these messages"):
+        with_template("{{ messages[5].content }}").apply_chat_template(msgs)
+    assert with_template(refuse).apply_chat_template(msgs[1:]) == ""
+
+
 @pytest.mark.filterwarnings("ignore:.*has no HF llama counterpart")
 def test_corrupted_gguf_never_crashes(tmp_path):
     """Random byte damage in the header/metadata/tensor-info region: a LoadError or a clean load, nothing else."""

@@ -194,6 +194,9 @@ def chat_loop(llm, first, args, gen) -> int:
             sys.stdout.write("\n")
             _notice("reply interrupted; that turn is dropped")
             continue
+        except ValueError as e:                # e.g. a chat template that refuses the conversation
+            _notice(f"error: {e}; that turn is dropped")
+            continue
         sys.stdout.write("\n")
         sys.stdout.flush()
         if args.stats:
