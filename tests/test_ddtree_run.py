@@ -118,6 +118,20 @@ def test_interactive_chat_remembers_until_reset(capsys, monkeypatch):
     assert replies[2] != replies[1] and "conversation reset" in err
 
 
+def test_build_kernels_ahead_of_time(capsys):
+    """--build-kernels ARCH compiles every kernel family for that arch into the cache (NVRTC, no GPU needed; the
+    same shared cache test_kernel_build reads), then exits 0 without a prompt or a model; a bad arch is refused."""
+    from cutlass_kernels.registry import FAMILIES
+    from runtime.cuda import nvrtc
+    code, out, err = run_cli(["--build-kernels", "90a"], capsys)
+    assert code == 0, err
+    n = sum(1 for f in FAMILIES.values() if f.targets("90a"))
+    assert f"{n} kernel modules ready, 0 failed" in err and out == ""
+    assert len(list((nvrtc.cache_dir() / nvrtc.nvrtc_version() / "90a").glob("*.cubin"))) >= n
+    code, _, err = run_cli(["--build-kernels", "sm_80"], capsys)
+    assert code == EXIT_USAGE and "unsupported CUDA arch '80'" in err
+
+
 def test_prompt_from_stdin_refuses_a_terminal_and_empty_input(capsys, monkeypatch):
     import io
 

@@ -4,6 +4,7 @@
     ddtree-run --model DIR|FILE.gguf --draft DFLASH_DIR --budget 64 --stats "prompt"
     echo "The capital of France is" | ddtree-run --no-chat -  # prompt from stdin, raw completion
     ddtree-run -i                                            # a multi-turn chat (/reset, /exit or end of input)
+    ddtree-run --build-kernels 90a,120a                      # compile every kernel into the cache ahead of time
 
 The prompt goes through the model's chat template when its tokenizer has one (instruct models), else it is
 completed as raw text; --chat / --no-chat force either.
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap the prompt in the model's chat template as one user message (default: when the model "
                         "has a chat template); --no-chat: complete the raw text")
     p.add_argument("--system", help="a system message before the prompt (chat template only)")
+    p.add_argument("--build-kernels", nargs="?", const="", metavar="ARCHS",
+                   help="compile every kernel into the kernel cache and exit (no prompt): for this GPU's arch, or "
+                        "the comma-separated ARCHS (90a, 100a, 103a, 120a, or all); NVRTC needs no GPU. The cache "
+                        "is $DDTREE_KERNEL_CACHE or ~/.cache/ddtree/kernels")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     p.add_argument("--stats", action="store_true", help="print tokens/s, acceptance and per-stage times")
     return p
@@ -109,6 +114,8 @@ def run(argv=None) -> int:
     from loader import LoadError
     from runtime import api
 
+    if args.build_kernels is not None:
+        return build_kernels(args.build_kernels)
     # cheap checks first: a typo should not wait for a backend or a model load
     if args.interactive and args.chat is False:
         raise CliError("--interactive needs the chat template (drop --no-chat)")
@@ -152,6 +159,30 @@ def run(argv=None) -> int:
     if args.stats:
         _print_stats(out.result, out.mode, llm.backend.name, len(ids))
     return 0
+
+
+def build_kernels(archs_arg: str) -> int:
+    """--build-kernels: every kernel family for each arch into the kernel cache, in parallel NVRTC processes."""
+    import os
+    import time
+    import runtime.cuda as rc
+    names = [a.strip() for a in archs_arg.split(",") if a.strip()]
+    if names == ["all"]:
+        names = list(rc.ARCHS)
+    try:
+        archs = sorted({rc.resolve_arch(a) for a in names}) if names else [rc.resolve_arch(None)]
+    except ValueError as e:
+        raise CliError(f"--build-kernels: {e}") from None
+    except rc.NoDeviceError as e:
+        raise CliError(f"--build-kernels: no GPU to take the arch from ({e}); name it: --build-kernels "
+                       f"{','.join(rc.ARCHS)} (or all)") from None
+    t0 = time.perf_counter()
+    _notice(f"building the kernels for {', '.join('sm_' + a for a in archs)} into {rc.cache_dir()}")
+    built = rc.compile_all(archs=archs, jobs=os.cpu_count(), progress=True, errors="skip")
+    for (name, arch), e in built.failed.items():
+        _notice(f"FAILED: {name} sm_{arch}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    _notice(f"{len(built)} kernel modules ready, {len(built.failed)} failed, in {time.perf_counter() - t0:.1f} s")
+    return 1 if built.failed else 0
 
 
 def _write(piece: str) -> None:
