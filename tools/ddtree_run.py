@@ -179,8 +179,9 @@ def build_kernels(archs_arg: str) -> int:
     t0 = time.perf_counter()
     _notice(f"building the kernels for {', '.join('sm_' + a for a in archs)} into {rc.cache_dir()}")
     built = rc.compile_all(archs=archs, jobs=os.cpu_count(), progress=True, errors="skip")
-    for (name, arch), e in built.failed.items():
-        _notice(f"FAILED: {name} sm_{arch}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    for i, ((name, arch), e) in enumerate(built.failed.items()):
+        lines = str(e).splitlines() or [type(e).__name__]
+        _notice(f"FAILED: {name} sm_{arch}: " + ("\n".join(lines[:40]) if i == 0 else lines[0]))  # one full log
     _notice(f"{len(built)} kernel modules ready, {len(built.failed)} failed, in {time.perf_counter() - t0:.1f} s")
     return 1 if built.failed else 0
 
@@ -251,6 +252,8 @@ def _print_stats(result, mode, backend_name, prompt_len):
 
 
 def main(argv=None) -> int:
+    import multiprocessing
+    multiprocessing.freeze_support()   # a standalone build (tools/build_binary.py): NVRTC workers re-run this file
     try:
         code = run(argv)
     except CliError as e:

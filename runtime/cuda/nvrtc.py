@@ -87,11 +87,12 @@ def include_dirs() -> tuple[str, ...]:
     _check_cccl_version(cccl)
     cutlass = os.environ.get("DDTREE_CUTLASS_INCLUDE")
     if not cutlass:
+        # the nvidia-cutlass package's folder, or (a standalone build: tools/build_binary.py) its headers alone
         spec = importlib.util.find_spec("cutlass_library")
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError("cannot find CUTLASS headers: install nvidia-cutlass "
-                                    "or set DDTREE_CUTLASS_INCLUDE")
-        cutlass = str(Path(list(spec.submodule_search_locations)[0]) / "source" / "include")
+        if spec is not None and spec.submodule_search_locations:
+            cutlass = str(Path(list(spec.submodule_search_locations)[0]) / "source" / "include")
+        else:
+            cutlass = str(_find_wheel_header_dir("cutlass", ["cutlass_library/source/include"], "cute/tensor.hpp"))
     if not (Path(cutlass) / "cute" / "tensor.hpp").exists():
         raise FileNotFoundError(f"CUTLASS include dir {cutlass} has no cute/tensor.hpp")
     dirs = [kernel_source_dir(), cudart, cccl]

