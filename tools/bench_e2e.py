@@ -26,7 +26,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a short poem 
 
 
 def main(argv=None) -> int:
-    from tools.ddtree_run import CliError, load_drafter, load_target, select_backend
+    from runtime.api import BackendUnavailable, load_drafter, load_target, select_backend
     from runtime.engine import Engine
     from runtime.testing import first_divergence, greedy_split
     from runtime.models.dflash import DFlashDrafter, random_checkpoint
@@ -83,9 +83,12 @@ def main(argv=None) -> int:
             drafter = DFlashDrafter(loader.load_config(config), weights, backend)
             print("bench_e2e: no --draft: random-weight drafter (acceptance ~1; measures overhead, not speedup)",
                   file=sys.stderr)
-    except CliError as e:
-        print(f"bench_e2e: error: {e}", file=sys.stderr)
-        return e.code
+    except BackendUnavailable as e:
+        print(f"bench_e2e: error: --backend {args.backend}: {e}", file=sys.stderr)
+        return 3
+    except loader.LoadError as e:
+        print(f"bench_e2e: error: cannot load: {e}", file=sys.stderr)
+        return 2
 
     engine = Engine(target, drafter)
     prompts = [tok.encode(p) for p in PROMPTS[:args.prompts]]
@@ -187,7 +190,7 @@ def reference_target(args, hf_peer: bool):
     from pathlib import Path
     import loader
     from runtime.backends.numpy_backend import NumpyBackend
-    from tools.ddtree_run import load_target
+    from runtime.api import load_target
     if args.random:
         size = random_shape_bytes(args.random)
     else:
