@@ -260,13 +260,30 @@ class Conversation:
         return out
 
 
-def load(model: Optional[str | Path] = None, draft: Optional[str | Path] = None, backend="auto",
+def default_drafter_dir() -> Path:
+    """Where tools/train_dflash.py writes, and load() looks for, the drafter of the embedded default model:
+    $DDTREE_DRAFTER_HOME (default ~/.cache/ddtree/drafters) / SmolLM2-135M-Instruct-dflash."""
+    import os
+    home = os.environ.get("DDTREE_DRAFTER_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddtree", "drafters")
+    return Path(home) / DEFAULT_DRAFTER_NAME
+
+
+DEFAULT_DRAFTER_NAME = "SmolLM2-135M-Instruct-dflash"
+
+
+def load(model: Optional[str | Path] = None, draft: Optional[str | Path | bool] = None, backend="auto",
          notice: Optional[Callable[[str], None]] = None) -> LLM:
     """An LLM: the target at `model` (a .gguf file or an HF directory; None: the embedded SmolLM2-135M-Instruct),
     with the DFlash drafter at `draft` if given, on `backend`: a name for select_backend ("auto": cuda when a GPU
-    is usable, else numpy) or a backend object."""
+    is usable, else numpy) or a backend object. With neither model nor draft given, the default model's drafter is
+    used when one has been trained into default_drafter_dir() (saying so); draft=False: no drafter in any case."""
     if model is not None and not Path(model).exists():     # cheap checks before a backend starts
         raise LoadError("model path does not exist", model)
+    if draft is None and model is None and (default_drafter_dir() / "config.json").is_file():
+        draft = default_drafter_dir()
+        (notice or (lambda line: None))(f"drafter: {draft} (the default model's; --no-draft to decode without)")
+    draft = None if draft is False else draft
     if draft is not None and not Path(draft).is_dir():
         raise LoadError("drafter directory does not exist", draft)
     b = select_backend(backend, notice) if isinstance(backend, str) else backend

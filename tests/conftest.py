@@ -1,6 +1,15 @@
 """Shared fixtures. GPU tests take `cuda_device`: it skips them, with the reason, when no GPU is usable;
 `dk` is runtime.dense_kernels on that device, `ref` the numpy backend (the float32 oracle)."""
+import os
+
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_default_drafter(tmp_path_factory):
+    """A drafter trained into the developer's ~/.cache (tools/train_dflash.py) must not change what the tests of
+    the default model see: runtime.api looks for it under an empty folder here."""
+    os.environ["DDTREE_DRAFTER_HOME"] = str(tmp_path_factory.mktemp("drafters"))
 
 
 @pytest.fixture(scope="session")

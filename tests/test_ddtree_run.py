@@ -118,6 +118,34 @@ def test_interactive_chat_remembers_until_reset(capsys, monkeypatch):
     assert replies[2] != replies[1] and "conversation reset" in err
 
 
+def test_default_model_takes_its_trained_drafter(tmp_path, capsys, monkeypatch):
+    """With no --model and no --draft, a drafter in runtime.api.default_drafter_dir() is used (DDTree, with a
+    notice); --no-draft decodes without it; the output is the same (lossless)."""
+    import loader
+    from loader import save_safetensors
+    from runtime import api
+    from runtime.models.dflash import random_checkpoint
+    try:
+        loader.default_model_path()
+    except Exception as e:
+        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+    monkeypatch.setenv("DDTREE_DRAFTER_HOME", str(tmp_path))
+    d = api.default_drafter_dir()
+    d.mkdir(parents=True)
+    config, weights = random_checkpoint(576, 30, 49152, taps=(1, 14, 27), block_size=8)
+    (d / "config.json").write_text(json.dumps(config))
+    save_safetensors(d / "model.safetensors", weights)
+    args = ["--backend", "numpy", "--max-new-tokens", "6", "--budget", "4", "--stats", "--no-chat",
+            "The capital of France is"]
+    code, dd_out, err = run_cli(args, capsys)
+    assert code == 0 and f"drafter: {d}" in err and "mode ddtree" in err, err
+    code, ar_out, err = run_cli(["--no-draft"] + args, capsys)
+    assert code == 0 and "mode ar" in err and "drafter" not in err.replace("no drafter", ""), err
+    assert dd_out == ar_out
+    code, _, err = run_cli(["--no-draft", "--draft", str(d), "x"], capsys)
+    assert code == EXIT_USAGE and "--draft and --no-draft" in err
+
+
 def test_build_kernels_ahead_of_time(capsys):
     """--build-kernels ARCH compiles every kernel family for that arch into the cache (NVRTC, no GPU needed; the
     same shared cache test_kernel_build reads), then exits 0 without a prompt or a model; a bad arch is refused."""

