@@ -91,6 +91,12 @@ def test_short_training_run_writes_a_drafter_the_engine_runs(tmp_path, monkeypat
         losses.append(float(loss.detach()))
     assert np.isfinite(losses).all() and np.mean(losses[-5:]) < np.mean(losses[:5])
     dr.save(tmp_path / "d")
+    again = td.Drafter(cfg, "cpu", seed=5)
+    again.load(tmp_path / "d")
+    assert all(torch.equal(again.p[k], v) for k, v in dr.p.items())
+    td.save_answers(tmp_path / "a.npz", data, [0, 1])
+    back = td.load_answers(tmp_path / "a.npz", [0, 1], spec.hidden_size)
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(data, back))
     from runtime.engine import Engine
     from runtime.models.dflash import DFlashDrafter
     dspec, dweights = loader.load_model(tmp_path / "d")

@@ -189,6 +189,23 @@ def generate_answers(target, prompt_ids: list, new_tokens: int, taps, stop_ids, 
     return out
 
 
+def save_answers(path: Path, data, taps) -> None:
+    """The phase-1 answers as one .npz: tokens and tap states concatenated, with offsets and prompt lengths."""
+    lens = np.asarray([len(t) for t, _, _ in data], np.int64)
+    rows = np.asarray([s.shape[0] for _, s, _ in data], np.int64)
+    np.savez(path, taps=np.asarray(taps), lens=lens, rows=rows, prompt_lens=np.asarray([p for _, _, p in data]),
+             tokens=np.concatenate([t for t, _, _ in data]), states=np.concatenate([s for _, s, _ in data]))
+
+
+def load_answers(path: Path, taps, hidden: int):
+    z = np.load(path)
+    if list(z["taps"]) != list(taps) or z["states"].shape[1] != hidden * len(taps):
+        raise SystemExit(f"train_dflash: {path} holds answers for taps {list(z['taps'])}, this run taps {taps}")
+    t_off, s_off = np.concatenate([[0], np.cumsum(z["lens"])]), np.concatenate([[0], np.cumsum(z["rows"])])
+    return [(z["tokens"][t_off[i]:t_off[i + 1]], z["states"][s_off[i]:s_off[i + 1]], int(z["prompt_lens"][i]))
+            for i in range(len(z["lens"]))]
+
+
 # ------------------------------------------------------------------------------------------ drafter (trained)
 def drafter_config(spec, layers: int, block: int, taps, mask_token_id: int) -> dict:
     return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": spec.hidden_size,
@@ -284,6 +301,19 @@ class Drafter:
                 @ p[a + "mlp.down_proj.weight"].T
         return rmsnorm(x, p["norm.weight"], eps).view(A, block, -1)
 
+    def load(self, src: Path) -> None:
+        """Weights of a drafter directory with this configuration (as save writes it)."""
+        import torch
+        import loader
+        spec, ckpt = loader.load_model(src)
+        want = {k: v for k, v in self.cfg.items() if k != "dflash_config"}
+        got = json.loads((Path(src) / "config.json").read_text())
+        if any(got.get(k) != v for k, v in want.items()) or got.get("dflash_config") != self.cfg["dflash_config"]:
+            raise SystemExit(f"train_dflash: --init {src} has another configuration than this run's")
+        with torch.no_grad():
+            for k, v in self.p.items():
+                v.copy_(torch.from_numpy(np.array(ckpt.tensor(k), np.float32)).reshape(v.shape))
+
     def save(self, out: Path) -> None:
         from loader import save_safetensors
         out.mkdir(parents=True, exist_ok=True)
@@ -358,6 +388,9 @@ def main(argv=None) -> int:
     ap.add_argument("--anchors", type=int, default=24, help="blocks per answer per step (default 24)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     ap.add_argument("--decay", type=float, default=4.0, help="loss weight exp(-(k-1)/decay) of block row k")
+    ap.add_argument("--answers", type=Path, help="an .npz of the phase-1 answers: read when it exists (the prompts, "
+                    "target and taps must be the same), else written after phase 1")
+    ap.add_argument("--init", type=Path, help="start from this drafter directory's weights (continue training)")
     ap.add_argument("--device", default="cpu", help="torch device (default cpu)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
@@ -399,8 +432,15 @@ def main(argv=None) -> int:
     rng.shuffle(prompts)
     prompt_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
                   for p in prompts]
-    log(f"phase 1: greedy answers to {len(prompts)} prompts ({args.new_tokens} tokens each at most)")
-    data = generate_answers(target, prompt_ids, args.new_tokens, taps, stops, args.gen_batch, log)
+    if args.answers is not None and args.answers.is_file():
+        data = load_answers(args.answers, taps, spec.hidden_size)
+        log(f"phase 1: {len(data)} answers read from {args.answers}")
+    else:
+        log(f"phase 1: greedy answers to {len(prompts)} prompts ({args.new_tokens} tokens each at most)")
+        data = generate_answers(target, prompt_ids, args.new_tokens, taps, stops, args.gen_batch, log)
+        if args.answers is not None:
+            save_answers(args.answers, data, taps)
+            log(f"answers written to {args.answers}")
     data = [(torch.from_numpy(t).to(args.device), torch.from_numpy(s.astype(np.float32)).to(args.device), p)
             for t, s, p in data]
     rng.shuffle(data)
@@ -409,6 +449,9 @@ def main(argv=None) -> int:
 
     cfg = drafter_config(spec, args.layers, args.block, taps, mask_id)
     drafter = Drafter(cfg, args.device, args.seed, final_norm=target.norm)
+    if args.init is not None:
+        drafter.load(args.init)
+        log(f"weights from {args.init}")
     opt = torch.optim.AdamW(drafter.params(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     warm = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
