@@ -272,21 +272,30 @@ def default_drafter_dir() -> Path:
 DEFAULT_DRAFTER_NAME = "SmolLM2-135M-Instruct-dflash"
 
 
-def load(model: Optional[str | Path] = None, draft: Optional[str | Path | bool] = None, backend="auto",
-         notice: Optional[Callable[[str], None]] = None) -> LLM:
+def load(model: Optional[str | Path] = None, draft: Optional[str | Path] = None, backend="auto",
+         notice: Optional[Callable[[str], None]] = None, default_draft: Optional[bool] = None) -> LLM:
     """An LLM: the target at `model` (a .gguf file or an HF directory; None: the embedded SmolLM2-135M-Instruct),
     with the DFlash drafter at `draft` if given, on `backend`: a name for select_backend ("auto": cuda when a GPU
-    is usable, else numpy) or a backend object. With neither model nor draft given, the default model's drafter is
-    used when one has been trained into default_drafter_dir() (saying so); draft=False: no drafter in any case."""
+    is usable, else numpy) or a backend object.
+
+    With neither model nor draft given, the default model's drafter, when one has been trained into
+    default_drafter_dir(), is used (saying so) on the cuda backend, where a tree verify costs about one step; not on
+    numpy, where it costs several steps' compute and DDTree decodes slower than AR. default_draft=True uses it on any
+    backend, False never."""
     if model is not None and not Path(model).exists():     # cheap checks before a backend starts
         raise LoadError("model path does not exist", model)
-    if draft is None and model is None and (default_drafter_dir() / "config.json").is_file():
-        draft = default_drafter_dir()
-        (notice or (lambda line: None))(f"drafter: {draft} (the default model's; --no-draft to decode without)")
-    draft = None if draft is False else draft
     if draft is not None and not Path(draft).is_dir():
         raise LoadError("drafter directory does not exist", draft)
+    say = notice or (lambda line: None)
     b = select_backend(backend, notice) if isinstance(backend, str) else backend
+    if draft is None and model is None and default_draft is not False \
+            and (default_drafter_dir() / "config.json").is_file():
+        if default_draft or b.name == "cuda":
+            draft = default_drafter_dir()
+            say(f"drafter: {draft} (the default model's; --no-draft to decode without)")
+        else:
+            say(f"the default model's drafter ({default_drafter_dir()}) is left out on the {b.name} backend, where "
+                "DDTree decodes slower than AR (--mode ddtree to use it)")
     target, tok, stops, path = load_target(model, b, notice)
     drafter = load_drafter(draft, target, b) if draft is not None else None
     return LLM(target, tok, stops, drafter, name=path.name, notice=notice)

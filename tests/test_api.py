@@ -127,3 +127,34 @@ def test_default_model_chat_template_by_default():
     out = llm.generate(question, max_new_tokens=6)
     assert len(out.text.split()) >= 3 and out.prompt_tokens == len(ids)
     assert np.all(np.asarray(out.tokens) >= 0)
+
+
+def test_default_drafter_is_taken_on_cuda_only(tmp_path, monkeypatch):
+    """load() with no model and no draft takes the trained default drafter where the backend is cuda (a numpy
+    backend named "cuda" stands in here), leaves it out on numpy unless default_draft=True, never with False."""
+    import json
+    import loader
+    from loader import save_safetensors
+    from runtime.backends.numpy_backend import NumpyBackend
+    from runtime.models.dflash import random_checkpoint
+    try:
+        loader.default_model_path()
+    except Exception as e:
+        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+    monkeypatch.setenv("DDTREE_DRAFTER_HOME", str(tmp_path))
+    d = api.default_drafter_dir()
+    d.mkdir(parents=True)
+    config, weights = random_checkpoint(576, 30, 49152, taps=(1, 14, 27), block_size=4)
+    (d / "config.json").write_text(json.dumps(config))
+    save_safetensors(d / "model.safetensors", weights)
+
+    class CudaNamed(NumpyBackend):
+        name = "cuda"
+    said = []
+    assert api.load(backend=CudaNamed(), notice=said.append).drafter is not None
+    assert any(s.startswith(f"drafter: {d}") for s in said)
+    said.clear()
+    assert api.load(backend="numpy", notice=said.append).drafter is None
+    assert any("left out on the numpy backend" in s for s in said)
+    assert api.load(backend="numpy", default_draft=True).drafter is not None
+    assert api.load(backend=CudaNamed(), default_draft=False).drafter is None

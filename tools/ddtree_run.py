@@ -128,9 +128,9 @@ def run(argv=None) -> int:
         raise CliError(f"drafter directory does not exist: {args.draft}")
     if args.draft is not None and args.no_draft:
         raise CliError("--draft and --no-draft together")
+    speculative = args.mode in ("chain", "ddtree")
     default_drafter = args.model is None and (api.default_drafter_dir() / "config.json").is_file()
-    has_drafter = args.draft is not None or (default_drafter and not args.no_draft)
-    if args.mode not in (None, "ar") and not has_drafter:
+    if speculative and (args.no_draft or (args.draft is None and not default_drafter)):
         raise CliError(f"--mode {args.mode} needs a DFlash drafter (--draft DIR)")
     if args.system is not None and args.chat is False:
         raise CliError("--system needs the chat template (drop --no-chat)")
@@ -140,12 +140,13 @@ def run(argv=None) -> int:
     except api.BackendUnavailable as e:
         raise CliError(f"--backend {args.backend}: {e}", EXIT_BACKEND) from None
     try:
-        llm = api.load(args.model, False if args.no_draft else args.draft, backend, notice=_notice)
+        llm = api.load(args.model, args.draft, backend, notice=_notice,
+                       default_draft=False if args.no_draft else True if speculative else None)
     except api.BackendUnavailable as e:
         raise CliError(str(e), EXIT_BACKEND) from None
     except LoadError as e:
         raise CliError(f"cannot load: {e}") from None
-    if llm.drafter is None and not args.no_draft:
+    if llm.drafter is None and not args.no_draft and not default_drafter:
         _notice(f"no drafter for {llm.name}: decoding autoregressively (pass --draft DIR for DDTree)")
     mode = args.mode or ("ddtree" if llm.drafter is not None else "ar")
     gen = dict(mode=mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
