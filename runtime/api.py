@@ -201,7 +201,9 @@ class LLM:
         """Generate after `prompt` (text, chat messages, or token ids used as they are). mode: "ddtree" (default
         with a drafter), "chain" or "ar" (default without). on_text(piece) receives the text as it is committed
         (a piece never ends inside a multi-byte character)."""
-        if not isinstance(prompt, str) and len(prompt) and all(isinstance(t, (int, np.integer)) for t in prompt):
+        if not isinstance(prompt, str) and len(prompt) == 0:
+            raise ValueError("an empty prompt (no text, messages or token ids)")
+        if not isinstance(prompt, str) and all(isinstance(t, (int, np.integer)) for t in prompt):
             ids = [int(t) for t in prompt]
         else:
             ids = self.encode(prompt, chat, system)

@@ -88,6 +88,8 @@ def test_bad_input_raises_clear_errors(tiny_dirs, tmp_path):
         llm.encode(PROMPT, chat=False, system="be brief")
     with pytest.raises(ValueError, match="needs the chat template"):
         llm.encode([{"role": "user", "content": PROMPT}], chat=False)
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([])
     with pytest.raises(ValueError, match="max_new_tokens"):
         llm.generate(PROMPT, max_new_tokens=0)
 
