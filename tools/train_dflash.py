@@ -159,6 +159,7 @@ def generate_answers(target, prompt_ids: list, new_tokens: int, taps, stop_ids, 
             n = len(prompt_ids[i])
             ids[r, P - n:] = torch.tensor(prompt_ids[i])
             real[r, P - n:] = True
+        ids, real = ids.to(target.device), real.to(target.device)
         pos = (real.long().cumsum(1) - 1).clamp(min=0)
         cache = [None] * len(target.layers)
         tap_rows = []
@@ -169,14 +170,14 @@ def generate_answers(target, prompt_ids: list, new_tokens: int, taps, stop_ids, 
             tap_rows.append(torch.cat([tapped[t] for t in taps], -1))
             for _ in range(new_tokens):
                 nxt = logits.argmax(-1)
-                for r in range(len(idx)):
+                for r, t in enumerate(nxt.tolist()):     # one device-to-host copy per step
                     if not done[r]:
-                        seqs[r].append(int(nxt[r]))
-                        done[r] = int(nxt[r]) in stop_ids
+                        seqs[r].append(t)
+                        done[r] = t in stop_ids
                 if all(done):
                     break
                 pos = pos[:, -1:] + 1
-                real = torch.cat([real, torch.ones(len(idx), 1, dtype=torch.bool)], 1)
+                real = torch.cat([real, torch.ones(len(idx), 1, dtype=torch.bool, device=real.device)], 1)
                 logits, tapped, cache = target.step(nxt[:, None], pos, real, cache, taps)
                 tap_rows.append(torch.cat([tapped[t] for t in taps], -1))
         states = torch.cat(tap_rows, 1)                       # [B, P + steps, taps * hidden]
@@ -184,7 +185,7 @@ def generate_answers(target, prompt_ids: list, new_tokens: int, taps, stop_ids, 
             n = len(prompt_ids[i])
             m = len(seqs[r])
             # row j of states is the state after token j of the padded sequence; our token j' = P - n + j'
-            out.append((np.asarray(seqs[r], np.int64), states[r, P - n:P - n + m].to(torch.float16).numpy(), n))
+            out.append((np.asarray(seqs[r], np.int64), states[r, P - n:P - n + m].to(torch.float16).cpu().numpy(), n))
         log(f"answers {min(b0 + batch, len(order))}/{len(order)} ({time.perf_counter() - t0:.0f} s)")
     return out
 
@@ -328,6 +329,7 @@ def block_loss(drafter, target, seq, anchors, block: int, decay: float):
     import torch.nn.functional as F
     tokens, states = seq
     T = tokens.shape[0]
+    anchors = anchors.to(tokens.device)
     hidden = drafter.forward(target, states, tokens, anchors, block)[:, 1:]             # rows 1..B-1
     lab_pos = anchors[:, None] + torch.arange(1, block, device=tokens.device)[None]
     valid = lab_pos < T
@@ -351,8 +353,8 @@ def evaluate(drafter, target, seqs, block: int, anchors_per_seq: int, rng) -> tu
             if anchors is None:
                 continue
             _, hit, valid = block_loss(drafter, target, (tokens, states), anchors, block, 1.0)
-            hits += hit.sum(0).float()
-            valids += valid.sum(0).float()
+            hits += hit.sum(0).float().cpu()
+            valids += valid.sum(0).float().cpu()
             lead = torch.cumprod(hit.long(), 1).sum(1)     # leading correct drafts per anchor
             accepted += (1 + lead).tolist()
     return (hits / valids.clamp(min=1)).tolist(), float(np.mean(accepted)) if accepted else float("nan")
