@@ -194,8 +194,14 @@ class LLM:
             raise ValueError("the prompt encodes to no tokens")
         return ids
 
+    def default_budget(self) -> int:
+        """DDTree's node budget when none is given: 64 on cuda (a verify of 65 rows costs about one AR step on a
+        GPU), 8 on the numpy backend (its verify costs grow with the rows: b8 committed the most per second of
+        b4 / b8 / b16 with a SmolLM2 drafter on the CPU, PERF.md session (21))."""
+        return 64 if self.backend.name == "cuda" else 8
+
     def generate(self, prompt: str | Sequence[dict] | Sequence[int], *, max_new_tokens: int = 128,
-                 mode: Optional[str] = None, budget: int = 64, temperature: float = 0.0, seed: int = 0,
+                 mode: Optional[str] = None, budget: Optional[int] = None, temperature: float = 0.0, seed: int = 0,
                  chat: Optional[bool] = None, system: Optional[str] = None,
                  on_text: Optional[Callable[[str], None]] = None) -> Completion:
         """Generate after `prompt` (text, chat messages, or token ids used as they are). mode: "ddtree" (default
@@ -223,7 +229,8 @@ class LLM:
             shown[0] = text
 
         result = self.engine.generate(ids, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      seed=seed, stop_token_ids=self.stop_ids, budget=budget,
+                                      seed=seed, stop_token_ids=self.stop_ids,
+                                      budget=self.default_budget() if budget is None else budget,
                                       on_tokens=stream if on_text is not None else None)
         text = self.tokenizer.decode([t for t in result.tokens if t not in stops])
         if on_text is not None and len(text) > len(shown[0]):

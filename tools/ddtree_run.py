@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-draft", action="store_true", help="decode without a drafter (autoregressive)")
     p.add_argument("--mode", choices=("ar", "chain", "ddtree"),
                    help="decoding mode (default: ddtree with a drafter, else ar)")
-    p.add_argument("--budget", type=_positive_int, default=64, help="DDTree node budget (default 64)")
+    p.add_argument("--budget", type=_positive_int,
+                   help="DDTree node budget (default 64 on cuda, 8 on the numpy backend)")
     p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=_seed, default=0,
                    help="sampling seed, 0..2**64-1 (default 0); the token after position p depends only on "
