@@ -70,6 +70,13 @@ if [ -n "${DDTREE_SMOLLM2_GGUF:-}" ]; then
   step bench_e2e_drafter python3 -m tools.bench_e2e --backend cuda --model "$DDTREE_SMOLLM2_GGUF" \
     --draft /tmp/smollm2-dflash --budgets 8,16,32,64 --max-new-tokens 128
 fi
+# The standalone binary (tools/build_binary.py) on the GPU: built here (carry the PyInstaller wheel), then run on the
+# cuda backend from its own folder
+if python3 -c "import PyInstaller" 2>/dev/null; then
+  step binary_build python3 -m tools.build_binary --out /tmp/ddtree-dist --no-default-model
+  [ -n "${DDTREE_SMOLLM2_GGUF:-}" ] && step binary_cuda /tmp/ddtree-dist/ddtree-run/ddtree-run --backend cuda \
+    --model "$DDTREE_SMOLLM2_GGUF" --stats --max-new-tokens 64 "Why is the sky blue?"
+fi
 # Verify step time vs budget (issue 6): a Qwen3-8B-shaped random bf16 model (16 GB, built in memory), prefix
 # 1024, graph replay of the one-token step and of verify at budgets 16..256 as ratios to it, weights / time vs
 # the read bandwidth, the target line "budget 64 <= 1.25x AR", and the per-op table of AR vs verify b64.
