@@ -203,10 +203,12 @@ class LLM:
     def generate(self, prompt: str | Sequence[dict] | Sequence[int], *, max_new_tokens: int = 128,
                  mode: Optional[str] = None, budget: Optional[int] = None, temperature: float = 0.0, seed: int = 0,
                  chat: Optional[bool] = None, system: Optional[str] = None,
-                 on_text: Optional[Callable[[str], None]] = None) -> Completion:
+                 on_text: Optional[Callable[[str], None]] = None, keep_cache: bool = False) -> Completion:
         """Generate after `prompt` (text, chat messages, or token ids used as they are). mode: "ddtree" (default
         with a drafter), "chain" or "ar" (default without). on_text(piece) receives the text as it is committed
-        (a piece never ends inside a multi-byte character)."""
+        (a piece never ends inside a multi-byte character). keep_cache: keep the KV caches for the next call and
+        start from the last kept ones where this prompt begins with their tokens (runtime.engine; a conversation's
+        turns do this)."""
         if not isinstance(prompt, str) and len(prompt) == 0:
             raise ValueError("an empty prompt (no text, messages or token ids)")
         if not isinstance(prompt, str) and all(isinstance(t, (int, np.integer)) for t in prompt):
@@ -231,7 +233,7 @@ class LLM:
         result = self.engine.generate(ids, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
                                       seed=seed, stop_token_ids=self.stop_ids,
                                       budget=self.default_budget() if budget is None else budget,
-                                      on_tokens=stream if on_text is not None else None)
+                                      on_tokens=stream if on_text is not None else None, keep_cache=keep_cache)
         text = self.tokenizer.decode([t for t in result.tokens if t not in stops])
         if on_text is not None and len(text) > len(shown[0]):
             on_text(text[len(shown[0]):])          # what a trailing partial character held back
@@ -244,7 +246,9 @@ class LLM:
 
 class Conversation:
     """A multi-turn chat on an LLM: send(text) appends the user message, generates the reply through the chat
-    template over the whole conversation (re-encoded and prefilled each turn) and appends it. `messages` is the
+    template over the whole conversation and appends it; the KV caches are kept between turns, so a turn prefills
+    only the tokens past what the last one left in them (one kept cache per LLM: conversations that take turns on
+    one LLM prefill each turn whole, with the same replies). `messages` is the
     history ({'role', 'content'}), system message first when given."""
 
     def __init__(self, llm: LLM, system: Optional[str] = None):
@@ -264,6 +268,7 @@ class Conversation:
         if not isinstance(text, str) or not text.strip():
             raise ValueError("a chat message needs some text")
         turn = self.messages + [{"role": "user", "content": text}]
+        generate_kwargs.setdefault("keep_cache", True)     # the next turn prefills only its new tokens
         out = self.llm.generate(turn, chat=True, **generate_kwargs)
         self.messages = turn + [{"role": "assistant", "content": out.text}]
         return out

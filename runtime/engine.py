@@ -47,6 +47,7 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     rounds: list = field(default_factory=list)
+    reused_tokens: int = 0              # prompt tokens whose KV came from a kept cache (Engine.generate keep_cache)
 
     @property
     def mean_accepted(self) -> float:
@@ -76,15 +77,16 @@ def concat_taps(backend, tapped: dict, layer_ids):
 
 
 def prefill(backend, target, cache, prompt, chunk_size: int, drafter=None, dcache=None):
-    """Chunked prefill of `prompt` into `cache` (and, with `dcache`, the drafter's context from the target's
-    tap layers); returns the hidden state of the last prompt position and that position as a backend int32
+    """Chunked prefill of `prompt` into `cache` after its `length` committed slots (and, with `dcache`, the
+    drafter's context from the target's tap layers); returns the hidden state of the last prompt position and that position as a backend int32
     array [1] (what the first token's sample is keyed by). In chunks so the attention scratch stays
     [chunk, prefix + chunk] however long the prompt."""
     b = backend
     taps = drafter.target_layer_ids if dcache is not None else ()
+    base = cache.length                   # > 0 when a kept cache already holds the prompt's first tokens
     for c0 in range(0, len(prompt), chunk_size):
         chunk = prompt[c0:c0 + chunk_size]
-        positions = b.from_host(np.arange(c0, c0 + len(chunk), dtype=np.int32))
+        positions = b.from_host(np.arange(base + c0, base + c0 + len(chunk), dtype=np.int32))
         h, tapped = target.forward(cache, b.from_host(chunk), positions, b.from_host(causal_visibility(len(chunk))),
                                    taps)
         cache.length += len(chunk)
@@ -130,6 +132,7 @@ class Engine:
         self.target, self.drafter, self.prefill_chunk = target, drafter, prefill_chunk
         self.backend = target.backend
         self._tree_workspace = None
+        self._kept = None                 # (tokens held, cache, drafter cache) of the last keep_cache call
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _pick(self, logits, temperature: float, positions, key) -> np.ndarray:
@@ -141,7 +144,11 @@ class Engine:
     # ---- public -------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], *, mode: str = "ar", max_new_tokens: int = 64,
                  temperature: float = 0.0, seed: int = 0, stop_token_ids: Sequence[int] = (),
-                 budget: int = 64, on_tokens: Optional[Callable[[list], None]] = None) -> GenerationResult:
+                 budget: int = 64, on_tokens: Optional[Callable[[list], None]] = None,
+                 keep_cache: bool = False) -> GenerationResult:
+        """Decode after prompt_ids. keep_cache: keep this call's KV caches, and start from the last kept ones where
+        the prompt begins with the tokens they hold (a conversation's next turn prefills only its new tokens;
+        the plain loop on any backend: the CUDA graph decoder prefills the whole prompt, which costs it little)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode != "ar" and self.drafter is None:
@@ -165,11 +172,16 @@ class Engine:
         p = len(prompt)
         block = self.drafter.block_size if self.drafter is not None else 1
         capacity = p + max_new_tokens + max(budget, block) + 2
-        cache = tgt.new_cache(capacity)
-        dcache = self.drafter.new_cache(capacity + block) if mode != "ar" else None
+        reused, cache, dcache = self._reuse(prompt, mode, capacity, block) if keep_cache else (0, None, None)
+        if cache is None:
+            if keep_cache:                # room for the turns to come: the next power of two, at least 1024
+                capacity = max(1024, 1 << (capacity - 1).bit_length())
+            cache = tgt.new_cache(capacity)
+            dcache = self.drafter.new_cache(capacity + block) if mode != "ar" else None
+        self._kept = None
 
         t0 = time.perf_counter()
-        h_last, pos_last = prefill(b, tgt, cache, prompt, self.prefill_chunk, self.drafter, dcache)
+        h_last, pos_last = prefill(b, tgt, cache, prompt[reused:], self.prefill_chunk, self.drafter, dcache)
         first = int(self._pick(tgt.logits(h_last), temperature, pos_last, key)[0])
         prefill_s = time.perf_counter() - t0
 
@@ -177,8 +189,31 @@ class Engine:
             step = lambda last: self._ar_step(cache, last, temperature, key)
         else:
             step = lambda last: self._spec_round(cache, dcache, last, mode, budget, temperature, key)
-        return decode_rounds(first, step, max_new_tokens=max_new_tokens, stops=stops, on_tokens=on_tokens,
-                             prefill_s=prefill_s)
+        result = decode_rounds(first, step, max_new_tokens=max_new_tokens, stops=stops, on_tokens=on_tokens,
+                               prefill_s=prefill_s)
+        result.reused_tokens = reused
+        if keep_cache:                    # the cache holds the first cache.length tokens of prompt + output
+            held = np.concatenate([prompt, np.asarray(result.tokens, np.int32)])[:cache.length]
+            self._kept = (held, cache, dcache)
+        return result
+
+    def _reuse(self, prompt, mode: str, capacity: int, block: int):
+        """(tokens reused, cache, drafter cache) from the kept caches: the longest common prefix of the prompt and
+        the tokens they hold, less the prompt's last token (its logits start the decode); (0, None, None) where
+        nothing is kept, the drafter context is missing (or not wanted) for this mode, or the room is short."""
+        if self._kept is None:
+            return 0, None, None
+        held, cache, dcache = self._kept
+        if (dcache is None) != (mode == "ar") or cache.capacity < capacity \
+                or (dcache is not None and dcache.capacity < capacity + block):
+            return 0, None, None
+        n = min(len(held), len(prompt) - 1)
+        diff = np.nonzero(held[:n] != prompt[:n])[0]
+        reused = int(diff[0]) if len(diff) else n
+        cache.length = reused
+        if dcache is not None:
+            dcache.length = reused
+        return reused, cache, dcache
 
     def _ar_step(self, cache, last: int, temperature, key):
         b, tgt = self.backend, self.target

@@ -66,6 +66,27 @@ def test_conversation_keeps_the_history_of_complete_turns(tiny_dirs):
     assert conv.messages == [{"role": "system", "content": "w5 w6"}]
 
 
+def test_kept_cache_gives_the_same_turns(tiny_dirs):
+    """A conversation keeps the KV caches between turns (the next turn prefills only its new tokens) and replies
+    exactly as one that prefills every turn whole, for AR and for DDTree (whose drafter context is kept too)."""
+    target_dir, draft_dir = tiny_dirs
+    for draft, mode in ((None, "ar"), (draft_dir, "ddtree")):
+        llm = api.load(target_dir, draft=draft, backend="numpy")
+        # one kept cache per LLM (its engine): the fresh conversation runs on a second one
+        kept, fresh = llm.chat(system="w5 w6"), api.load(target_dir, draft=draft, backend="numpy").chat(system="w5 w6")
+        for text in ("w3 w17", "w42 w8", "w91"):
+            a = kept.send(text, max_new_tokens=8, mode=mode, budget=8)
+            b = fresh.send(text, max_new_tokens=8, mode=mode, budget=8, keep_cache=False)
+            assert a.tokens == b.tokens, (mode, text)
+            assert b.result.reused_tokens == 0
+        assert a.result.reused_tokens > 0 and a.result.reused_tokens < a.prompt_tokens, mode
+        assert kept.messages == fresh.messages
+        # a prompt that shares nothing reuses nothing, and the answer is still the fresh one's
+        other = llm.generate("w60 w61", max_new_tokens=6, mode=mode, budget=8, keep_cache=True)
+        assert other.result.reused_tokens == 0
+        assert other.tokens == llm.generate("w60 w61", max_new_tokens=6, mode=mode, budget=8).tokens
+
+
 def test_bad_input_raises_clear_errors(tiny_dirs, tmp_path):
     target_dir, draft_dir = tiny_dirs
     with pytest.raises(LoadError, match="model path does not exist"):
