@@ -284,6 +284,17 @@ def default_drafter_dir() -> Path:
 
 
 DEFAULT_DRAFTER_NAME = "SmolLM2-135M-Instruct-dflash"
+BUNDLED_DRAFTERS = "ddtree_drafters"    # a folder on sys.path that a standalone build carries (build_binary --draft)
+
+
+def find_default_drafter() -> Optional[Path]:
+    """The default model's drafter: the one trained into default_drafter_dir(), else one a standalone build carries
+    (BUNDLED_DRAFTERS/DEFAULT_DRAFTER_NAME on sys.path), else None."""
+    import sys
+    for folder in [default_drafter_dir()] + [Path(p) / BUNDLED_DRAFTERS / DEFAULT_DRAFTER_NAME for p in sys.path if p]:
+        if (folder / "config.json").is_file():
+            return folder
+    return None
 
 
 def load(model: Optional[str | Path] = None, draft: Optional[str | Path] = None, backend="auto",
@@ -292,8 +303,8 @@ def load(model: Optional[str | Path] = None, draft: Optional[str | Path] = None,
     with the DFlash drafter at `draft` if given, on `backend`: a name for select_backend ("auto": cuda when a GPU
     is usable, else numpy) or a backend object.
 
-    With neither model nor draft given, the default model's drafter, when one has been trained into
-    default_drafter_dir(), is used (saying so) on the cuda backend, where a tree verify costs about one step; not on
+    With neither model nor draft given, the default model's drafter (find_default_drafter: trained into
+    default_drafter_dir(), or carried by a standalone build) is used (saying so) on the cuda backend, where a tree verify costs about one step; not on
     numpy, where it costs several steps' compute and DDTree decodes slower than AR. default_draft=True uses it on any
     backend, False never."""
     if model is not None and not Path(model).exists():     # cheap checks before a backend starts
@@ -302,14 +313,14 @@ def load(model: Optional[str | Path] = None, draft: Optional[str | Path] = None,
         raise LoadError("drafter directory does not exist", draft)
     say = notice or (lambda line: None)
     b = select_backend(backend, notice) if isinstance(backend, str) else backend
-    if draft is None and model is None and default_draft is not False \
-            and (default_drafter_dir() / "config.json").is_file():
+    found = find_default_drafter() if draft is None and model is None and default_draft is not False else None
+    if found is not None:
         if default_draft or b.name == "cuda":
-            draft = default_drafter_dir()
+            draft = found
             say(f"drafter: {draft} (the default model's; --no-draft to decode without)")
         else:
-            say(f"the default model's drafter ({default_drafter_dir()}) is left out on the {b.name} backend, where "
-                "DDTree decodes slower than AR (--mode ddtree to use it)")
+            say(f"the default model's drafter ({found}) is left out on the {b.name} backend, where DDTree decodes "
+                "slower than AR (--mode ddtree to use it)")
     target, tok, stops, path = load_target(model, b, notice)
     drafter = load_drafter(draft, target, b) if draft is not None else None
     return LLM(target, tok, stops, drafter, name=path.name, notice=notice)

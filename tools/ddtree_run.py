@@ -130,7 +130,7 @@ def run(argv=None) -> int:
     if args.draft is not None and args.no_draft:
         raise CliError("--draft and --no-draft together")
     speculative = args.mode in ("chain", "ddtree")
-    default_drafter = args.model is None and (api.default_drafter_dir() / "config.json").is_file()
+    default_drafter = args.model is None and api.find_default_drafter() is not None
     if speculative and (args.no_draft or (args.draft is None and not default_drafter)):
         raise CliError(f"--mode {args.mode} needs a DFlash drafter (--draft DIR)")
     if args.system is not None and args.chat is False:
