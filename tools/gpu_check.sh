@@ -66,7 +66,7 @@ step bench_e2e_cuda python3 -m tools.bench_e2e --backend cuda --budgets 16,64,25
 # with it end to end: real acceptance and speedup over AR (the rows above use a random drafter)
 if [ -n "${DDTREE_SMOLLM2_GGUF:-}" ]; then
   step train_drafter python3 -m tools.train_dflash --model "$DDTREE_SMOLLM2_GGUF" --out /tmp/smollm2-dflash \
-    --device cuda --layers 3 --steps 3000 --batch 8 --anchors 16
+    --device cuda --layers 3 --new-tokens 384 --steps 3000 --batch 8 --anchors 16
   step bench_e2e_drafter python3 -m tools.bench_e2e --backend cuda --model "$DDTREE_SMOLLM2_GGUF" \
     --draft /tmp/smollm2-dflash --budgets 8,16,32,64 --max-new-tokens 128
 fi
