@@ -5,7 +5,7 @@ import pytest
 
 from loader import LoadError
 from runtime import api
-from test_ddtree_run import tiny_model_dirs
+from test_ddtree_run import need_default_model, tiny_model_dirs, write_smollm2_drafter
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +132,7 @@ def test_cuda_backend_unavailable_without_a_gpu():
 def test_default_model_chat_template_by_default():
     """The embedded SmolLM2-135M-Instruct: a question goes through its chat template unless chat=False; a message
     list and a system message are rendered by the same template."""
-    import loader
-    try:
-        loader.default_model_path()
-    except Exception as e:
-        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+    need_default_model()
     said = []
     llm = api.load(backend="numpy", notice=said.append)
     assert llm.has_chat_template
@@ -155,21 +151,10 @@ def test_default_model_chat_template_by_default():
 def test_default_drafter_is_taken_on_cuda_only(tmp_path, monkeypatch):
     """load() with no model and no draft takes the trained default drafter where the backend is cuda (a numpy
     backend named "cuda" stands in here), leaves it out on numpy unless default_draft=True, never with False."""
-    import json
-    import loader
-    from loader import save_safetensors
     from runtime.backends.numpy_backend import NumpyBackend
-    from runtime.models.dflash import random_checkpoint
-    try:
-        loader.default_model_path()
-    except Exception as e:
-        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+    need_default_model()
     monkeypatch.setenv("DDTREE_DRAFTER_HOME", str(tmp_path))
-    d = api.default_drafter_dir()
-    d.mkdir(parents=True)
-    config, weights = random_checkpoint(576, 30, 49152, taps=(1, 14, 27), block_size=4)
-    (d / "config.json").write_text(json.dumps(config))
-    save_safetensors(d / "model.safetensors", weights)
+    d = write_smollm2_drafter(api.default_drafter_dir())
 
     class CudaNamed(NumpyBackend):
         name = "cuda"

@@ -62,11 +62,7 @@ def test_cuda_backend_without_gpu(capsys):
 
 
 def test_default_model_runs(capsys):
-    import loader
-    try:
-        loader.default_model_path()
-    except Exception as e:
-        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+    need_default_model()
     code, out, err = run_cli(["--backend", "numpy", "--max-new-tokens", "3", "--stats", "--no-chat",
                               "The capital of France is"], capsys)
     assert code == 0, err
@@ -78,11 +74,7 @@ def test_default_model_answers_a_question_through_its_chat_template(capsys, monk
     """An instruct model's chat template is applied by default: SmolLM2-Instruct given the raw question stops at
     once (its first token is the end of turn), through the template it answers. The prompt may come from stdin."""
     import io
-    import loader
-    try:
-        loader.default_model_path()
-    except Exception as e:
-        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+    need_default_model()
     args = ["--backend", "numpy", "--max-new-tokens", "8", "--stats"]
     code, out, err = run_cli(args + ["Why is the sky blue?"], capsys)
     assert code == 0, err
@@ -100,11 +92,7 @@ def test_interactive_chat_remembers_until_reset(capsys, monkeypatch):
     """ddtree-run -i on the embedded SmolLM2: one message per stdin line, the second answer uses the first turn,
     /reset forgets it, /exit ends; --no-chat is refused."""
     import io
-    import loader
-    try:
-        loader.default_model_path()
-    except Exception as e:
-        pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+    need_default_model()
     code, _, err = run_cli(["-i", "--no-chat"], capsys)
     assert code == EXIT_USAGE and "--interactive needs the chat template" in err
     lines = "What is the capital of France?\nAnd of Germany?\n\n/reset\nAnd of Germany?\n/exit\nnot read\n"
@@ -118,24 +106,34 @@ def test_interactive_chat_remembers_until_reset(capsys, monkeypatch):
     assert replies[2] != replies[1] and "conversation reset" in err
 
 
-def test_default_model_takes_its_trained_drafter(tmp_path, capsys, monkeypatch):
-    """With no --model and no --draft, a drafter in runtime.api.default_drafter_dir() is used on cuda (not tested
-    here), left out with a notice on numpy unless --mode ddtree asks for it; --no-draft never; the output is the
-    same (lossless)."""
-    import loader
+def write_smollm2_drafter(folder, block_size: int = 4):
+    """A random-weight DFlash drafter of SmolLM2-135M's shape (taps 1 / 14 / 27) written into folder (made here):
+    losslessness does not depend on the drafter's weights."""
     from loader import save_safetensors
-    from runtime import api
     from runtime.models.dflash import random_checkpoint
+    folder.mkdir(parents=True)
+    config, weights = random_checkpoint(576, 30, 49152, taps=(1, 14, 27), block_size=block_size)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_safetensors(folder / "model.safetensors", weights)
+    return folder
+
+
+def need_default_model():
+    import loader
     try:
         loader.default_model_path()
     except Exception as e:
         pytest.skip(f"default SmolLM2 GGUF not available: {e}")
+
+
+def test_default_model_takes_its_trained_drafter(tmp_path, capsys, monkeypatch):
+    """With no --model and no --draft, a drafter in runtime.api.default_drafter_dir() is used on cuda (not tested
+    here), left out with a notice on numpy unless --mode ddtree asks for it; --no-draft never; the output is the
+    same (lossless)."""
+    from runtime import api
+    need_default_model()
     monkeypatch.setenv("DDTREE_DRAFTER_HOME", str(tmp_path))
-    d = api.default_drafter_dir()
-    d.mkdir(parents=True)
-    config, weights = random_checkpoint(576, 30, 49152, taps=(1, 14, 27), block_size=8)
-    (d / "config.json").write_text(json.dumps(config))
-    save_safetensors(d / "model.safetensors", weights)
+    d = write_smollm2_drafter(api.default_drafter_dir(), block_size=8)
     args = ["--backend", "numpy", "--max-new-tokens", "6", "--budget", "4", "--stats", "--no-chat",
             "The capital of France is"]
     code, ar_out, err = run_cli(args, capsys)       # numpy: left out (DDTree is slower than AR on a CPU), said so
