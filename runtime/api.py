@@ -28,6 +28,10 @@ from loader import LoadError
 BACKENDS = ("auto", "cuda", "numpy")
 
 
+def _silent(line: str) -> None:
+    """The notice callback when the caller gave none."""
+
+
 class BackendUnavailable(RuntimeError):
     """The backend asked for cannot run here (no GPU, no driver), or cannot run this model."""
 
@@ -37,7 +41,7 @@ def select_backend(name: str = "auto", notice: Optional[Callable[[str], None]] =
     `notice`). "cuda" where no GPU is usable raises BackendUnavailable with the driver's reason."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    say = notice or (lambda line: None)
+    say = notice or _silent
     if name == "numpy":
         from runtime.backends.numpy_backend import NumpyBackend
         return NumpyBackend()
@@ -112,7 +116,7 @@ def load_target(model: Optional[str | Path], backend, notice: Optional[Callable[
             raise LoadError("this is a DFlash drafter: pass it as the drafter and give the target as the model",
                             path)
         tok = loader.load_tokenizer(path)
-    progress = LoadProgress(path.name, getattr(spec, "num_hidden_layers", 0), notice or (lambda line: None))
+    progress = LoadProgress(path.name, getattr(spec, "num_hidden_layers", 0), notice or _silent)
     try:
         target = build_model(spec, Weights(weights, on_layer=progress), backend)
     except KeyError as e:                       # a tensor the model needs is not in the checkpoint
@@ -162,7 +166,7 @@ class LLM:
         self.stop_ids, self.name = tuple(stop_ids), name
         self.backend = target.backend
         self.engine = Engine(target, drafter)
-        self._notice = notice or (lambda line: None)
+        self._notice = notice or _silent
 
     @property
     def has_chat_template(self) -> bool:
@@ -311,7 +315,7 @@ def load(model: Optional[str | Path] = None, draft: Optional[str | Path] = None,
         raise LoadError("model path does not exist", model)
     if draft is not None and not Path(draft).is_dir():
         raise LoadError("drafter directory does not exist", draft)
-    say = notice or (lambda line: None)
+    say = notice or _silent
     b = select_backend(backend, notice) if isinstance(backend, str) else backend
     found = find_default_drafter() if draft is None and model is None and default_draft is not False else None
     if found is not None:

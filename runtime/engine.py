@@ -78,8 +78,8 @@ def concat_taps(backend, tapped: dict, layer_ids):
 
 def prefill(backend, target, cache, prompt, chunk_size: int, drafter=None, dcache=None):
     """Chunked prefill of `prompt` into `cache` after its `length` committed slots (and, with `dcache`, the
-    drafter's context from the target's tap layers); returns the hidden state of the last prompt position and that position as a backend int32
-    array [1] (what the first token's sample is keyed by). In chunks so the attention scratch stays
+    drafter's context from the target's tap layers); returns the hidden state of the last prompt position and that
+    position as a backend int32 array [1] (what the first token's sample is keyed by). In chunks so the attention scratch stays
     [chunk, prefix + chunk] however long the prompt."""
     b = backend
     taps = drafter.target_layer_ids if dcache is not None else ()

@@ -107,3 +107,17 @@ def test_short_training_run_writes_a_drafter_the_engine_runs(tmp_path, monkeypat
     ar = eng.generate(prompt, mode="ar", max_new_tokens=16)
     dd = eng.generate(prompt, mode="ddtree", budget=8, max_new_tokens=16)
     assert dd.tokens == ar.tokens
+
+
+def test_bad_arguments_are_refused_before_any_work(capsys):
+    """Counts out of range, a non-positive learning rate and tap layers outside the target: exit 2 with the
+    reason (no traceback, no model answered)."""
+    cases = [(["--steps", "0"], "--steps 0"), (["--block", "1", "--lr", "0"], "--block 1, --lr 0.0")]
+    try:
+        loader.default_model_path()       # the taps are checked against the target, so it is loaded first
+        cases += [(["--taps", "1,x"], "--taps '1,x'"), (["--taps", "1,99"], "--taps '1,99'")]
+    except loader.LoadError:
+        pass
+    for argv, reason in cases:
+        assert td.main(argv + ["--out", "/nonexistent/never-written"]) == 2
+        assert reason in capsys.readouterr().err

@@ -174,12 +174,12 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                              for k in (8, 4, 2) for p in (False, True)]
             if gmma and M >= 9:  # the sm_90a GMMA kernel (runtime/dense_gmma.py), every model's shapes
                 # base: the mma.sync kernel the auto plan picked for M >= 9 before the GMMA hook (chunked)
+                # workspace splits only where the unsplit two-warpgroup blocks leave SMs idle (to fill one wave)
                 tn = dg.token_tile(M)
                 unsplit_blocks = -(-N // (dg.GMMA_ROWS_PER_WARPGROUP * dg.GMMA_NWG)) * -(-M // tn)
                 variants = [("mma.sync", {"kernel": "chunked"}), ("gmma", {"gmma": True})] + [
                     (f"gmma {c}", {"gmma": True, **c}) for c in GMMA_ALTERNATIVES.get(tn, ())
-                    if "splits" not in c or unsplit_blocks < get_device().sm_count]  # workspace splits: to fill
-                # one wave only
+                    if "splits" not in c or unsplit_blocks < get_device().sm_count]
             base_us = None
             timed = {}  # variant name -> us, for the peer's ratio
             for vname, kw in variants:

@@ -9,11 +9,13 @@ cuda backend, is the only thing the machine provides).
     python -m tools.build_binary --no-default-model --out /tmp/dist
 
 How: PyInstaller in one-folder mode (no unpacking at each start) from the environment it runs in. The runtime finds
-its headers and kernel sources relative to the bundled packages exactly as in a pip install (sys.path holds the
-bundle's folder, runtime/cuda/nvrtc.py include_dirs), NVRTC through cuda.pathfinder, which also searches there.
+its headers, kernel sources, default model and drafter in the bundle's folder, which is on sys.path
+(runtime/cuda/nvrtc.py include_dirs, loader.default_model_path, runtime.api.find_default_drafter); NVRTC is loaded
+by a runtime hook (NVRTC_HOOK), since cuda.pathfinder looks only in an installed Python's site-packages.
 Kernels are compiled on first use into ~/.cache/ddtree/kernels as usual; `ddtree-run --build-kernels` fills
-that cache ahead of time. After the build the binary is run once (--check): a raw completion of the default model
-on the numpy backend, when the model is bundled, and an NVRTC build of every kernel for sm_90a.
+that cache ahead of time. After the build the binary is run once (unless --no-check): a raw completion of the
+default model on the numpy backend when the model is bundled, DDTree with the drafter when one is carried too,
+and an NVRTC build of every kernel for sm_90a.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # heavy packages of the dev / test environment that the runtime never imports
 EXCLUDES = ("torch", "transformers", "pytest", "hypothesis", "gguf", "PyInstaller", "IPython", "matplotlib",
             "scipy", "pandas", "tkinter")
-NVRTC_LIBS = ("libnvrtc.so.13", "libnvrtc-builtins.so.13.0")   # the .alt twins are not loaded
+# in load order: NVRTC opens its builtins by soname at compile time, so they go first (the .alt twins are not loaded)
+NVRTC_LIBS = ("libnvrtc-builtins.so.13.0", "libnvrtc.so.13")
 
 
 def site_packages() -> Path:
@@ -39,10 +42,10 @@ def site_packages() -> Path:
 
 # Runtime hook of the bundle: cuda.pathfinder looks for NVRTC in the site-packages of an installed Python, which
 # a bundle has not; loaded here first (RTLD_GLOBAL), with its builtins library, it is found as "already loaded".
-NVRTC_HOOK = """
+NVRTC_HOOK = f"""
 import ctypes, os, sys
 _dir = os.path.join(getattr(sys, "_MEIPASS", ""), "nvidia", "cu13", "lib")
-for _name in ("libnvrtc-builtins.so.13.0", "libnvrtc.so.13"):   # NVRTC opens its builtins by soname at compile time
+for _name in {NVRTC_LIBS!r}:
     if os.path.isfile(os.path.join(_dir, _name)):
         ctypes.CDLL(os.path.join(_dir, _name), mode=os.RTLD_GLOBAL)
 """

@@ -59,10 +59,11 @@ def builtin_prompts() -> list:
 
 
 # ------------------------------------------------------------------------------------------ target (frozen)
-def rope_tables(positions, inv_freq, scaling: float = 1.0):
+def rope_tables(positions, inv_freq):
+    """(cos, sin) [..., d/2] of default RoPE at `positions` (the torch target covers no scaled RoPE)."""
     import torch
-    f = positions[..., None].float() * inv_freq            # [..., d/2]
-    return torch.cos(f) * scaling, torch.sin(f) * scaling
+    f = positions[..., None].float() * inv_freq
+    return torch.cos(f), torch.sin(f)
 
 
 def apply_rope(x, cos, sin):
@@ -306,7 +307,7 @@ class Drafter:
         """Weights of a drafter directory with this configuration (as save writes it)."""
         import torch
         import loader
-        spec, ckpt = loader.load_model(src)
+        _, ckpt = loader.load_model(src)        # checks the tensors against its config.json
         want = {k: v for k, v in self.cfg.items() if k != "dflash_config"}
         got = json.loads((Path(src) / "config.json").read_text())
         if any(got.get(k) != v for k, v in want.items()) or got.get("dflash_config") != self.cfg["dflash_config"]:
@@ -397,6 +398,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    bad = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, low in (
+        ("layers", 1), ("block", 2), ("new_tokens", 1), ("gen_batch", 1), ("held_out", 1), ("steps", 1),
+        ("batch", 1), ("anchors", 1)) if getattr(args, k) < low]
+    bad += [f"--{k} {getattr(args, k)}" for k in ("lr", "decay") if not getattr(args, k) > 0]
+    if bad:
+        print(f"train_dflash: out of range: {', '.join(bad)} (--block >= 2, the other counts >= 1, --lr and --decay "
+              "> 0)", file=sys.stderr)
+        return 2
     try:
         import torch
     except ImportError:
@@ -421,7 +430,14 @@ def main(argv=None) -> int:
     tok = weights.tokenizer if path.suffix == ".gguf" else loader.load_tokenizer(path)
     target = TorchTarget(spec, weights, args.device)
     n = spec.num_hidden_layers
-    taps = [int(x) for x in args.taps.split(",") if x] or loader.config.default_target_layer_ids(n, 3)
+    try:
+        taps = [int(x) for x in args.taps.split(",") if x] or loader.config.default_target_layer_ids(n, 3)
+        taps_ok = all(0 <= t < n for t in taps)
+    except ValueError:
+        taps_ok = False
+    if not taps_ok:
+        print(f"train_dflash: --taps {args.taps!r}: comma-separated target layers in 0 .. {n - 1}", file=sys.stderr)
+        return 2
     mask_id = args.mask_token if args.mask_token is not None else (tok.token_to_id("<empty_output>")
                                                                    or spec.vocab_size - 1)
     stops = set(tok.eos_token_ids) | set(spec.eos_token_id)
@@ -432,13 +448,13 @@ def main(argv=None) -> int:
     prompts = [p for p in prompts if p.strip()]
     rng = random.Random(args.seed)
     rng.shuffle(prompts)
-    prompt_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-                  for p in prompts]
     if args.answers is not None and args.answers.is_file():
         data = load_answers(args.answers, taps, spec.hidden_size)
         log(f"phase 1: {len(data)} answers read from {args.answers}")
     else:
         log(f"phase 1: greedy answers to {len(prompts)} prompts ({args.new_tokens} tokens each at most)")
+        prompt_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
+                                 add_special_tokens=False) for p in prompts]
         data = generate_answers(target, prompt_ids, args.new_tokens, taps, stops, args.gen_batch, log)
         if args.answers is not None:
             save_answers(args.answers, data, taps)
@@ -447,6 +463,10 @@ def main(argv=None) -> int:
             for t, s, p in data]
     rng.shuffle(data)
     held, train = data[:args.held_out], data[args.held_out:]
+    if len(train) < args.batch:
+        print(f"train_dflash: {len(data)} answers: fewer than --held-out {args.held_out} + --batch {args.batch}",
+              file=sys.stderr)
+        return 2
     log(f"{sum(len(t) - p for t, _, p in train)} answer tokens to train on, {len(held)} answers held out")
 
     cfg = drafter_config(spec, args.layers, args.block, taps, mask_id)
