@@ -1,7 +1,7 @@
 """Embedding API: load a target (and a DFlash drafter) on the best backend here, then generate text.
 
     from runtime.api import load
-    llm = load()                                   # embedded SmolLM2-135M-Instruct; cuda when usable, else numpy
+    llm = load()                                   # embedded SmolLM2-135M-Instruct; cuda when usable, else cpu
     print(llm.generate("Why is the sky blue?", max_new_tokens=64).text)
     llm = load("path/to/Qwen3-8B", draft="path/to/dflash", backend="cuda")
     out = llm.generate("Explain DDTree.", budget=64, on_text=lambda piece: print(piece, end=""))
@@ -25,7 +25,7 @@ import numpy as np
 
 from loader import LoadError
 
-BACKENDS = ("auto", "cuda", "numpy")
+BACKENDS = ("auto", "cuda", "cpu", "numpy")
 
 
 def _silent(line: str) -> None:
@@ -37,14 +37,17 @@ class BackendUnavailable(RuntimeError):
 
 
 def select_backend(name: str = "auto", notice: Optional[Callable[[str], None]] = None):
-    """The backend object: "cuda", "numpy", or "auto" (cuda when a GPU is usable, else numpy, saying why through
-    `notice`). "cuda" where no GPU is usable raises BackendUnavailable with the driver's reason."""
+    """The backend object: "cuda"; "cpu" (bf16 weights, runtime/cpu_linear.h); "numpy" (the float32 reference);
+    or "auto" (cuda when a GPU is usable, else cpu, saying why through `notice`). "cuda" where no GPU is usable
+    raises BackendUnavailable with the driver's reason."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     say = notice or _silent
     if name == "numpy":
         from runtime.backends.numpy_backend import NumpyBackend
         return NumpyBackend()
+    if name == "cpu":
+        return _cpu_backend()
     reason = None
     try:
         from runtime.cuda import NoDeviceError, require_device   # lazy: importing needs no GPU
@@ -62,9 +65,14 @@ def select_backend(name: str = "auto", notice: Optional[Callable[[str], None]] =
         return backend
     if name == "cuda":
         raise BackendUnavailable(reason)
-    from runtime.backends.numpy_backend import NumpyBackend
-    say(f"backend: numpy (CPU reference), because {reason}")
-    return NumpyBackend()
+    backend = _cpu_backend()
+    say(f"backend: cpu ({backend.describe()}), because {reason}")
+    return backend
+
+
+def _cpu_backend():
+    from runtime.backends.cpu_backend import CpuBackend
+    return CpuBackend()
 
 
 class LoadProgress:
@@ -200,9 +208,9 @@ class LLM:
 
     def default_budget(self) -> int:
         """DDTree's node budget when none is given: 64 on cuda (a verify of 65 rows costs about one AR step on a
-        GPU), 8 on the numpy backend (its verify costs grow with the rows: b8 committed the most per second of
-        b4 / b8 / b16 with a SmolLM2 drafter on the CPU, PERF.md session (21))."""
-        return 64 if self.backend.name == "cuda" else 8
+        GPU); on the CPU backends verify costs grow with the rows, so the budget that committed the most tokens per
+        second with a SmolLM2 drafter (PERF.md, session (22)): 4 on cpu, 8 on numpy."""
+        return {"cuda": 64, "cpu": 4}.get(self.backend.name, 8)
 
     def generate(self, prompt: str | Sequence[dict] | Sequence[int], *, max_new_tokens: int = 128,
                  mode: Optional[str] = None, budget: Optional[int] = None, temperature: float = 0.0, seed: int = 0,
@@ -305,12 +313,12 @@ def load(model: Optional[str | Path] = None, draft: Optional[str | Path] = None,
          notice: Optional[Callable[[str], None]] = None, default_draft: Optional[bool] = None) -> LLM:
     """An LLM: the target at `model` (a .gguf file or an HF directory; None: the embedded SmolLM2-135M-Instruct),
     with the DFlash drafter at `draft` if given, on `backend`: a name for select_backend ("auto": cuda when a GPU
-    is usable, else numpy) or a backend object.
+    is usable, else cpu) or a backend object.
 
     With neither model nor draft given, the default model's drafter (find_default_drafter: trained into
-    default_drafter_dir(), or carried by a standalone build) is used (saying so) on the cuda backend, where a tree verify costs about one step; not on
-    numpy, where it costs several steps' compute and DDTree decodes slower than AR. default_draft=True uses it on any
-    backend, False never."""
+    default_drafter_dir(), or carried by a standalone build) is used (saying so) on the cuda backend, where a tree
+    verify costs about one step; not on the CPU backends, where a verify costs more than a step and DDTree decoded
+    slower than AR with the drafters trained so far. default_draft=True uses it on any backend, False never."""
     if model is not None and not Path(model).exists():     # cheap checks before a backend starts
         raise LoadError("model path does not exist", model)
     if draft is not None and not Path(draft).is_dir():

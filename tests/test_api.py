@@ -125,8 +125,9 @@ def test_cuda_backend_unavailable_without_a_gpu():
     with pytest.raises(api.BackendUnavailable, match="no usable CUDA device"):
         api.select_backend("cuda")
     said = []
-    assert api.select_backend("auto", said.append).name == "numpy"
-    assert said and said[0].startswith("backend: numpy (CPU reference), because no usable CUDA device")
+    assert api.select_backend("auto", said.append).name == "cpu"
+    assert said and said[0].startswith("backend: cpu (bf16 weights, linear on ") and \
+        "because no usable CUDA device" in said[0], said
 
 
 def test_default_model_chat_template_by_default():
@@ -150,7 +151,8 @@ def test_default_model_chat_template_by_default():
 
 def test_default_drafter_is_taken_on_cuda_only(tmp_path, monkeypatch):
     """load() with no model and no draft takes the trained default drafter where the backend is cuda (a numpy
-    backend named "cuda" stands in here), leaves it out on numpy unless default_draft=True, never with False."""
+    backend named "cuda" stands in here), leaves it out on numpy and cpu unless default_draft=True, never with
+    False."""
     from runtime.backends.numpy_backend import NumpyBackend
     need_default_model()
     monkeypatch.setenv("DDTREE_DRAFTER_HOME", str(tmp_path))
@@ -165,4 +167,7 @@ def test_default_drafter_is_taken_on_cuda_only(tmp_path, monkeypatch):
     assert api.load(backend="numpy", notice=said.append).drafter is None
     assert any("left out on the numpy backend" in s for s in said)
     assert api.load(backend="numpy", default_draft=True).drafter is not None
+    said.clear()
+    assert api.load(backend="cpu", notice=said.append).drafter is None
+    assert any("left out on the cpu backend" in s for s in said)
     assert api.load(backend=CudaNamed(), default_draft=False).drafter is None

@@ -1,5 +1,5 @@
 """tools/build_binary.py: the standalone ddtree-run folder builds, and the built binary, run in a bare environment
-from another directory, completes a prompt with the bundled SmolLM2 (numpy backend), decodes it with DDTree and the
+from another directory, completes a prompt with the bundled SmolLM2 (cpu backend), decodes it with DDTree and the
 bundled drafter, and compiles every kernel for sm_90a with its bundled NVRTC and headers (build_binary's own check,
 which fails the build otherwise)."""
 

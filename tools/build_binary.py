@@ -14,7 +14,7 @@ its headers, kernel sources, default model and drafter in the bundle's folder, w
 by a runtime hook (NVRTC_HOOK), since cuda.pathfinder looks only in an installed Python's site-packages.
 Kernels are compiled on first use into ~/.cache/ddtree/kernels as usual; `ddtree-run --build-kernels` fills
 that cache ahead of time. After the build the binary is run once (unless --no-check): a raw completion of the
-default model on the numpy backend when the model is bundled, DDTree with the drafter when one is carried too,
+default model on the cpu backend when the model is bundled, DDTree with the drafter when one is carried too,
 and an NVRTC build of every kernel for sm_90a.
 """
 from __future__ import annotations
@@ -86,13 +86,13 @@ def pyinstaller_args(name: str, out: Path, work: Path, with_model: bool, draft: 
 
 
 def check(exe: Path, with_model: bool, with_draft: bool = False) -> None:
-    """Run the built binary: a completion of the bundled model (numpy backend; with the bundled drafter too, DDTree),
+    """Run the built binary: a completion of the bundled model (cpu backend; with the bundled drafter too, DDTree),
     and an NVRTC kernel build."""
     with tempfile.TemporaryDirectory() as home:
         # a bare environment and another working directory: nothing of this checkout or its Python is reachable
         env = {"PATH": "/usr/bin:/bin", "HOME": home, "DDTREE_KERNEL_CACHE": os.path.join(home, "kernels")}
         if with_model:
-            r = subprocess.run([str(exe), "--backend", "numpy", "--no-chat", "--max-new-tokens", "3",
+            r = subprocess.run([str(exe), "--backend", "cpu", "--no-chat", "--max-new-tokens", "3",
                                 "The capital of France is"], capture_output=True, text=True, env=env, cwd=home,
                                timeout=600)
             if r.returncode != 0 or "Paris" not in r.stdout:
@@ -100,7 +100,7 @@ def check(exe: Path, with_model: bool, with_draft: bool = False) -> None:
                                  f"{r.stdout}\n{r.stderr}")
             print(f"build_binary: check: completion ok ({r.stdout.strip()!r})", file=sys.stderr)
         if with_model and with_draft:
-            r = subprocess.run([str(exe), "--backend", "numpy", "--mode", "ddtree", "--budget", "4", "--no-chat",
+            r = subprocess.run([str(exe), "--backend", "cpu", "--mode", "ddtree", "--budget", "4", "--no-chat",
                                 "--max-new-tokens", "3", "The capital of France is"], capture_output=True, text=True,
                                env=env, cwd=home, timeout=600)
             if r.returncode != 0 or "Paris" not in r.stdout or "ddtree_drafters" not in r.stderr:

@@ -58,6 +58,7 @@ def _seed(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from runtime.api import BACKENDS
     p = argparse.ArgumentParser(prog="ddtree-run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="?", default="-",
@@ -73,14 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("ar", "chain", "ddtree"),
                    help="decoding mode (default: ddtree with a drafter, else ar)")
     p.add_argument("--budget", type=_positive_int,
-                   help="DDTree node budget (default 64 on cuda, 8 on the numpy backend)")
+                   help="DDTree node budget (default 64 on cuda, 4 on cpu, 8 on numpy)")
     p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=_seed, default=0,
                    help="sampling seed, 0..2**64-1 (default 0); the token after position p depends only on "
                         "(seed, p, logits), so every mode samples the same tokens")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="default 128")
-    p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
-                   help="auto: cuda when a GPU is usable, else numpy (default)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto (default): cuda when a GPU is usable, else cpu (bf16 weights, threaded linear); "
+                        "numpy: the float32 reference")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template as one user message (default: when the model "
                         "has a chat template); --no-chat: complete the raw text")

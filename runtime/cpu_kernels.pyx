@@ -1,0 +1,77 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""CPU kernels of the cpu backend (runtime/backends/cpu_backend.py): the bf16-weight linear of cpu_linear.h.
+
+`linear_bf16(x, w, out=None)`: out[M, N] = x[M, K] @ W[N, K]^T with x float32, W bf16 bits (uint16), out float32,
+all C-contiguous. The GIL is released while it runs; W's rows are split over OpenMP threads where the module
+was built with OpenMP (`openmp()`; OMP_NUM_THREADS sets how many).
+"""
+from libc.stdint cimport uint16_t
+
+import numpy as np
+cimport numpy as cnp
+
+cnp.import_array()
+
+__all__ = ["linear_bf16", "isa", "openmp", "threads"]
+
+cdef extern from "cpu_linear.h" nogil:
+    void ddt_linear_bf16(const float *x, const uint16_t *w, float *out, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K)
+    const char *ddt_linear_bf16_isa()
+
+cdef extern from *:
+    """
+    #ifdef _OPENMP
+    #include <omp.h>
+    static const int ddt_openmp = 1;
+    static int ddt_threads(void) { return omp_get_max_threads(); }
+    #else
+    static const int ddt_openmp = 0;
+    static int ddt_threads(void) { return 1; }
+    #endif
+    """
+    const int ddt_openmp
+    int ddt_threads()
+
+
+def isa() -> str:
+    """The instruction set the linear runs with here: "avx2+fma", "baseline" (the compiler's default) or "scalar"."""
+    return ddt_linear_bf16_isa().decode()
+
+
+def openmp() -> bool:
+    """True when this build splits the linear over OpenMP threads."""
+    return bool(ddt_openmp)
+
+
+def threads() -> int:
+    """How many threads the linear runs on (OpenMP's count: OMP_NUM_THREADS or the CPUs; 1 without OpenMP)."""
+    return ddt_threads()
+
+
+def linear_bf16(x, w, out=None):
+    """x float32 [M, K], w uint16 (bf16 bits) [N, K] -> float32 [M, N] (written into `out` when given)."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2:
+        raise ValueError(f"linear_bf16: x must be a 2-D float32 array, got {getattr(x, 'dtype', type(x))} "
+                         f"{getattr(x, 'shape', '')}")
+    if not isinstance(w, np.ndarray) or w.dtype != np.uint16 or w.ndim != 2:
+        raise ValueError(f"linear_bf16: w must be a 2-D uint16 (bf16) array, got {getattr(w, 'dtype', type(w))} "
+                         f"{getattr(w, 'shape', '')}")
+    cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"linear_bf16: x is [M={M}, K={K}] but w is [N={N}, K={w.shape[1]}]")
+    if out is None:
+        out = np.empty((M, N), np.float32)
+    elif (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (M, N)
+          or not out.flags.c_contiguous or not out.flags.writeable):
+        raise ValueError(f"linear_bf16: out must be a writeable C-contiguous float32 [M={M}, N={N}] array")
+    cdef const float[:, ::1] xv = np.ascontiguousarray(x)
+    cdef const uint16_t[:, ::1] wv = np.ascontiguousarray(w)
+    cdef float[:, ::1] ov = out
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out[...] = 0
+        return out
+    with nogil:
+        ddt_linear_bf16(&xv[0, 0], &wv[0, 0], &ov[0, 0], M, N, K)
+    return out
