@@ -1,25 +1,40 @@
-/* bf16-weight linear for the CPU backend: out[M, N] = x[M, K] @ W[N, K]^T, x and out float32, W bf16 (uint16 bits).
+/* bf16 linear for the CPU backend: out[M, N] = bf16(x)[M, K] @ W[N, K]^T with W in bf16 (uint16 bits), the
+activations rounded to bf16 (nearest even) as the CUDA backend's GEMMs take them, products summed in float32.
 
-Why: the numpy backend holds every weight in float32 and leaves small-M products to BLAS. On CPUs a decode or
-verify step streams all weights once, so bf16 halves the bytes; and OpenBLAS's sgemm at 5..17 rows runs at a
-fraction of what the FMA units do. Here each weight vector is loaded and widened once per tile of up to 4 rows
-of x (the tree verify and the drafter block have 5..17 rows), with the next tile's weights prefetched.
+Why: the numpy backend holds every weight in float32 and leaves small-M products to BLAS. A decode step streams
+all weights once, so bf16 halves the bytes; and OpenBLAS's sgemm at 5..17 rows (the tree verify, the drafter
+block) runs at a fraction of what the FMA units do. Here each weight vector is loaded once per tile of up to 4
+rows of x, with the next tile's weights prefetched.
 
-The product of two floats widened from bf16/fp32 is exact in float32 before rounding, so the only difference
-from the float32 backend is the order of the sums (8 lanes, then a fixed pairwise reduction), as between BLASes.
-
-Vectors are GCC/Clang vector extensions (8 x float32: one AVX2 register, two SSE/NEON ones). On x86-64 the
-entry point picks an AVX2+FMA build of the same loops at run time; elsewhere the compiler's baseline is used.
-Rows of W are split over OpenMP threads when the module is built with OpenMP. */
+Three builds of the same sums, picked at run time:
+- "avx512bf16": vdpbf16ps on bf16 pairs (AMD Zen 4+, Intel Sapphire Rapids+): 32 products per instruction.
+- "avx2+fma": 8 float32 lanes, bf16 widened by a shift.
+- "baseline": the same vector code at the compiler's default ISA (GCC/Clang vector extensions), or one scalar
+  lane where there are none (e.g. MSVC).
+Each (row of x, row of W) is summed by the same instruction sequence whatever the tile it falls in, so a row's
+result does not depend on how many rows share the call (a tree verify and an AR step agree bit for bit); the
+three builds differ from each other only in the order of the float32 sums. Rows of W are split over OpenMP
+threads when the module is built with OpenMP. */
 #ifndef DDTREE_CPU_LINEAR_H
 #define DDTREE_CPU_LINEAR_H
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#define DDT_ROWS_X 4   /* rows of x per tile: 4 x 2 accumulators + 2 weight + 1 x vector fit 16 AVX2 registers */
-#define DDT_ROWS_W 2   /* rows of W per tile */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define DDT_X86 1
+#include <immintrin.h>
+#endif
+
+/* float32 -> bf16 bits, nearest even; NaN stays a quiet NaN (runtime/bf16.py to_bf16). */
+static inline uint16_t ddt_f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 static inline float ddt_bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
@@ -29,12 +44,16 @@ static inline float ddt_bf16_to_f32(uint16_t h) {
 }
 
 #if defined(__GNUC__)
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi" /* vector returns of always-inline helpers: no ABI crosses a call */
+#endif
+/* ---- 8 float32 lanes (GCC/Clang vector extensions): the avx2+fma and baseline builds ------------------------ */
 typedef float ddt_v8f __attribute__((vector_size(32)));
 typedef uint32_t ddt_v8u __attribute__((vector_size(32)));
 typedef uint16_t ddt_v8h __attribute__((vector_size(16)));
 #define DDT_INLINE static inline __attribute__((always_inline))
 
-DDT_INLINE ddt_v8f ddt_load_bf16(const uint16_t *p) {
+DDT_INLINE ddt_v8f ddt_load8_bf16(const uint16_t *p) {
   ddt_v8h h;
   memcpy(&h, p, 16);
   ddt_v8u u = __builtin_convertvector(h, ddt_v8u) << 16;
@@ -43,22 +62,23 @@ DDT_INLINE ddt_v8f ddt_load_bf16(const uint16_t *p) {
   return f;
 }
 
-DDT_INLINE ddt_v8f ddt_load_f32(const float *p) {
+DDT_INLINE ddt_v8f ddt_load8_f32(const float *p) {
   ddt_v8f f;
   memcpy(&f, p, 32);
   return f;
 }
 
-DDT_INLINE float ddt_hsum(ddt_v8f v) {
+DDT_INLINE float ddt_hsum8(ddt_v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* One tile: rows m..m+MT-1 of x against rows n..n+NT-1 of W; K8 = K rounded down to 8, the rest in scalars. */
-#define DDT_TILE(MT, NT)                                                                                    \
-  DDT_INLINE void ddt_tile_##MT##_##NT(const float *x, const uint16_t *w, float *out, ptrdiff_t N,         \
-                                       ptrdiff_t K, ptrdiff_t n, ptrdiff_t m) {                            \
-    ddt_v8f acc[MT][NT];                                                                                    \
-    for (int i = 0; i < MT; i++)                                                                            \
+/* Rows m..m+mt-1 of x (float32 holding bf16 values) against rows n..n+NT-1 of W; K8 = K rounded down to 8, the
+   rest in scalars. The loops over i and j unroll; i >= mt are skipped, so every (i, j) runs the same code. */
+#define DDT_TILE8(NT)                                                                                       \
+  DDT_INLINE void ddt_tile8_##NT(const float *x, const uint16_t *w, float *out, ptrdiff_t N, ptrdiff_t K,  \
+                                 ptrdiff_t n, ptrdiff_t m, int mt) {                                        \
+    ddt_v8f acc[4][NT];                                                                                     \
+    for (int i = 0; i < 4; i++)                                                                             \
       for (int j = 0; j < NT; j++) acc[i][j] = (ddt_v8f){0, 0, 0, 0, 0, 0, 0, 0};                         \
     const uint16_t *w0 = w + n * K;                                                                         \
     const float *x0 = x + m * K;                                                                            \
@@ -67,81 +87,99 @@ DDT_INLINE float ddt_hsum(ddt_v8f v) {
       if ((k & 31) == 0) /* one 64-byte line of each of the next tile's rows */                            \
         for (int j = 0; j < NT; j++) __builtin_prefetch(w0 + (NT + j) * K + k);                            \
       ddt_v8f wv[NT];                                                                                       \
-      for (int j = 0; j < NT; j++) wv[j] = ddt_load_bf16(w0 + j * K + k);                                  \
-      for (int i = 0; i < MT; i++) {                                                                        \
-        ddt_v8f xv = ddt_load_f32(x0 + i * K + k);                                                         \
+      for (int j = 0; j < NT; j++) wv[j] = ddt_load8_bf16(w0 + j * K + k);                                 \
+      for (int i = 0; i < 4; i++) {                                                                         \
+        if (i >= mt) break;                                                                                 \
+        ddt_v8f xv = ddt_load8_f32(x0 + i * K + k);                                                        \
         for (int j = 0; j < NT; j++) acc[i][j] += xv * wv[j];                                              \
       }                                                                                                     \
     }                                                                                                       \
-    for (int i = 0; i < MT; i++)                                                                            \
+    for (int i = 0; i < mt; i++)                                                                            \
       for (int j = 0; j < NT; j++) {                                                                        \
-        float s = ddt_hsum(acc[i][j]);                                                                      \
+        float s = ddt_hsum8(acc[i][j]);                                                                     \
         for (ptrdiff_t k = K8; k < K; k++) s += x0[i * K + k] * ddt_bf16_to_f32(w0[j * K + k]);            \
         out[(m + i) * N + n + j] = s;                                                                       \
       }                                                                                                     \
   }
+DDT_TILE8(2)
+DDT_TILE8(1)
 
-DDT_TILE(1, 2) DDT_TILE(2, 2) DDT_TILE(3, 2) DDT_TILE(4, 2)
-DDT_TILE(1, 1) DDT_TILE(2, 1) DDT_TILE(3, 1) DDT_TILE(4, 1)
-
-/* Rows n..n+nt-1 of W (nt = 1 or 2) against every row of x. */
-#define DDT_ROW_BLOCK(NT)                                                                                   \
-  DDT_INLINE void ddt_row_block_##NT(const float *x, const uint16_t *w, float *out, ptrdiff_t M,           \
-                                     ptrdiff_t N, ptrdiff_t K, ptrdiff_t n) {                              \
-    ptrdiff_t m = 0;                                                                                        \
-    for (; m + 4 <= M; m += 4) ddt_tile_4_##NT(x, w, out, N, K, n, m);                                     \
-    switch (M - m) {                                                                                        \
-      case 3: ddt_tile_3_##NT(x, w, out, N, K, n, m); break;                                               \
-      case 2: ddt_tile_2_##NT(x, w, out, N, K, n, m); break;                                               \
-      case 1: ddt_tile_1_##NT(x, w, out, N, K, n, m); break;                                               \
-    }                                                                                                       \
-  }
-DDT_ROW_BLOCK(2) DDT_ROW_BLOCK(1)
-
-#define DDT_LINEAR_BODY                                                                                     \
+/* x (float32 holding bf16 values) against W: pairs of W rows over the threads, then the odd row. */
+#define DDT_LINEAR8_BODY                                                                                    \
   {                                                                                                         \
     const ptrdiff_t pairs = N / 2;                                                                          \
     _Pragma("omp parallel for schedule(static) if (pairs > 64)")                                           \
-    for (ptrdiff_t p = 0; p < pairs; p++) ddt_row_block_2(x, w, out, M, N, K, 2 * p);                     \
-    if (N & 1) ddt_row_block_1(x, w, out, M, N, K, N - 1);                                                 \
+    for (ptrdiff_t p = 0; p < pairs; p++)                                                                   \
+      for (ptrdiff_t m = 0; m < M; m += 4) ddt_tile8_2(x, w, out, N, K, 2 * p, m, M - m < 4 ? (int)(M - m) : 4); \
+    if (N & 1)                                                                                              \
+      for (ptrdiff_t m = 0; m < M; m += 4) ddt_tile8_1(x, w, out, N, K, N - 1, m, M - m < 4 ? (int)(M - m) : 4); \
   }
 
-#if defined(__x86_64__) || defined(__i386__)
-__attribute__((target("avx2,fma"))) static void ddt_linear_bf16_avx2(const float *x, const uint16_t *w,
-                                                                       float *out, ptrdiff_t M, ptrdiff_t N,
-                                                                       ptrdiff_t K)
-DDT_LINEAR_BODY
-#endif
+static void ddt_linear8_base(const float *x, const uint16_t *w, float *out, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K)
+DDT_LINEAR8_BODY
 
-static void ddt_linear_bf16_base(const float *x, const uint16_t *w, float *out, ptrdiff_t M, ptrdiff_t N,
-                                 ptrdiff_t K)
-DDT_LINEAR_BODY
+#if DDT_X86
+__attribute__((target("avx2,fma"))) static void ddt_linear8_avx2(const float *x, const uint16_t *w, float *out,
+                                                                   ptrdiff_t M, ptrdiff_t N, ptrdiff_t K)
+DDT_LINEAR8_BODY
 
-/* Which build runs here: "avx2+fma" or "baseline". */
-static const char *ddt_linear_bf16_isa(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2+fma";
-#endif
-  return "baseline";
-}
+/* ---- bf16 pairs, vdpbf16ps (AVX512-BF16) ------------------------------------------------------------------- */
+#define DDT_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-static void ddt_linear_bf16(const float *x, const uint16_t *w, float *out, ptrdiff_t M, ptrdiff_t N,
-                            ptrdiff_t K) {
-#if defined(__x86_64__) || defined(__i386__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    ddt_linear_bf16_avx2(x, w, out, M, N, K);
-    return;
+/* One 32-k step of the tile below; LOAD(p) reads 32 bf16 at p. */
+#define DDT_BF16_STEP(NT, LOAD)                                                                             \
+  {                                                                                                         \
+    __m512bh wv[NT];                                                                                        \
+    for (int j = 0; j < NT; j++) {                                                                          \
+      __builtin_prefetch(w0 + (NT + j) * K + k);                                                            \
+      wv[j] = (__m512bh)LOAD(w0 + j * K + k);                                                               \
+    }                                                                                                       \
+    for (int i = 0; i < 4; i++) {                                                                           \
+      if (i >= mt) break;                                                                                   \
+      __m512bh xv = (__m512bh)LOAD(x0 + i * K + k);                                                         \
+      for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);                    \
+    }                                                                                                       \
   }
-#endif
-  ddt_linear_bf16_base(x, w, out, M, N, K);
+
+/* Rows m..m+mt-1 of xb (bf16) against rows n..n+NT-1 of W, 32 k at a time with plain loads (masked loads in the
+   main loop ran at half speed), then the last partial chunk masked (zeros past K). */
+#define DDT_LOAD_FULL(p) _mm512_loadu_si512(p)
+#define DDT_LOAD_TAIL(p) _mm512_maskz_loadu_epi16(tail, (p))
+#define DDT_TILE_BF16(NT)                                                                                   \
+  DDT_BF16_TARGET static inline __attribute__((always_inline)) void ddt_tile_bf16_##NT(                    \
+      const uint16_t *xb, const uint16_t *w, float *out, ptrdiff_t N, ptrdiff_t K, ptrdiff_t n, ptrdiff_t m, \
+      int mt) {                                                                                             \
+    __m512 acc[4][NT];                                                                                      \
+    for (int i = 0; i < 4; i++)                                                                             \
+      for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                                         \
+    const uint16_t *w0 = w + n * K;                                                                         \
+    const uint16_t *x0 = xb + m * K;                                                                        \
+    const ptrdiff_t K32 = K & ~(ptrdiff_t)31;                                                               \
+    ptrdiff_t k = 0;                                                                                        \
+    for (; k < K32; k += 32) DDT_BF16_STEP(NT, DDT_LOAD_FULL)                                               \
+    if (k < K) {                                                                                            \
+      const __mmask32 tail = (__mmask32)((1u << (K - k)) - 1u);                                            \
+      DDT_BF16_STEP(NT, DDT_LOAD_TAIL)                                                                      \
+    }                                                                                                       \
+    for (int i = 0; i < mt; i++)                                                                            \
+      for (int j = 0; j < NT; j++) out[(m + i) * N + n + j] = _mm512_reduce_add_ps(acc[i][j]);             \
+  }
+DDT_TILE_BF16(2)
+DDT_TILE_BF16(1)
+
+DDT_BF16_TARGET static void ddt_linear_avx512bf16(const uint16_t *xb, const uint16_t *w, float *out, ptrdiff_t M,
+                                                  ptrdiff_t N, ptrdiff_t K) {
+  const ptrdiff_t pairs = N / 2;
+#pragma omp parallel for schedule(static) if (pairs > 64)
+  for (ptrdiff_t p = 0; p < pairs; p++)
+    for (ptrdiff_t m = 0; m < M; m += 4) ddt_tile_bf16_2(xb, w, out, N, K, 2 * p, m, M - m < 4 ? (int)(M - m) : 4);
+  if (N & 1)
+    for (ptrdiff_t m = 0; m < M; m += 4) ddt_tile_bf16_1(xb, w, out, N, K, N - 1, m, M - m < 4 ? (int)(M - m) : 4);
 }
+#endif /* DDT_X86 */
 
-#else /* no vector extensions (e.g. MSVC): the same sums, one lane */
-
-static const char *ddt_linear_bf16_isa(void) { return "scalar"; }
-
-static void ddt_linear_bf16(const float *x, const uint16_t *w, float *out, ptrdiff_t M, ptrdiff_t N,
-                            ptrdiff_t K) {
+#else /* no vector extensions: one lane, the same per-element order as a sum over k */
+static void ddt_linear8_base(const float *x, const uint16_t *w, float *out, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K) {
   for (ptrdiff_t n = 0; n < N; n++)
     for (ptrdiff_t m = 0; m < M; m++) {
       float s = 0.0f;
@@ -150,5 +188,54 @@ static void ddt_linear_bf16(const float *x, const uint16_t *w, float *out, ptrdi
     }
 }
 #endif
+
+/* The best build this CPU runs: 2 = avx512bf16, 1 = avx2+fma, 0 = baseline. */
+static int ddt_isa_level(void) {
+  int level = 0;
+#if DDT_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) level = 1;
+  if (level == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
+    level = 2;
+#endif
+  return level;
+}
+
+static const char *ddt_isa_name(int level) {
+#if !defined(__GNUC__)
+  return "scalar";
+#else
+  return level == 2 ? "avx512bf16" : level == 1 ? "avx2+fma" : "baseline";
+#endif
+}
+
+/* out[M, N] = bf16(x) @ W^T with the build of `level` (at most ddt_isa_level()). Returns 0, or -1 when the bf16
+   copy of x cannot be allocated. */
+static int ddt_linear_bf16(const float *x, const uint16_t *w, float *out, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
+                           int level) {
+  const size_t n_x = (size_t)M * (size_t)K;
+#if DDT_X86
+  if (level == 2) {
+    uint16_t *xb = (uint16_t *)malloc(n_x * sizeof(uint16_t) + 1);
+    if (xb == NULL) return -1;
+    for (size_t i = 0; i < n_x; i++) xb[i] = ddt_f32_to_bf16(x[i]);
+    ddt_linear_avx512bf16(xb, w, out, M, N, K);
+    free(xb);
+    return 0;
+  }
+#endif
+  float *xr = (float *)malloc(n_x * sizeof(float) + 1);
+  if (xr == NULL) return -1;
+  for (size_t i = 0; i < n_x; i++) xr[i] = ddt_bf16_to_f32(ddt_f32_to_bf16(x[i]));
+#if DDT_X86
+  if (level == 1)
+    ddt_linear8_avx2(xr, w, out, M, N, K);
+  else
+#endif
+    ddt_linear8_base(xr, w, out, M, N, K);
+  free(xr);
+  return 0;
+}
 
 #endif /* DDTREE_CPU_LINEAR_H */

@@ -6,7 +6,7 @@ import pytest
 
 from runtime import api, cpu_kernels
 from runtime.backends.cpu_backend import CpuBackend
-from runtime.bf16 import from_bf16, to_bf16
+from runtime.bf16 import from_bf16, round_bf16, to_bf16
 from runtime.testing import assert_close
 from test_api import PROMPT, tiny_dirs  # noqa: F401  (the module-scoped fixture)
 from test_ddtree_run import need_default_model
@@ -16,43 +16,54 @@ def _bf16_matrix(rng, n, k):
     return to_bf16(rng.standard_normal((n, k), dtype=np.float32)).reshape(n, k)
 
 
+ISAS = cpu_kernels.isa_levels()      # every build this CPU runs: baseline, avx2+fma, avx512bf16 where there
+
+
+def _reference(x, w):
+    """float64 of what the kernel computes: bf16(x) @ W^T, and a bound on float32 summation error per element."""
+    xr = round_bf16(x).astype(np.float64)
+    wf = from_bf16(w).reshape(w.shape).astype(np.float64)
+    return xr @ wf.T, 4 * x.shape[1] * np.finfo(np.float32).eps * (np.abs(xr) @ np.abs(wf).T)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 9, 17, 33])
-@pytest.mark.parametrize("N,K", [(1, 8), (3, 7), (37, 64), (111, 100), (64, 576), (130, 1)])
-def test_linear_bf16_matches_float64(M, N, K):
+@pytest.mark.parametrize("N,K", [(1, 8), (3, 7), (37, 64), (111, 100), (64, 576), (130, 1), (5, 33)])
+def test_linear_bf16_matches_float64(isa, M, N, K):
     rng = np.random.default_rng(M * 1000 + N * 10 + K)
     x = rng.standard_normal((M, K), dtype=np.float32)
     w = _bf16_matrix(rng, N, K)
     out = np.full((M, N), np.nan, np.float32)                 # poisoned: every element must be written
-    got = cpu_kernels.linear_bf16(x, w, out=out)
+    got = cpu_kernels.linear_bf16(x, w, out=out, isa=isa)
     assert got is out
-    want = x.astype(np.float64) @ from_bf16(w).reshape(N, K).astype(np.float64).T
-    # float32 sums of K products: a few ulps of the sum of |products| per element
-    slack = 4 * K * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(from_bf16(w).reshape(N, K)).T)
-    assert_close(got, want, f"linear_bf16 M={M} N={N} K={K}", rtol=0, atol=0, scale=None, slack=slack)
+    want, slack = _reference(x, w)
+    assert_close(got, want, f"linear_bf16 {isa} M={M} N={N} K={K}", rtol=0, atol=0, scale=None, slack=slack)
 
 
-def test_linear_bf16_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("isa", ISAS)
+def test_linear_bf16_rows_do_not_depend_on_the_batch(isa):
     """A row's result is bit-identical whether it comes alone or with up to 16 others (and in any tile position):
     what lets a tree verify on this backend score each node exactly as an AR step."""
     rng = np.random.default_rng(7)
-    K, N = 576, 259
+    K, N = 583, 259                     # K: a partial last chunk for every build
     w = _bf16_matrix(rng, N, K)
     x = rng.standard_normal((17, K), dtype=np.float32)
-    alone = np.stack([cpu_kernels.linear_bf16(x[i:i + 1], w)[0] for i in range(17)])
+    alone = np.stack([cpu_kernels.linear_bf16(x[i:i + 1], w, isa=isa)[0] for i in range(17)])
     for M in (2, 3, 4, 5, 8, 9, 17):
         for lo in (0, 17 - M):
-            assert np.array_equal(cpu_kernels.linear_bf16(x[lo:lo + M], w), alone[lo:lo + M]), (M, lo)
+            assert np.array_equal(cpu_kernels.linear_bf16(x[lo:lo + M], w, isa=isa), alone[lo:lo + M]), (M, lo)
 
 
-def test_linear_bf16_nan_propagates_and_views_work():
+@pytest.mark.parametrize("isa", ISAS)
+def test_linear_bf16_nan_propagates_and_views_work(isa):
     rng = np.random.default_rng(3)
     w = _bf16_matrix(rng, 9, 40)
     x = rng.standard_normal((6, 80), dtype=np.float32)[:, ::2]       # a strided view: copied, not misread
-    want = x.astype(np.float64) @ from_bf16(w).reshape(9, 40).astype(np.float64).T
-    assert_close(cpu_kernels.linear_bf16(x, w), want, "strided x", rtol=1e-5, atol=1e-5)
+    want, slack = _reference(np.ascontiguousarray(x), w)
+    assert_close(cpu_kernels.linear_bf16(x, w, isa=isa), want, "strided x", rtol=0, atol=0, scale=None, slack=slack)
     x = np.ascontiguousarray(x)
     x[2, 5] = np.nan
-    y = cpu_kernels.linear_bf16(x, w)
+    y = cpu_kernels.linear_bf16(x, w, isa=isa)
     assert np.isnan(y[2]).all() and np.isfinite(np.delete(y, 2, axis=0)).all()
 
 
@@ -70,13 +81,16 @@ def test_linear_bf16_refuses_bad_input():
 
 
 def test_build_facts():
-    assert cpu_kernels.isa() in ("avx2+fma", "baseline", "scalar")
+    assert cpu_kernels.isa() == ISAS[-1] and ISAS[0] in ("baseline", "scalar")
     assert cpu_kernels.threads() >= 1
     assert isinstance(cpu_kernels.openmp(), bool)
+    with pytest.raises(ValueError, match="this CPU runs"):
+        cpu_kernels.linear_bf16(np.zeros((1, 8), np.float32), np.zeros((1, 8), np.uint16), isa="sse9")
 
 
 def test_cpu_backend_logits_match_numpy(tiny_dirs):  # noqa: F811
-    """Same tiny model on both backends: prefill logits within float32 rounding of the bf16 weights' products."""
+    """Same tiny model on both backends: prefill logits within what rounding the activations to bf16 at every linear
+    moves them (the weights are the same bf16 values on both)."""
     target_dir, _ = tiny_dirs
     ref, cpu = api.load(target_dir, backend="numpy"), api.load(target_dir, backend="cpu")
     assert isinstance(cpu.backend, CpuBackend) and cpu.backend.name == "cpu"
@@ -87,7 +101,15 @@ def test_cpu_backend_logits_match_numpy(tiny_dirs):  # noqa: F811
         cache = t.new_cache(64)
         h_last, _ = _prefill(llm, cache, ids)
         logits.append(llm.backend.to_host(t.logits(h_last)))
-    assert_close(logits[1], logits[0], "cpu vs numpy logits", rtol=0, atol=1e-4)
+    _assert_bf16_close(logits[1], logits[0], "tiny llama prefill")
+
+
+def _assert_bf16_close(got, want, what):
+    """Largest error within 1% of the reference logits' range; the same top token at 90% of the positions at least
+    (bf16 activations: the CUDA tests allow 5% against the same float32 reference)."""
+    err = np.max(np.abs(got - want)) / (np.max(want) - np.min(want))
+    assert np.isfinite(got).all() and err < 1e-2, f"{what}: max error {err:.3g} of the logit range"
+    assert np.mean(np.argmax(got, -1) == np.argmax(want, -1)) >= 0.9, what
 
 
 def _prefill(llm, cache, ids):
@@ -123,21 +145,18 @@ def test_cpu_backend_holds_matrices_in_bf16():
     assert emb.dtype == np.float32 and np.array_equal(emb, from_bf16(bits).reshape(5, 16)[[4, 0, 4]])
     x = rng.standard_normal((2, 3, 16), dtype=np.float32)                               # 3-D activations
     y = b.linear(x, w, bias=np.ones(5, np.float32))
-    want = x.astype(np.float64) @ from_bf16(bits).reshape(5, 16).T.astype(np.float64) + 1
+    want = round_bf16(x).astype(np.float64) @ from_bf16(bits).reshape(5, 16).T.astype(np.float64) + 1
     assert_close(y, want, "3-D linear + bias", rtol=1e-5, atol=1e-5)
 
 
 def test_default_model_on_cpu_matches_numpy():
-    """SmolLM2-135M (bf16 weights from the GGUF): the cpu backend's AR logits stay within float32 rounding of the
-    numpy reference's over a few steps."""
+    """SmolLM2-135M (bf16 weights from the GGUF): the cpu backend's prefill logits stay within bf16-activation
+    rounding of the numpy reference's, and both complete the prompt alike."""
     need_default_model()
     ref, cpu = api.load(backend="numpy"), api.load(backend="cpu")
     ids = ref.encode("The capital of France is", chat=False)
-    a = ref.generate(ids, max_new_tokens=8)
-    b = cpu.generate(ids, max_new_tokens=8)
-    assert b.tokens == a.tokens
     cache_ref, cache_cpu = ref.engine.target.new_cache(64), cpu.engine.target.new_cache(64)
     h_ref, _ = _prefill(ref, cache_ref, ids)
     h_cpu, _ = _prefill(cpu, cache_cpu, ids)
-    l_ref, l_cpu = ref.engine.target.logits(h_ref), cpu.engine.target.logits(h_cpu)
-    assert_close(l_cpu, l_ref, "SmolLM2 prefill logits, cpu vs numpy", rtol=0, atol=2e-4, scale="max")
+    _assert_bf16_close(cpu.engine.target.logits(h_cpu), ref.engine.target.logits(h_ref), "SmolLM2 prefill")
+    assert "Paris" in cpu.generate(ids, max_new_tokens=3).text

@@ -173,13 +173,19 @@ class NumpyBackend(Backend):
         rows, v = logp.shape
         if not 1 <= k <= v:
             raise ValueError(f"log_softmax_topk: k = {k} must be in 1..V = {v}")
-        # Candidates: every entry >= the k-th largest value. argpartition alone would keep an arbitrary
-        # subset of the entries tied with the k-th; taking all of them, then sorting by (value desc, id asc),
-        # keeps the lower ids as the contract says.
-        kth = -np.partition(-logp, k - 1, axis=-1)[:, k - 1:k]
+        # Candidates: every entry >= a threshold at or below the k-th largest value, then sorted by (value desc,
+        # id asc), which keeps the lower ids among entries tied with the k-th as the contract says. The threshold
+        # is the k-th largest of the maxima of >= k chunks of the row: at least k entries reach it, and far fewer
+        # than V pass it (a partition of the whole row cost 0.3 ms per row of 49152 on the CPU).
+        chunk = max(1, v // max(k, 256))
+        n_chunks = -(-v // chunk)
+        padded = np.full((rows, n_chunks * chunk), -np.inf, np.float32)
+        padded[:, :v] = logp
+        maxima = padded.reshape(rows, n_chunks, chunk).max(axis=-1)
+        threshold = np.partition(maxima, n_chunks - k, axis=-1)[:, n_chunks - k]
         ids = np.empty((rows, k), np.int64)
         for r in range(rows):
-            cand = np.flatnonzero(logp[r] >= kth[r])
+            cand = np.flatnonzero(logp[r] >= threshold[r])
             ids[r] = cand[np.lexsort((cand, -logp[r, cand]))[:k]]
         return np.take_along_axis(logp, ids, axis=-1).astype(np.float32), ids.astype(np.int32)
 
