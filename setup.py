@@ -1,5 +1,6 @@
-"""Builds the Cython extensions: the hot path (tree builder, accept walk) and the CPU backend's bf16 linear
-(runtime/cpu_linear.h, with OpenMP where the compiler has it). Everything else is pure Python."""
+"""Builds the Cython extensions: the hot path (tree builder, accept walk) and the CPU backend's kernels
+(runtime/cpu_linear.h, runtime/cpu_attention.h; with OpenMP where the compiler has it). Everything else is pure
+Python."""
 import os
 import sys
 import tempfile
@@ -30,7 +31,7 @@ def _compiler_has_openmp(compiler) -> bool:
 
 
 class BuildExt(build_ext):
-    """cpu_kernels gets -fopenmp when the compiler takes it; without it the linear runs on one thread (said here)."""
+    """cpu_kernels gets -fopenmp when the compiler takes it; without it its kernels run on one thread (said here)."""
 
     def build_extensions(self):
         if self.compiler.compiler_type == "unix" and _compiler_has_openmp(self.compiler):
@@ -39,7 +40,7 @@ class BuildExt(build_ext):
                     ext.extra_compile_args = ext.extra_compile_args + ["-fopenmp"]
                     ext.extra_link_args = ext.extra_link_args + ["-fopenmp"]
         else:
-            print("ddtree setup: no OpenMP in this compiler; the CPU backend's linear will use one thread",
+            print("ddtree setup: no OpenMP in this compiler; the CPU backend's kernels will use one thread",
                   file=sys.stderr)
         super().build_extensions()
 

@@ -1,28 +1,37 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""CPU kernels of the cpu backend (runtime/backends/cpu_backend.py): the bf16 linear of cpu_linear.h.
+"""CPU kernels of the cpu backend (runtime/backends/cpu_backend.py): the bf16 linear of cpu_linear.h and the
+prefix + bitmask attention of cpu_attention.h.
 
 `linear_bf16(x, w, out=None)`: out[M, N] = bf16(x)[M, K] @ W[N, K]^T with x float32 (rounded to bf16 on the way
 in, as the CUDA backend's activations are), W bf16 bits (uint16), out float32. The GIL is released while it
 runs; W's rows are split over OpenMP threads where the module was built with OpenMP (`openmp()`;
 OMP_NUM_THREADS sets how many). The build used is the best this CPU runs (`isa()`: "avx512bf16", "avx2+fma",
 "baseline"); DDTREE_CPU_ISA=avx2|baseline caps it at import, `isa=` per call (A/B timing, tests).
+
+`attention(q, k_cache, v_cache, n_prefix, visibility, scale)`: the backend interface's attention op in float32,
+a row's result depending only on its visible keys (see cpu_attention.h).
 """
 import os
 
-from libc.stdint cimport uint16_t
+from libc.stdint cimport uint16_t, uint32_t
 
 import numpy as np
 cimport numpy as cnp
 
 cnp.import_array()
 
-__all__ = ["linear_bf16", "isa", "isa_levels", "openmp", "threads"]
+__all__ = ["attention", "linear_bf16", "isa", "isa_levels", "openmp", "threads"]
 
 cdef extern from "cpu_linear.h" nogil:
     int ddt_linear_bf16(const float *x, const uint16_t *w, float *out, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
                         int level)
     int ddt_isa_level()
     const char *ddt_isa_name(int level)
+
+cdef extern from "cpu_attention.h" nogil:
+    int ddt_attention(const float *q, const float *k, const float *v, const uint32_t *vis, float *out, Py_ssize_t T,
+                      Py_ssize_t H, Py_ssize_t Hkv, Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t n_prefix, Py_ssize_t W,
+                      float scale)
 
 cdef extern from *:
     """
@@ -107,4 +116,39 @@ def linear_bf16(x, w, out=None, isa=None):
         rc = ddt_linear_bf16(&xv[0, 0], &wv[0, 0], &ov[0, 0], M, N, K, level)
     if rc != 0:
         raise MemoryError(f"linear_bf16: no memory for the bf16 copy of x [M={M}, K={K}]")
+    return out
+
+
+def attention(q, k_cache, v_cache, n_prefix, visibility, scale):
+    """q float32 [T, H, D]; k_cache [cap, Hkv, D] and v_cache [cap, Hkv, Dv] float32 (slots 0..n_prefix + T - 1
+    are read); visibility uint32 [T, >= ceil(T / 32)] -> float32 [T, H, Dv]."""
+    if q.ndim != 3 or k_cache.ndim != 3 or v_cache.ndim != 3:
+        raise ValueError(f"attention: q [T, H, D], k/v caches [cap, Hkv, D]; got {q.shape}, {k_cache.shape}, "
+                         f"{v_cache.shape}")
+    cdef Py_ssize_t T = q.shape[0], H = q.shape[1], D = q.shape[2]
+    cdef Py_ssize_t Hkv = k_cache.shape[1], Dv = v_cache.shape[2], P = n_prefix
+    cdef Py_ssize_t n = P + T
+    if (P < 0 or n > k_cache.shape[0] or n > v_cache.shape[0] or k_cache.shape[2] != D or D == 0
+            or v_cache.shape[1] != Hkv or Hkv == 0 or H % Hkv != 0):
+        raise ValueError(f"attention: q {q.shape}, n_prefix {P}, k_cache {k_cache.shape}, v_cache {v_cache.shape}: "
+                         f"need n_prefix + T <= cap, matching D > 0, and H a multiple of Hkv")
+    vis = np.ascontiguousarray(visibility, dtype=np.uint32)
+    cdef Py_ssize_t W = vis.shape[1] if vis.ndim == 2 else 0
+    if vis.ndim != 2 or vis.shape[0] != T or W * 32 < T:
+        raise ValueError(f"attention: visibility must be uint32 [T={T}, >= {(T + 31) // 32}], got {vis.shape}")
+    out = np.empty((T, H, Dv), np.float32)
+    if T == 0 or H == 0 or Dv == 0:
+        return out
+    cdef const float[:, :, ::1] qv = np.ascontiguousarray(q, dtype=np.float32)
+    cdef const float[:, :, ::1] kv = np.ascontiguousarray(k_cache[:n], dtype=np.float32)
+    cdef const float[:, :, ::1] vv = np.ascontiguousarray(v_cache[:n], dtype=np.float32)
+    cdef const uint32_t[:, ::1] visv = vis
+    cdef float[:, :, ::1] ov = out
+    cdef float sc = scale
+    cdef int rc
+    with nogil:
+        rc = ddt_attention(&qv[0, 0, 0], &kv[0, 0, 0], &vv[0, 0, 0], &visv[0, 0], &ov[0, 0, 0], T, H, Hkv, D, Dv, P,
+                           W, sc)
+    if rc != 0:
+        raise MemoryError("attention: no memory for the score buffers")
     return out

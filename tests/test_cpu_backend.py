@@ -1,13 +1,15 @@
-"""The cpu backend (runtime/backends/cpu_backend.py) and its bf16 linear (runtime/cpu_kernels.pyx, cpu_linear.h):
-the linear against a float64 reference at odd sizes, rows independent of how many share a call, bad input refused;
-the backend against the numpy reference on tiny models, and DDTree == AR on it."""
+"""The cpu backend (runtime/backends/cpu_backend.py) and its kernels (runtime/cpu_kernels.pyx: cpu_linear.h,
+cpu_attention.h): each against a float64 reference at odd sizes, rows independent of how many share a call, bad
+input refused; the backend against the numpy reference on tiny models; a tree verify bit-equal to the forward of
+each node's path, and DDTree == AR."""
 import numpy as np
 import pytest
 
 from runtime import api, cpu_kernels
 from runtime.backends.cpu_backend import CpuBackend
 from runtime.bf16 import from_bf16, round_bf16, to_bf16
-from runtime.testing import assert_close
+from runtime.backends.base import causal_visibility, unpack_visibility
+from runtime.testing import assert_close, random_parents, tree_visibility
 from test_api import PROMPT, tiny_dirs  # noqa: F401  (the module-scoped fixture)
 from test_ddtree_run import need_default_model
 
@@ -78,6 +80,95 @@ def test_linear_bf16_refuses_bad_input():
     with pytest.raises(ValueError, match=r"out must be a writeable C-contiguous float32 \[M=2, N=3\]"):
         cpu_kernels.linear_bf16(x, w, out=np.zeros((3, 2), np.float32))
     assert cpu_kernels.linear_bf16(np.zeros((0, 8), np.float32), w).shape == (0, 3)
+
+
+def _attention_reference(q, k, v, n_prefix, vis, scale):
+    """float64 softmax attention over the prefix and the visible new slots (GQA by head // group)."""
+    t, h, _ = q.shape
+    group = h // k.shape[1]
+    dense = unpack_visibility(vis, t)
+    out = np.zeros((t, h, v.shape[2]))
+    for i in range(t):
+        keys = np.concatenate([np.arange(n_prefix), n_prefix + np.flatnonzero(dense[i])])
+        for j in range(h):
+            s = k[keys, j // group].astype(np.float64) @ q[i, j].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[i, j] = (p / p.sum()) @ v[keys, j // group]
+    return out
+
+
+@pytest.mark.parametrize("t,h,hkv,d,dv,n_prefix", [(1, 4, 2, 64, 64, 0), (1, 9, 3, 64, 64, 37), (17, 9, 3, 64, 64, 5),
+                                                   (40, 4, 1, 24, 24, 13), (33, 4, 4, 40, 32, 0),
+                                                   (6, 8, 2, 7, 5, 3)])
+def test_attention_matches_float64(t, h, hkv, d, dv, n_prefix):
+    rng = np.random.default_rng(t * 100 + d)
+    q = rng.standard_normal((t, h, d), dtype=np.float32)
+    cap = n_prefix + t + 5
+    k = rng.standard_normal((cap, hkv, d), dtype=np.float32)
+    v = rng.standard_normal((cap, hkv, dv), dtype=np.float32)
+    vis = tree_visibility(random_parents(rng, t))
+    got = cpu_kernels.attention(q, k, v, n_prefix, vis, 0.3)
+    assert_close(got, _attention_reference(q, k, v, n_prefix, vis, 0.3), f"attention t={t} d={d}", rtol=0,
+                 atol=2e-6)
+    causal = cpu_kernels.attention(q, k, v, n_prefix, causal_visibility(t), 0.3)
+    assert_close(causal, _attention_reference(q, k, v, n_prefix, causal_visibility(t), 0.3), "causal", rtol=0,
+                 atol=2e-6)
+
+
+def test_attention_row_equals_its_path_alone():
+    """A tree node's row, computed in a 23-node verify, is bit-identical to one query over a cache holding the
+    prefix and then the node's ancestors contiguously (what the AR steps of those tokens leave behind)."""
+    rng = np.random.default_rng(5)
+    t, h, hkv, d, n_prefix = 23, 9, 3, 64, 31
+    parents = random_parents(rng, t, window=3)
+    vis = tree_visibility(parents)
+    q = rng.standard_normal((t, h, d), dtype=np.float32)
+    k = rng.standard_normal((n_prefix + t, hkv, d), dtype=np.float32)
+    v = rng.standard_normal((n_prefix + t, hkv, d), dtype=np.float32)
+    tree = cpu_kernels.attention(q, k, v, n_prefix, vis, 0.125)
+    dense = unpack_visibility(vis, t)
+    for node in range(t):
+        path = np.flatnonzero(dense[node])               # ancestors in slot order, the node last
+        slots = np.concatenate([np.arange(n_prefix), n_prefix + path])
+        alone = cpu_kernels.attention(q[node:node + 1], k[slots], v[slots], len(slots) - 1, causal_visibility(1),
+                                      0.125)
+        assert np.array_equal(alone[0], tree[node]), node
+
+
+def test_attention_refuses_bad_input():
+    q, kv = np.zeros((3, 4, 8), np.float32), np.zeros((10, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="need n_prefix"):
+        cpu_kernels.attention(q, kv, kv, 8, causal_visibility(3), 1.0)            # 8 + 3 > 10 slots
+    with pytest.raises(ValueError, match="H a multiple of Hkv"):
+        cpu_kernels.attention(np.zeros((3, 3, 8), np.float32), kv, kv, 0, causal_visibility(3), 1.0)
+    with pytest.raises(ValueError, match="visibility must be uint32"):
+        cpu_kernels.attention(q, kv, kv, 0, np.zeros((2, 1), np.uint32), 1.0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_tree_verify_bit_equal_to_path_forward(kind, tmp_path):
+    """On the cpu backend a tree verify's logits at each node are bit-identical to the last row of a forward over
+    the prefix and that node's path (llama family: every op is row-wise or one of the two kernels)."""
+    from loader import load_config, open_checkpoint
+    from runtime.models import build_model
+    from runtime.testing import tree_depths
+    from test_models import VOCAB, forward_logits, hf_tiny
+    hf_tiny(kind, tmp_path)
+    model = build_model(load_config(tmp_path / kind), open_checkpoint(tmp_path / kind), CpuBackend())
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, VOCAB, 11)
+    parents = random_parents(rng, 40, window=4)
+    tokens, vis = rng.integers(0, VOCAB, 40).astype(np.int32), tree_visibility(parents)
+    cache = model.new_cache(128)
+    forward_logits(model, prefix, cache=cache)
+    cache.length = len(prefix)
+    tree_logits = forward_logits(model, tokens, positions=len(prefix) + tree_depths(parents), visibility=vis,
+                                 cache=cache)
+    dense = unpack_visibility(vis, 40)
+    for node in range(40):
+        path = np.flatnonzero(dense[node])
+        ref = forward_logits(model, np.concatenate([prefix, tokens[path]]))[-1]
+        assert np.array_equal(tree_logits[node], ref), (kind, node)
 
 
 def test_build_facts():

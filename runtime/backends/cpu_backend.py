@@ -1,13 +1,17 @@
-"""The CPU backend ddtree-run uses where no GPU is: the numpy backend's ops, with bf16 weights and its own linear.
+"""The CPU backend ddtree-run uses where no GPU is: the numpy backend's ops, with bf16 weights and C kernels.
 
 The numpy backend (numpy_backend.py) is the float32 oracle every kernel is checked against; it widens every
 weight to float32 and leaves the products to BLAS. On a CPU a decode step streams every weight once, so this
-backend holds weight matrices in bf16, as the CUDA backend does (half the bytes and half the memory), and
-multiplies them with runtime.cpu_kernels.linear_bf16 (cpu_linear.h: AVX2/FMA tiles of up to 4 rows, OpenMP
-over weight rows). For bf16 checkpoints the values are the numpy backend's (bf16 widens exactly) and only the
-order of the sums differs, so logits agree to float32 rounding; float32 checkpoints are rounded to bf16 once.
-The linear gives a row the same bits whatever other rows share the call (a tree verify and an AR step sum a
-token's products alike). Everything else (attention, norms, sampling, INT4 MoE experts) is the numpy backend's.
+backend computes the linears as the CUDA backend does: weight matrices held in bf16 (half the bytes and half the
+memory; float32 checkpoints rounded once), activations rounded to bf16 on the way in, float32 sums
+(runtime.cpu_kernels.linear_bf16, cpu_linear.h: AVX512-BF16 or AVX2/FMA tiles, OpenMP over weight rows).
+Attention is cpu_kernels.attention (cpu_attention.h, float32). Logits stay within bf16-activation rounding of the
+numpy backend's (tests/test_cpu_backend.py).
+
+Both kernels give a row the same bits whatever other rows share the call, and the other ops are row-wise, so a
+tree verify scores each node exactly as the AR step of that token would: DDTree == AR here bit for bit (the numpy
+backend's BLAS attention does not promise that). Norms, RoPE, sampling and INT4 MoE experts are the numpy
+backend's.
 """
 from __future__ import annotations
 
@@ -40,6 +44,9 @@ class CpuBackend(NumpyBackend):
     def embedding(self, table, ids):
         rows = table[np.asarray(ids, dtype=np.int64)]
         return from_bf16(rows).reshape(rows.shape) if rows.dtype == np.uint16 else rows
+
+    def attention(self, q, k_cache, v_cache, n_prefix, visibility, scale):
+        return cpu_kernels.attention(q, k_cache, v_cache, n_prefix, visibility, scale)
 
     def linear(self, x, w, bias=None):
         if w.dtype != np.uint16:
