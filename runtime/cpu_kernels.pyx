@@ -31,7 +31,7 @@ cdef extern from "cpu_linear.h" nogil:
 cdef extern from "cpu_attention.h" nogil:
     int ddt_attention(const float *q, const float *k, const float *v, const uint32_t *vis, float *out, Py_ssize_t T,
                       Py_ssize_t H, Py_ssize_t Hkv, Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t n_prefix, Py_ssize_t W,
-                      float scale)
+                      float scale, int level)
 
 cdef extern from *:
     """
@@ -60,6 +60,15 @@ def _default_level() -> int:
 
 
 cdef int _level = _default_level()
+
+
+cdef int _isa_level(isa) except -1:
+    """The level of a build name (None: the default build)."""
+    if isa is None:
+        return _level
+    if isa not in _NAMES:
+        raise ValueError(f"isa={isa!r}: this CPU runs {', '.join(_NAMES)}")
+    return _NAMES[isa]
 
 
 def isa() -> str:
@@ -93,11 +102,7 @@ def linear_bf16(x, w, out=None, isa=None):
     cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
     if w.shape[1] != K:
         raise ValueError(f"linear_bf16: x is [M={M}, K={K}] but w is [N={N}, K={w.shape[1]}]")
-    cdef int level = _level
-    if isa is not None:
-        if isa not in _NAMES:
-            raise ValueError(f"linear_bf16: isa={isa!r}: this CPU runs {', '.join(_NAMES)}")
-        level = _NAMES[isa]
+    cdef int level = _isa_level(isa)
     if out is None:
         out = np.empty((M, N), np.float32)
     elif (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (M, N)
@@ -119,9 +124,10 @@ def linear_bf16(x, w, out=None, isa=None):
     return out
 
 
-def attention(q, k_cache, v_cache, n_prefix, visibility, scale):
+def attention(q, k_cache, v_cache, n_prefix, visibility, scale, isa=None):
     """q float32 [T, H, D]; k_cache [cap, Hkv, D] and v_cache [cap, Hkv, Dv] float32 (slots 0..n_prefix + T - 1
-    are read); visibility uint32 [T, >= ceil(T / 32)] -> float32 [T, H, Dv]."""
+    are read); visibility uint32 [T, >= ceil(T / 32)] -> float32 [T, H, Dv]. isa as for linear_bf16 (the
+    attention has the avx2+fma and baseline builds; avx512bf16 runs the avx2+fma one)."""
     if q.ndim != 3 or k_cache.ndim != 3 or v_cache.ndim != 3:
         raise ValueError(f"attention: q [T, H, D], k/v caches [cap, Hkv, D]; got {q.shape}, {k_cache.shape}, "
                          f"{v_cache.shape}")
@@ -146,9 +152,10 @@ def attention(q, k_cache, v_cache, n_prefix, visibility, scale):
     cdef float[:, :, ::1] ov = out
     cdef float sc = scale
     cdef int rc
+    cdef int level = _isa_level(isa)
     with nogil:
         rc = ddt_attention(&qv[0, 0, 0], &kv[0, 0, 0], &vv[0, 0, 0], &visv[0, 0], &ov[0, 0, 0], T, H, Hkv, D, Dv, P,
-                           W, sc)
+                           W, sc, level)
     if rc != 0:
         raise MemoryError("attention: no memory for the score buffers")
     return out

@@ -99,18 +99,23 @@ def _attention_reference(q, k, v, n_prefix, vis, scale):
 
 @pytest.mark.parametrize("t,h,hkv,d,dv,n_prefix", [(1, 4, 2, 64, 64, 0), (1, 9, 3, 64, 64, 37), (17, 9, 3, 64, 64, 5),
                                                    (40, 4, 1, 24, 24, 13), (33, 4, 4, 40, 32, 0),
-                                                   (6, 8, 2, 7, 5, 3)])
-def test_attention_matches_float64(t, h, hkv, d, dv, n_prefix):
+                                                   (6, 8, 2, 7, 5, 3), (9, 8, 2, 16, 16, 0)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_attention_matches_float64(t, h, hkv, d, dv, n_prefix, isa):
     rng = np.random.default_rng(t * 100 + d)
     q = rng.standard_normal((t, h, d), dtype=np.float32)
     cap = n_prefix + t + 5
     k = rng.standard_normal((cap, hkv, d), dtype=np.float32)
     v = rng.standard_normal((cap, hkv, dv), dtype=np.float32)
     vis = tree_visibility(random_parents(rng, t))
-    got = cpu_kernels.attention(q, k, v, n_prefix, vis, 0.3)
-    assert_close(got, _attention_reference(q, k, v, n_prefix, vis, 0.3), f"attention t={t} d={d}", rtol=0,
+    got = cpu_kernels.attention(q, k, v, n_prefix, vis, 0.3, isa=isa)
+    assert_close(got, _attention_reference(q, k, v, n_prefix, vis, 0.3), f"attention {isa} t={t} d={d}", rtol=0,
                  atol=2e-6)
-    causal = cpu_kernels.attention(q, k, v, n_prefix, causal_visibility(t), 0.3)
+    if n_prefix == 0:                # a row that sees no key at all: NaN (softmax over nothing), not garbage
+        blind = vis.copy()
+        blind[0] = 0
+        assert np.isnan(cpu_kernels.attention(q, k, v, 0, blind, 0.3, isa=isa)[0]).all()
+    causal = cpu_kernels.attention(q, k, v, n_prefix, causal_visibility(t), 0.3, isa=isa)
     assert_close(causal, _attention_reference(q, k, v, n_prefix, causal_visibility(t), 0.3), "causal", rtol=0,
                  atol=2e-6)
 
