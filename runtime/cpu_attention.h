@@ -65,6 +65,21 @@ static inline __attribute__((always_inline)) float ddt_dot(const float *a, const
    still sees its own visible keys in slot order with its own scores, weights and sums, so its result is what it
    would be alone. */
 #define DDT_ATT_ROWS 4
+
+/* Inside a work item: for every key slot c in order and every (row, head) pair of the block that sees it, the
+   block of code given, with c, i (the query row), h (the head) and a (the pair's index in the block) set. */
+#define DDT_FOR_VISIBLE_PAIRS(...)                                                                          \
+  for (ptrdiff_t c = 0; c < n_max; c++) {                                                                   \
+    const ptrdiff_t j = c - n_prefix; /* the new token of this slot, or < 0 in the prefix */                \
+    for (ptrdiff_t r = 0; r < rows; r++) {                                                                  \
+      const ptrdiff_t i = i0 + r;                                                                           \
+      if (j >= 0 && !((vis[i * W + (j >> 5)] >> (j & 31)) & 1u)) continue;                                 \
+      for (ptrdiff_t g = 0; g < group; g++) {                                                               \
+        const ptrdiff_t a = r * group + g, h = hk * group + g;                                              \
+        __VA_ARGS__                                                                                         \
+      }                                                                                                     \
+    }                                                                                                       \
+  }
 #define DDT_ATTENTION_BODY                                                                                   \
   {                                                                                                         \
     const ptrdiff_t group = H / Hkv, n_max = n_prefix + T, row_blocks = (T + DDT_ATT_ROWS - 1) / DDT_ATT_ROWS; \
@@ -86,21 +101,11 @@ static inline __attribute__((always_inline)) float ddt_dot(const float *a, const
         const ptrdiff_t rows = T - i0 < DDT_ATT_ROWS ? T - i0 : DDT_ATT_ROWS, np_ = rows * group;           \
         for (ptrdiff_t a = 0; a < np_; a++) { cnt[a] = 0; mx[a] = -INFINITY; }                             \
         /* pass 1: scores, key by key in slot order (prefix slots, then the new slots any row sees) */      \
-        for (ptrdiff_t c = 0; c < n_max; c++) {                                                             \
-          const ptrdiff_t j = c - n_prefix; /* the new token of this slot, or < 0 in the prefix */          \
-          const float *kt = k + (c * Hkv + hk) * D;                                                         \
-          for (ptrdiff_t r = 0; r < rows; r++) {                                                            \
-            const ptrdiff_t i = i0 + r;                                                                     \
-            if (j >= 0 && !((vis[i * W + (j >> 5)] >> (j & 31)) & 1u)) continue;                           \
-            for (ptrdiff_t g = 0; g < group; g++) {                                                         \
-              const ptrdiff_t a = r * group + g;                                                            \
-              const float *qi = q + (i * H + hk * group + g) * D;                                           \
-              const float sc = ddt_dot(qi, kt, D) * scale;                                                  \
-              s[a * n_max + cnt[a]++] = sc;                                                                 \
-              mx[a] = sc > mx[a] ? sc : mx[a];                                                              \
-            }                                                                                               \
-          }                                                                                                 \
-        }                                                                                                   \
+        DDT_FOR_VISIBLE_PAIRS({                                                                             \
+          const float sc = ddt_dot(q + (i * H + h) * D, k + (c * Hkv + hk) * D, D) * scale;                 \
+          s[a * n_max + cnt[a]++] = sc;                                                                     \
+          mx[a] = sc > mx[a] ? sc : mx[a];                                                                  \
+        })                                                                                                  \
         /* pass 2: weights and their sum, per pair */                                                       \
         for (ptrdiff_t a = 0; a < np_; a++) {                                                               \
           float *sa = s + a * n_max, m = mx[a], w8[8] = {0, 0, 0, 0, 0, 0, 0, 0};                           \
@@ -123,20 +128,11 @@ static inline __attribute__((always_inline)) float ddt_dot(const float *a, const
           cnt[a] = 0;                                                                                       \
         }                                                                                                   \
         /* pass 3: the weighted values, key by key in the same order */                                    \
-        for (ptrdiff_t c = 0; c < n_max; c++) {                                                             \
-          const ptrdiff_t j = c - n_prefix;                                                                 \
-          const float *vt = v + (c * Hkv + hk) * Dv;                                                        \
-          for (ptrdiff_t r = 0; r < rows; r++) {                                                            \
-            const ptrdiff_t i = i0 + r;                                                                     \
-            if (j >= 0 && !((vis[i * W + (j >> 5)] >> (j & 31)) & 1u)) continue;                           \
-            for (ptrdiff_t g = 0; g < group; g++) {                                                         \
-              const ptrdiff_t a = r * group + g;                                                            \
-              const float p = s[a * n_max + cnt[a]++];                                                      \
-              float *o = out + (i * H + hk * group + g) * Dv;                                               \
-              for (ptrdiff_t d = 0; d < Dv; d++) o[d] += p * vt[d];                                         \
-            }                                                                                               \
-          }                                                                                                 \
-        }                                                                                                   \
+        DDT_FOR_VISIBLE_PAIRS({                                                                             \
+          const float p = s[a * n_max + cnt[a]++], *vt = v + (c * Hkv + hk) * Dv;                          \
+          float *o = out + (i * H + h) * Dv;                                                                \
+          for (ptrdiff_t d = 0; d < Dv; d++) o[d] += p * vt[d];                                             \
+        })                                                                                                  \
         for (ptrdiff_t a = 0; a < np_; a++) {                                                               \
           float *o = out + ((i0 + a / group) * H + hk * group + a % group) * Dv;                            \
           for (ptrdiff_t d = 0; d < Dv; d++) o[d] *= mx[a];                                                 \

@@ -49,6 +49,8 @@ step bench_moe python3 tools/bench_moe.py --torch --no-variants --plans 'no-gmma
 step bench_stream_rows python3 -m tools.bench_stream_rows
 step bench_mla python3 tools/bench_mla.py --kernel mma,gmma,gmma-split
 step bench_load python3 tools/bench_load.py --size-gb 4
+# the cpu backend's kernels on the device machine's CPU (another ISA than the development VM's)
+step bench_cpu python3 -m tools.bench_cpu --m 1,5,17,64
 # Engine on CUDA (issue 6): graph-captured AR / DDTree on SmolLM2-135M (the GGUF at DDTREE_SMOLLM2_GGUF),
 # host us/round, graph replay times, HF transformers generate as the peer when torch CUDA is there.
 # Without the GGUF on the machine: random weights of SmolLM2-135M's shape (same timings, no real text).
