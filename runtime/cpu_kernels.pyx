@@ -2,9 +2,9 @@
 """CPU kernels of the cpu backend (runtime/backends/cpu_backend.py): the bf16 linear of cpu_linear.h and the
 prefix + bitmask attention of cpu_attention.h.
 
-`linear_bf16(x, w, out=None)`: out[M, N] = bf16(x)[M, K] @ W[N, K]^T with x float32 (rounded to bf16 on the way
-in, as the CUDA backend's activations are), W bf16 bits (uint16), out float32. The GIL is released while it
-runs; W's rows are split over OpenMP threads where the module was built with OpenMP (`openmp()`;
+`linear(x, w, out=None)`: out[M, N] = bf16(x)[M, K] @ W[N, K]^T for W in bf16 bits (uint16), x float32 rounded
+to bf16 on the way in (as the CUDA backend's activations are); x @ W^T in float32 for W in float32. The GIL is
+released while it runs; W's rows are split over OpenMP threads where the module was built with OpenMP (`openmp()`;
 OMP_NUM_THREADS sets how many). The build used is the best this CPU runs (`isa()`: "avx512bf16", "avx2+fma",
 "baseline"); DDTREE_CPU_ISA=avx2|baseline caps it at import, `isa=` per call (A/B timing, tests).
 
@@ -20,10 +20,12 @@ cimport numpy as cnp
 
 cnp.import_array()
 
-__all__ = ["attention", "linear_bf16", "isa", "isa_levels", "openmp", "threads"]
+__all__ = ["attention", "linear", "isa", "isa_levels", "openmp", "threads"]
 
 cdef extern from "cpu_linear.h" nogil:
     int ddt_linear_bf16(const float *x, const uint16_t *w, float *out, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+                        int level)
+    void ddt_linear_f32(const float *x, const float *w, float *out, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
                         int level)
     int ddt_isa_level()
     const char *ddt_isa_name(int level)
@@ -77,7 +79,7 @@ def isa() -> str:
 
 
 def isa_levels() -> tuple:
-    """Every build this CPU can run, worst first (the `isa=` values linear_bf16 takes)."""
+    """Every build this CPU can run, worst first (the `isa=` values linear and attention take)."""
     return tuple(_NAMES)
 
 
@@ -91,42 +93,49 @@ def threads() -> int:
     return ddt_threads()
 
 
-def linear_bf16(x, w, out=None, isa=None):
-    """x float32 [M, K], w uint16 (bf16 bits) [N, K] -> float32 [M, N] (written into `out` when given)."""
+def linear(x, w, out=None, isa=None):
+    """x float32 [M, K], w uint16 (bf16 bits) or float32 [N, K] -> float32 [M, N] (written into `out` when given)."""
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2:
-        raise ValueError(f"linear_bf16: x must be a 2-D float32 array, got {getattr(x, 'dtype', type(x))} "
+        raise ValueError(f"linear: x must be a 2-D float32 array, got {getattr(x, 'dtype', type(x))} "
                          f"{getattr(x, 'shape', '')}")
-    if not isinstance(w, np.ndarray) or w.dtype != np.uint16 or w.ndim != 2:
-        raise ValueError(f"linear_bf16: w must be a 2-D uint16 (bf16) array, got {getattr(w, 'dtype', type(w))} "
-                         f"{getattr(w, 'shape', '')}")
+    if not isinstance(w, np.ndarray) or w.dtype not in (np.uint16, np.float32) or w.ndim != 2:
+        raise ValueError(f"linear: w must be a 2-D uint16 (bf16) or float32 array, got "
+                         f"{getattr(w, 'dtype', type(w))} {getattr(w, 'shape', '')}")
     cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
     if w.shape[1] != K:
-        raise ValueError(f"linear_bf16: x is [M={M}, K={K}] but w is [N={N}, K={w.shape[1]}]")
+        raise ValueError(f"linear: x is [M={M}, K={K}] but w is [N={N}, K={w.shape[1]}]")
     cdef int level = _isa_level(isa)
     if out is None:
         out = np.empty((M, N), np.float32)
     elif (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (M, N)
           or not out.flags.c_contiguous or not out.flags.writeable):
-        raise ValueError(f"linear_bf16: out must be a writeable C-contiguous float32 [M={M}, N={N}] array")
+        raise ValueError(f"linear: out must be a writeable C-contiguous float32 [M={M}, N={N}] array")
     if M == 0 or N == 0:
         return out
     if K == 0:
         out[...] = 0
         return out
     cdef const float[:, ::1] xv = np.ascontiguousarray(x)
-    cdef const uint16_t[:, ::1] wv = np.ascontiguousarray(w)
     cdef float[:, ::1] ov = out
-    cdef int rc
-    with nogil:
-        rc = ddt_linear_bf16(&xv[0, 0], &wv[0, 0], &ov[0, 0], M, N, K, level)
+    cdef const uint16_t[:, ::1] wb
+    cdef const float[:, ::1] wf
+    cdef int rc = 0
+    if w.dtype == np.uint16:
+        wb = np.ascontiguousarray(w)
+        with nogil:
+            rc = ddt_linear_bf16(&xv[0, 0], &wb[0, 0], &ov[0, 0], M, N, K, level)
+    else:
+        wf = np.ascontiguousarray(w)
+        with nogil:
+            ddt_linear_f32(&xv[0, 0], &wf[0, 0], &ov[0, 0], M, N, K, level)
     if rc != 0:
-        raise MemoryError(f"linear_bf16: no memory for the bf16 copy of x [M={M}, K={K}]")
+        raise MemoryError(f"linear: no memory for the bf16 copy of x [M={M}, K={K}]")
     return out
 
 
 def attention(q, k_cache, v_cache, n_prefix, visibility, scale, isa=None):
     """q float32 [T, H, D]; k_cache [cap, Hkv, D] and v_cache [cap, Hkv, Dv] float32 (slots 0..n_prefix + T - 1
-    are read); visibility uint32 [T, >= ceil(T / 32)] -> float32 [T, H, Dv]. isa as for linear_bf16 (the
+    are read); visibility uint32 [T, >= ceil(T / 32)] -> float32 [T, H, Dv]. isa as for linear (the
     attention has the avx2+fma and baseline builds; avx512bf16 runs the avx2+fma one)."""
     if q.ndim != 3 or k_cache.ndim != 3 or v_cache.ndim != 3:
         raise ValueError(f"attention: q [T, H, D], k/v caches [cap, Hkv, D]; got {q.shape}, {k_cache.shape}, "

@@ -1,5 +1,6 @@
-/* bf16 linear for the CPU backend: out[M, N] = bf16(x)[M, K] @ W[N, K]^T with W in bf16 (uint16 bits), the
-activations rounded to bf16 (nearest even) as the CUDA backend's GEMMs take them, products summed in float32.
+/* The linear of the CPU backend: out[M, N] = bf16(x)[M, K] @ W[N, K]^T with W in bf16 (uint16 bits), the
+activations rounded to bf16 (nearest even) as the CUDA backend's GEMMs take them, products summed in float32;
+or, for float32 weights (checkpoints in float32, DeepSeek's router), x @ W^T in float32 as it is.
 
 Why: the numpy backend holds every weight in float32 and leaves small-M products to BLAS. A decode step streams
 all weights once, so bf16 halves the bytes; and OpenBLAS's sgemm at 5..17 rows (the tree verify, the drafter
@@ -7,7 +8,8 @@ block) runs at a fraction of what the FMA units do. Here each weight vector is l
 rows of x, with the next tile's weights prefetched.
 
 Three builds of the same sums, picked at run time:
-- "avx512bf16": vdpbf16ps on bf16 pairs (AMD Zen 4+, Intel Sapphire Rapids+): 32 products per instruction.
+- "avx512bf16": vdpbf16ps on bf16 pairs (AMD Zen 4+, Intel Sapphire Rapids+): 32 products per instruction
+  (bf16 weights; float32 weights run the avx2+fma build).
 - "avx2+fma": 8 float32 lanes, bf16 widened by a shift.
 - "baseline": the same vector code at the compiler's default ISA (GCC/Clang vector extensions), or one scalar
   lane where there are none (e.g. MSVC).
@@ -72,22 +74,25 @@ DDT_INLINE float ddt_hsum8(ddt_v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* Rows m..m+mt-1 of x (float32 holding bf16 values) against rows n..n+NT-1 of W; K8 = K rounded down to 8, the
-   rest in scalars. The loops over i and j unroll; i >= mt are skipped, so every (i, j) runs the same code. */
-#define DDT_TILE8(NT)                                                                                       \
-  DDT_INLINE void ddt_tile8_##NT(const float *x, const uint16_t *w, float *out, ptrdiff_t N, ptrdiff_t K,  \
-                                 ptrdiff_t n, ptrdiff_t m, int mt) {                                        \
+#define DDT_SAME(v) (v)
+
+/* Rows m..m+mt-1 of x against rows n..n+NT-1 of W (element type WT, read 8 at a time by LOAD8, one by ONE); K8 = K
+   rounded down to 8, the rest in scalars. The loops over i and j unroll; i >= mt are skipped, so every (i, j) runs
+   the same code. SUF names the weight type: bf16 (x holds bf16 values then) or f32. */
+#define DDT_TILE8(SUF, WT, LOAD8, ONE, NT)                                                                  \
+  DDT_INLINE void ddt_tile8_##SUF##_##NT(const float *x, const WT *w, float *out, ptrdiff_t N, ptrdiff_t K, \
+                                         ptrdiff_t n, ptrdiff_t m, int mt) {                                \
     ddt_v8f acc[4][NT];                                                                                     \
     for (int i = 0; i < 4; i++)                                                                             \
       for (int j = 0; j < NT; j++) acc[i][j] = (ddt_v8f){0, 0, 0, 0, 0, 0, 0, 0};                         \
-    const uint16_t *w0 = w + n * K;                                                                         \
+    const WT *w0 = w + n * K;                                                                               \
     const float *x0 = x + m * K;                                                                            \
     const ptrdiff_t K8 = K & ~(ptrdiff_t)7;                                                                 \
     for (ptrdiff_t k = 0; k < K8; k += 8) {                                                                 \
-      if ((k & 31) == 0) /* one 64-byte line of each of the next tile's rows */                            \
+      if ((k & (64 / sizeof(WT) - 1)) == 0) /* one 64-byte line of each of the next tile's rows */         \
         for (int j = 0; j < NT; j++) __builtin_prefetch(w0 + (NT + j) * K + k);                            \
       ddt_v8f wv[NT];                                                                                       \
-      for (int j = 0; j < NT; j++) wv[j] = ddt_load8_bf16(w0 + j * K + k);                                 \
+      for (int j = 0; j < NT; j++) wv[j] = LOAD8(w0 + j * K + k);                                          \
       for (int i = 0; i < 4; i++) {                                                                         \
         if (i >= mt) break;                                                                                 \
         ddt_v8f xv = ddt_load8_f32(x0 + i * K + k);                                                        \
@@ -97,32 +102,42 @@ DDT_INLINE float ddt_hsum8(ddt_v8f v) {
     for (int i = 0; i < mt; i++)                                                                            \
       for (int j = 0; j < NT; j++) {                                                                        \
         float s = ddt_hsum8(acc[i][j]);                                                                     \
-        for (ptrdiff_t k = K8; k < K; k++) s += x0[i * K + k] * ddt_bf16_to_f32(w0[j * K + k]);            \
+        for (ptrdiff_t k = K8; k < K; k++) s += x0[i * K + k] * ONE(w0[j * K + k]);                        \
         out[(m + i) * N + n + j] = s;                                                                       \
       }                                                                                                     \
   }
-DDT_TILE8(2)
-DDT_TILE8(1)
+DDT_TILE8(bf16, uint16_t, ddt_load8_bf16, ddt_bf16_to_f32, 2)
+DDT_TILE8(bf16, uint16_t, ddt_load8_bf16, ddt_bf16_to_f32, 1)
+DDT_TILE8(f32, float, ddt_load8_f32, DDT_SAME, 2)
+DDT_TILE8(f32, float, ddt_load8_f32, DDT_SAME, 1)
 
-/* x (float32 holding bf16 values) against W: pairs of W rows over the threads, then the odd row. */
-#define DDT_LINEAR8_BODY                                                                                    \
+/* x against W: pairs of W rows over the threads, then the odd row; a baseline and an AVX2+FMA build. */
+#define DDT_LINEAR8_BODY(SUF)                                                                               \
   {                                                                                                         \
     const ptrdiff_t pairs = N / 2;                                                                          \
     _Pragma("omp parallel for schedule(static) if (pairs > 64)")                                           \
     for (ptrdiff_t p = 0; p < pairs; p++)                                                                   \
-      for (ptrdiff_t m = 0; m < M; m += 4) ddt_tile8_2(x, w, out, N, K, 2 * p, m, M - m < 4 ? (int)(M - m) : 4); \
+      for (ptrdiff_t m = 0; m < M; m += 4)                                                                  \
+        ddt_tile8_##SUF##_2(x, w, out, N, K, 2 * p, m, M - m < 4 ? (int)(M - m) : 4);                      \
     if (N & 1)                                                                                              \
-      for (ptrdiff_t m = 0; m < M; m += 4) ddt_tile8_1(x, w, out, N, K, N - 1, m, M - m < 4 ? (int)(M - m) : 4); \
+      for (ptrdiff_t m = 0; m < M; m += 4)                                                                  \
+        ddt_tile8_##SUF##_1(x, w, out, N, K, N - 1, m, M - m < 4 ? (int)(M - m) : 4);                      \
   }
-
-static void ddt_linear8_base(const float *x, const uint16_t *w, float *out, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K)
-DDT_LINEAR8_BODY
+#if DDT_X86
+#define DDT_LINEAR8_FUNCS(SUF, WT)                                                                          \
+  static void ddt_linear8_##SUF##_base(const float *x, const WT *w, float *out, ptrdiff_t M, ptrdiff_t N,   \
+                                       ptrdiff_t K) DDT_LINEAR8_BODY(SUF)                                   \
+  __attribute__((target("avx2,fma"))) static void ddt_linear8_##SUF##_avx2(                                \
+      const float *x, const WT *w, float *out, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K) DDT_LINEAR8_BODY(SUF)
+#else
+#define DDT_LINEAR8_FUNCS(SUF, WT)                                                                          \
+  static void ddt_linear8_##SUF##_base(const float *x, const WT *w, float *out, ptrdiff_t M, ptrdiff_t N,   \
+                                       ptrdiff_t K) DDT_LINEAR8_BODY(SUF)
+#endif
+DDT_LINEAR8_FUNCS(bf16, uint16_t)
+DDT_LINEAR8_FUNCS(f32, float)
 
 #if DDT_X86
-__attribute__((target("avx2,fma"))) static void ddt_linear8_avx2(const float *x, const uint16_t *w, float *out,
-                                                                   ptrdiff_t M, ptrdiff_t N, ptrdiff_t K)
-DDT_LINEAR8_BODY
-
 /* ---- bf16 pairs, vdpbf16ps (AVX512-BF16) ------------------------------------------------------------------- */
 #define DDT_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -179,14 +194,19 @@ DDT_BF16_TARGET static void ddt_linear_avx512bf16(const uint16_t *xb, const uint
 #endif /* DDT_X86 */
 
 #else /* no vector extensions: one lane, the same per-element order as a sum over k */
-static void ddt_linear8_base(const float *x, const uint16_t *w, float *out, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K) {
-  for (ptrdiff_t n = 0; n < N; n++)
-    for (ptrdiff_t m = 0; m < M; m++) {
-      float s = 0.0f;
-      for (ptrdiff_t k = 0; k < K; k++) s += x[m * K + k] * ddt_bf16_to_f32(w[n * K + k]);
-      out[m * N + n] = s;
-    }
-}
+#define DDT_LINEAR1(SUF, WT, ONE)                                                                           \
+  static void ddt_linear8_##SUF##_base(const float *x, const WT *w, float *out, ptrdiff_t M, ptrdiff_t N,   \
+                                       ptrdiff_t K) {                                                       \
+    for (ptrdiff_t n = 0; n < N; n++)                                                                       \
+      for (ptrdiff_t m = 0; m < M; m++) {                                                                   \
+        float s = 0.0f;                                                                                     \
+        for (ptrdiff_t k = 0; k < K; k++) s += x[m * K + k] * ONE(w[n * K + k]);                           \
+        out[m * N + n] = s;                                                                                 \
+      }                                                                                                     \
+  }
+#define DDT_SAME(v) (v)
+DDT_LINEAR1(bf16, uint16_t, ddt_bf16_to_f32)
+DDT_LINEAR1(f32, float, DDT_SAME)
 #endif
 
 /* The best build this CPU runs: 2 = avx512bf16, 1 = avx2+fma, 0 = baseline. */
@@ -229,13 +249,26 @@ static int ddt_linear_bf16(const float *x, const uint16_t *w, float *out, ptrdif
   if (xr == NULL) return -1;
   for (size_t i = 0; i < n_x; i++) xr[i] = ddt_bf16_to_f32(ddt_f32_to_bf16(x[i]));
 #if DDT_X86
-  if (level == 1)
-    ddt_linear8_avx2(xr, w, out, M, N, K);
+  if (level >= 1)
+    ddt_linear8_bf16_avx2(xr, w, out, M, N, K);
   else
 #endif
-    ddt_linear8_base(xr, w, out, M, N, K);
+    ddt_linear8_bf16_base(xr, w, out, M, N, K);
   free(xr);
   return 0;
+}
+
+/* out[M, N] = x @ W^T with W in float32 (x as it is): the AVX2+FMA build from level 1 up, else the baseline. */
+static void ddt_linear_f32(const float *x, const float *w, float *out, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
+                           int level) {
+#if DDT_X86
+  if (level >= 1) {
+    ddt_linear8_f32_avx2(x, w, out, M, N, K);
+    return;
+  }
+#endif
+  (void)level;
+  ddt_linear8_f32_base(x, w, out, M, N, K);
 }
 
 #endif /* DDTREE_CPU_LINEAR_H */

@@ -22,64 +22,73 @@ ISAS = cpu_kernels.isa_levels()      # every build this CPU runs: baseline, avx2
 
 
 def _reference(x, w):
-    """float64 of what the kernel computes: bf16(x) @ W^T, and a bound on float32 summation error per element."""
-    xr = round_bf16(x).astype(np.float64)
-    wf = from_bf16(w).reshape(w.shape).astype(np.float64)
+    """float64 of what the kernel computes (bf16 weights: bf16(x) @ W^T; float32 weights: x @ W^T), and a bound on
+    float32 summation error per element."""
+    if w.dtype == np.uint16:
+        xr, wf = round_bf16(x).astype(np.float64), from_bf16(w).reshape(w.shape).astype(np.float64)
+    else:
+        xr, wf = x.astype(np.float64), w.astype(np.float64)
     return xr @ wf.T, 4 * x.shape[1] * np.finfo(np.float32).eps * (np.abs(xr) @ np.abs(wf).T)
 
 
+def _weight(rng, n, k, wtype):
+    return _bf16_matrix(rng, n, k) if wtype == "bf16" else rng.standard_normal((n, k), dtype=np.float32)
+
+
+@pytest.mark.parametrize("wtype", ["bf16", "f32"])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 9, 17, 33])
 @pytest.mark.parametrize("N,K", [(1, 8), (3, 7), (37, 64), (111, 100), (64, 576), (130, 1), (5, 33)])
-def test_linear_bf16_matches_float64(isa, M, N, K):
+def test_linear_matches_float64(wtype, isa, M, N, K):
     rng = np.random.default_rng(M * 1000 + N * 10 + K)
     x = rng.standard_normal((M, K), dtype=np.float32)
-    w = _bf16_matrix(rng, N, K)
+    w = _weight(rng, N, K, wtype)
     out = np.full((M, N), np.nan, np.float32)                 # poisoned: every element must be written
-    got = cpu_kernels.linear_bf16(x, w, out=out, isa=isa)
+    got = cpu_kernels.linear(x, w, out=out, isa=isa)
     assert got is out
     want, slack = _reference(x, w)
-    assert_close(got, want, f"linear_bf16 {isa} M={M} N={N} K={K}", rtol=0, atol=0, scale=None, slack=slack)
+    assert_close(got, want, f"linear {wtype} {isa} M={M} N={N} K={K}", rtol=0, atol=0, scale=None, slack=slack)
 
 
+@pytest.mark.parametrize("wtype", ["bf16", "f32"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_linear_bf16_rows_do_not_depend_on_the_batch(isa):
+def test_linear_rows_do_not_depend_on_the_batch(isa, wtype):
     """A row's result is bit-identical whether it comes alone or with up to 16 others (and in any tile position):
     what lets a tree verify on this backend score each node exactly as an AR step."""
     rng = np.random.default_rng(7)
     K, N = 583, 259                     # K: a partial last chunk for every build
-    w = _bf16_matrix(rng, N, K)
+    w = _weight(rng, N, K, wtype)
     x = rng.standard_normal((17, K), dtype=np.float32)
-    alone = np.stack([cpu_kernels.linear_bf16(x[i:i + 1], w, isa=isa)[0] for i in range(17)])
+    alone = np.stack([cpu_kernels.linear(x[i:i + 1], w, isa=isa)[0] for i in range(17)])
     for M in (2, 3, 4, 5, 8, 9, 17):
         for lo in (0, 17 - M):
-            assert np.array_equal(cpu_kernels.linear_bf16(x[lo:lo + M], w, isa=isa), alone[lo:lo + M]), (M, lo)
+            assert np.array_equal(cpu_kernels.linear(x[lo:lo + M], w, isa=isa), alone[lo:lo + M]), (M, lo)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_linear_bf16_nan_propagates_and_views_work(isa):
+def test_linear_nan_propagates_and_views_work(isa):
     rng = np.random.default_rng(3)
     w = _bf16_matrix(rng, 9, 40)
     x = rng.standard_normal((6, 80), dtype=np.float32)[:, ::2]       # a strided view: copied, not misread
     want, slack = _reference(np.ascontiguousarray(x), w)
-    assert_close(cpu_kernels.linear_bf16(x, w, isa=isa), want, "strided x", rtol=0, atol=0, scale=None, slack=slack)
+    assert_close(cpu_kernels.linear(x, w, isa=isa), want, "strided x", rtol=0, atol=0, scale=None, slack=slack)
     x = np.ascontiguousarray(x)
     x[2, 5] = np.nan
-    y = cpu_kernels.linear_bf16(x, w, isa=isa)
+    y = cpu_kernels.linear(x, w, isa=isa)
     assert np.isnan(y[2]).all() and np.isfinite(np.delete(y, 2, axis=0)).all()
 
 
-def test_linear_bf16_refuses_bad_input():
+def test_linear_refuses_bad_input():
     x, w = np.zeros((2, 8), np.float32), np.zeros((3, 8), np.uint16)
     with pytest.raises(ValueError, match=r"x is \[M=2, K=8\] but w is \[N=3, K=7\]"):
-        cpu_kernels.linear_bf16(x, np.zeros((3, 7), np.uint16))
+        cpu_kernels.linear(x, np.zeros((3, 7), np.uint16))
     with pytest.raises(ValueError, match="x must be a 2-D float32"):
-        cpu_kernels.linear_bf16(x.astype(np.float64), w)
-    with pytest.raises(ValueError, match="w must be a 2-D uint16"):
-        cpu_kernels.linear_bf16(x, w.astype(np.float32))
+        cpu_kernels.linear(x.astype(np.float64), w)
+    with pytest.raises(ValueError, match=r"w must be a 2-D uint16 \(bf16\) or float32"):
+        cpu_kernels.linear(x, w.astype(np.float64))
     with pytest.raises(ValueError, match=r"out must be a writeable C-contiguous float32 \[M=2, N=3\]"):
-        cpu_kernels.linear_bf16(x, w, out=np.zeros((3, 2), np.float32))
-    assert cpu_kernels.linear_bf16(np.zeros((0, 8), np.float32), w).shape == (0, 3)
+        cpu_kernels.linear(x, w, out=np.zeros((3, 2), np.float32))
+    assert cpu_kernels.linear(np.zeros((0, 8), np.float32), w).shape == (0, 3)
 
 
 def _attention_reference(q, k, v, n_prefix, vis, scale):
@@ -150,16 +159,28 @@ def test_attention_refuses_bad_input():
         cpu_kernels.attention(q, kv, kv, 0, np.zeros((2, 1), np.uint32), 1.0)
 
 
+def _bf16_tiny(kind, tmp_path):
+    """A tiny HF model of test_models saved in bf16 (so the cpu backend holds its matrices in bf16 and runs its own
+    linear; float32 checkpoints stay on BLAS), loaded on the cpu backend; and its folder."""
+    import torch
+    from loader import load_config, open_checkpoint
+    from runtime.models import build_model
+    from test_models import hf_tiny
+    hf, _ = hf_tiny(kind, tmp_path)
+    folder = tmp_path / f"{kind}-bf16"
+    hf.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    model = build_model(load_config(folder), open_checkpoint(folder), CpuBackend())
+    assert any(getattr(w, "dtype", None) == np.uint16 for w in vars(model.layers[0]).values())
+    return model, folder
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_tree_verify_bit_equal_to_path_forward(kind, tmp_path):
     """On the cpu backend a tree verify's logits at each node are bit-identical to the last row of a forward over
     the prefix and that node's path (llama family: every op is row-wise or one of the two kernels)."""
-    from loader import load_config, open_checkpoint
-    from runtime.models import build_model
     from runtime.testing import tree_depths
-    from test_models import VOCAB, forward_logits, hf_tiny
-    hf_tiny(kind, tmp_path)
-    model = build_model(load_config(tmp_path / kind), open_checkpoint(tmp_path / kind), CpuBackend())
+    from test_models import VOCAB, forward_logits
+    model, _ = _bf16_tiny(kind, tmp_path)
     rng = np.random.default_rng(3)
     prefix = rng.integers(0, VOCAB, 11)
     parents = random_parents(rng, 40, window=4)
@@ -176,12 +197,40 @@ def test_tree_verify_bit_equal_to_path_forward(kind, tmp_path):
         assert np.array_equal(tree_logits[node], ref), (kind, node)
 
 
+def test_deepseek_runs_on_the_cpu_backend(tmp_path):
+    """DeepSeek-V3 (MLA, MoE) on the cpu backend against the same backend with numpy in place of its two kernels
+    (bf16-rounded inputs of the bf16 linears, float64 products; numpy attention): within bf16 rounding (an input
+    that differs in its last float32 bit can round to the next bf16; 0.3% of the logit range here). Against the
+    float32 numpy backend no such bound holds: bf16 activations move this tiny random MoE's router logits by ~1%
+    and flip its expert choices (64% of the logit range at the output)."""
+    from loader import load_config, open_checkpoint
+    from runtime.backends.numpy_backend import NumpyBackend
+    from runtime.models import build_model
+    from test_models import VOCAB, forward_logits
+
+    class NumpyKernels(CpuBackend):
+        def linear(self, x, w, bias=None):
+            if w.dtype != np.uint16:
+                return super().linear(x, w, bias)
+            y = (round_bf16(x).astype(np.float64) @ from_bf16(w).reshape(w.shape).T.astype(np.float64)).astype(
+                np.float32)
+            return y if bias is None else y + bias
+
+        def attention(self, *args):
+            return NumpyBackend.attention(self, *args)
+    _, folder = _bf16_tiny("deepseek", tmp_path)
+    ids = np.random.default_rng(1).integers(0, VOCAB, 21)
+    logits = [forward_logits(build_model(load_config(folder), open_checkpoint(folder), b), ids)
+              for b in (CpuBackend(), NumpyKernels())]
+    _assert_bf16_close(logits[0], logits[1], "tiny deepseek, cpu kernels vs numpy in their place")
+
+
 def test_build_facts():
     assert cpu_kernels.isa() == ISAS[-1] and ISAS[0] in ("baseline", "scalar")
     assert cpu_kernels.threads() >= 1
     assert isinstance(cpu_kernels.openmp(), bool)
     with pytest.raises(ValueError, match="this CPU runs"):
-        cpu_kernels.linear_bf16(np.zeros((1, 8), np.float32), np.zeros((1, 8), np.uint16), isa="sse9")
+        cpu_kernels.linear(np.zeros((1, 8), np.float32), np.zeros((1, 8), np.uint16), isa="sse9")
 
 
 def test_cpu_backend_logits_match_numpy(tiny_dirs):  # noqa: F811
@@ -227,14 +276,18 @@ def test_cpu_backend_ddtree_equals_ar(tiny_dirs):  # noqa: F811
     assert sampled[0] == sampled[1]
 
 
-def test_cpu_backend_holds_matrices_in_bf16():
+def test_cpu_backend_holds_bf16_matrices_in_bf16():
     b = CpuBackend()
     rng = np.random.default_rng(0)
     f32 = rng.standard_normal((5, 16), dtype=np.float32)
-    w = b.dense_weight(f32)
-    assert w.dtype == np.uint16 and np.array_equal(w, to_bf16(f32).reshape(5, 16))   # rounded once, as on cuda
     bits = to_bf16(f32).reshape(5, 16)
-    assert np.array_equal(b.dense_weight(bits), bits)
+    w = b.dense_weight(bits)
+    assert w.dtype == np.uint16 and np.array_equal(w, bits)
+    kept = b.dense_weight(f32)                                       # float32 stays float32 (BLAS, no rounding)
+    assert kept.dtype == np.float32 and np.array_equal(kept, f32)
+    x32 = rng.standard_normal((3, 16), dtype=np.float32)
+    assert_close(b.linear(x32, kept), x32.astype(np.float64) @ f32.T.astype(np.float64), "float32 weight",
+                 rtol=1e-5, atol=1e-6)
     norm = b.dense_weight(bits[0])
     assert norm.dtype == np.float32 and np.array_equal(norm, from_bf16(bits[0]))     # vectors: float32
     emb = b.embedding(w, np.array([4, 0, 4]))

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 import loader  # noqa: E402
 from loader.testing import TINY_LLAMA_CONFIG  # noqa: E402
 from runtime.backends.numpy_backend import NumpyBackend  # noqa: E402
+from runtime.bf16 import round_bf16  # noqa: E402
 from runtime.backends.base import causal_visibility  # noqa: E402
 from runtime.models import build_model  # noqa: E402
 from runtime.testing import assert_close  # noqa: E402
@@ -52,7 +53,7 @@ def test_torch_target_and_drafter_match_the_runtime(tmp_path):
         for v in dr.p.values():      # not the init's ones: every norm and weight matters in the comparison
             v.add_(0.05 * torch.randn(v.shape))
     hidden = dr.forward(tt, states, torch.tensor(ids), torch.tensor([s, 3]), block)
-    dr.save(tmp_path / "d")
+    dr.save(tmp_path / "d", "float32")           # the same numbers on both sides
     dspec, dweights = loader.load_model(tmp_path / "d")
     from runtime.models.dflash import DFlashDrafter
     rd = DFlashDrafter(dspec, dweights, b)
@@ -90,10 +91,14 @@ def test_short_training_run_writes_a_drafter_the_engine_runs(tmp_path, monkeypat
         opt.step()
         losses.append(float(loss.detach()))
     assert np.isfinite(losses).all() and np.mean(losses[-5:]) < np.mean(losses[:5])
-    dr.save(tmp_path / "d")
+    dr.save(tmp_path / "f32", "float32")
     again = td.Drafter(cfg, "cpu", seed=5)
-    again.load(tmp_path / "d")
+    again.load(tmp_path / "f32")
     assert all(torch.equal(again.p[k], v) for k, v in dr.p.items())
+    dr.save(tmp_path / "d")                        # bf16 by default: each weight rounded once
+    again.load(tmp_path / "d")
+    assert all(np.array_equal(again.p[k].detach().numpy(), round_bf16(v.detach().numpy()).reshape(v.shape))
+               for k, v in dr.p.items())
     td.save_answers(tmp_path / "a.npz", data, [0, 1])
     back = td.load_answers(tmp_path / "a.npz", [0, 1], spec.hidden_size)
     assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(data, back))

@@ -1,4 +1,4 @@
-"""CPU benchmark of the cpu backend's bf16 linear (runtime/cpu_kernels.linear_bf16) at SmolLM2-135M shapes.
+"""CPU benchmark of the cpu backend's bf16 linear (runtime/cpu_kernels.linear) at SmolLM2-135M shapes.
 
 Per shape and row count M: ours (every build this CPU runs but the baseline, the default one first: the ratio
 columns compare against it); the numpy backend's float32 product (BLAS, one thread as that backend runs it);
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
 
             def ours(isa):
                 i[0] = (i[0] + 1) % copies
-                cpu_kernels.linear_bf16(x, wb[i[0]], out=out, isa=isa)
+                cpu_kernels.linear(x, wb[i[0]], out=out, isa=isa)
 
             def ref():
                 i[0] = (i[0] + 1) % len(wf)

@@ -9,8 +9,8 @@
 The drafter is runtime.models.dflash.DFlashDrafter's architecture (its docstring): the target's residual stream at
 the tap layers -> fc -> hidden_norm -> per-layer K/V context; a block [bonus, MASK x (B-1)] embedded with the
 target's (frozen) embedding attends to that context and to itself; norm -> the target's (frozen) lm_head gives the
-draft distributions of the next B-1 tokens. The output directory (config.json + model.safetensors, float32) is what
-loader.load_model reads for --draft.
+draft distributions of the next B-1 tokens. The output directory (config.json + model.safetensors: bf16 like the
+published DFlash checkpoints, or float32 with --save-dtype float32) is what loader.load_model reads for --draft.
 
 Data (phase 1): prompts (built-in varied questions and tasks, or --prompts FILE, one per line) through the target's
 chat template, answered greedily by the target (--new-tokens each, batched, KV-cached), recording the target's
@@ -312,16 +312,21 @@ class Drafter:
         got = json.loads((Path(src) / "config.json").read_text())
         if any(got.get(k) != v for k, v in want.items()) or got.get("dflash_config") != self.cfg["dflash_config"]:
             raise SystemExit(f"train_dflash: --init {src} has another configuration than this run's")
+        from runtime.models.common import as_f32      # a bf16 checkpoint comes as uint16 bits
         with torch.no_grad():
             for k, v in self.p.items():
-                v.copy_(torch.from_numpy(np.array(ckpt.tensor(k), np.float32)).reshape(v.shape))
+                v.copy_(torch.from_numpy(as_f32(ckpt.tensor(k))).reshape(v.shape))
 
-    def save(self, out: Path) -> None:
+    def save(self, out: Path, dtype: str = "bf16") -> None:
+        """config.json + model.safetensors with the weights in bf16 (rounded to nearest even) or float32."""
         from loader import save_safetensors
+        from runtime.bf16 import to_bf16
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(self.cfg, indent=2) + "\n")
-        save_safetensors(out / "model.safetensors",
-                         {k: v.detach().float().cpu().numpy() for k, v in self.p.items()})
+        arrays = {k: v.detach().float().cpu().numpy() for k, v in self.p.items()}
+        if dtype == "bf16":
+            arrays = {k: ("BF16", to_bf16(a).reshape(a.shape)) for k, a in arrays.items()}
+        save_safetensors(out / "model.safetensors", arrays)
 
 
 def block_loss(drafter, target, seq, anchors, block: int, decay: float):
@@ -394,6 +399,9 @@ def main(argv=None) -> int:
     ap.add_argument("--answers", type=Path, help="an .npz of the phase-1 answers: read when it exists (the prompts, "
                     "target and taps must be the same), else written after phase 1")
     ap.add_argument("--init", type=Path, help="start from this drafter directory's weights (continue training)")
+    ap.add_argument("--save-dtype", choices=("bf16", "float32"), default="bf16",
+                    help="weights of the written drafter (default bf16, as DFlash checkpoints are; the CPU and CUDA "
+                         "backends run bf16 weights at their full speed)")
     ap.add_argument("--device", default="cpu", help="torch device (default cpu)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
@@ -501,7 +509,7 @@ def main(argv=None) -> int:
             acc, tau = evaluate(drafter, target, held, args.block, args.anchors, random.Random(1))
             log(f"  held out: top-1 accuracy by depth {' '.join(f'{a:.2f}' for a in acc[:8])} ...; chain "
                 f"accepted {tau:.2f}")
-            drafter.save(args.out)
+            drafter.save(args.out, args.save_dtype)
     log(f"wrote {args.out} (config.json, model.safetensors); try: ddtree-run --draft {args.out} --stats \"...\"")
     return 0
 

@@ -2,9 +2,10 @@
 
 The numpy backend (numpy_backend.py) is the float32 oracle every kernel is checked against; it widens every
 weight to float32 and leaves the products to BLAS. On a CPU a decode step streams every weight once, so this
-backend computes the linears as the CUDA backend does: weight matrices held in bf16 (half the bytes and half the
-memory; float32 checkpoints rounded once), activations rounded to bf16 on the way in, float32 sums
-(runtime.cpu_kernels.linear_bf16, cpu_linear.h: AVX512-BF16 or AVX2/FMA tiles, OpenMP over weight rows).
+backend computes the linears of bf16 weights as the CUDA backend does: the weights held in bf16 (half the bytes
+and half the memory), activations rounded to bf16 on the way in, float32 sums (runtime.cpu_kernels.linear,
+cpu_linear.h: AVX512-BF16 or AVX2/FMA tiles, OpenMP over weight rows). Float32 weights (float checkpoints,
+DeepSeek's router) stay float32, x too, through the same tiles.
 Attention is cpu_kernels.attention (cpu_attention.h, float32). Logits stay within bf16-activation rounding of the
 numpy backend's (tests/test_cpu_backend.py).
 
@@ -17,9 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.bf16 import from_bf16, to_bf16
+from runtime.bf16 import from_bf16
 from runtime import cpu_kernels
-from runtime.cpu_kernels import linear_bf16
 from .numpy_backend import NumpyBackend
 
 
@@ -32,13 +32,12 @@ class CpuBackend(NumpyBackend):
 
     # ---- weights: dense matrices in bf16 (uint16 bits), the rest as in the numpy backend -------------------
     def dense_weight(self, w):
-        """A 2-D weight as bf16 bits: bf16 checkpoints as they are, float ones rounded once, as the CUDA backend
-        does (exact for values that were bf16, such as the widened ones models pass). Vectors stay float32."""
+        """A 2-D bf16 weight stays bf16 bits; anything else is the numpy backend's float32 (float checkpoints, and
+        weights a model widens on purpose, such as DeepSeek's router), multiplied in float32 by the same kernel."""
         w = np.asarray(w)
-        if w.ndim != 2:
-            return super().dense_weight(w)
-        bits = w if w.dtype == np.uint16 else to_bf16(np.asarray(w, np.float32)).reshape(w.shape)
-        return np.ascontiguousarray(bits)
+        if w.ndim == 2 and w.dtype == np.uint16:
+            return np.ascontiguousarray(w)
+        return super().dense_weight(w)
 
     # ---- ops that read a weight matrix ---------------------------------------------------------------------
     def embedding(self, table, ids):
@@ -49,9 +48,7 @@ class CpuBackend(NumpyBackend):
         return cpu_kernels.attention(q, k_cache, v_cache, n_prefix, visibility, scale)
 
     def linear(self, x, w, bias=None):
-        if w.dtype != np.uint16:
-            return super().linear(x, w, bias)
         lead = x.shape[:-1]
-        y = linear_bf16(np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1]), w)
+        y = cpu_kernels.linear(np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1]), w)
         y = y.reshape(*lead, w.shape[0])
         return y if bias is None else y + bias
