@@ -71,7 +71,10 @@ def select_backend(name: str = "auto", notice: Optional[Callable[[str], None]] =
 
 
 def _cpu_backend():
-    from runtime.backends.cpu_backend import CpuBackend
+    try:
+        from runtime.backends.cpu_backend import CpuBackend      # reads DDTREE_CPU_ISA on import
+    except ValueError as e:
+        raise BackendUnavailable(f"cpu backend: {e}") from None
     return CpuBackend()
 
 

@@ -130,6 +130,18 @@ def test_cuda_backend_unavailable_without_a_gpu():
         "because no usable CUDA device" in said[0], said
 
 
+def test_bad_cpu_isa_setting_is_a_backend_error():
+    """DDTREE_CPU_ISA names a build to cap the cpu kernels at; a bad value fails the backend with the choices (a fresh
+    interpreter: the module reads it once, on import)."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", "from runtime import api; api.select_backend('cpu')"],
+                       capture_output=True, text=True, env={**os.environ, "DDTREE_CPU_ISA": "sse9"})
+    assert r.returncode != 0 and "BackendUnavailable: cpu backend: DDTREE_CPU_ISA='sse9': one of avx2, baseline" \
+        in r.stderr, r.stderr
+
+
 def test_default_model_chat_template_by_default():
     """The embedded SmolLM2-135M-Instruct: a question goes through its chat template unless chat=False; a message
     list and a system message are rendered by the same template."""
