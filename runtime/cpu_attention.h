@@ -21,11 +21,17 @@ KV head are split over OpenMP threads. Two builds, like cpu_linear.h: AVX2+FMA w
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__GNUC__)
+#define DDT_ATT_INLINE static inline __attribute__((always_inline))
+#else
+#define DDT_ATT_INLINE static inline
+#endif
+
 /* exp(x) for x <= 0 (a score minus the row maximum): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in two
    parts, p the degree-7 minimax polynomial of Cephes' expf (about 1 ulp). x < -87 gives exp(-87) (1.6e-38: no
    float32 sum of weights, each <= 1 and one of them 1, moves by that). NaN stays NaN. Branch-free so that
    the loop over keys vectorizes. */
-static inline __attribute__((always_inline)) float ddt_exp_nonpositive(float x) {
+DDT_ATT_INLINE float ddt_exp_nonpositive(float x) {
   float xc = x < -87.0f ? -87.0f : x;
   xc = x == x ? xc : 0.0f;                                      /* NaN: computed as 0, returned as NaN below */
   const float shifter = 12582912.0f;                            /* 1.5 * 2^23: adding it rounds to an integer */
@@ -49,7 +55,7 @@ static inline __attribute__((always_inline)) float ddt_exp_nonpositive(float x) 
 /* dot(a, b) over n floats in a fixed order: 8 partial sums over i mod 8, a fixed pairwise reduction, the tail in
    order. (32 partial sums, four vector chains instead of one, ran the scores pass 2x slower: GCC kept them in
    memory.) */
-static inline __attribute__((always_inline)) float ddt_dot(const float *a, const float *b, ptrdiff_t n) {
+DDT_ATT_INLINE float ddt_dot(const float *a, const float *b, ptrdiff_t n) {
   float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   ptrdiff_t i = 0;
   for (; i + 8 <= n; i += 8)

@@ -25,9 +25,17 @@ threads when the module is built with OpenMP. */
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+/* What the compiler offers: DDT_VEC vector extensions with __builtin_convertvector (GCC 9+, Clang); DDT_X86 the
+   AVX2+FMA build on x86; DDT_BF16DOT the AVX512-BF16 intrinsics (GCC 10+, Clang 9+). Older compilers build less. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)
+#define DDT_VEC 1
+#endif
+#if DDT_VEC && (defined(__x86_64__) || defined(__i386__))
 #define DDT_X86 1
 #include <immintrin.h>
+#if defined(__clang__) ? (__clang_major__ >= 9) : (__GNUC__ >= 10)
+#define DDT_BF16DOT 1
+#endif
 #endif
 
 /* float32 -> bf16 bits, nearest even; NaN stays a quiet NaN (runtime/bf16.py to_bf16). */
@@ -45,7 +53,7 @@ static inline float ddt_bf16_to_f32(uint16_t h) {
   return f;
 }
 
-#if defined(__GNUC__)
+#if DDT_VEC
 /* Row j of the next tile into L1, row j of the one after into L2: with the next tile alone, 1..4-row calls ran
    15-32% slower than 5-row ones (the 5th row's second pass over the tile gave the prefetches time). */
 #define DDT_PREFETCH_W(w0, j, K, k, NT)                                                                     \
@@ -141,7 +149,7 @@ DDT_TILE8(f32, float, ddt_load8_f32, DDT_SAME, 1)
 DDT_LINEAR8_FUNCS(bf16, uint16_t)
 DDT_LINEAR8_FUNCS(f32, float)
 
-#if DDT_X86
+#if DDT_BF16DOT
 /* ---- bf16 pairs, vdpbf16ps (AVX512-BF16) ------------------------------------------------------------------- */
 #define DDT_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -195,7 +203,7 @@ DDT_BF16_TARGET static void ddt_linear_avx512bf16(const uint16_t *xb, const uint
   if (N & 1)
     for (ptrdiff_t m = 0; m < M; m += 4) ddt_tile_bf16_1(xb, w, out, N, K, N - 1, m, M - m < 4 ? (int)(M - m) : 4);
 }
-#endif /* DDT_X86 */
+#endif /* DDT_BF16DOT */
 
 #else /* no vector extensions: one lane, the same per-element order as a sum over k */
 #define DDT_LINEAR1(SUF, WT, ONE)                                                                           \
@@ -219,15 +227,17 @@ static int ddt_isa_level(void) {
 #if DDT_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) level = 1;
+#if DDT_BF16DOT
   if (level == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
     level = 2;
+#endif
 #endif
   return level;
 }
 
 static const char *ddt_isa_name(int level) {
-#if !defined(__GNUC__)
+#if !DDT_VEC
   return "scalar";
 #else
   return level == 2 ? "avx512bf16" : level == 1 ? "avx2+fma" : "baseline";
@@ -239,7 +249,7 @@ static const char *ddt_isa_name(int level) {
 static int ddt_linear_bf16(const float *x, const uint16_t *w, float *out, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K,
                            int level) {
   const size_t n_x = (size_t)M * (size_t)K;
-#if DDT_X86
+#if DDT_BF16DOT
   if (level == 2) {
     uint16_t *xb = (uint16_t *)malloc(n_x * sizeof(uint16_t) + 1);
     if (xb == NULL) return -1;

@@ -1,6 +1,7 @@
-"""float32 numpy implementation of the backend interface: the reference every CUDA kernel is checked against,
-and the CPU fallback of ddtree-run. Weights are held in float32 (bf16 bits widened exactly, INT4 dequantised
-once at load); every op is vectorised over tokens and heads."""
+"""float32 numpy implementation of the backend interface: the reference every CUDA and CPU kernel is checked
+against (ddtree-run's CPU backend is cpu_backend.py: these ops with bf16 weights and C kernels). Weights are held
+in float32 (bf16 bits widened exactly, INT4 dequantised once at load); every op is vectorised over tokens and
+heads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
