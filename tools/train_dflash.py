@@ -315,7 +315,7 @@ class Drafter:
         from runtime.models.common import as_f32      # a bf16 checkpoint comes as uint16 bits
         with torch.no_grad():
             for k, v in self.p.items():
-                v.copy_(torch.from_numpy(as_f32(ckpt.tensor(k))).reshape(v.shape))
+                v.copy_(torch.from_numpy(np.array(as_f32(ckpt.tensor(k)))).reshape(v.shape))   # a writable copy
 
     def save(self, out: Path, dtype: str = "bf16") -> None:
         """config.json + model.safetensors with the weights in bf16 (rounded to nearest even) or float32."""
