@@ -225,6 +225,40 @@ def test_deepseek_runs_on_the_cpu_backend(tmp_path):
     _assert_bf16_close(logits[0], logits[1], "tiny deepseek, cpu kernels vs numpy in their place")
 
 
+@pytest.mark.parametrize("shape", [(1, 576), (17, 64), (5, 9, 24), (3, 13)])
+def test_rmsnorm_matches_float64(shape):
+    rng = np.random.default_rng(len(shape) * 100 + shape[-1])
+    x = rng.standard_normal(shape, dtype=np.float32) * 3
+    w = rng.standard_normal(shape[-1], dtype=np.float32)
+    got = cpu_kernels.rmsnorm(x, w, 1e-5)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-5) * w
+    assert_close(got, want, f"rmsnorm {shape}", rtol=1e-6, atol=1e-6)
+    rows = got.reshape(-1, shape[-1])
+    alone = np.stack([cpu_kernels.rmsnorm(r, w, 1e-5) for r in x.reshape(-1, shape[-1])])
+    assert np.array_equal(rows, alone)                          # a row alone: the same bits
+    x.reshape(-1, shape[-1])[0, 1] = np.nan
+    assert np.isnan(cpu_kernels.rmsnorm(x, w, 1e-5).reshape(-1, shape[-1])[0]).all()
+    with pytest.raises(ValueError, match=r"rmsnorm: x \[..., D\] and weight \[D\]"):
+        cpu_kernels.rmsnorm(x, w[:-1], 1e-5)
+
+
+def test_rope_table_equals_numpy():
+    """The cpu backend's rope (cos / sin rows from a table that grows with the positions) gives the numpy backend's
+    values exactly, before and after the table grows, for both pairings."""
+    from runtime.backends.numpy_backend import NumpyBackend
+    cpu, ref = CpuBackend(), NumpyBackend()
+    rng = np.random.default_rng(9)
+    inv = (1.0 / (10000 ** (np.arange(0, 64, 2, dtype=np.float32) / 64))).astype(np.float32)
+    for positions in ([0, 1, 2], [250, 251, 3], [700, 5, 4000, 9], [0, 4001, 12000]):
+        x = rng.standard_normal((len(positions), 3, 64), dtype=np.float32)
+        for interleaved in (False, True):
+            for scaling in (1.0, 1.3):
+                pos = np.array(positions)
+                assert np.array_equal(cpu.rope(x, pos, inv, scaling, interleaved),
+                                      ref.rope(x, pos, inv, scaling, interleaved)), (positions, interleaved)
+
+
 def test_build_facts():
     assert cpu_kernels.isa() == ISAS[-1] and ISAS[0] in ("baseline", "scalar")
     assert cpu_kernels.threads() >= 1

@@ -26,6 +26,10 @@ from .numpy_backend import NumpyBackend
 class CpuBackend(NumpyBackend):
     name = "cpu"
 
+    def __init__(self, blas_threads: int | None = 1):
+        super().__init__(blas_threads)
+        self._rope_tables: dict = {}        # rope: (inv_freq bytes, scaling) -> (cos, sin) [positions, D/2]
+
     def describe(self) -> str:
         n = cpu_kernels.threads()
         return f"bf16 weights, linear on {n} thread{'s' if n != 1 else ''}, {cpu_kernels.isa()}"
@@ -43,6 +47,24 @@ class CpuBackend(NumpyBackend):
     def embedding(self, table, ids):
         rows = table[np.asarray(ids, dtype=np.int64)]
         return from_bf16(rows).reshape(rows.shape) if rows.dtype == np.uint16 else rows
+
+    def rmsnorm(self, x, weight, eps):
+        return cpu_kernels.rmsnorm(x, weight, eps)
+
+    def rope(self, x, positions, inv_freq, attention_scaling, interleaved):
+        """The numpy backend's rotation with cos / sin rows looked up in a per-(inv_freq, scaling) table that grows
+        with the positions seen (the same float32 values numpy computes per call, without the per-call cos / sin)."""
+        key = (inv_freq.tobytes(), float(attention_scaling))
+        cos_t, sin_t = self._rope_tables.get(key, (None, None))
+        pos = np.asarray(positions, dtype=np.int64)
+        need = int(pos.max()) + 1 if pos.size else 0
+        if cos_t is None or need > len(cos_t):
+            n = max(need, 2 * len(cos_t) if cos_t is not None else 256)
+            angle = np.arange(n, dtype=np.float32)[:, None] * inv_freq[None, :]
+            cos_t = np.cos(angle) * np.float32(attention_scaling)
+            sin_t = np.sin(angle) * np.float32(attention_scaling)
+            self._rope_tables[key] = (cos_t, sin_t)
+        return self.rotate(x, cos_t[pos], sin_t[pos], interleaved)
 
     def attention(self, q, k_cache, v_cache, n_prefix, visibility, scale):
         return cpu_kernels.attention(q, k_cache, v_cache, n_prefix, visibility, scale)

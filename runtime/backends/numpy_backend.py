@@ -107,8 +107,14 @@ class NumpyBackend(Backend):
 
     def rope(self, x, positions, inv_freq, attention_scaling, interleaved):
         angle = np.asarray(positions, dtype=np.float32)[:, None] * inv_freq[None, :]      # [T, D/2]
-        cos = (np.cos(angle) * np.float32(attention_scaling))[:, None, :]
-        sin = (np.sin(angle) * np.float32(attention_scaling))[:, None, :]
+        cos = np.cos(angle) * np.float32(attention_scaling)
+        sin = np.sin(angle) * np.float32(attention_scaling)
+        return self.rotate(x, cos, sin, interleaved)
+
+    @staticmethod
+    def rotate(x, cos, sin, interleaved):
+        """rope's rotation of x [T, H, D] by cos / sin [T, D/2] (already scaled)."""
+        cos, sin = cos[:, None, :], sin[:, None, :]
         half = x.shape[-1] // 2
         if interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
