@@ -6,13 +6,14 @@ backend computes the linears of bf16 weights as the CUDA backend does: the weigh
 and half the memory), activations rounded to bf16 on the way in, float32 sums (runtime.cpu_kernels.linear,
 cpu_linear.h: AVX512-BF16 or AVX2/FMA tiles, OpenMP over weight rows). Float32 weights (float checkpoints,
 DeepSeek's router) stay float32, x too, through the same tiles.
-Attention is cpu_kernels.attention (cpu_attention.h, float32). Logits stay within bf16-activation rounding of the
-numpy backend's (tests/test_cpu_backend.py).
+Attention is cpu_kernels.attention (cpu_attention.h, float32), rmsnorm cpu_kernels.rmsnorm, and RoPE reads its
+cos / sin from a table (numpy's values). Logits stay within bf16-activation rounding of the numpy backend's
+(tests/test_cpu_backend.py). SwiGLU, sampling, MoE routing and experts and DeepSeek's per-head products are the
+numpy backend's.
 
-Both kernels give a row the same bits whatever other rows share the call, and the other ops are row-wise, so a
-tree verify scores each node exactly as the AR step of that token would: DDTree == AR here bit for bit (the numpy
-backend's BLAS attention does not promise that). Norms, RoPE, sampling and INT4 MoE experts are the numpy
-backend's.
+Every op of the llama family gives a row the same bits whatever other rows share the call, so a tree verify scores
+each node exactly as the AR step of that token would: DDTree == AR here bit for bit (the numpy backend's BLAS
+attention does not promise that; nor do DeepSeek's expert and per-head products, which stay on BLAS).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class CpuBackend(NumpyBackend):
             return np.ascontiguousarray(w)
         return super().dense_weight(w)
 
-    # ---- ops that read a weight matrix ---------------------------------------------------------------------
+    # ---- ops with their own implementation here --------------------------------------------------------------
     def embedding(self, table, ids):
         rows = table[np.asarray(ids, dtype=np.int64)]
         return from_bf16(rows).reshape(rows.shape) if rows.dtype == np.uint16 else rows
