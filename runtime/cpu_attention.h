@@ -11,7 +11,8 @@ depends only on its visible keys, visited in slot order with fixed sums: the sam
 ancestors sit at increasing slots, as the accepted tokens do after compaction), so DDTree == AR on the cpu
 backend bit for bit. Three passes per (row, head): the scores and their maximum; exp (a polynomial that
 vectorizes, not libm's expf) and the sum of the weights; the weighted values. Blocks of rows x the heads of one
-KV head are split over OpenMP threads. Two builds, like cpu_linear.h: AVX2+FMA where the CPU has it, else the compiler's baseline. */
+KV head are split over OpenMP threads. Two builds, like cpu_linear.h: AVX2+FMA where the CPU has it, else the
+compiler's baseline. ddt_dot is also the sum of squares of cpu_kernels.rmsnorm. */
 #ifndef DDTREE_CPU_ATTENTION_H
 #define DDTREE_CPU_ATTENTION_H
 

@@ -35,6 +35,7 @@ cdef extern from "cpu_linear.h" nogil:
     const char *ddt_isa_name(int level)
 
 cdef extern from "cpu_attention.h" nogil:
+    float ddt_dot(const float *a, const float *b, Py_ssize_t n)
     int ddt_attention(const float *q, const float *k, const float *v, const uint32_t *vis, float *out, Py_ssize_t T,
                       Py_ssize_t H, Py_ssize_t Hkv, Py_ssize_t D, Py_ssize_t Dv, Py_ssize_t n_prefix, Py_ssize_t W,
                       float scale, int level)
@@ -176,7 +177,7 @@ def attention(q, k_cache, v_cache, n_prefix, visibility, scale, isa=None):
 
 def rmsnorm(x, weight, eps):
     """x float32 [..., D], weight float32 [D] -> float32 [..., D]: x / sqrt(mean(x^2) + eps) * weight per row, the
-    squares summed in 8 partial sums over i mod 8, then a fixed pairwise reduction and the tail in order."""
+    squares summed by cpu_attention.h's ddt_dot (a fixed order)."""
     xc = np.ascontiguousarray(x, dtype=np.float32)
     wc = np.ascontiguousarray(weight, dtype=np.float32)
     if xc.ndim == 0 or wc.ndim != 1 or wc.shape[0] != xc.shape[xc.ndim - 1]:    # (no [-1]: wraparound is off)
@@ -189,23 +190,11 @@ def rmsnorm(x, weight, eps):
     cdef const float[::1] wv = wc
     cdef float[:, ::1] ov = out.reshape(rows, D)
     cdef float e = eps
-    cdef float p[8]
-    cdef float ss, denom
-    cdef Py_ssize_t r, i, l, D8 = D - D % 8
+    cdef float denom
+    cdef Py_ssize_t r, i
     with nogil:
         for r in range(rows):
-            for l in range(8):
-                p[l] = 0.0
-            i = 0
-            while i < D8:
-                for l in range(8):
-                    p[l] = p[l] + xv[r, i + l] * xv[r, i + l]
-                i = i + 8
-            ss = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]))
-            while i < D:
-                ss = ss + xv[r, i] * xv[r, i]
-                i = i + 1
-            denom = sqrtf(ss / <float>D + e)
+            denom = sqrtf(ddt_dot(&xv[r, 0], &xv[r, 0], D) / <float>D + e)
             for i in range(D):
                 ov[r, i] = xv[r, i] / denom * wv[i]
     return out

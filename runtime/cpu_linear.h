@@ -5,7 +5,7 @@ or, for float32 weights (checkpoints in float32, DeepSeek's router), x @ W^T in 
 Why: the numpy backend holds every weight in float32 and leaves small-M products to BLAS. A decode step streams
 all weights once, so bf16 halves the bytes; and OpenBLAS's sgemm at 5..17 rows (the tree verify, the drafter
 block) runs at a fraction of what the FMA units do. Here each weight vector is loaded once per tile of up to 4
-rows of x, with the next tile's weights prefetched.
+rows of x, with the next two tiles' weights prefetched (into L1 and L2).
 
 Three builds of the same sums, picked at run time:
 - "avx512bf16": vdpbf16ps on bf16 pairs (AMD Zen 4+, Intel Sapphire Rapids+): 32 products per instruction

@@ -251,8 +251,9 @@ def _print_stats(result, mode, backend_name, prompt_len):
     decode_tokens = n - 1          # the first token comes from the prefill
     rate = (f"{decode_tokens / result.decode_s:.2f} tokens/s" if result.decode_s > 0 and decode_tokens > 0
             else "- tokens/s (nothing decoded after the prefill's token)")
-    lines = [f"backend {backend_name}, mode {mode}: prompt {prompt_len} tokens"
-             + (f" ({result.reused_tokens} from the kept cache)" if result.reused_tokens else "") + f", generated {n} ({result.stop_reason})",
+    reused = f" ({result.reused_tokens} from the kept cache)" if result.reused_tokens else ""
+    lines = [f"backend {backend_name}, mode {mode}: prompt {prompt_len} tokens{reused}, generated {n} "
+             f"({result.stop_reason})",
              f"prefill {result.prefill_s * 1e3:.1f} ms; decode {decode_tokens} tokens in {result.decode_s:.3f} s "
              f"= {rate}",
              f"rounds {len(result.rounds)}, mean committed per round {result.mean_accepted:.2f}"]

@@ -64,11 +64,12 @@ step bench_ar python3 -m tools.bench_ar --prompts 8,512,1024 --verify-budgets 16
 # tests' near-tie tolerance rests on (tests/test_cuda_engine.py NEAR_TIE)
 [ -n "${DDTREE_SMOLLM2_GGUF:-}" ] && step logit_error python3 -m tools.logit_error --model "$DDTREE_SMOLLM2_GGUF"
 step bench_e2e_cuda python3 -m tools.bench_e2e --backend cuda --budgets 16,64,256 --max-new-tokens 128 --hf "${e2e_model[@]}"
-# A trained drafter for the real SmolLM2 (tools/train_dflash.py on the GPU: its answers, then 3000 steps), and DDTree
-# with it end to end: real acceptance and speedup over AR (the rows above use a random drafter)
+# A trained drafter for the real SmolLM2 (tools/train_dflash.py on the GPU: its answers, then 1500 steps), and DDTree
+# with it end to end: real acceptance and speedup over AR (the rows above use a random drafter). Sized to the step
+# limit: 384-token answers 16 at a time and 3000 steps took over 600 s on the H200; this ran 242 s (PERF.md (22))
 if [ -n "${DDTREE_SMOLLM2_GGUF:-}" ]; then
   step train_drafter python3 -m tools.train_dflash --model "$DDTREE_SMOLLM2_GGUF" --out /tmp/smollm2-dflash \
-    --device cuda --layers 3 --new-tokens 384 --steps 3000 --batch 8 --anchors 16
+    --device cuda --layers 3 --new-tokens 192 --gen-batch 64 --steps 1500 --batch 8 --anchors 16
   step bench_e2e_drafter python3 -m tools.bench_e2e --backend cuda --model "$DDTREE_SMOLLM2_GGUF" \
     --draft /tmp/smollm2-dflash --budgets 8,16,32,64 --max-new-tokens 128
 fi
