@@ -139,7 +139,19 @@ DENSE_GMMA_INSTANCES = tuple((*c, cs, 2) for c in _GMMA_BASE for cs in (1, 2)) +
     (136, 1, 5, 1, 1, 3), (192, 1, 4, 1, 1, 3)) + (
     # one warpgroup, 64 rows, clusters of 2: a 4096-row W is 128 blocks, where 128-row blocks fill 64 or 96 SMs
     # (runtime/dense_gmma.py _one_full_wave_of_1wg_pairs)
-    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1))
+    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1)) + tuple(
+    # two blocks per SM (<= ~110 KB of shared memory each): the next linear's blocks fit beside a running one
+    (tn, 1, st, 1, cs, 2) for tn, st in ((16, 6), (32, 5), (72, 4)) for cs in (1, 2, 3)) + (
+    (32, 2, 4, 1, 2, 1), (72, 1, 4, 1, 2, 1))
+
+
+def _gmma_trigger() -> int:
+    """Where linear_gmma_kernel lets the next kernel on the stream launch (PDL): DDTREE_GMMA_TRIGGER=start
+    right after its dependency wait, =epilogue once its MMAs are done."""
+    v = os.environ.get("DDTREE_GMMA_TRIGGER", "epilogue")
+    if v not in ("start", "epilogue"):
+        raise ValueError(f"DDTREE_GMMA_TRIGGER={v!r}: use start or epilogue")
+    return int(v == "start")
 
 
 def gmma_entry(cfg: tuple) -> str:
@@ -154,6 +166,7 @@ register(KernelFamily(
     source="dense_linear_sm90.cu",
     entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES),
     archs=("90a",),
+    options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}",),
     pdl=True,
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},

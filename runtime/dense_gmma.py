@@ -58,6 +58,12 @@ _DEFAULT_CONFIG = {16: (2, 4, 1), 32: (2, 4, 1), 48: (2, 4, 1), 64: (2, 4, 1), 7
 _DEFAULT_CONFIG_3WG = {16: (1, 8, 1), 32: (1, 7, 1), 64: (1, 6, 1), 72: (1, 6, 1), 136: (1, 5, 1), 192: (1, 4, 1)}
 # one warpgroup (64 rows)
 _DEFAULT_CONFIG_1WG = {48: (2, 4, 1), 72: (2, 4, 1)}
+# Two blocks per SM (<= ~110 KB of shared memory, <= 128 registers): with DDTREE_GMMA_TRIGGER=start the next
+# linear's blocks fit beside a running one and prefetch their weights. DDTREE_GMMA_TWO_PER_SM=1 swaps these in for
+# the planned (nwg, tn) instance, keeping the plan's grid.
+_TWO_PER_SM_CONFIG = {(2, 16): (1, 6, 1), (2, 32): (1, 5, 1), (2, 72): (1, 4, 1), (1, 32): (2, 4, 1),
+                      (1, 72): (1, 4, 1)}
+GMMA_TWO_PER_SM = os.environ.get("DDTREE_GMMA_TWO_PER_SM", "0") != "0"
 
 
 def gmma_smem_bytes(tn: int, ka: int, stages: int, rw: int = 1, nwg: int = GMMA_NWG) -> int:
@@ -209,6 +215,7 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
         elif _one_full_wave_of_1wg_pairs(M, N, tn, sm_count):
             nwg, cs = 1, 2
     nwg = nwg or GMMA_NWG
+    forced_instance = ka is not None or stages is not None or rw is not None
     d_ka, d_st, d_rw = {3: _DEFAULT_CONFIG_3WG, 1: _DEFAULT_CONFIG_1WG}.get(nwg, _DEFAULT_CONFIG).get(tn, (1, 4, 1))
     ka, stages, rw = ka or d_ka, stages or d_st, rw or d_rw
     _need(splits is None or cs is None or cs == 1 or splits == cs, op,
@@ -263,6 +270,10 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
         cs = 1
     elif cs > 1:
         splits = cs
+    if GMMA_TWO_PER_SM and not forced_instance:
+        small = _TWO_PER_SM_CONFIG.get((nwg, tn))
+        if small and (tn, *small, cs, nwg) in GMMA_INSTANCES:
+            ka, stages, rw = small
     cfg = (tn, ka, stages, rw, cs, nwg)
     _need(cfg in GMMA_INSTANCES, op, f"no instance <TN, KA, STAGES, RW, CS, NWG> = <{', '.join(map(str, cfg))}>; "
           f"built: {sorted(GMMA_INSTANCES)}")

@@ -120,14 +120,17 @@ def test_linear_gmma_chain_read_after_write(dg, ref):
     rng = np.random.default_rng(11)
     M, N, K = 65, 1536, 2048
     stream = Stream()
-    for it in range(3):
+    # the last two: two-blocks-per-SM instances (the second launch's blocks can start beside the first's)
+    plans = [({"splits": 1}, {"cs": 4}), ({"cs": 2}, {"splits": 2}), ({"splits": 3}, {"splits": 1}),
+             ({"ka": 1, "stages": 4, "cs": 2}, {"ka": 1, "stages": 4, "cs": 3}),
+             ({"ka": 1, "stages": 4, "cs": 1}, {"nwg": 1, "ka": 1, "stages": 4, "cs": 2})]
+    for it, (kw1, kw2) in enumerate(plans):
         x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
         w1 = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
         w2 = round_bf16(rng.standard_normal((K, N), dtype=np.float32) / np.sqrt(N))
         xd, w1d, w2d = dev_bf16(x), dev_bf16(w1), dev_bf16(w2)
         y = poisoned((M, N))
         stream.synchronize()
-        kw1, kw2 = [({"splits": 1}, {"cs": 4}), ({"cs": 2}, {"splits": 2}), ({"splits": 3}, {"splits": 1})][it]
         dg.linear_gmma(xd, w1d, y, stream=stream, **kw1)  # y = x @ w1^T
         dg.linear_gmma(y, w2d, xd, stream=stream, **kw2)  # x <- y @ w2^T (overwrites the input)
         stream.synchronize()

@@ -53,13 +53,18 @@ def graph_time_us(launch_one, reps: int, stream, iters: int = 10) -> float:
 # fills one wave; nwg 1: 64-row blocks of one warpgroup; splits s: K split s ways through the fp32 workspace, which
 # can fill one wave where the cluster splits fill 96 SMs, e.g. qkv / o / down at M = 17..72)
 _WS = tuple({"splits": s} for s in (2, 3, 4, 8))
-GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
-                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_WS),
+# two blocks per SM (runtime/dense_gmma.py _TWO_PER_SM_CONFIG): with DDTREE_GMMA_TRIGGER=start the next launch's
+# blocks start beside a running one
+_TWO = {16: tuple({"ka": 1, "stages": 6, "cs": c} for c in (1, 2, 3)),
+        32: tuple({"ka": 1, "stages": 5, "cs": c} for c in (1, 2, 3)) + ({"nwg": 1, "ka": 2, "stages": 4, "cs": 2},),
+        72: tuple({"ka": 1, "stages": 4, "cs": c} for c in (1, 2, 3)) + ({"nwg": 1, "ka": 1, "stages": 4, "cs": 2},)}
+GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_TWO[16]),
+                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_WS, *_TWO[32]),
                      48: ({"cs": 1}, {"cs": 2}, {"nwg": 1, "cs": 2}, *_WS),
                      64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}, {"nwg": 3, "cs": 1},
                           *_WS),
                      72: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, {"nwg": 3, "cs": 2},
-                          {"nwg": 1, "cs": 2}, *_WS),
+                          {"nwg": 1, "cs": 2}, *_WS, *_TWO[72]),
                      128: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "stages": 4, "cs": 1}),
                      136: ({"cs": 1}, {"cs": 2}, {"nwg": 3, "cs": 1}, {"tn": 192}),
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}
@@ -172,12 +177,14 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                     variants.append(("xres", {"kernel": "xres"}))
                 variants += [(f"gemv kw={k}{' persist' if p else ''}", {"kernel": "gemv", "kw": k, "persist": p})
                              for k in (8, 4, 2) for p in (False, True)]
-            if gmma and M >= 9:  # the sm_90a GMMA kernel (runtime/dense_gmma.py), every model's shapes
-                # base: the mma.sync kernel the auto plan picked for M >= 9 before the GMMA hook (chunked)
+            if gmma:  # the sm_90a GMMA kernel (runtime/dense_gmma.py), every model's shapes
+                # base: the mma.sync kernel the auto plan picked for M >= 9 before the GMMA hook (chunked); below
+                # 9 rows the planned gemv / x-resident kernel.
                 # workspace splits only where the unsplit two-warpgroup blocks leave SMs idle (to fill one wave)
                 tn = dg.token_tile(M)
                 unsplit_blocks = -(-N // (dg.GMMA_ROWS_PER_WARPGROUP * dg.GMMA_NWG)) * -(-M // tn)
-                variants = [("mma.sync", {"kernel": "chunked"}), ("gmma", {"gmma": True})] + [
+                base = ("mma.sync", {"kernel": "chunked"}) if M >= 9 else ("auto", {})
+                variants = [base, ("gmma", {"gmma": True})] + [
                     (f"gmma {c}", {"gmma": True, **c}) for c in GMMA_ALTERNATIVES.get(tn, ())
                     if "splits" not in c or unsplit_blocks < get_device().sm_count]
             base_us = None
@@ -323,7 +330,8 @@ def main():
     ap.add_argument("--linear-only", action="store_true")
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--gmma", action="store_true", help="also time the sm_90a GMMA linear against mma.sync (M >= 9)")
+    ap.add_argument("--gmma", action="store_true", help="also time the sm_90a GMMA linear (and its alternative "
+                    "instances) against mma.sync (M >= 9) or the planned gemv / x-resident kernel (M < 9)")
     ap.add_argument("--ops", nargs="+", help="linear shapes to time: op names or model:op")
     ap.add_argument("--peer", action="store_true", help="add cuBLAS rows (torch, in a child process)")
     ap.add_argument("--attn-prefix", type=int, nargs="+", default=[1024, 8192, 32768],
