@@ -31,7 +31,9 @@ GMMA_NWG = 2                     # warpgroups per block the planner uses by defa
 # Qwen3-8B gate_up 24576x4096 (128 blocks on 132 SMs) M = 17 49.7 vs 53.8 us (cluster split of 2), M = 65
 # 53.2 vs 58.5 (cuBLAS 49.3 / 51.4), 2026-12-03 (3) run 1.
 GMMA_NWG_ONE_WAVE = 3
-GMMA_MIN_M = 9                   # runtime.dense_kernels.linear hands M >= this to this kernel
+# runtime.dense_kernels.linear hands M >= this to this kernel (unfused linears; DDTREE_GMMA_MIN_M for A/B: below 9
+# rows the gemv / x-resident kernels run, which fuse rmsnorm / swiglu into their x load)
+GMMA_MIN_M = int(os.environ.get("DDTREE_GMMA_MIN_M", "9"))
 SMEM_PER_SM = 228 * 1024         # H100/H200: 228 KB per SM, 227 KB per block, 1 KB reserved per block
 SMEM_PER_BLOCK_MAX = 227 * 1024
 # Cost model of gmma_plan, fitted to H200 runs of tools/bench_dense.py --gmma (2026-12-02): one block

@@ -378,7 +378,7 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
             _need(ldsum % 8 == 0 and ldsum >= K, op, f"ldsum = {ldsum} must be a multiple of 8 and >= K = {K}")
     else:
         _need(x2 is None and norm_weight is None and sum_out is None, op, "x2/norm_weight/sum_out need a prologue")
-    if kernel == "auto" and not xmode and M >= 9:  # sm_90a GMMA path, DDTREE_LINEAR_GMMA=0: off
+    if kernel == "auto" and not xmode:  # sm_90a GMMA path from dense_gmma.GMMA_MIN_M rows, DDTREE_LINEAR_GMMA=0: off
         from runtime import dense_gmma
         if dense_gmma.gmma_wanted(M, N, K):
             return dense_gmma.launch_gmma(x, w, out, residual, M, N, K, ldx, ldo, ldr, ws=ws, splits=splits,

@@ -20,8 +20,11 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
   agmma0        tree_attention_kernel where the wgmma tree kernel would run (as DDTREE_ATTN_GMMA=0)
   3wg0          GMMA linear: two-warpgroup blocks at the token tiles 136 / 192 (as DDTREE_GMMA_THREE_WG=0)
   1wg0          GMMA linear: no one-warpgroup blocks in clusters of 2 (as DDTREE_GMMA_ONE_WG=0)
-  2ps           GMMA linear: the two-blocks-per-SM instances at token tiles 16 / 32 / 72 (as DDTREE_GMMA_TWO_PER_SM=1;
-                where the next launch may start is a build option, DDTREE_GMMA_TRIGGER, fixed per process)
+  2ps           GMMA linear: the two-blocks-per-SM instances at token tiles 16 / 32 / 72 (as
+                DDTREE_GMMA_TWO_PER_SM=1; where the next launch may start is a build option, DDTREE_GMMA_TRIGGER,
+                fixed per process)
+  gmma1         unfused linears of 1..8 rows on GMMA too (as DDTREE_GMMA_MIN_M=1)
+  fuse0         no rmsnorm / swiglu fused into a linear (as DDTREE_FUSED_PROLOGUE_ROWS=0)
   drowsN        the decode kernel up to N packed rows per KV head at every head dim (DECODE_MAX_ROWS)
   fuse16/fuse32 rmsnorm and swiglu fused into the linears up to 16 / 32 rows (as DDTREE_FUSED_PROLOGUE_ROWS):
                 verify b16 and drafter blocks as six launches per layer, on the x-resident kernel; norm32 /
@@ -74,6 +77,10 @@ def configure(spec: str, defaults: dict) -> None:
             dense_gmma.GMMA_ONE_WG = False
         elif term == "2ps":
             dense_gmma.GMMA_TWO_PER_SM = True
+        elif term == "gmma1":
+            dense_gmma.GMMA_MIN_M = 1
+        elif term == "fuse0":
+            dk.FUSED_PROLOGUE_ROWS = {p: 0 for p in defaults["FUSED_PROLOGUE_ROWS"]}
         elif term.startswith("drows") and term[5:].isdigit():
             dk.DECODE_MAX_ROWS = {d: int(term[5:]) for d in defaults["DECODE_MAX_ROWS"]}
         elif term[:-2] in FUSE_TERMS and term[-2:] in ("16", "32"):
@@ -81,16 +88,16 @@ def configure(spec: str, defaults: dict) -> None:
                 dk.FUSED_PROLOGUE_ROWS[prologue] = int(term[-2:])
         else:
             raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
-                             "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, 2ps, drowsN, fuse16/32, norm16/32 "
-                             "or swiglu16/32")
+                             "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, 2ps, gmma1, fuse0, drowsN, "
+                             "fuse16/32, norm16/32 or swiglu16/32")
 
 
 FUSE_TERMS = {"fuse": ("rmsnorm", "swiglu"), "norm": ("rmsnorm",), "swiglu": ("swiglu",)}
 # the launch choices a configuration may change, restored before each one
 KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV", "GMMA_ENABLED",
          "FUSED_PROLOGUE_ROWS", "ATTN_GMMA", "DECODE_MAX_ROWS", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG",
-         "GMMA_TWO_PER_SM")
-GMMA_KNOBS = ("GMMA_ENABLED", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG", "GMMA_TWO_PER_SM")   # held by runtime.dense_gmma
+         "GMMA_TWO_PER_SM", "GMMA_MIN_M")
+GMMA_KNOBS = ("GMMA_ENABLED", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG", "GMMA_TWO_PER_SM", "GMMA_MIN_M")   # held by runtime.dense_gmma
 
 
 def knob_owner(name: str):
