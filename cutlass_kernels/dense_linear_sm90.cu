@@ -18,7 +18,8 @@
 // stage and STAGES-1 stages of W are in flight per block.
 //
 // PDL (family registered with pdl=True): the first STAGES-1 stages of W (immutable) are issued before
-// ddtree::grid_dependency_wait(); x, the workspace, the tickets and the output are touched only after it.
+// ddtree::grid_dependency_wait(); x, the workspace, the tickets and the output are touched only after it. The
+// next kernel may launch right after that wait (GMMA_EARLY_TRIGGER) and prefetch its weights while we stream.
 //
 // Epilogue: the accumulators go through shared memory (fp32 [TN][64 NWG + 4]) so the output, the residual and
 // the split-K partials are written/read along n, coalesced. K splits (blockIdx.y), two ways:
@@ -99,7 +100,7 @@ constexpr int gmma_min_blocks() {
 // after our dependency wait, so its blocks can take free SM room and issue their weight prefetch while we run;
 // 0 lets it launch at our epilogue.
 #ifndef GMMA_EARLY_TRIGGER
-#define GMMA_EARLY_TRIGGER 0
+#define GMMA_EARLY_TRIGGER 1
 #endif
 
 template <int TN, int KA, int STAGES, int RW, int CS, int NWG = 2>
