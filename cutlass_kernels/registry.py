@@ -62,6 +62,13 @@ register(KernelFamily(
     entries=("read_sum_kernel", "add_scalar_kernel", "noop_kernel") + tuple(
         f"stream_rows_kernel<{depth}, {hint}>" for depth in (1, 2, 3, 4, 6) for hint in (0, 1)),
 ))
+# The streaming read as a link of a programmatic-dependent-launch chain (tools/bench_dense.py).
+register(KernelFamily(
+    name="runtime_probe_pdl",
+    source="runtime_probe.cu",
+    entries=("read_sum_pdl_kernel",),
+    pdl=True,
+))
 # One MMA atom per arch family, never run: proves the SASS check catches the tensor-core instruction.
 register(KernelFamily(
     name="mma_smoke",

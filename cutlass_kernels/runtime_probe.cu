@@ -1,5 +1,6 @@
 // Small kernels the runtime itself uses to test and measure: a streaming read (bandwidth), an elementwise
 // update (graph capture and parameter update tests), an empty kernel (launch and replay overhead).
+#include "device_common.cuh"
 
 // Reads n_vec 16-byte vectors, xor-folds them, writes only on an impossible value so that no load can be
 // dropped and almost nothing is written.
@@ -9,6 +10,26 @@ extern "C" __global__ void read_sum_kernel(const uint4* __restrict__ src, long l
   long long stride = (long long)gridDim.x * blockDim.x;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n_vec; i += stride) {
     uint4 v = __ldcs(src + i);  // streaming: do not keep it in L2
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+// read_sum_kernel as a link of a PDL chain (family runtime_probe_pdl, launched with programmatic stream
+// serialization), shaped like the weight-streaming linears: each thread issues its first load, waits for the
+// previous kernel (ddtree::grid_dependency_wait), lets the next one launch, then streams the rest. What a chain of
+// same-size reads reaches when each may start under the previous one's tail (tools/bench_dense.py).
+extern "C" __global__ void read_sum_pdl_kernel(const uint4* __restrict__ src, long long n_vec,
+                                               unsigned int* __restrict__ sink) {
+  unsigned int acc = 0;
+  long long stride = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  uint4 first = i < n_vec ? __ldcs(src + i) : make_uint4(0, 0, 0, 0);
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  acc ^= first.x ^ first.y ^ first.z ^ first.w;
+  for (i += stride; i < n_vec; i += stride) {
+    uint4 v = __ldcs(src + i);
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;

@@ -164,6 +164,14 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                                 reps=max(copies, 8), stream=stream)
         print(f"| {model} | {name} | {N}x{K} | - | streaming read of W | {same_us:.2f} | "
               f"{w_bytes / same_us / 1e3:.0f} | {100 * w_bytes / (same_us * 1e-6) / read_bw:.1f} | 100 | - |")
+        # the same reads chained with programmatic dependent launch, each starting under the previous one's tail
+        probe_pdl = get_kernel("runtime_probe_pdl", "read_sum_pdl_kernel")
+        pdl_us = graph_time_us(lambda i, s: probe_pdl.launch(4 * get_device().sm_count, 512,
+                                                             [weights[i % copies], np.int64(n_vec), sink], stream=s),
+                               reps=max(copies, 8), stream=stream)
+        print(f"| {model} | {name} | {N}x{K} | - | streaming read of W, PDL chain | {pdl_us:.2f} | "
+              f"{w_bytes / pdl_us / 1e3:.0f} | {100 * w_bytes / (pdl_us * 1e-6) / read_bw:.1f} | "
+              f"{100 * same_us / pdl_us:.1f} | - |")
         for M in ms_list:
             x = to_device(to_bf16(rng.standard_normal((M, K), dtype=np.float32)))
             out = empty((M, N), np.uint16)
