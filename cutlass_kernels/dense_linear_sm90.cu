@@ -89,13 +89,6 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
 // through the fp32 workspace and ddtree::splitk_finish (any count), or none. NWG: warpgroups per block (2, 3).
 // Dynamic smem (runtime/dense_gmma.py gmma_smem_bytes): 1024 (alignment) +
 //   max(STAGES * KA * (8192 * NWG * RW + TN * 128), TN * (64 * NWG + 4) * 4).
-// Blocks per SM the instance is compiled for: 2 where two blocks' shared memory fits in an SM (the next linear's
-// blocks then start their weight prefetch beside ours, GMMA_EARLY_TRIGGER), else 1.
-template <int TN, int KA, int STAGES, int RW, int NWG>
-constexpr int gmma_min_blocks() {
-  return 2 * (1024 + STAGES * KA * (8192 * NWG * RW + TN * 128) + 2048) <= 228 * 1024 && NWG <= 2 ? 2 : 1;
-}
-
 // GMMA_EARLY_TRIGGER (NVRTC option, registry.py from DDTREE_GMMA_TRIGGER): 1 lets the next kernel launch right
 // after our dependency wait, so its blocks can take free SM room and issue their weight prefetch while we run;
 // 0 lets it launch at our epilogue.
@@ -104,7 +97,7 @@ constexpr int gmma_min_blocks() {
 #endif
 
 template <int TN, int KA, int STAGES, int RW, int CS, int NWG = 2>
-__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(128 * NWG, (gmma_min_blocks<TN, KA, STAGES, RW, NWG>()))
+__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(128 * NWG, 1)
 linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                    const __nv_bfloat16* __restrict__ w,  // [N, K] row-major, K % 8 == 0
                    __nv_bfloat16* __restrict__ out, int ldo,

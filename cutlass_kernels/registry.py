@@ -146,10 +146,7 @@ DENSE_GMMA_INSTANCES = tuple((*c, cs, 2) for c in _GMMA_BASE for cs in (1, 2)) +
     (136, 1, 5, 1, 1, 3), (192, 1, 4, 1, 1, 3)) + (
     # one warpgroup, 64 rows, clusters of 2: a 4096-row W is 128 blocks, where 128-row blocks fill 64 or 96 SMs
     # (runtime/dense_gmma.py _one_full_wave_of_1wg_pairs)
-    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1)) + tuple(
-    # two blocks per SM (<= ~110 KB of shared memory each): the next linear's blocks fit beside a running one
-    (tn, 1, st, 1, cs, 2) for tn, st in ((16, 6), (32, 5), (72, 4)) for cs in (1, 2, 3)) + (
-    (32, 2, 4, 1, 2, 1), (72, 1, 4, 1, 2, 1))
+    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1))
 
 
 def _gmma_trigger() -> int:

@@ -31,9 +31,15 @@ GMMA_NWG = 2                     # warpgroups per block the planner uses by defa
 # Qwen3-8B gate_up 24576x4096 (128 blocks on 132 SMs) M = 17 49.7 vs 53.8 us (cluster split of 2), M = 65
 # 53.2 vs 58.5 (cuBLAS 49.3 / 51.4), 2026-12-03 (3) run 1.
 GMMA_NWG_ONE_WAVE = 3
-# runtime.dense_kernels.linear hands M >= this to this kernel (unfused linears; DDTREE_GMMA_MIN_M for A/B: below 9
-# rows the gemv / x-resident kernels run, which fuse rmsnorm / swiglu into their x load)
-GMMA_MIN_M = int(os.environ.get("DDTREE_GMMA_MIN_M", "9"))
+GMMA_MIN_M = 9                   # runtime.dense_kernels.linear hands M >= this to this kernel, and (GMMA_DECODE):
+# Decode sizes (1..8 rows) of large weights too, where the gemv kernel ran before: H200, session 23, Qwen3-8B
+# shapes at M = 1 (token tile 16): qkv 14.7 vs 16.3 us, o 10.5 vs 10.9, gate_up 46.7 vs 52.5, down 25.8 vs 27.5;
+# the 12-layer AR step with every projection on GMMA and rmsnorm / swiglu as their own launches 1666 vs 1808 us.
+# Not lm_head (151936 rows, many waves: the step was 48 us slower with it on GMMA) nor weights under 16 MB (every
+# SmolLM2-135M projection), where the gemv's fused prologue and per-block streaming stay. DDTREE_GMMA_DECODE=0: off.
+GMMA_DECODE = os.environ.get("DDTREE_GMMA_DECODE", "1") != "0"
+GMMA_DECODE_MIN_BYTES = 16 << 20
+GMMA_DECODE_MAX_N = 32768
 SMEM_PER_SM = 228 * 1024         # H100/H200: 228 KB per SM, 227 KB per block, 1 KB reserved per block
 SMEM_PER_BLOCK_MAX = 227 * 1024
 # Cost model of gmma_plan, fitted to H200 runs of tools/bench_dense.py --gmma (2026-12-02): one block
@@ -60,12 +66,6 @@ _DEFAULT_CONFIG = {16: (2, 4, 1), 32: (2, 4, 1), 48: (2, 4, 1), 64: (2, 4, 1), 7
 _DEFAULT_CONFIG_3WG = {16: (1, 8, 1), 32: (1, 7, 1), 64: (1, 6, 1), 72: (1, 6, 1), 136: (1, 5, 1), 192: (1, 4, 1)}
 # one warpgroup (64 rows)
 _DEFAULT_CONFIG_1WG = {48: (2, 4, 1), 72: (2, 4, 1)}
-# Two blocks per SM (<= ~110 KB of shared memory, <= 128 registers): with DDTREE_GMMA_TRIGGER=start the next
-# linear's blocks fit beside a running one and prefetch their weights. DDTREE_GMMA_TWO_PER_SM=1 swaps these in for
-# the planned (nwg, tn) instance, keeping the plan's grid.
-_TWO_PER_SM_CONFIG = {(2, 16): (1, 6, 1), (2, 32): (1, 5, 1), (2, 72): (1, 4, 1), (1, 32): (2, 4, 1),
-                      (1, 72): (1, 4, 1)}
-GMMA_TWO_PER_SM = os.environ.get("DDTREE_GMMA_TWO_PER_SM", "0") != "0"
 
 
 def gmma_smem_bytes(tn: int, ka: int, stages: int, rw: int = 1, nwg: int = GMMA_NWG) -> int:
@@ -110,7 +110,8 @@ GMMA_MIN_N, GMMA_MIN_K = 1, 8
 
 def gmma_wanted(M: int, N: int, K: int) -> bool:
     """Whether runtime.dense_kernels.linear should use this kernel for [M, K] x [N, K]^T on this device."""
-    return (GMMA_ENABLED and M >= GMMA_MIN_M and N >= GMMA_MIN_N and K >= GMMA_MIN_K
+    decode = GMMA_DECODE and 1 <= M < GMMA_MIN_M and N * K * 2 >= GMMA_DECODE_MIN_BYTES and N <= GMMA_DECODE_MAX_N
+    return (GMMA_ENABLED and (M >= GMMA_MIN_M or decode) and N >= GMMA_MIN_N and K >= GMMA_MIN_K
             and gmma_available())
 
 
@@ -217,7 +218,6 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
         elif _one_full_wave_of_1wg_pairs(M, N, tn, sm_count):
             nwg, cs = 1, 2
     nwg = nwg or GMMA_NWG
-    forced_instance = ka is not None or stages is not None or rw is not None
     d_ka, d_st, d_rw = {3: _DEFAULT_CONFIG_3WG, 1: _DEFAULT_CONFIG_1WG}.get(nwg, _DEFAULT_CONFIG).get(tn, (1, 4, 1))
     ka, stages, rw = ka or d_ka, stages or d_st, rw or d_rw
     _need(splits is None or cs is None or cs == 1 or splits == cs, op,
@@ -272,10 +272,6 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
         cs = 1
     elif cs > 1:
         splits = cs
-    if GMMA_TWO_PER_SM and not forced_instance:
-        small = _TWO_PER_SM_CONFIG.get((nwg, tn))
-        if small and (tn, *small, cs, nwg) in GMMA_INSTANCES:
-            ka, stages, rw = small
     cfg = (tn, ka, stages, rw, cs, nwg)
     _need(cfg in GMMA_INSTANCES, op, f"no instance <TN, KA, STAGES, RW, CS, NWG> = <{', '.join(map(str, cfg))}>; "
           f"built: {sorted(GMMA_INSTANCES)}")

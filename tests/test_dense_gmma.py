@@ -120,10 +120,8 @@ def test_linear_gmma_chain_read_after_write(dg, ref):
     rng = np.random.default_rng(11)
     M, N, K = 65, 1536, 2048
     stream = Stream()
-    # the last two: two-blocks-per-SM instances (the second launch's blocks can start beside the first's)
     plans = [({"splits": 1}, {"cs": 4}), ({"cs": 2}, {"splits": 2}), ({"splits": 3}, {"splits": 1}),
-             ({"ka": 1, "stages": 4, "cs": 2}, {"ka": 1, "stages": 4, "cs": 3}),
-             ({"ka": 1, "stages": 4, "cs": 1}, {"nwg": 1, "ka": 1, "stages": 4, "cs": 2})]
+             ({"nwg": 1, "cs": 2}, {"cs": 3})]
     for it, (kw1, kw2) in enumerate(plans):
         x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
         w1 = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
@@ -265,7 +263,7 @@ def test_gmma_wanted_range(monkeypatch):
     monkeypatch.setattr(dg, "gmma_available", lambda arch=None: True)
     monkeypatch.setattr(dg, "GMMA_ENABLED", True)
     assert dg.gmma_wanted(9, 4096, 1024) and dg.gmma_wanted(256, 151936, 4096) and dg.gmma_wanted(72, 6144, 4096)
-    assert not dg.gmma_wanted(8, 4096, 4096) and dg.gmma_wanted(1025, 4096, 4096)
+    assert not dg.gmma_wanted(8, 4096, 1024) and dg.gmma_wanted(1025, 4096, 4096)
     assert dg.gmma_wanted(65, 960, 576) and dg.gmma_wanted(17, 576, 1536)  # SmolLM2 verify sizes too
     monkeypatch.setattr(dg, "gmma_available", lambda arch=None: False)
     assert not dg.gmma_wanted(64, 4096, 4096)
@@ -273,30 +271,12 @@ def test_gmma_wanted_range(monkeypatch):
     monkeypatch.setattr(dg, "GMMA_ENABLED", False)
     assert not dg.gmma_wanted(64, 4096, 4096)
     monkeypatch.setattr(dg, "GMMA_ENABLED", True)
-    monkeypatch.setattr(dg, "GMMA_MIN_M", 1)  # DDTREE_GMMA_MIN_M=1: decode sizes too
-    assert dg.gmma_wanted(1, 4096, 4096) and dg.gmma_wanted(8, 24576, 4096)
-
-
-def test_two_blocks_per_sm_plans(monkeypatch):
-    """DDTREE_GMMA_TWO_PER_SM swaps the <= 110 KB instance of the planned (warpgroups, token tile) in, keeping the
-    plan's grid and K split; where no such instance exists (other tiles, clusters of 4) the plan is unchanged, and
-    a forced instance stays forced. Every such instance fits two blocks per SM."""
-    import runtime.dense_gmma as dg
-    shapes = [(M, N, K) for M in (1, 9, 17, 33, 65, 129) for N, K in ((6144, 4096), (4096, 4096), (24576, 4096),
-                                                                     (4096, 12288), (960, 576), (576, 1536))]
-    before = {s: dg.gmma_plan(*s, 132) for s in shapes}
-    monkeypatch.setattr(dg, "GMMA_TWO_PER_SM", True)
-    swapped = 0
-    for s, (entry0, grid0, kps0, _) in before.items():
-        entry, grid, kps, smem = dg.gmma_plan(*s, 132)
-        c0, c = dg.gmma_config(entry0), dg.gmma_config(entry)
-        assert grid == grid0 and kps == kps0 and (c[0], c[4], c[5]) == (c0[0], c0[4], c0[5]), (s, entry0, entry)
-        if c != c0:
-            swapped += 1
-            assert (c[1], c[2], c[3]) == dg._TWO_PER_SM_CONFIG[(c[5], c[0])], (s, entry)
-            assert dg.gmma_blocks_per_sm(c[0], c[1], c[2], c[3], c[5]) == 2 and 2 * smem < dg.SMEM_PER_SM, (s, smem)
-    assert swapped >= 10
-    assert dg.gmma_config(dg.gmma_plan(17, 4096, 4096, 132, ka=2, stages=4)[0])[1:3] == (2, 4)
+    # decode sizes: weights of >= 16 MB and <= 32768 rows (Qwen3-8B's projections), not lm_head nor SmolLM2's
+    assert dg.gmma_wanted(1, 4096, 4096) and dg.gmma_wanted(8, 24576, 4096) and dg.gmma_wanted(1, 4096, 12288)
+    assert not dg.gmma_wanted(1, 151936, 4096) and not dg.gmma_wanted(1, 3072, 576)
+    assert not dg.gmma_wanted(1, 49152, 576) and not dg.gmma_wanted(0, 4096, 4096)
+    monkeypatch.setattr(dg, "GMMA_DECODE", False)
+    assert not dg.gmma_wanted(1, 4096, 4096) and not dg.gmma_wanted(8, 24576, 4096) and dg.gmma_wanted(9, 4096, 4096)
 
 
 def test_plan_picks_the_measured_best():

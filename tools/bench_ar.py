@@ -20,10 +20,8 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
   agmma0        tree_attention_kernel where the wgmma tree kernel would run (as DDTREE_ATTN_GMMA=0)
   3wg0          GMMA linear: two-warpgroup blocks at the token tiles 136 / 192 (as DDTREE_GMMA_THREE_WG=0)
   1wg0          GMMA linear: no one-warpgroup blocks in clusters of 2 (as DDTREE_GMMA_ONE_WG=0)
-  2ps           GMMA linear: the two-blocks-per-SM instances at token tiles 16 / 32 / 72 (as
-                DDTREE_GMMA_TWO_PER_SM=1; where the next launch may start is a build option, DDTREE_GMMA_TRIGGER,
-                fixed per process)
-  gmma1         unfused linears of 1..8 rows on GMMA too (as DDTREE_GMMA_MIN_M=1)
+  gmmadec0      decode-size linears (1..8 rows) on the gemv / x-resident kernels for every weight (as
+                DDTREE_GMMA_DECODE=0); gmma1: every linear of any size on GMMA, lm_head included
   fuse0         no rmsnorm / swiglu fused into a linear (as DDTREE_FUSED_PROLOGUE_ROWS=0)
   drowsN        the decode kernel up to N packed rows per KV head at every head dim (DECODE_MAX_ROWS)
   fuse16/fuse32 rmsnorm and swiglu fused into the linears up to 16 / 32 rows (as DDTREE_FUSED_PROLOGUE_ROWS):
@@ -75,8 +73,8 @@ def configure(spec: str, defaults: dict) -> None:
             dense_gmma.GMMA_THREE_WG_MANY = False
         elif term == "1wg0":
             dense_gmma.GMMA_ONE_WG = False
-        elif term == "2ps":
-            dense_gmma.GMMA_TWO_PER_SM = True
+        elif term == "gmmadec0":
+            dense_gmma.GMMA_DECODE = False
         elif term == "gmma1":
             dense_gmma.GMMA_MIN_M = 1
         elif term == "fuse0":
@@ -88,7 +86,7 @@ def configure(spec: str, defaults: dict) -> None:
                 dk.FUSED_PROLOGUE_ROWS[prologue] = int(term[-2:])
         else:
             raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
-                             "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, 2ps, gmma1, fuse0, drowsN, "
+                             "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, gmmadec0, gmma1, fuse0, drowsN, "
                              "fuse16/32, norm16/32 or swiglu16/32")
 
 
@@ -96,8 +94,8 @@ FUSE_TERMS = {"fuse": ("rmsnorm", "swiglu"), "norm": ("rmsnorm",), "swiglu": ("s
 # the launch choices a configuration may change, restored before each one
 KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV", "GMMA_ENABLED",
          "FUSED_PROLOGUE_ROWS", "ATTN_GMMA", "DECODE_MAX_ROWS", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG",
-         "GMMA_TWO_PER_SM", "GMMA_MIN_M")
-GMMA_KNOBS = ("GMMA_ENABLED", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG", "GMMA_TWO_PER_SM", "GMMA_MIN_M")   # held by runtime.dense_gmma
+         "GMMA_DECODE", "GMMA_MIN_M")
+GMMA_KNOBS = ("GMMA_ENABLED", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG", "GMMA_DECODE", "GMMA_MIN_M")   # held by runtime.dense_gmma
 
 
 def knob_owner(name: str):

@@ -53,18 +53,13 @@ def graph_time_us(launch_one, reps: int, stream, iters: int = 10) -> float:
 # fills one wave; nwg 1: 64-row blocks of one warpgroup; splits s: K split s ways through the fp32 workspace, which
 # can fill one wave where the cluster splits fill 96 SMs, e.g. qkv / o / down at M = 17..72)
 _WS = tuple({"splits": s} for s in (2, 3, 4, 8))
-# two blocks per SM (runtime/dense_gmma.py _TWO_PER_SM_CONFIG): with DDTREE_GMMA_TRIGGER=start the next launch's
-# blocks start beside a running one
-_TWO = {16: tuple({"ka": 1, "stages": 6, "cs": c} for c in (1, 2, 3)),
-        32: tuple({"ka": 1, "stages": 5, "cs": c} for c in (1, 2, 3)) + ({"nwg": 1, "ka": 2, "stages": 4, "cs": 2},),
-        72: tuple({"ka": 1, "stages": 4, "cs": c} for c in (1, 2, 3)) + ({"nwg": 1, "ka": 1, "stages": 4, "cs": 2},)}
-GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_TWO[16]),
-                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_WS, *_TWO[32]),
+GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
+                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_WS),
                      48: ({"cs": 1}, {"cs": 2}, {"nwg": 1, "cs": 2}, *_WS),
                      64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}, {"nwg": 3, "cs": 1},
                           *_WS),
                      72: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, {"nwg": 3, "cs": 2},
-                          {"nwg": 1, "cs": 2}, *_WS, *_TWO[72]),
+                          {"nwg": 1, "cs": 2}, *_WS),
                      128: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "stages": 4, "cs": 1}),
                      136: ({"cs": 1}, {"cs": 2}, {"nwg": 3, "cs": 1}, {"tn": 192}),
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}

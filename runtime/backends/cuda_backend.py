@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from runtime import dense_gmma
 from runtime import dense_kernels as dk
 from runtime.bf16 import from_bf16, to_bf16
 from runtime.cuda import DeviceArray, OutOfMemoryError, Stream, empty, get_device, get_kernel
@@ -368,10 +369,10 @@ class CudaBackend(Backend):
 
     def norm_linear(self, x, weight, eps, w, bias=None):
         """One launch at decode sizes: the linear's x load does the rmsnorm (and the pending residual add,
-        whose sum it also writes); otherwise rmsnorm then linear."""
+        whose sum it also writes); otherwise (and where the GMMA kernel takes the linear) rmsnorm then linear."""
         M, K = x.shape[0], w.shape[1]
         if (not self.fuse or bias is not None or len(x.shape) != 2
-                or not dk.fused_prologue_ok(M, K, "rmsnorm")):
+                or not dk.fused_prologue_ok(M, K, "rmsnorm") or dense_gmma.gmma_wanted(M, w.shape[0], K)):
             return self.linear(self.rmsnorm(x, weight, eps), w, bias)
         total = x2 = None
         if x.pending is not None and x.pending[0] == "add":
@@ -389,11 +390,12 @@ class CudaBackend(Backend):
         return out
 
     def swiglu_linear(self, gate, up, w):
-        """One launch at decode sizes: the linear's x load computes silu(gate) * up."""
+        """One launch at decode sizes: the linear's x load computes silu(gate) * up (not where the GMMA kernel
+        takes the linear)."""
         gate, up = self._ready(gate), self._ready(up)
         M, K = gate.shape
-        if (not self.fuse or not dk.fused_prologue_ok(M, K, "swiglu") or gate.ld % 8 or up.ld % 8 or gate.ptr % 16
-                or up.ptr % 16):
+        if (not self.fuse or not dk.fused_prologue_ok(M, K, "swiglu") or dense_gmma.gmma_wanted(M, w.shape[0], K)
+                or gate.ld % 8 or up.ld % 8 or gate.ptr % 16 or up.ptr % 16):
             return self.linear(self.swiglu(gate, up), w)
         out = self._new((M, w.shape[0]), pad_to=8)
         dk.linear(gate, w, out, ldx=gate.ld, ldo=out.ld, ws=self._ws, stream=self.stream, prologue="swiglu",
