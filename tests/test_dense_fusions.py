@@ -41,8 +41,11 @@ def test_linear_gemv(dk, ref, M, N, K, kw, persist):
 
 @pytest.fixture
 def verify_rows(dk, monkeypatch):
-    """Fused prologues up to 32 rows (DDTREE_FUSED_PROLOGUE_ROWS=32): the 16- and 32-row x-resident tiles."""
+    """Fused prologues up to 32 rows (DDTREE_FUSED_PROLOGUE_ROWS=32): the 16- and 32-row x-resident tiles. The
+    unfused reference must run the fused kernel's plan, so decode sizes stay off GMMA (DDTREE_GMMA_DECODE=0)."""
+    from runtime import dense_gmma
     monkeypatch.setattr(dk, "FUSED_PROLOGUE_ROWS", {"rmsnorm": 32, "swiglu": 32})
+    monkeypatch.setattr(dense_gmma, "GMMA_DECODE", False)
 
 
 @pytest.mark.parametrize("M,N,K,with_add,splits", [
