@@ -50,6 +50,9 @@ def _data(M, N, K, seed):
     # cluster splits: trailing splits without any k (K = 64 is one stage), forced sizes
     (60, 333, 64, {"cs": 4}), (65, 4096, 136, {"cs": 2}), (13, 989, 4096, {"cs": 4}), (256, 333, 4096, {"cs": 2}),
     (150, 4096, 1000, {"tn": 64, "ka": 2, "stages": 4, "rw": 1, "cs": 1, "splits": 3}),
+    # decode sizes (token tile 16 with 1..8 live rows: dense_kernels.linear hands large weights here)
+    (1, 4096, 2048, {}), (1, 989, 1000, {"cs": 3}), (5, 333, 4096, {"splits": 3}), (8, 24576, 136, {}),
+    (3, 4096, 12288, {}),
 ])
 def test_linear_gmma(dg, ref, M, N, K, kw):
     _, x, w = _data(M, N, K, M * 7919 + N * 31 + K)
@@ -182,13 +185,15 @@ def test_linear_gmma_graph_replay(dg, ref):
 
 @pytest.mark.gpu
 def test_dense_linear_hands_verify_sizes_to_gmma(dg, ref, monkeypatch):
-    """runtime.dense_kernels.linear (kernel="auto") routes M >= 9 here (and the result is right); other
-    M, DDTREE_LINEAR_GMMA=0 (GMMA_ENABLED) and explicit kernels stay."""
+    """runtime.dense_kernels.linear (kernel="auto") routes M >= 9 here, and decode sizes of weights >= 16 MB with
+    <= 32768 rows (and the result is right); other shapes, DDTREE_LINEAR_GMMA=0 (GMMA_ENABLED) and explicit
+    kernels stay."""
     import runtime.dense_kernels as dk
     calls = []
     real = dg.launch_gmma
     monkeypatch.setattr(dg, "launch_gmma", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     for M, N, K, kw, routed in [(65, 4096, 1024, {}, True), (9, 4096, 2048, {}, True), (8, 4096, 1024, {}, False),
+                                (1, 4096, 2048, {}, True), (4, 40000, 256, {}, False),
                                 (257, 4096, 1024, {}, True), (64, 1000, 1024, {}, True), (65, 960, 576, {}, True),
                                 (64, 4096, 1024, {"kernel": "chunked"}, False), (64, 4096, 1024, {}, True)]:
         _, x, w = _data(M, N, K, M + N + K)
