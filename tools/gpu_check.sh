@@ -87,7 +87,7 @@ step bench_verify python3 -m tools.bench_verify --per-op 64
 # The GMMA linear's plan rules in the verify graph (each picked from per-op timings): a 12-layer Qwen3-8B shape at
 # prefix 1024, verify b64..b512, the default plan against two-warpgroup blocks at the token tiles 136 / 192 and
 # against no one-warpgroup pairs, same weights, one run
-step bench_ar_gmma python3 -m tools.bench_ar --random qwen3-8b --layers 12 --prompts 1024 --new-tokens 8 --verify-budgets 64,128,256,512 --configs decode,decode+3wg0,decode+1wg0
+step bench_ar_gmma python3 -m tools.bench_ar --random qwen3-8b --layers 12 --prompts 1024 --new-tokens 8 --verify-budgets 64,128,256,512 --configs decode,decode+3wg0,decode+1wg0,decode+gmmadec0
 
 for want in ${GPU_CHECK_STEPS:-}; do   # a misspelt step name must not pass as "all steps passed"
   [[ " ${known[*]} " == *" $want "* ]] || failed+=("unknown-step:$want")
