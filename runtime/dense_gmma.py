@@ -32,14 +32,15 @@ GMMA_NWG = 2                     # warpgroups per block the planner uses by defa
 # 53.2 vs 58.5 (cuBLAS 49.3 / 51.4), 2026-12-03 (3) run 1.
 GMMA_NWG_ONE_WAVE = 3
 GMMA_MIN_M = 9                   # runtime.dense_kernels.linear hands M >= this to this kernel, and (GMMA_DECODE):
-# Decode sizes (1..8 rows) of large weights too, where the gemv kernel ran before: H200, session 23, Qwen3-8B
-# shapes at M = 1 (token tile 16): qkv 14.7 vs 16.3 us, o 10.5 vs 10.9, gate_up 46.7 vs 52.5, down 25.8 vs 27.5;
-# the 12-layer AR step with every projection on GMMA and rmsnorm / swiglu as their own launches 1666 vs 1808 us.
-# Not lm_head (151936 rows, many waves: the step was 48 us slower with it on GMMA) nor weights under 16 MB (every
-# SmolLM2-135M projection), where the gemv's fused prologue and per-block streaming stay. DDTREE_GMMA_DECODE=0: off.
+# Decode sizes (1..8 rows) of large weights too, where the gemv kernel ran before. H200, session 23, M = 1 (token
+# tile 16) vs the gemv: Qwen3-8B qkv 14.7 vs 16.3 us, o 10.5 vs 10.9, gate_up 46.7 vs 52.5, down 25.8 vs 27.5,
+# lm_head 273.4 vs 307.4; its 12-layer AR step with every projection and lm_head on GMMA (rmsnorm / SwiGLU as
+# their own launches) 1662.5 vs 1806.7 us. Not for weights under 16 MB nor K < 1024 (every SmolLM2-135M
+# weight): its lm_head (49152x576) ran 17.1 vs 18.7 us alone but its AR step 2% slower with it on GMMA.
+# DDTREE_GMMA_DECODE=0: off.
 GMMA_DECODE = os.environ.get("DDTREE_GMMA_DECODE", "1") != "0"
 GMMA_DECODE_MIN_BYTES = 16 << 20
-GMMA_DECODE_MAX_N = 32768
+GMMA_DECODE_MIN_K = 1024
 SMEM_PER_SM = 228 * 1024         # H100/H200: 228 KB per SM, 227 KB per block, 1 KB reserved per block
 SMEM_PER_BLOCK_MAX = 227 * 1024
 # Cost model of gmma_plan, fitted to H200 runs of tools/bench_dense.py --gmma (2026-12-02): one block
@@ -110,7 +111,7 @@ GMMA_MIN_N, GMMA_MIN_K = 1, 8
 
 def gmma_wanted(M: int, N: int, K: int) -> bool:
     """Whether runtime.dense_kernels.linear should use this kernel for [M, K] x [N, K]^T on this device."""
-    decode = GMMA_DECODE and 1 <= M < GMMA_MIN_M and N * K * 2 >= GMMA_DECODE_MIN_BYTES and N <= GMMA_DECODE_MAX_N
+    decode = GMMA_DECODE and 1 <= M < GMMA_MIN_M and N * K * 2 >= GMMA_DECODE_MIN_BYTES and K >= GMMA_DECODE_MIN_K
     return (GMMA_ENABLED and (M >= GMMA_MIN_M or decode) and N >= GMMA_MIN_N and K >= GMMA_MIN_K
             and gmma_available())
 

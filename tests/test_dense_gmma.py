@@ -186,14 +186,14 @@ def test_linear_gmma_graph_replay(dg, ref):
 @pytest.mark.gpu
 def test_dense_linear_hands_verify_sizes_to_gmma(dg, ref, monkeypatch):
     """runtime.dense_kernels.linear (kernel="auto") routes M >= 9 here, and decode sizes of weights >= 16 MB with
-    <= 32768 rows (and the result is right); other shapes, DDTREE_LINEAR_GMMA=0 (GMMA_ENABLED) and explicit
-    kernels stay."""
+    K >= 1024 (and the result is right); other shapes, DDTREE_LINEAR_GMMA=0 (GMMA_ENABLED) and explicit kernels
+    stay."""
     import runtime.dense_kernels as dk
     calls = []
     real = dg.launch_gmma
     monkeypatch.setattr(dg, "launch_gmma", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     for M, N, K, kw, routed in [(65, 4096, 1024, {}, True), (9, 4096, 2048, {}, True), (8, 4096, 1024, {}, False),
-                                (1, 4096, 2048, {}, True), (4, 40000, 256, {}, False),
+                                (1, 4096, 2048, {}, True), (4, 40000, 256, {}, False), (2, 40000, 1024, {}, True),
                                 (257, 4096, 1024, {}, True), (64, 1000, 1024, {}, True), (65, 960, 576, {}, True),
                                 (64, 4096, 1024, {"kernel": "chunked"}, False), (64, 4096, 1024, {}, True)]:
         _, x, w = _data(M, N, K, M + N + K)
@@ -276,9 +276,9 @@ def test_gmma_wanted_range(monkeypatch):
     monkeypatch.setattr(dg, "GMMA_ENABLED", False)
     assert not dg.gmma_wanted(64, 4096, 4096)
     monkeypatch.setattr(dg, "GMMA_ENABLED", True)
-    # decode sizes: weights of >= 16 MB and <= 32768 rows (Qwen3-8B's projections), not lm_head nor SmolLM2's
+    # decode sizes: weights of >= 16 MB with K >= 1024 (Qwen3-8B's projections and lm_head), not SmolLM2's
     assert dg.gmma_wanted(1, 4096, 4096) and dg.gmma_wanted(8, 24576, 4096) and dg.gmma_wanted(1, 4096, 12288)
-    assert not dg.gmma_wanted(1, 151936, 4096) and not dg.gmma_wanted(1, 3072, 576)
+    assert dg.gmma_wanted(1, 151936, 4096) and not dg.gmma_wanted(1, 3072, 576) and not dg.gmma_wanted(1, 4096, 1024)
     assert not dg.gmma_wanted(1, 49152, 576) and not dg.gmma_wanted(0, 4096, 4096)
     monkeypatch.setattr(dg, "GMMA_DECODE", False)
     assert not dg.gmma_wanted(1, 4096, 4096) and not dg.gmma_wanted(8, 24576, 4096) and dg.gmma_wanted(9, 4096, 4096)
