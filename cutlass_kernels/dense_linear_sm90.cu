@@ -1,5 +1,6 @@
 // bf16 linear y[M, N] = x[M, K] @ W[N, K]^T (+ residual) on Hopper GMMA (wgmma), sm_90a only, for the
-// verify buckets and prefill (M >= 9; above 256 rows, token tiles on blockIdx.z).
+// verify buckets and prefill (M >= 9; above 256 rows, token tiles on blockIdx.z), and decode sizes of large weights
+// (1..8 live rows of a 16-token tile: runtime/dense_gmma.py gmma_wanted).
 //
 // Swap AB: the W tile is wgmma's A operand (64 W rows per consumer warpgroup, M side), the x tile its B
 // operand (N side = tokens, TN a template parameter, a multiple of 8 up to 256). Both operands K-major in

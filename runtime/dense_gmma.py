@@ -1,6 +1,7 @@
 """Hopper GMMA bf16 linear (cutlass_kernels/dense_linear_sm90.cu, family dense_linear_sm90, sm_90a only):
 out[M, N] = x[M, K] @ w[N, K]^T (+ residual) for every M >= 9: the verify buckets and prefill (above 256 rows
-the tokens are walked in tiles on blockIdx.z, re-reading W once per tile).
+the tokens are walked in tiles on blockIdx.z, re-reading W once per tile); and decode sizes (1..8 rows, a 16-token
+tile) of weights of >= 16 MB with K >= 1024 (gmma_wanted).
 
 Launch plan: a block is NWG warpgroups (2: 256 threads over 128 W rows; 3: 384 threads over 192 rows, planned
 where their unsplit blocks fill one wave, e.g. Qwen3-8B's gate_up; 1: 128 threads over 64 rows, in clusters of 2
