@@ -2,17 +2,22 @@
 // update (graph capture and parameter update tests), an empty kernel (launch and replay overhead).
 #include "device_common.cuh"
 
-// Reads n_vec 16-byte vectors, xor-folds them, writes only on an impossible value so that no load can be
-// dropped and almost nothing is written.
-extern "C" __global__ void read_sum_kernel(const uint4* __restrict__ src, long long n_vec,
-                                           unsigned int* __restrict__ sink) {
-  unsigned int acc = 0;
-  long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n_vec; i += stride) {
-    uint4 v = __ldcs(src + i);  // streaming: do not keep it in L2
+// acc xor-folded with this thread's 16-byte vectors i, i + stride, ... below n_vec (grid-stride, streaming loads:
+// not kept in L2), written to sink only on an impossible value so that no load can be dropped.
+__device__ __forceinline__ void read_fold(const uint4* __restrict__ src, long long i, long long n_vec,
+                                          unsigned int acc, unsigned int* __restrict__ sink) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (; i < n_vec; i += stride) {
+    uint4 v = __ldcs(src + i);
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+// Reads n_vec 16-byte vectors (read_fold: almost nothing is written).
+extern "C" __global__ void read_sum_kernel(const uint4* __restrict__ src, long long n_vec,
+                                           unsigned int* __restrict__ sink) {
+  read_fold(src, (long long)blockIdx.x * blockDim.x + threadIdx.x, n_vec, 0u, sink);
 }
 
 // read_sum_kernel as a link of a PDL chain (family runtime_probe_pdl, launched with programmatic stream
@@ -21,18 +26,11 @@ extern "C" __global__ void read_sum_kernel(const uint4* __restrict__ src, long l
 // same-size reads reaches when each may start under the previous one's tail (tools/bench_dense.py).
 extern "C" __global__ void read_sum_pdl_kernel(const uint4* __restrict__ src, long long n_vec,
                                                unsigned int* __restrict__ sink) {
-  unsigned int acc = 0;
-  long long stride = (long long)gridDim.x * blockDim.x;
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  uint4 first = i < n_vec ? __ldcs(src + i) : make_uint4(0, 0, 0, 0);
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const uint4 first = i < n_vec ? __ldcs(src + i) : make_uint4(0, 0, 0, 0);
   ddtree::grid_dependency_wait();
   ddtree::launch_dependents();
-  acc ^= first.x ^ first.y ^ first.z ^ first.w;
-  for (i += stride; i < n_vec; i += stride) {
-    uint4 v = __ldcs(src + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) sink[0] = acc;
+  read_fold(src, i + (long long)gridDim.x * blockDim.x, n_vec, first.x ^ first.y ^ first.z ^ first.w, sink);
 }
 
 // x[i] = x[i] * a + b for i < n.

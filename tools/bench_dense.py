@@ -150,23 +150,20 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
         wb = np.resize(block, (N, K))
         weights = [to_device(wb) for _ in range(min(copies, 64))]
         copies = len(weights)
-        # the streaming-read kernel over the same bytes and copies: what a launch of this size can reach
-        probe = get_kernel("runtime_probe", "read_sum_kernel")
+        # the streaming-read kernel over the same bytes and copies: what a launch of this size can reach ("same-size
+        # read"); then the same reads chained with programmatic dependent launch, each under the previous one's tail
         sink = empty((4,), np.uint32)
         n_vec = w_bytes // 16
-        same_us = graph_time_us(lambda i, s: probe.launch(4 * get_device().sm_count, 512,
-                                                          [weights[i % copies], np.int64(n_vec), sink], stream=s),
-                                reps=max(copies, 8), stream=stream)
-        print(f"| {model} | {name} | {N}x{K} | - | streaming read of W | {same_us:.2f} | "
-              f"{w_bytes / same_us / 1e3:.0f} | {100 * w_bytes / (same_us * 1e-6) / read_bw:.1f} | 100 | - |")
-        # the same reads chained with programmatic dependent launch, each starting under the previous one's tail
-        probe_pdl = get_kernel("runtime_probe_pdl", "read_sum_pdl_kernel")
-        pdl_us = graph_time_us(lambda i, s: probe_pdl.launch(4 * get_device().sm_count, 512,
-                                                             [weights[i % copies], np.int64(n_vec), sink], stream=s),
+        same_us = None
+        probes = (("streaming read of W", get_kernel("runtime_probe", "read_sum_kernel")),
+                  ("streaming read of W, PDL chain", get_kernel("runtime_probe_pdl", "read_sum_pdl_kernel")))
+        for label, probe in probes:  # (probe is used within its iteration: graph_time_us runs the lambda at once)
+            us = graph_time_us(lambda i, s: probe.launch(4 * get_device().sm_count, 512,
+                                                         [weights[i % copies], np.int64(n_vec), sink], stream=s),
                                reps=max(copies, 8), stream=stream)
-        print(f"| {model} | {name} | {N}x{K} | - | streaming read of W, PDL chain | {pdl_us:.2f} | "
-              f"{w_bytes / pdl_us / 1e3:.0f} | {100 * w_bytes / (pdl_us * 1e-6) / read_bw:.1f} | "
-              f"{100 * same_us / pdl_us:.1f} | - |")
+            same_us = same_us or us
+            print(f"| {model} | {name} | {N}x{K} | - | {label} | {us:.2f} | {w_bytes / us / 1e3:.0f} | "
+                  f"{100 * w_bytes / (us * 1e-6) / read_bw:.1f} | {100 * same_us / us:.1f} | - |")
         for M in ms_list:
             x = to_device(to_bf16(rng.standard_normal((M, K), dtype=np.float32)))
             out = empty((M, N), np.uint16)

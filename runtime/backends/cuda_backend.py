@@ -367,12 +367,17 @@ class CudaBackend(Backend):
         dk.linear(x, w, out, ldx=x.ld, ldo=out.ld, ws=self._ws, stream=self.stream)
         return out
 
+    def _fuses(self, M: int, w, prologue: str) -> bool:
+        """Whether `prologue` goes into the x load of the linear by w at M rows: decode sizes, unless the GMMA
+        kernel takes that linear (faster with the prologue as its own launch, runtime/dense_gmma.py GMMA_DECODE)."""
+        N, K = w.shape
+        return self.fuse and dk.fused_prologue_ok(M, K, prologue) and not dense_gmma.gmma_wanted(M, N, K)
+
     def norm_linear(self, x, weight, eps, w, bias=None):
         """One launch at decode sizes: the linear's x load does the rmsnorm (and the pending residual add,
-        whose sum it also writes); otherwise (and where the GMMA kernel takes the linear) rmsnorm then linear."""
-        M, K = x.shape[0], w.shape[1]
-        if (not self.fuse or bias is not None or len(x.shape) != 2
-                or not dk.fused_prologue_ok(M, K, "rmsnorm") or dense_gmma.gmma_wanted(M, w.shape[0], K)):
+        whose sum it also writes); otherwise (see _fuses) rmsnorm then linear."""
+        M = x.shape[0]
+        if bias is not None or len(x.shape) != 2 or not self._fuses(M, w, "rmsnorm"):
             return self.linear(self.rmsnorm(x, weight, eps), w, bias)
         total = x2 = None
         if x.pending is not None and x.pending[0] == "add":
@@ -390,12 +395,10 @@ class CudaBackend(Backend):
         return out
 
     def swiglu_linear(self, gate, up, w):
-        """One launch at decode sizes: the linear's x load computes silu(gate) * up (not where the GMMA kernel
-        takes the linear)."""
+        """One launch at decode sizes: the linear's x load computes silu(gate) * up (see _fuses)."""
         gate, up = self._ready(gate), self._ready(up)
-        M, K = gate.shape
-        if (not self.fuse or not dk.fused_prologue_ok(M, K, "swiglu") or dense_gmma.gmma_wanted(M, w.shape[0], K)
-                or gate.ld % 8 or up.ld % 8 or gate.ptr % 16 or up.ptr % 16):
+        M = gate.shape[0]
+        if not self._fuses(M, w, "swiglu") or gate.ld % 8 or up.ld % 8 or gate.ptr % 16 or up.ptr % 16:
             return self.linear(self.swiglu(gate, up), w)
         out = self._new((M, w.shape[0]), pad_to=8)
         dk.linear(gate, w, out, ldx=gate.ld, ldo=out.ld, ws=self._ws, stream=self.stream, prologue="swiglu",
