@@ -331,3 +331,19 @@ def test_three_warpgroup_plans():
         assert nwg == 2 or grid[1] == 1
     with pytest.raises(ValueError, match="only inside a cluster"):
         gmma_plan(65, 24576, 4096, 132, nwg=3, splits=3)
+
+
+def test_gmma_trigger_option(monkeypatch):
+    """DDTREE_GMMA_TRIGGER picks where the GMMA linear lets the next kernel launch (the NVRTC option); a bad value
+    is a ValueError naming the choices."""
+    from cutlass_kernels import registry
+    for value, want in (("start", 1), ("epilogue", 0)):
+        monkeypatch.setenv("DDTREE_GMMA_TRIGGER", value)
+        assert registry._gmma_trigger() == want
+    monkeypatch.delenv("DDTREE_GMMA_TRIGGER")
+    assert registry._gmma_trigger() == 1
+    # the family is built with the value the environment held at import
+    assert set(registry.FAMILIES["dense_linear_sm90"].options) & {"-DGMMA_EARLY_TRIGGER=0", "-DGMMA_EARLY_TRIGGER=1"}
+    monkeypatch.setenv("DDTREE_GMMA_TRIGGER", "early")
+    with pytest.raises(ValueError, match="use start or epilogue"):
+        registry._gmma_trigger()
