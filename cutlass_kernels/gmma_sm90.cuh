@@ -45,8 +45,12 @@ template <int TN> struct GmmaRsOp;
                                                                   cute::SM90::GMMA::Major::K>;     \
   };
 DDTREE_GMMA_RS_OP(32)
+DDTREE_GMMA_RS_OP(48)
 DDTREE_GMMA_RS_OP(64)
+DDTREE_GMMA_RS_OP(80)
+DDTREE_GMMA_RS_OP(96)
 DDTREE_GMMA_RS_OP(128)
+DDTREE_GMMA_RS_OP(192)
 DDTREE_GMMA_RS_OP(256)
 #undef DDTREE_GMMA_RS_OP
 

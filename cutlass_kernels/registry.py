@@ -176,6 +176,39 @@ register(KernelFamily(
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},
 ))
+# Hopper GMMA bf16 linear in narrow row blocks for up to 64 token rows (W as wgmma's B operand, so a block is any
+# multiple of 16 W rows and one wave of unsplit blocks can cover every SM): linear_gmma_narrow_kernel<NW, TX, KA,
+# STAGES> (NW W rows per block, TX token rows per tile, KA 64-k atoms per stage, STAGES stages), sm_90a only;
+# runtime/dense_gmma.py narrow_plan. Per (NW, TX): at most 16 KB of W per stage (KA 4, 2 or 1) and as many stages
+# as fit ~200 KB (the size of linear_gmma_kernel's rings), at least 6 where a smaller KA allows it, at most 12.
+NARROW_GMMA_ROWS = (32, 48, 64, 80, 96, 128, 192, 256)
+NARROW_GMMA_TOKEN_TILES = (16, 32, 64)
+
+
+def _narrow_config(nw: int, tx: int, budget: int = 200 * 1024) -> tuple:
+    kas = [ka for ka in (4, 2, 1) if ka == 1 or ka * nw * 128 <= 16384]
+    ka = next((k for k in kas if budget // (k * (nw + tx) * 128) >= 6), kas[-1])
+    return nw, tx, ka, min(12, budget // (ka * (nw + tx) * 128))
+
+
+NARROW_GMMA_INSTANCES = tuple(_narrow_config(nw, tx) for nw in NARROW_GMMA_ROWS for tx in NARROW_GMMA_TOKEN_TILES)
+
+
+def narrow_entry(cfg: tuple) -> str:
+    """The kernel name expression of instance (NW, TX, KA, STAGES)."""
+    return "linear_gmma_narrow_kernel<%d, %d, %d, %d>" % cfg
+
+
+register(KernelFamily(
+    name="dense_linear_narrow_sm90",
+    source="dense_linear_narrow_sm90.cu",
+    entries=tuple(narrow_entry(c) for c in NARROW_GMMA_INSTANCES),
+    archs=("90a",),
+    options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}",),
+    pdl=True,
+    required_sass={"90a": r"HGMMA"},
+    required_ptx={"90a": r"wgmma\.mma_async"},
+))
 # Embedding gather, RMSNorm (+ residual add), RoPE (+ per-head q/k norm), SwiGLU, add.
 register(KernelFamily(
     name="norm_rope",

@@ -22,7 +22,8 @@ import numpy as np
 from runtime.cuda import DeviceArray, get_device, get_kernel
 from runtime.dense_kernels import Workspace, _i32, _need, default_workspace, linear_checks
 
-from cutlass_kernels.registry import DENSE_GMMA_INSTANCES, FAMILIES, gmma_entry
+from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, FAMILIES, NARROW_GMMA_INSTANCES, NARROW_GMMA_ROWS,
+                                      NARROW_GMMA_TOKEN_TILES, gmma_entry, narrow_entry)
 
 FAMILY = "dense_linear_sm90"
 GMMA_ARCHS = FAMILIES[FAMILY].archs
@@ -287,27 +288,85 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
     return gmma_entry(cfg), (row_blocks, splits, z), per * atom_k, smem
 
 
+# Narrow row blocks (cutlass_kernels/dense_linear_narrow_sm90.cu, family dense_linear_narrow_sm90): W as wgmma's B
+# operand, NW rows per block (any multiple of 16), x's <= 64 rows as its A side from registers. NW is the smallest
+# instance whose unsplit blocks fit one wave, taken where they fill it to >= 90%: Qwen3-8B qkv 6144 / 48, o and
+# down 4096 / 32, gate_up 24576 / 192: 128 blocks each on the H200's 132 SMs, where linear_gmma_kernel's 64- and
+# 128-row blocks leave 36..68 SMs idle at qkv, o and down (or split K in clusters). Not yet timed on a GPU, so off
+# unless DDTREE_GMMA_NARROW=1 (runtime.dense_kernels.linear then takes it wherever narrow_plan has a plan).
+NARROW_FAMILY = "dense_linear_narrow_sm90"
+GMMA_NARROW = os.environ.get("DDTREE_GMMA_NARROW", "0") == "1"
+NARROW_FILL = 0.9
+_NARROW_CONFIG = {c[:2]: c for c in NARROW_GMMA_INSTANCES}  # (NW, TX) -> (NW, TX, KA, STAGES)
+NARROW_THREADS = 128
+
+
+def narrow_smem_bytes(nw: int, tx: int, ka: int, stages: int) -> int:
+    """Dynamic shared memory of linear_gmma_narrow_kernel<nw, tx, ka, stages>: the stages (x TX rows + W NW rows of
+    128 bytes per 64-k atom) plus 1 KB to align."""
+    return 1024 + stages * ka * (nw + tx) * 128
+
+
+def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None):
+    """(entry, grid, dynamic smem bytes) of linear_gmma_narrow for [M, K] x [N, K]^T, or None where it has no plan
+    (M over the largest token tile; no NW whose unsplit blocks fill one wave to NARROW_FILL). nw forces the row
+    block (any built NW; M over 64 then walks token tiles on blockIdx.z)."""
+    tx = next((t for t in NARROW_GMMA_TOKEN_TILES if M <= t), None)
+    if nw is None:
+        if tx is None:
+            return None
+        nw = next((r for r in NARROW_GMMA_ROWS if -(-N // r) <= sm_count), None)
+        if nw is None or -(-N // nw) < NARROW_FILL * sm_count:
+            return None
+    tx = tx or NARROW_GMMA_TOKEN_TILES[-1]
+    _need((nw, tx) in _NARROW_CONFIG, "linear_gmma_narrow",
+          f"no instance with NW = {nw} W rows per block; built: {NARROW_GMMA_ROWS}")
+    cfg = _NARROW_CONFIG[(nw, tx)]
+    return narrow_entry(cfg), (-(-N // nw), 1, -(-M // tx)), narrow_smem_bytes(*cfg)
+
+
+def launch_narrow(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None, M: int, N: int,
+                  K: int, ldx: int, ldo: int, ldr: int | None, plan, stream=None):
+    """linear_gmma_narrow_kernel with a plan of narrow_plan, after runtime.dense_kernels.linear_checks."""
+    entry, grid, smem = plan
+    kern = get_kernel(NARROW_FAMILY, entry)
+    kern.set_max_dynamic_smem(smem)
+    kern.launch(grid, NARROW_THREADS,
+                [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),
+                 _i32(ldr or 0), _i32(M), _i32(N), _i32(K)], smem=smem, stream=stream)
+    return out
+
+
 def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None = None, *,
                 ldx: int | None = None, ldo: int | None = None, ldr: int | None = None,
                 ws: Workspace | None = None, splits: int | None = None, tn: int | None = None,
                 ka: int | None = None, stages: int | None = None, rw: int | None = None,
-                cs: int | None = None, nwg: int | None = None, stream=None) -> DeviceArray:
+                cs: int | None = None, nwg: int | None = None, nw: int | str | None = None,
+                stream=None) -> DeviceArray:
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]), bf16, fp32 accumulation, on sm_90a GMMA.
-    Same contract as runtime.dense_kernels.linear; splits/tn/ka/stages/rw/cs/nwg override the plan."""
+    Same contract as runtime.dense_kernels.linear; splits/tn/ka/stages/rw/cs/nwg override the plan; nw runs the
+    narrow-row kernel instead (an int: that many W rows per block; "auto": narrow_plan's)."""
     M, N, K, ldx, ldo, ldr = linear_checks("linear_gmma", x, w, out, residual, ldx, ldo, ldr)
     return launch_gmma(x, w, out, residual, M, N, K, ldx, ldo, ldr, ws=ws, splits=splits, tn=tn, ka=ka,
-                       stages=stages, rw=rw, cs=cs, nwg=nwg, stream=stream)
+                       stages=stages, rw=rw, cs=cs, nwg=nwg, nw=nw, stream=stream)
 
 
 def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None, M: int, N: int,
                 K: int, ldx: int, ldo: int, ldr: int | None, *, ws: Workspace | None = None,
                 splits: int | None = None, tn: int | None = None, ka: int | None = None,
                 stages: int | None = None, rw: int | None = None, cs: int | None = None, nwg: int | None = None,
-                stream=None):
+                nw: int | str | None = None, stream=None):
     """linear_gmma after runtime.dense_kernels.linear_checks (which dense_kernels.linear has already run)."""
     op = "linear_gmma"
     dev = get_device()
     _need(gmma_available(dev.arch), op, f"the GMMA kernel is built for {GMMA_ARCHS}, this device is sm_{dev.arch}")
+    forced = (splits, tn, ka, stages, rw, cs, nwg) != (None,) * 7
+    _need(nw is None or not forced, op, "nw (the narrow-row kernel) takes none of splits/tn/ka/stages/rw/cs/nwg")
+    if nw is not None or (GMMA_NARROW and not forced):
+        plan = narrow_plan(M, N, K, dev.sm_count, None if nw in (None, "auto") else int(nw))
+        _need(plan is not None or nw is None, op, f"no narrow-row plan for M={M} N={N} on {dev.sm_count} SMs")
+        if plan is not None:
+            return launch_narrow(x, w, out, residual, M, N, K, ldx, ldo, ldr, plan, stream=stream)
     entry, grid, k_per_split, smem = gmma_plan(M, N, K, dev.sm_count, splits, tn, ka, stages, rw, cs,
                                                cluster_slots=device_cluster_slots, nwg=nwg)
     cfg = gmma_config(entry)

@@ -221,6 +221,142 @@ def test_linear_gmma_rejects_bad_shapes(dg):
                        splits=3)
 
 
+# ---------------------------------------------------------------- GPU: the narrow-row kernel
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,nw", [
+    # N and K tails (N not a multiple of NW; K not of the stage's k), 1..64 token rows over every token tile
+    (1, 333, 1000, 32), (1, 989, 4096, 48), (3, 4096, 136, 64), (8, 1000, 1000, 80), (16, 777, 1000, 96),
+    (17, 989, 1000, 128), (33, 333, 4096, 192), (64, 1000, 1000, 256), (40, 4096, 12288, 32), (2, 24, 64, 32),
+    # more rows than one token tile: blockIdx.z walks tiles of 64
+    (100, 333, 1000, 48), (129, 1000, 2048, 32),
+])
+def test_linear_gmma_narrow(dg, ref, M, N, K, nw):
+    _, x, w = _data(M, N, K, M * 7919 + N * 31 + K + nw)
+    want = ref.linear(x, w)
+    xd, wd = dev_bf16(x), dev_bf16(w)
+    for rep in range(2):  # twice: nothing left over from one launch may change the next
+        out = poisoned((M, N))
+        dg.linear_gmma(xd, wd, out, nw=nw)
+        assert_close(out.download(), want, f"linear_gmma narrow nw={nw} M={M} N={N} K={K} (launch {rep})",
+                     dtype="bf16", atol=ATOL)
+
+
+def _narrow_instances():
+    from cutlass_kernels.registry import NARROW_GMMA_INSTANCES
+    return NARROW_GMMA_INSTANCES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _narrow_instances(), ids=lambda c: "<%d,%d,%d,%d>" % c)
+def test_linear_gmma_narrow_every_instance(dg, ref, cfg):
+    """Every built (NW, TX) instance at M just over the next smaller token tile, an even N with a tail (bf16 pair
+    stores), K with a tail; plain and with a residual."""
+    nw, tx = cfg[:2]
+    M, N, K = tx - 7, 3 * nw + 14, 1000
+    rng, x, w = _data(M, N, K, sum(cfg) * 131)
+    r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
+    want = ref.linear(x, w)
+    xd, wd, rd = dev_bf16(x), dev_bf16(w), dev_bf16(r)
+    for res in (None, rd):
+        out = poisoned((M, N))
+        dg.linear_gmma(xd, wd, out, res, nw=nw)
+        assert_close(out.download(), want + (r if res is not None else 0),
+                     f"linear_gmma narrow {cfg} M={M} N={N} K={K} residual={res is not None}", dtype="bf16",
+                     atol=ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ldr", [1011, 1012])
+def test_linear_gmma_narrow_residual_and_strides(dg, ref, ldr):
+    """x rows ldx apart, out rows ldo apart (the columns between never written), residual rows ldr apart: odd ldr
+    takes the single-element stores, even the pairs."""
+    rng = np.random.default_rng(ldr)
+    M, N, K, ldx, ldo = 37, 989, 1000, 1032, 1000
+    x_wide = round_bf16(rng.standard_normal((M, ldx), dtype=np.float32))
+    w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
+    r_wide = round_bf16(rng.standard_normal((M, ldr), dtype=np.float32))
+    want = ref.linear(x_wide[:, :K], w) + r_wide[:, :N]
+    xd, rd = dev_bf16(x_wide), dev_bf16(r_wide)
+    out = poisoned((M, ldo))
+    dg.linear_gmma(xd.view(0, (M, K)), dev_bf16(w), out.view(0, (M, N)), rd.view(0, (M, N)),
+                   ldx=ldx, ldo=ldo, ldr=ldr, nw=48)
+    got = out.download()
+    assert_close(got[:, :N], want, f"linear_gmma narrow + residual, strided (ldr {ldr})", dtype="bf16", atol=ATOL)
+    assert np.all(got[:, N:] == 0xFFFF), "wrote outside [M, N] of the strided output"
+
+
+@pytest.mark.gpu
+def test_linear_gmma_narrow_chain_and_graph(dg, ref):
+    """Back-to-back narrow launches with PDL (the second reads what the first writes and overwrites the first's
+    input), eagerly and captured in a graph replayed with new inputs."""
+    from runtime.cuda import Stream, capture
+    rng = np.random.default_rng(23)
+    M, N, K = 17, 1536, 2048
+    stream = Stream()
+    xd, w1d, w2d, y = poisoned((M, K)), poisoned((N, K)), poisoned((K, N)), poisoned((M, N))
+
+    def record():
+        dg.linear_gmma(xd, w1d, y, nw=48, stream=stream)  # y = x @ w1^T
+        dg.linear_gmma(y, w2d, xd, nw=32, stream=stream)  # x <- y @ w2^T (overwrites the input)
+
+    def check(run):
+        x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
+        w1 = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
+        w2 = round_bf16(rng.standard_normal((K, N), dtype=np.float32) / np.sqrt(N))
+        for d, a in ((xd, x), (w1d, w1), (w2d, w2)):
+            d.upload(to_bf16(a))
+        y.fill_bytes(0xFF, stream=stream)
+        stream.synchronize()
+        run()
+        stream.synchronize()
+        y_got = y.download()
+        assert_close(y_got, ref.linear(x, w1), "narrow chain step 1", dtype="bf16", atol=ATOL)
+        assert_close(xd.download(), ref.linear(from_bf16(y_got), w2), "narrow chain step 2", dtype="bf16",
+                     atol=ATOL)
+
+    check(record)
+    with capture(stream) as g:
+        record()
+    graph = g.instantiate()
+    for _ in range(2):
+        check(lambda: graph.launch(stream))
+
+
+@pytest.mark.gpu
+def test_dense_linear_hands_decode_sizes_to_narrow(dg, ref, monkeypatch, cuda_device):
+    """With GMMA_NARROW on, runtime.dense_kernels.linear runs the narrow kernel where narrow_plan has a plan (N =
+    32 x the SM count: one full wave of 32-row blocks), and the planned kernel elsewhere; forcing a plan of the
+    other kernel (splits) keeps that kernel."""
+    import runtime.dense_kernels as dk
+    monkeypatch.setattr(dg, "GMMA_NARROW", True)
+    calls = []
+    real = dg.launch_narrow
+    monkeypatch.setattr(dg, "launch_narrow", lambda *a, **k: calls.append(a[-1][0]) or real(*a, **k))
+    n_full = 32 * cuda_device.sm_count
+    for M, N, K, kw, routed in [(1, n_full, 4096, {}, True), (17, n_full, 2048, {}, True),
+                                (65, n_full, 2048, {}, False), (17, n_full // 2, 2048, {}, False),
+                                (17, n_full, 2048, {"splits": 2}, False)]:
+        _, x, w = _data(M, N, K, M + N + K)
+        out = poisoned((M, N))
+        calls.clear()
+        dk.linear(dev_bf16(x), dev_bf16(w), out, **kw)
+        assert bool(calls) == routed, (M, N, K, kw, calls)
+        assert_close(out.download(), ref.linear(x, w), f"dense_kernels.linear narrow={routed} M={M} N={N}",
+                     dtype="bf16", atol=ATOL)
+
+
+@pytest.mark.gpu
+def test_linear_gmma_narrow_rejects(dg):
+    from runtime.cuda import empty
+    x, w, out = empty((16, 64), np.uint16), empty((8, 64), np.uint16), empty((16, 8), np.uint16)
+    with pytest.raises(ValueError, match="NW = 40"):
+        dg.linear_gmma(x, w, out, nw=40)
+    with pytest.raises(ValueError, match="takes none of"):
+        dg.linear_gmma(x, w, out, nw=32, cs=2)
+    with pytest.raises(ValueError, match="no narrow-row plan"):
+        dg.linear_gmma(x, w, out, nw="auto")  # 8 rows of W: no full wave
+
+
 # ---------------------------------------------------------------- CPU
 def test_plan_covers_every_shape():
     from runtime.dense_gmma import (GMMA_INSTANCES, SMEM_PER_BLOCK_MAX, gmma_config, gmma_plan, gmma_smem_bytes,
@@ -347,3 +483,62 @@ def test_gmma_trigger_option(monkeypatch):
     monkeypatch.setenv("DDTREE_GMMA_TRIGGER", "early")
     with pytest.raises(ValueError, match="use start or epilogue"):
         registry._gmma_trigger()
+
+
+def test_narrow_plan():
+    """The narrow-row plan: the smallest NW whose unsplit blocks fit one wave, where they fill it to >= 90%; the
+    token tile is the smallest >= M; shared memory within a block's; no plan past 64 rows (unless NW is forced)
+    or where no NW fills a wave."""
+    from cutlass_kernels.registry import NARROW_GMMA_INSTANCES
+    from runtime.dense_gmma import SMEM_PER_BLOCK_MAX, narrow_plan, narrow_smem_bytes
+    for cfg in NARROW_GMMA_INSTANCES:
+        nw, tx, ka, stages = cfg
+        assert narrow_smem_bytes(*cfg) <= SMEM_PER_BLOCK_MAX and 5 <= stages <= 12
+        assert ka * nw * 128 <= 16384 or ka == 1
+    qwen3 = {"qkv": (6144, 4096, 48), "o": (4096, 4096, 32), "gate_up": (24576, 4096, 192), "down": (4096, 12288, 32)}
+    for name, (N, K, nw) in qwen3.items():
+        for M, tx in ((1, 16), (16, 16), (17, 32), (33, 64), (64, 64)):
+            entry, grid, smem = narrow_plan(M, N, K, 132)
+            assert entry.startswith(f"linear_gmma_narrow_kernel<{nw}, {tx}, "), (name, M, entry)
+            assert grid == (-(-N // nw), 1, 1) and 0.9 * 132 <= grid[0] <= 132, (name, M, grid)
+        assert narrow_plan(65, N, K, 132) is None
+        assert narrow_plan(65, N, K, 132, nw=nw)[1] == (-(-N // nw), 1, 2)
+    assert narrow_plan(1, 151936, 4096, 132) is None  # lm_head: no NW <= 256 fits one wave
+    assert narrow_plan(1, 1024, 4096, 132) is None    # 32 blocks of 32 rows: a quarter of the SMs
+    assert narrow_plan(1, 6144, 4096, 114) is None    # H100 PCIe: 96 blocks of 64 rows fill 84% of 114 SMs
+    assert narrow_plan(1, 6144, 4096, 78)[0].startswith("linear_gmma_narrow_kernel<80, 16, ")  # H20: 77 blocks
+    with pytest.raises(ValueError, match="NW = 40"):
+        narrow_plan(1, 4096, 4096, 132, nw=40)
+
+
+def test_narrow_launch_arguments_match_the_kernel(monkeypatch):
+    """launch_narrow's argument list against the sm_90a PTX signature of the instance it plans (no GPU)."""
+    import runtime.dense_gmma as dg
+    from fake_cuda import ptx_param_sizes
+    from runtime.cuda import DeviceArray
+    from runtime.cuda.kernel import check_arguments
+
+    launched = []
+
+    class _Stub:
+        def set_max_dynamic_smem(self, n):
+            pass
+
+        def launch(self, grid, block, args, smem=0, stream=None):
+            launched.append((grid, block, args, smem))
+
+    monkeypatch.setattr(dg, "get_kernel", lambda family, entry: launched.append((family, entry)) or _Stub())
+    M, N, K = 17, 6144, 4096
+    x, w, out = (DeviceArray(0x10000, s, np.uint16) for s in ((M, K), (N, K), (M, N)))
+    plan = dg.narrow_plan(M, N, K, 132)
+    for residual in (None, DeviceArray(0x20000, (M, N), np.uint16)):
+        launched.clear()
+        dg.launch_narrow(x, w, out, residual, M, N, K, K, N, N if residual is not None else None, plan)
+        (family, entry), (grid, block, args, smem) = launched
+        assert (family, entry, grid, block, smem) == (dg.NARROW_FAMILY, plan[0], plan[1], dg.NARROW_THREADS, plan[2])
+
+        class _K:
+            param_sizes = ptx_param_sizes(family, entry)
+            function, pdl, checked_types = None, True, set()
+
+        check_arguments(_K(), args)

@@ -1,0 +1,239 @@
+// bf16 linear y[M, N] = x[M, K] @ W[N, K]^T (+ residual) on Hopper GMMA (wgmma), sm_90a only, for up to 64 rows
+// of x: narrow row blocks of W, so that one wave of blocks covers every SM with no K split.
+//
+// Why: linear_gmma_kernel (dense_linear_sm90.cu) swaps the operands (W is wgmma's A, 64 rows per warpgroup), so its
+// row blocks are 64 or 128 rows. A 6144-row W is then 48 or 96 blocks: with a cluster K split of 2, 96 of the
+// H200's 132 SMs stream and the rest idle; 4096 rows (o, down) fill 64-128. H200, session 23: those shapes reach
+// 66-76% of the read bandwidth at M = 1..17, while gate_up (128 unsplit blocks of 192 rows, one long K run per
+// SM) reaches 90-95%, and a chain of plain reads of qkv's bytes 88%. Here W is wgmma's B operand (the N side, any
+// multiple of 8 rows): NW rows per block, NW picked so that ceil(N / NW) blocks fill one wave (6144 / 48 = 128,
+// 4096 / 32 = 128), each streaming the whole K of its rows. x is the A side (the wgmma M of 64 rows): the
+// token rows, from registers (wgmma RS), read by ldmatrix from a TX-row tile staged with W's; warps whose 16
+// rows hold no token feed zeros, and their output rows are not stored.
+//
+// Block: one warpgroup (128 threads) over NW W rows and TX token rows (blockIdx.z walks token tiles if M > TX;
+// runtime/dense_gmma.py plans this kernel only where one tile holds M). Every thread loads and computes.
+// STAGES shared-memory stages of KA 64-k atoms, each stage [KA x-atoms: TX rows x 128 B][KA W-atoms: NW rows x
+// 128 B], both with the 128-byte swizzle, filled by 16-byte cp.async and tracked by mbarriers as in
+// linear_gmma_kernel (full[s]: every thread's copies landed; empty[s]: every thread is done reading stage s).
+// Per stage: ldmatrix of the A fragments (KA x 4 k16 steps), wgmma RS, then wait for the MMAs to retire before
+// the fragments are reused (the MMAs of a stage take less time than its bytes take to arrive; the STAGES - 1
+// stages in flight keep the memory busy meanwhile).
+//
+// PDL (family registered with pdl=True): the first STAGES-1 stages of W (immutable) are issued before
+// ddtree::grid_dependency_wait(); x, the residual and the output are touched only after it; the next kernel may
+// launch right after that wait (GMMA_EARLY_TRIGGER, as linear_gmma_kernel).
+//
+// Epilogue: straight from the accumulators (a thread holds token rows 16 warp + lane / 4 (+ 8), W rows
+// 8 j + 2 (lane % 4) (+ 1)): bf16 pairs along n, with the residual. No workspace, no tickets, one writer per
+// output element: deterministic.
+#include <cuda_bf16.h>
+#include <cuda/std/cstdint>  // NVRTC has no <cstdint>
+#include <cuda/std/utility>
+using cuda::std::uint32_t;
+using cuda::std::uint64_t;
+using cuda::std::uintptr_t;
+#include "gmma_sm90.cuh"
+#include "device_common.cuh"
+
+#ifndef GMMA_EARLY_TRIGGER
+#define GMMA_EARLY_TRIGGER 1
+#endif
+
+namespace {
+// Four 8x8 b16 matrices from shared memory (lane l gives the row address of matrix l / 8, row l % 8).
+__device__ __forceinline__ void ldmatrix_x4_s(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+}  // namespace
+
+// NW: W rows per block (wgmma N: a multiple of 16 up to 256). TX: token rows per tile (16, 32, 48 or 64; warps
+// 0 .. TX/16 - 1 hold them). KA: 64-k atoms per stage. STAGES: shared-memory stages.
+// Dynamic smem (runtime/dense_gmma.py narrow_smem_bytes): 1024 (alignment) + STAGES * KA * (TX + NW) * 128.
+template <int NW, int TX, int KA, int STAGES>
+__global__ void __launch_bounds__(128, 1)
+linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
+                          const __nv_bfloat16* __restrict__ w,  // [N, K] row-major, K % 8 == 0
+                          __nv_bfloat16* __restrict__ out, int ldo,
+                          const __nv_bfloat16* __restrict__ residual, int ldr,  // nullable
+                          int M, int N, int K) {
+  static_assert(NW % 16 == 0 && NW >= 16 && NW <= 256, "wgmma N, and whole passes of 16 rows per copy");
+  static_assert(TX % 16 == 0 && TX >= 16 && TX <= 64, "token rows: whole warps of the m64 tile");
+  static_assert(KA >= 1 && KA <= 4, "k atoms per stage");
+  constexpr int kThreads = 128;
+  constexpr int kAtomX = TX * 128;              // one 64-k atom of the token rows
+  constexpr int kAtomW = NW * 128;              // one 64-k atom of the W rows
+  constexpr int kStageX = KA * kAtomX;          // x atoms first, then W atoms (every tile 1024-aligned)
+  constexpr int kStageBytes = KA * (kAtomX + kAtomW);
+  constexpr int kStageK = 64 * KA;
+  constexpr int kAcc = NW / 2;                  // fp32 accumulators per thread (64 x NW per warpgroup)
+  constexpr int kWq = NW / 16;                  // W rows per thread per atom (16-byte chunk tid % 8 of each)
+  constexpr int kXq = TX / 16;
+  static_assert(kStageX % 1024 == 0 && kAtomW % 1024 == 0, "swizzled tiles start 1024-aligned");
+  using Op = typename ddtree::GmmaRsOp<NW>::type;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * STAGES];  // full[0..S), empty[0..S)
+  const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+  auto full_bar = [&](int s) { return bar_base + 8u * s; };
+  auto empty_bar = [&](int s) { return bar_base + 8u * (STAGES + s); };
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int n0 = blockIdx.x * NW;
+  const int m0 = blockIdx.z * TX;
+  const int n_stages = (K + kStageK - 1) / kStageK;
+
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      ddtree::mbar_init(full_bar(s), kThreads);
+      ddtree::mbar_init(empty_bar(s), kThreads);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // This thread's copies: 16-byte chunk c = tid % 8 of rows tid / 8 + 16 q of every atom; the swizzle puts chunk
+  // c of row r at chunk c ^ (r % 8), and r % 8 = (tid / 8) % 8 for every q.
+  const int wc = tid & 7;
+  const int r_first = tid >> 3;
+  const uint32_t chunk_dst = r_first * 128 + ((wc ^ (r_first & 7)) << 4);
+  const __nv_bfloat16* w_row[kWq];
+#pragma unroll
+  for (int q = 0; q < kWq; ++q) {
+    const int n = n0 + r_first + 16 * q;
+    w_row[q] = n < N ? w + (size_t)n * K + 8 * wc : nullptr;
+  }
+  auto load_w = [&](int stage) {
+    const uint32_t buf = smem_base + (stage % STAGES) * kStageBytes + kStageX;
+    const int k0 = stage * kStageK;
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      const bool k_ok = k0 + 64 * a + 8 * wc < K;
+#pragma unroll
+      for (int q = 0; q < kWq; ++q) {
+        const bool ok = k_ok && w_row[q] != nullptr;
+        ddtree::cp_async16_s(buf + a * kAtomW + chunk_dst + q * 16 * 128,
+                             ok ? (const void*)(w_row[q] + k0 + 64 * a) : (const void*)w, ok);
+      }
+    }
+  };
+  auto load_x = [&](int stage) {
+    const uint32_t buf = smem_base + (stage % STAGES) * kStageBytes;
+    const int k0 = stage * kStageK;
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      const int k = k0 + 64 * a + 8 * wc;
+#pragma unroll
+      for (int q = 0; q < kXq; ++q) {
+        const int m = m0 + r_first + 16 * q;
+        const bool ok = m < M && k < K;  // rows past M zero-filled: their products land in rows never stored
+        ddtree::cp_async16_s(buf + a * kAtomX + chunk_dst + q * 16 * 128,
+                             ok ? (const void*)(x + (size_t)m * ldx + k) : (const void*)x, ok);
+      }
+    }
+  };
+
+  // Prologue: W of the first STAGES-1 stages before the dependency wait (weights are immutable), then x.
+  constexpr int kPre = STAGES - 1;
+#pragma unroll
+  for (int s = 0; s < kPre; ++s)
+    if (s < n_stages) load_w(s);
+  ddtree::grid_dependency_wait();
+  if (GMMA_EARLY_TRIGGER) ddtree::launch_dependents();
+#pragma unroll
+  for (int s = 0; s < kPre; ++s)
+    if (s < n_stages) {
+      load_x(s);
+      ddtree::mbar_arrive_cp_async(full_bar(s));
+    }
+
+  float acc[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) {
+    acc[i] = 0.f;
+    cute::warpgroup_fence_operand(acc[i]);
+  }
+  // ldmatrix rows of this lane: matrix q = lane / 8 is rows 8 (q % 2) .. + 7 of the warp's 16, k chunk q / 2 of
+  // the k16 step, so the four registers are the m16k16 A fragment (a0a1, a2a3, a4a5, a6a7).
+  const bool warp_has_rows = 16 * warp < TX && m0 + 16 * warp < M;
+  const int lm_row = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
+  const int lm_half = lane >> 4;
+  const uint32_t lm_off = lm_row * 128;
+  const int lm_swz = lm_row & 7;
+
+  for (int s = 0; s < n_stages; ++s) {
+    const int b = s % STAGES;
+    ddtree::mbar_wait(full_bar(b), (s / STAGES) & 1);
+    // cp.async wrote through the generic proxy, wgmma reads W through the async proxy
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    const uint32_t xbase = smem_base + b * kStageBytes;
+    const uint32_t wbase = xbase + kStageX;
+    uint32_t afrag[KA][4][4];
+#pragma unroll
+    for (int a = 0; a < KA; ++a)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (warp_has_rows) {
+          ldmatrix_x4_s(afrag[a][j], xbase + a * kAtomX + lm_off + (((2 * j + lm_half) ^ lm_swz) << 4));
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) afrag[a][j][e] = 0u;
+        }
+      }
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      const uint64_t db = ddtree::sw128_desc(wbase + a * kAtomW);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)  // k16 steps: +32 bytes = +2 in the descriptor's address field
+        ddtree::gmma_rs<Op>(afrag[a][j], db + 2 * j, acc, cuda::std::make_integer_sequence<int, kAcc>{});
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();  // this stage's MMAs have retired: its buffer and the fragments are free
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[i]);
+    ddtree::mbar_arrive(empty_bar(b));
+    // Refill: stage s + STAGES - 1 goes into the buffer stage s - 1 used, once every thread is done with it.
+    const int t = s + kPre;
+    if (t < n_stages) {
+      if (s >= 1) ddtree::mbar_wait(empty_bar((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
+      load_w(t);
+      load_x(t);
+      ddtree::mbar_arrive_cp_async(full_bar(t % STAGES));
+    }
+  }
+  if (!GMMA_EARLY_TRIGGER) ddtree::launch_dependents();
+
+  // acc[4 j + 2 i + e]: token row 16 warp + lane / 4 + 8 i, W row 8 j + 2 (lane % 4) + e.
+  if (!warp_has_rows) return;
+  const bool pairs = ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(residual)) & 3) == 0 &&
+                     ((ldo | (residual ? ldr : 0)) & 1) == 0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int m = m0 + 16 * warp + (lane >> 2) + 8 * i;
+    if (m >= M) continue;
+    __nv_bfloat16* orow = out + (size_t)m * ldo;
+    const __nv_bfloat16* rrow = residual ? residual + (size_t)m * ldr : nullptr;
+#pragma unroll
+    for (int j = 0; j < NW / 8; ++j) {
+      const int n = n0 + 8 * j + 2 * (lane & 3);
+      float v0 = acc[4 * j + 2 * i], v1 = acc[4 * j + 2 * i + 1];
+      if (pairs && n + 1 < N) {
+        if (rrow) {
+          const float2 r = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(rrow + n));
+          v0 += r.x;
+          v1 += r.y;
+        }
+        *reinterpret_cast<__nv_bfloat162*>(orow + n) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        if (n < N) orow[n] = __float2bfloat16(v0 + (rrow ? __bfloat162float(rrow[n]) : 0.f));
+        if (n + 1 < N) orow[n + 1] = __float2bfloat16(v1 + (rrow ? __bfloat162float(rrow[n + 1]) : 0.f));
+      }
+    }
+  }
+}
+
+// Instances: cutlass_kernels/registry.py NARROW_GMMA_INSTANCES (NVRTC instantiates its name expressions).
