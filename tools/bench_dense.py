@@ -21,7 +21,7 @@ import numpy as np
 from runtime import dense_kernels as dk
 from runtime.bf16 import to_bf16
 from runtime.cuda import Stream, bench, capture, empty, get_device, get_kernel, to_device
-from tools.read_bandwidth import read_bandwidth
+from tools.read_bandwidth import read_bandwidth, read_time_by_blocks
 
 ROTATE_BYTES = 256 << 20  # > 4x L2: every launch reads from HBM
 
@@ -63,6 +63,23 @@ GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3,
                      128: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "stages": 4, "cs": 1}),
                      136: ({"cs": 1}, {"cs": 2}, {"nwg": 3, "cs": 1}, {"tn": 192}),
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}
+
+
+def narrow_variants(dg, M, N, K):
+    """The narrow-row GMMA kernel (runtime/dense_gmma.py narrow_plan) where it plans this shape, and its neighbours:
+    the next larger row block (fewer blocks) and the next smaller (more than one wave); at 65..72 rows (the verify
+    bucket 64 plus its root) the planned NW of 64 rows, walking two token tiles."""
+    sms = get_device().sm_count
+    plan = dg.narrow_plan(min(M, 64), N, K, sms)
+    if plan is None:
+        return []
+    nw = int(plan[0].split("<")[1].split(",")[0])
+    rows = dg.NARROW_GMMA_ROWS
+    i = rows.index(nw)
+    if M > 64:
+        return [(f"narrow nw={nw} (2 token tiles)", {"gmma": True, "nw": nw})] if M <= 72 else []
+    return [("narrow", {"gmma": True, "nw": "auto"})] + [
+        (f"narrow nw={r}", {"gmma": True, "nw": r}) for r in rows[max(0, i - 1):i + 2] if r != nw]
 
 
 def linear_shapes(quick, ops):
@@ -186,12 +203,16 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                 base = ("mma.sync", {"kernel": "chunked"}) if M >= 9 else ("auto", {})
                 variants = [base, ("gmma", {"gmma": True})] + [
                     (f"gmma {c}", {"gmma": True, **c}) for c in GMMA_ALTERNATIVES.get(tn, ())
-                    if "splits" not in c or unsplit_blocks < get_device().sm_count]
+                    if "splits" not in c or unsplit_blocks < get_device().sm_count] + narrow_variants(dg, M, N, K)
             base_us = None
             timed = {}  # variant name -> us, for the peer's ratio
             for vname, kw in variants:
                 try:
-                    if kw.get("gmma"):
+                    if "nw" in kw:
+                        gkw = {"nw": kw["nw"]}
+                        plan = dg.narrow_plan(M, N, K, get_device().sm_count,
+                                              None if kw["nw"] == "auto" else kw["nw"])
+                    elif kw.get("gmma"):
                         gkw = {k: v for k, v in kw.items() if k != "gmma"}
                         plan = dg.gmma_plan(M, N, K, get_device().sm_count, gkw.get("splits"), gkw.get("tn"),
                                             gkw.get("ka"), gkw.get("stages"), gkw.get("rw"), gkw.get("cs"),
@@ -213,7 +234,7 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                 if kw.get("gmma"):
                     us = graph_time_us(lambda i, s: dg.linear_gmma(x, weights[i % copies], out, stream=s, **gkw),
                                        reps=max(copies, 8), stream=stream)
-                    kind = plan[0].replace("linear_gmma_kernel", "gmma")
+                    kind = plan[0].replace("linear_gmma_narrow_kernel", "narrow").replace("linear_gmma_kernel", "gmma")
                 else:
                     us = graph_time_us(lambda i, s: dk.linear(x, weights[i % copies], out, stream=s, **kw),
                                        reps=max(copies, 8), stream=stream)
@@ -324,6 +345,26 @@ def bench_sampling(stream):
             print(f"| sample (T=0.8) | {rows} x {V} | - | {us:.2f} |", flush=True)
 
 
+def bench_read_by_sms(stream, read_bw):
+    """The streaming read with one 1024-thread block on each of G SMs: GB/s per streaming SM, and % of the best
+    read. A linear whose blocks cover G SMs cannot beat this row; if the per-SM rate stays flat as G falls, idle
+    SMs are what a plan gives up."""
+    sms = get_device().sm_count
+    grids = sorted({g for g in (32, 64, 96, 112, 128, sms) if g <= sms})
+    print(f"\n## streaming read by SMs (one 1024-thread block per SM; % = of the {read_bw / 1e12:.2f} TB/s read)")
+    print("| bytes | blocks (SMs) | us | GB/s | GB/s per SM | % read |")
+    print("|---|---|---|---|---|---|")
+    for label, nbytes, copies in (("2 GiB", 2 << 30, 1), ("qkv 6144x4096 (50 MB)", 6144 * 4096 * 2, 8),
+                                  ("o 4096x4096 (34 MB)", 4096 * 4096 * 2, 8),
+                                  ("gate_up 24576x4096 (201 MB)", 24576 * 4096 * 2, 2)):
+        regions = [empty((nbytes // 4,), np.uint32).fill_bytes(0x5A) for _ in range(copies)]
+        for g, us in zip(grids, read_time_by_blocks(regions, grids, stream=stream)):
+            bw = nbytes / (us * 1e-6)
+            print(f"| {label} | {g} | {us:.2f} | {bw / 1e9:.0f} | {bw / 1e9 / g:.1f} | {100 * bw / read_bw:.1f} |",
+                  flush=True)
+        del regions
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes and budgets")
@@ -333,6 +374,8 @@ def main():
     ap.add_argument("--gmma", action="store_true", help="also time the sm_90a GMMA linear (and its alternative "
                     "instances) against mma.sync (M >= 9) or the planned gemv / x-resident kernel (M < 9)")
     ap.add_argument("--ops", nargs="+", help="linear shapes to time: op names or model:op")
+    ap.add_argument("--read-by-sms", action="store_true", help="also time the streaming read of 2 GiB and of the "
+                    "Qwen3-8B weights with one 1024-thread block on each of 32..all SMs (how it scales with SMs)")
     ap.add_argument("--peer", action="store_true", help="add cuBLAS rows (torch, in a child process)")
     ap.add_argument("--attn-prefix", type=int, nargs="+", default=[1024, 8192, 32768],
                     help="attention: prefix lengths")
@@ -359,6 +402,8 @@ def main():
     if not args.attention_only:
         read_bw = read_bandwidth(stream=stream)
         print(f"streaming read: {read_bw / 1e12:.3f} TB/s (runtime_probe read_sum_kernel, 2 GiB, best config)")
+        if args.read_by_sms:
+            bench_read_by_sms(stream, read_bw)
         bench_linear(stream, read_bw, args.m, args.quick, args.gmma, args.ops, peer)
     if not args.linear_only:
         bench_attention(stream, args.quick, args.attn_splits, args.attn_prefix, args.attn_model, args.attn_capacity,

@@ -43,3 +43,20 @@ def read_bandwidth(nbytes: int = 2 << 30, configs=CONFIGS, iters: int = 20, stre
     us, cfg = read_time_us([buf], configs, iters, stream)
     bw = nbytes / (us * 1e-6)
     return (bw, cfg) if with_config else bw
+
+
+def read_time_by_blocks(regions, blocks, threads: int = 1024, iters: int = 20, stream=None) -> list[float]:
+    """Median microseconds of reading one region with each grid size in `blocks` (of `threads` threads; at 1024
+    threads no two blocks share an SM while the grid is at most the SM count): how the read scales with the SMs
+    that stream, the question behind a linear whose row blocks leave SMs idle."""
+    from runtime import cuda
+    kernel = cuda.get_kernel("runtime_probe", "read_sum_kernel")
+    sink = cuda.empty((4,), np.uint32)
+    nbytes = regions[0].nbytes
+    out = []
+    for g in blocks:
+        launches = itertools.cycle([kernel.prepare((g,), (threads,), [r, np.int64(nbytes // 16), sink])
+                                    for r in regions])
+        out.append(cuda.bench(lambda: next(launches)(stream), warmup=3, iters=iters, stream=stream) * 1e3)
+    return out
+
