@@ -7,12 +7,14 @@
 // 66-76% of the read bandwidth at M = 1..17, while gate_up (128 unsplit blocks of 192 rows, one long K run per
 // SM) reaches 90-95%, and a chain of plain reads of qkv's bytes 88%. Here W is wgmma's B operand (the N side, any
 // multiple of 8 rows): NW rows per block, NW picked so that ceil(N / NW) blocks fill one wave (6144 / 48 = 128,
-// 4096 / 32 = 128), each streaming the whole K of its rows. x is the A side (the wgmma M of 64 rows): the
-// token rows, from registers (wgmma RS), read by ldmatrix from a TX-row tile staged with W's; warps whose 16
-// rows hold no token feed zeros, and their output rows are not stored.
+// 4096 / 32 = 128), each streaming the whole K of its rows. x is the A side (the wgmma M of 64 rows per
+// warpgroup): the token rows, from registers (wgmma RS), read by ldmatrix from a TX-row tile staged with W's;
+// warps whose 16 rows hold no token feed zeros, and their output rows are not stored.
 //
-// Block: one warpgroup (128 threads) over NW W rows and TX token rows (blockIdx.z walks token tiles if M > TX;
-// runtime/dense_gmma.py plans this kernel only where one tile holds M). Every thread loads and computes.
+// Block: one warpgroup (128 threads) for up to 64 token rows, two (256 threads, token rows 64 wg ..) for TX = 80
+// (the verify bucket 64: 65 rows), over NW W rows and TX token rows (blockIdx.z walks token tiles if M > TX;
+// runtime/dense_gmma.py plans this kernel only where one tile holds M). Every thread loads and computes; both
+// warpgroups read the same W stage.
 // STAGES shared-memory stages of KA 64-k atoms, each stage [KA x-atoms: TX rows x 128 B][KA W-atoms: NW rows x
 // 128 B], both with the 128-byte swizzle, filled by 16-byte cp.async and tracked by mbarriers as in
 // linear_gmma_kernel (full[s]: every thread's copies landed; empty[s]: every thread is done reading stage s).
@@ -48,28 +50,29 @@ __device__ __forceinline__ void ldmatrix_x4_s(uint32_t (&r)[4], uint32_t addr) {
 }
 }  // namespace
 
-// NW: W rows per block (wgmma N: a multiple of 16 up to 256). TX: token rows per tile (16, 32, 48 or 64; warps
-// 0 .. TX/16 - 1 hold them). KA: 64-k atoms per stage. STAGES: shared-memory stages.
+// NW: W rows per block (wgmma N: a multiple of 16 up to 256). TX: token rows per tile (a multiple of 16 up to 128;
+// warps 0 .. TX/16 - 1 hold them; above 64, two warpgroups). KA: 64-k atoms per stage. STAGES: shared-memory stages.
 // Dynamic smem (runtime/dense_gmma.py narrow_smem_bytes): 1024 (alignment) + STAGES * KA * (TX + NW) * 128.
 template <int NW, int TX, int KA, int STAGES>
-__global__ void __launch_bounds__(128, 1)
+__global__ void __launch_bounds__(TX > 64 ? 256 : 128, 1)
 linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                           const __nv_bfloat16* __restrict__ w,  // [N, K] row-major, K % 8 == 0
                           __nv_bfloat16* __restrict__ out, int ldo,
                           const __nv_bfloat16* __restrict__ residual, int ldr,  // nullable
                           int M, int N, int K) {
   static_assert(NW % 16 == 0 && NW >= 16 && NW <= 256, "wgmma N, and whole passes of 16 rows per copy");
-  static_assert(TX % 16 == 0 && TX >= 16 && TX <= 64, "token rows: whole warps of the m64 tile");
+  static_assert(TX % 16 == 0 && TX >= 16 && TX <= 128, "token rows: whole warps of one or two m64 tiles");
   static_assert(KA >= 1 && KA <= 4, "k atoms per stage");
-  constexpr int kThreads = 128;
+  constexpr int kThreads = TX > 64 ? 256 : 128;
+  constexpr int kRowsPerPass = kThreads / 8;    // rows one pass of 16-byte copies covers (8 chunks a row)
   constexpr int kAtomX = TX * 128;              // one 64-k atom of the token rows
   constexpr int kAtomW = NW * 128;              // one 64-k atom of the W rows
   constexpr int kStageX = KA * kAtomX;          // x atoms first, then W atoms (every tile 1024-aligned)
   constexpr int kStageBytes = KA * (kAtomX + kAtomW);
   constexpr int kStageK = 64 * KA;
   constexpr int kAcc = NW / 2;                  // fp32 accumulators per thread (64 x NW per warpgroup)
-  constexpr int kWq = NW / 16;                  // W rows per thread per atom (16-byte chunk tid % 8 of each)
-  constexpr int kXq = TX / 16;
+  constexpr int kWq = (NW + kRowsPerPass - 1) / kRowsPerPass;  // W rows per thread per atom (chunk tid % 8)
+  constexpr int kXq = (TX + kRowsPerPass - 1) / kRowsPerPass;
   static_assert(kStageX % 1024 == 0 && kAtomW % 1024 == 0, "swizzled tiles start 1024-aligned");
   using Op = typename ddtree::GmmaRsOp<NW>::type;
 
@@ -95,17 +98,18 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   }
   __syncthreads();
 
-  // This thread's copies: 16-byte chunk c = tid % 8 of rows tid / 8 + 16 q of every atom; the swizzle puts chunk
-  // c of row r at chunk c ^ (r % 8), and r % 8 = (tid / 8) % 8 for every q.
+  // This thread's copies: 16-byte chunk c = tid % 8 of rows tid / 8 + kRowsPerPass q of every atom (those below
+  // NW / TX); the swizzle puts chunk c of row r at chunk c ^ (r % 8), and r % 8 = (tid / 8) % 8 for every q.
   const int wc = tid & 7;
   const int r_first = tid >> 3;
   const uint32_t chunk_dst = r_first * 128 + ((wc ^ (r_first & 7)) << 4);
   const __nv_bfloat16* w_row[kWq];
 #pragma unroll
   for (int q = 0; q < kWq; ++q) {
-    const int n = n0 + r_first + 16 * q;
+    const int n = n0 + r_first + kRowsPerPass * q;
     w_row[q] = n < N ? w + (size_t)n * K + 8 * wc : nullptr;
   }
+  auto in_tile = [&](int q, int rows) { return rows % kRowsPerPass == 0 || r_first + kRowsPerPass * q < rows; };
   auto load_w = [&](int stage) {
     const uint32_t buf = smem_base + (stage % STAGES) * kStageBytes + kStageX;
     const int k0 = stage * kStageK;
@@ -114,8 +118,9 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       const bool k_ok = k0 + 64 * a + 8 * wc < K;
 #pragma unroll
       for (int q = 0; q < kWq; ++q) {
+        if (!in_tile(q, NW)) continue;
         const bool ok = k_ok && w_row[q] != nullptr;
-        ddtree::cp_async16_s(buf + a * kAtomW + chunk_dst + q * 16 * 128,
+        ddtree::cp_async16_s(buf + a * kAtomW + chunk_dst + q * kRowsPerPass * 128,
                              ok ? (const void*)(w_row[q] + k0 + 64 * a) : (const void*)w, ok);
       }
     }
@@ -128,9 +133,10 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       const int k = k0 + 64 * a + 8 * wc;
 #pragma unroll
       for (int q = 0; q < kXq; ++q) {
-        const int m = m0 + r_first + 16 * q;
+        if (!in_tile(q, TX)) continue;
+        const int m = m0 + r_first + kRowsPerPass * q;
         const bool ok = m < M && k < K;  // rows past M zero-filled: their products land in rows never stored
-        ddtree::cp_async16_s(buf + a * kAtomX + chunk_dst + q * 16 * 128,
+        ddtree::cp_async16_s(buf + a * kAtomX + chunk_dst + q * kRowsPerPass * 128,
                              ok ? (const void*)(x + (size_t)m * ldx + k) : (const void*)x, ok);
       }
     }
@@ -156,8 +162,9 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     acc[i] = 0.f;
     cute::warpgroup_fence_operand(acc[i]);
   }
-  // ldmatrix rows of this lane: matrix q = lane / 8 is rows 8 (q % 2) .. + 7 of the warp's 16, k chunk q / 2 of
-  // the k16 step, so the four registers are the m16k16 A fragment (a0a1, a2a3, a4a5, a6a7).
+  // Warp w holds token rows 16 w .. 16 w + 15 (warpgroup w / 4's m64 tile). ldmatrix rows of this lane: matrix
+  // q = lane / 8 is rows 8 (q % 2) .. + 7 of the warp's 16, k chunk q / 2 of the k16 step, so the four registers
+  // are the m16k16 A fragment (a0a1, a2a3, a4a5, a6a7).
   const bool warp_has_rows = 16 * warp < TX && m0 + 16 * warp < M;
   const int lm_row = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
   const int lm_half = lane >> 4;

@@ -176,13 +176,14 @@ register(KernelFamily(
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},
 ))
-# Hopper GMMA bf16 linear in narrow row blocks for up to 64 token rows (W as wgmma's B operand, so a block is any
+# Hopper GMMA bf16 linear in narrow row blocks for up to 80 token rows (W as wgmma's B operand, so a block is any
 # multiple of 16 W rows and one wave of unsplit blocks can cover every SM): linear_gmma_narrow_kernel<NW, TX, KA,
-# STAGES> (NW W rows per block, TX token rows per tile, KA 64-k atoms per stage, STAGES stages), sm_90a only;
+# STAGES> (NW W rows per block, TX token rows per tile: one warpgroup up to 64, two for 80 = the verify bucket 64's
+# 65 rows; KA 64-k atoms per stage, STAGES stages), sm_90a only;
 # runtime/dense_gmma.py narrow_plan. Per (NW, TX): at most 16 KB of W per stage (KA 4, 2 or 1) and as many stages
 # as fit ~200 KB (the size of linear_gmma_kernel's rings), at least 6 where a smaller KA allows it, at most 12.
 NARROW_GMMA_ROWS = (32, 48, 64, 80, 96, 128, 192, 256)
-NARROW_GMMA_TOKEN_TILES = (16, 32, 64)
+NARROW_GMMA_TOKEN_TILES = (16, 32, 64, 80)
 
 
 def _narrow_config(nw: int, tx: int, budget: int = 200 * 1024) -> tuple:

@@ -289,7 +289,8 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
 
 
 # Narrow row blocks (cutlass_kernels/dense_linear_narrow_sm90.cu, family dense_linear_narrow_sm90): W as wgmma's B
-# operand, NW rows per block (any multiple of 16), x's <= 64 rows as its A side from registers. NW is the smallest
+# operand, NW rows per block (any multiple of 16), x's <= 80 rows as its A side from registers (one warpgroup per
+# 64 rows). NW is the smallest
 # instance whose unsplit blocks fit one wave, taken where they fill it to >= 90%: Qwen3-8B qkv 6144 / 48, o and
 # down 4096 / 32, gate_up 24576 / 192: 128 blocks each on the H200's 132 SMs, where linear_gmma_kernel's 64- and
 # 128-row blocks leave 36..68 SMs idle at qkv, o and down (or split K in clusters). Not yet timed on a GPU, so off
@@ -298,7 +299,19 @@ NARROW_FAMILY = "dense_linear_narrow_sm90"
 GMMA_NARROW = os.environ.get("DDTREE_GMMA_NARROW", "0") == "1"
 NARROW_FILL = 0.9
 _NARROW_CONFIG = {c[:2]: c for c in NARROW_GMMA_INSTANCES}  # (NW, TX) -> (NW, TX, KA, STAGES)
-NARROW_THREADS = 128
+
+
+def narrow_threads(tx: int) -> int:
+    """Threads of linear_gmma_narrow_kernel<*, tx, ...>: a warpgroup per 64 token rows."""
+    return 128 * -(-tx // 64)
+
+
+_NARROW_CONFIG_OF_ENTRY = {narrow_entry(c): c for c in NARROW_GMMA_INSTANCES}
+
+
+def gmma_narrow_config(entry: str) -> tuple:
+    """(NW, TX, KA, STAGES) of a built linear_gmma_narrow_kernel instance name (registry.narrow_entry's inverse)."""
+    return _NARROW_CONFIG_OF_ENTRY[entry]
 
 
 def narrow_smem_bytes(nw: int, tx: int, ka: int, stages: int) -> int:
@@ -310,7 +323,7 @@ def narrow_smem_bytes(nw: int, tx: int, ka: int, stages: int) -> int:
 def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None):
     """(entry, grid, dynamic smem bytes) of linear_gmma_narrow for [M, K] x [N, K]^T, or None where it has no plan
     (M over the largest token tile; no NW whose unsplit blocks fill one wave to NARROW_FILL). nw forces the row
-    block (any built NW; M over 64 then walks token tiles on blockIdx.z)."""
+    block (any built NW; M over the largest token tile then walks tiles of it on blockIdx.z)."""
     tx = next((t for t in NARROW_GMMA_TOKEN_TILES if M <= t), None)
     if nw is None:
         if tx is None:
@@ -331,7 +344,7 @@ def launch_narrow(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: De
     entry, grid, smem = plan
     kern = get_kernel(NARROW_FAMILY, entry)
     kern.set_max_dynamic_smem(smem)
-    kern.launch(grid, NARROW_THREADS,
+    kern.launch(grid, narrow_threads(gmma_narrow_config(entry)[1]),
                 [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),
                  _i32(ldr or 0), _i32(M), _i32(N), _i32(K)], smem=smem, stream=stream)
     return out

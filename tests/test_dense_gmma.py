@@ -227,8 +227,10 @@ def test_linear_gmma_rejects_bad_shapes(dg):
     # N and K tails (N not a multiple of NW; K not of the stage's k), 1..64 token rows over every token tile
     (1, 333, 1000, 32), (1, 989, 4096, 48), (3, 4096, 136, 64), (8, 1000, 1000, 80), (16, 777, 1000, 96),
     (17, 989, 1000, 128), (33, 333, 4096, 192), (64, 1000, 1000, 256), (40, 4096, 12288, 32), (2, 24, 64, 32),
-    # more rows than one token tile: blockIdx.z walks tiles of 64
-    (100, 333, 1000, 48), (129, 1000, 2048, 32),
+    # two warpgroups (token tile 80): the verify bucket 64's 65 rows, and 80
+    (65, 4096, 4096, 48), (65, 989, 1000, 32), (80, 777, 4096, 192), (72, 1000, 1000, 256),
+    # more rows than one token tile: blockIdx.z walks tiles of 80
+    (100, 333, 1000, 48), (257, 1000, 2048, 32),
 ])
 def test_linear_gmma_narrow(dg, ref, M, N, K, nw):
     _, x, w = _data(M, N, K, M * 7919 + N * 31 + K + nw)
@@ -334,7 +336,8 @@ def test_dense_linear_hands_decode_sizes_to_narrow(dg, ref, monkeypatch, cuda_de
     monkeypatch.setattr(dg, "launch_narrow", lambda *a, **k: calls.append(a[-1][0]) or real(*a, **k))
     n_full = 32 * cuda_device.sm_count
     for M, N, K, kw, routed in [(1, n_full, 4096, {}, True), (17, n_full, 2048, {}, True),
-                                (65, n_full, 2048, {}, False), (17, n_full // 2, 2048, {}, False),
+                                (65, n_full, 2048, {}, True), (81, n_full, 2048, {}, False),
+                                (17, n_full // 2, 2048, {}, False),
                                 (17, n_full, 2048, {"splits": 2}, False)]:
         _, x, w = _data(M, N, K, M + N + K)
         out = poisoned((M, N))
@@ -487,13 +490,13 @@ def test_gmma_trigger_option(monkeypatch):
 
 def test_narrow_plan():
     """The narrow-row plan: the smallest NW whose unsplit blocks fit one wave, where they fill it to >= 90%; the
-    token tile is the smallest >= M; shared memory within a block's; no plan past 64 rows (unless NW is forced)
+    token tile is the smallest >= M; shared memory within a block's; no plan past 80 rows (unless NW is forced)
     or where no NW fills a wave."""
     from cutlass_kernels.registry import NARROW_GMMA_INSTANCES
     from runtime.dense_gmma import SMEM_PER_BLOCK_MAX, narrow_plan, narrow_smem_bytes
     for cfg in NARROW_GMMA_INSTANCES:
         nw, tx, ka, stages = cfg
-        assert narrow_smem_bytes(*cfg) <= SMEM_PER_BLOCK_MAX and 5 <= stages <= 12
+        assert narrow_smem_bytes(*cfg) <= SMEM_PER_BLOCK_MAX and 4 <= stages <= 12
         assert ka * nw * 128 <= 16384 or ka == 1
     qwen3 = {"qkv": (6144, 4096, 48), "o": (4096, 4096, 32), "gate_up": (24576, 4096, 192), "down": (4096, 12288, 32)}
     for name, (N, K, nw) in qwen3.items():
@@ -501,8 +504,10 @@ def test_narrow_plan():
             entry, grid, smem = narrow_plan(M, N, K, 132)
             assert entry.startswith(f"linear_gmma_narrow_kernel<{nw}, {tx}, "), (name, M, entry)
             assert grid == (-(-N // nw), 1, 1) and 0.9 * 132 <= grid[0] <= 132, (name, M, grid)
-        assert narrow_plan(65, N, K, 132) is None
-        assert narrow_plan(65, N, K, 132, nw=nw)[1] == (-(-N // nw), 1, 2)
+        entry, grid, _ = narrow_plan(65, N, K, 132)  # the verify bucket 64: two warpgroups, 80 token rows
+        assert entry.startswith(f"linear_gmma_narrow_kernel<{nw}, 80, ") and grid == (-(-N // nw), 1, 1)
+        assert narrow_plan(81, N, K, 132) is None
+        assert narrow_plan(81, N, K, 132, nw=nw)[1] == (-(-N // nw), 1, 2)
     assert narrow_plan(1, 151936, 4096, 132) is None  # lm_head: no NW <= 256 fits one wave
     assert narrow_plan(1, 1024, 4096, 132) is None    # 32 blocks of 32 rows: a quarter of the SMs
     assert narrow_plan(1, 6144, 4096, 114) is None    # H100 PCIe: 96 blocks of 64 rows fill 84% of 114 SMs
@@ -535,10 +540,37 @@ def test_narrow_launch_arguments_match_the_kernel(monkeypatch):
         launched.clear()
         dg.launch_narrow(x, w, out, residual, M, N, K, K, N, N if residual is not None else None, plan)
         (family, entry), (grid, block, args, smem) = launched
-        assert (family, entry, grid, block, smem) == (dg.NARROW_FAMILY, plan[0], plan[1], dg.NARROW_THREADS, plan[2])
+        assert (family, entry, grid, block, smem) == (dg.NARROW_FAMILY, plan[0], plan[1], 128, plan[2])
 
         class _K:
             param_sizes = ptx_param_sizes(family, entry)
             function, pdl, checked_types = None, True, set()
 
         check_arguments(_K(), args)
+
+
+def test_narrow_a_fragments_emulated():
+    """dense_linear_narrow_sm90.cu's x path in numpy: rows written into the 128-byte-swizzled tile as load_x does
+    (chunk c of row r at chunk c ^ (r % 8)), read back by ldmatrix.x4 with the lane addresses the kernel computes;
+    every thread must get the wgmma / mma.sync m16k16 A fragment of its warp's 16 rows (register c: row g + 8 (c % 2),
+    k 16 j + 2 t + 8 (c / 2) and the next; g = lane / 4, t = lane % 4), for each k16 step j and warp."""
+    TX = 80
+    x = np.arange(TX * 64, dtype=np.int32).reshape(TX, 64)  # x[r, k] = 64 r + k: every element distinct
+    tile = np.zeros(TX * 64, np.int32)                       # the tile in 2-byte elements
+    for r in range(TX):
+        for c in range(8):
+            pos = (r * 128 + ((c ^ (r & 7)) << 4)) // 2
+            tile[pos:pos + 8] = x[r, 8 * c:8 * c + 8]
+    for warp in range(TX // 16):
+        for j in range(4):
+            rows = []  # the 16-byte row each lane points ldmatrix at
+            for lane in range(32):
+                lm_row = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7)
+                addr = lm_row * 128 + ((((2 * j + (lane >> 4)) ^ (lm_row & 7))) << 4)
+                rows.append(tile[addr // 2:addr // 2 + 8])
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for c in range(4):
+                    got = rows[8 * c + g][2 * t:2 * t + 2]            # matrix c, row g, elements 2t, 2t + 1
+                    m, k = 16 * warp + g + 8 * (c & 1), 16 * j + 2 * t + 8 * (c >> 1)
+                    assert list(got) == [x[m, k], x[m, k + 1]], (warp, j, lane, c)

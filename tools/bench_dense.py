@@ -67,17 +67,13 @@ GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3,
 
 def narrow_variants(dg, M, N, K):
     """The narrow-row GMMA kernel (runtime/dense_gmma.py narrow_plan) where it plans this shape, and its neighbours:
-    the next larger row block (fewer blocks) and the next smaller (more than one wave); at 65..72 rows (the verify
-    bucket 64 plus its root) the planned NW of 64 rows, walking two token tiles."""
-    sms = get_device().sm_count
-    plan = dg.narrow_plan(min(M, 64), N, K, sms)
+    the next larger row block (fewer blocks) and the next smaller (more than one wave)."""
+    plan = dg.narrow_plan(M, N, K, get_device().sm_count)
     if plan is None:
         return []
-    nw = int(plan[0].split("<")[1].split(",")[0])
+    nw = dg.gmma_narrow_config(plan[0])[0]
     rows = dg.NARROW_GMMA_ROWS
     i = rows.index(nw)
-    if M > 64:
-        return [(f"narrow nw={nw} (2 token tiles)", {"gmma": True, "nw": nw})] if M <= 72 else []
     return [("narrow", {"gmma": True, "nw": "auto"})] + [
         (f"narrow nw={r}", {"gmma": True, "nw": r}) for r in rows[max(0, i - 1):i + 2] if r != nw]
 
