@@ -26,6 +26,15 @@
 // ddtree::grid_dependency_wait(); x, the residual and the output are touched only after it; the next kernel may
 // launch right after that wait (GMMA_EARLY_TRIGGER, as linear_gmma_kernel).
 //
+// XMODE fuses the op that makes x into the A fragments (in registers, after ldmatrix; one launch instead of two):
+//   kXSwiGLU: x <- silu(x) * x2 (gate, up), bit for bit swiglu_kernel's bf16 result;
+//   kXRmsNorm: y <- rmsnorm(x (+ x2)) @ W^T as (h * norm_w) @ W^T * inv: h = x, or bf16(x + x2) (block 0 writes it to
+//   sum_out, the residual stream); the A fragments are bf16(h * norm_w), each thread sums h^2 of its fragment rows as
+//   they stream, and the epilogue scales each token row by inv = rsqrt(mean(h^2) + eps). Rows need not be read
+//   twice (a norm before the loop would read every x row again and wait for it), at the price of the bits:
+//   rmsnorm_kernel rounds h * inv * norm_w to bf16, this rounds h * norm_w (the same one rounding per element).
+// x2 rides in its own tile of each stage, beside x's.
+//
 // Epilogue: straight from the accumulators (a thread holds token rows 16 warp + lane / 4 (+ 8), W rows
 // 8 j + 2 (lane % 4) (+ 1)): bf16 pairs along n, with the residual. No workspace, no tickets, one writer per
 // output element: deterministic.
@@ -43,19 +52,33 @@ using cuda::std::uintptr_t;
 #endif
 
 namespace {
+constexpr int kXPlain = 0, kXRmsNorm = 1, kXSwiGLU = 2;  // XMODE (as dense_linear.cu's)
+
 // Four 8x8 b16 matrices from shared memory (lane l gives the row address of matrix l / 8, row l % 8).
 __device__ __forceinline__ void ldmatrix_x4_s(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
+__device__ __forceinline__ float2 bf2_to_f2(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+__device__ __forceinline__ uint32_t f2_to_bf2(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
 }  // namespace
 
 // NW: W rows per block (wgmma N: a multiple of 16 up to 256). TX: token rows per tile (a multiple of 16 up to 128;
 // warps 0 .. TX/16 - 1 hold them; above 64, two warpgroups). KA: 64-k atoms per stage. STAGES: shared-memory stages.
-// Dynamic smem (runtime/dense_gmma.py narrow_smem_bytes): 1024 (alignment) + STAGES * KA * (TX + NW) * 128.
-template <int NW, int TX, int KA, int STAGES>
+// XMODE: kXPlain, kXRmsNorm or kXSwiGLU (x2, norm_w, eps, sum_out unused where XMODE does not say).
+// Dynamic smem (runtime/dense_gmma.py narrow_smem_bytes): 1024 (alignment) + STAGES * KA * (XT * TX + NW) * 128,
+// XT = 2 x tiles (x, x2) with a prologue, else 1.
+template <int NW, int TX, int KA, int STAGES, int XMODE = kXPlain>
 __global__ void __launch_bounds__(TX > 64 ? 256 : 128, 1)
 linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
+                          const __nv_bfloat16* __restrict__ x2, int ldx2,      // up (SwiGLU) / residual (RMSNorm)
+                          const __nv_bfloat16* __restrict__ norm_w, float eps,  // RMSNorm weight [K]
+                          __nv_bfloat16* __restrict__ sum_out, int ldsum,       // RMSNorm: bf16(x + x2) (nullable)
                           const __nv_bfloat16* __restrict__ w,  // [N, K] row-major, K % 8 == 0
                           __nv_bfloat16* __restrict__ out, int ldo,
                           const __nv_bfloat16* __restrict__ residual, int ldr,  // nullable
@@ -63,17 +86,19 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   static_assert(NW % 16 == 0 && NW >= 16 && NW <= 256, "wgmma N, and whole passes of 16 rows per copy");
   static_assert(TX % 16 == 0 && TX >= 16 && TX <= 128, "token rows: whole warps of one or two m64 tiles");
   static_assert(KA >= 1 && KA <= 4, "k atoms per stage");
+  static_assert(XMODE == kXPlain || XMODE == kXRmsNorm || XMODE == kXSwiGLU, "x prologue");
   constexpr int kThreads = TX > 64 ? 256 : 128;
   constexpr int kRowsPerPass = kThreads / 8;    // rows one pass of 16-byte copies covers (8 chunks a row)
-  constexpr int kAtomX = TX * 128;              // one 64-k atom of the token rows
+  constexpr int kXTiles = XMODE == kXPlain ? 1 : 2;
+  constexpr int kAtomX = TX * 128;              // one 64-k atom of the token rows (x, then x2 if any)
   constexpr int kAtomW = NW * 128;              // one 64-k atom of the W rows
-  constexpr int kStageX = KA * kAtomX;          // x atoms first, then W atoms (every tile 1024-aligned)
-  constexpr int kStageBytes = KA * (kAtomX + kAtomW);
+  constexpr int kStageX = kXTiles * KA * kAtomX;  // x atoms first, x2 atoms, then W atoms (each 1024-aligned)
+  constexpr int kStageBytes = kStageX + KA * kAtomW;
   constexpr int kStageK = 64 * KA;
   constexpr int kAcc = NW / 2;                  // fp32 accumulators per thread (64 x NW per warpgroup)
   constexpr int kWq = (NW + kRowsPerPass - 1) / kRowsPerPass;  // W rows per thread per atom (chunk tid % 8)
   constexpr int kXq = (TX + kRowsPerPass - 1) / kRowsPerPass;
-  static_assert(kStageX % 1024 == 0 && kAtomW % 1024 == 0, "swizzled tiles start 1024-aligned");
+  static_assert(kAtomX % 1024 == 0 && kAtomW % 1024 == 0, "swizzled tiles start 1024-aligned");
   using Op = typename ddtree::GmmaRsOp<NW>::type;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -88,6 +113,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const int n0 = blockIdx.x * NW;
   const int m0 = blockIdx.z * TX;
   const int n_stages = (K + kStageK - 1) / kStageK;
+  const bool with_x2 = XMODE == kXSwiGLU || (XMODE == kXRmsNorm && x2 != nullptr);
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -125,19 +151,26 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       }
     }
   };
+  // x (and x2 into the next KA atoms): rows past M zero-filled, so their products land in rows never stored.
   auto load_x = [&](int stage) {
     const uint32_t buf = smem_base + (stage % STAGES) * kStageBytes;
     const int k0 = stage * kStageK;
 #pragma unroll
-    for (int a = 0; a < KA; ++a) {
-      const int k = k0 + 64 * a + 8 * wc;
+    for (int t = 0; t < kXTiles; ++t) {
+      const __nv_bfloat16* src = t == 0 ? x : x2;
+      const int ld = t == 0 ? ldx : ldx2;
+      if (t == 1 && !with_x2) break;
 #pragma unroll
-      for (int q = 0; q < kXq; ++q) {
-        if (!in_tile(q, TX)) continue;
-        const int m = m0 + r_first + kRowsPerPass * q;
-        const bool ok = m < M && k < K;  // rows past M zero-filled: their products land in rows never stored
-        ddtree::cp_async16_s(buf + a * kAtomX + chunk_dst + q * kRowsPerPass * 128,
-                             ok ? (const void*)(x + (size_t)m * ldx + k) : (const void*)x, ok);
+      for (int a = 0; a < KA; ++a) {
+        const int k = k0 + 64 * a + 8 * wc;
+#pragma unroll
+        for (int q = 0; q < kXq; ++q) {
+          if (!in_tile(q, TX)) continue;
+          const int m = m0 + r_first + kRowsPerPass * q;
+          const bool ok = m < M && k < K;
+          ddtree::cp_async16_s(buf + (t * KA + a) * kAtomX + chunk_dst + q * kRowsPerPass * 128,
+                               ok ? (const void*)(src + (size_t)m * ld + k) : (const void*)src, ok);
+        }
       }
     }
   };
@@ -156,20 +189,24 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       ddtree::mbar_arrive_cp_async(full_bar(s));
     }
 
+  // Warp w holds token rows 16 w .. 16 w + 15 (warpgroup w / 4's m64 tile). ldmatrix rows of this lane: matrix
+  // q = lane / 8 is rows 8 (q % 2) .. + 7 of the warp's 16, k chunk q / 2 of the k16 step, so the four registers
+  // are the m16k16 A fragment (a0a1: row g, k 2t; a2a3: row g + 8; a4a5: row g, k 2t + 8; a6a7: row g + 8).
+  const bool warp_has_rows = 16 * warp < TX && m0 + 16 * warp < M;
+  const int lm_row = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
+  const int lm_half = lane >> 4;
+  const uint32_t lm_off = lm_row * 128;
+  const int lm_swz = lm_row & 7;
+
+  float row_ss[2] = {0.f, 0.f};  // RMSNorm: sum of h^2 over this thread's k of fragment rows g and g + 8
+  const bool write_sum = XMODE == kXRmsNorm && with_x2 && sum_out != nullptr && blockIdx.x == 0;
+
   float acc[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) {
     acc[i] = 0.f;
     cute::warpgroup_fence_operand(acc[i]);
   }
-  // Warp w holds token rows 16 w .. 16 w + 15 (warpgroup w / 4's m64 tile). ldmatrix rows of this lane: matrix
-  // q = lane / 8 is rows 8 (q % 2) .. + 7 of the warp's 16, k chunk q / 2 of the k16 step, so the four registers
-  // are the m16k16 A fragment (a0a1, a2a3, a4a5, a6a7).
-  const bool warp_has_rows = 16 * warp < TX && m0 + 16 * warp < M;
-  const int lm_row = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
-  const int lm_half = lane >> 4;
-  const uint32_t lm_off = lm_row * 128;
-  const int lm_swz = lm_row & 7;
 
   for (int s = 0; s < n_stages; ++s) {
     const int b = s % STAGES;
@@ -184,7 +221,39 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (warp_has_rows) {
-          ldmatrix_x4_s(afrag[a][j], xbase + a * kAtomX + lm_off + (((2 * j + lm_half) ^ lm_swz) << 4));
+          const uint32_t off = a * kAtomX + lm_off + (((2 * j + lm_half) ^ lm_swz) << 4);
+          ldmatrix_x4_s(afrag[a][j], xbase + off);
+          if constexpr (XMODE == kXSwiGLU) {
+            uint32_t up[4];
+            ldmatrix_x4_s(up, xbase + KA * kAtomX + off);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float2 g = bf2_to_f2(afrag[a][j][e]), u = bf2_to_f2(up[e]);
+              afrag[a][j][e] = f2_to_bf2(ddtree::silu(g.x) * u.x, ddtree::silu(g.y) * u.y);
+            }
+          } else if constexpr (XMODE == kXRmsNorm) {
+            uint32_t res[4];
+            if (with_x2) ldmatrix_x4_s(res, xbase + KA * kAtomX + off);
+            // register e: row g + 8 (e % 2), k = 16 j + 2 t + 8 (e / 2) and the next
+            const int kk = s * kStageK + 64 * a + 16 * j + 2 * (lane & 3);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int k = kk + 8 * (e >> 1);
+              uint32_t hb = afrag[a][j][e];
+              if (with_x2) {
+                const float2 h = bf2_to_f2(hb), r2 = bf2_to_f2(res[e]);
+                hb = f2_to_bf2(h.x + r2.x, h.y + r2.y);  // the rounded residual sum, as stored
+                const int m = m0 + 16 * warp + (lane >> 2) + 8 * (e & 1);
+                if (write_sum && m < M && k < K)
+                  *reinterpret_cast<uint32_t*>(sum_out + (size_t)m * ldsum + k) = hb;
+              }
+              const float2 h = bf2_to_f2(hb);
+              row_ss[e & 1] += h.x * h.x + h.y * h.y;
+              const float2 g = k < K ? bf2_to_f2(__ldg(reinterpret_cast<const unsigned int*>(norm_w + k)))
+                                     : make_float2(0.f, 0.f);
+              afrag[a][j][e] = f2_to_bf2(h.x * g.x, h.y * g.y);
+            }
+          }
         } else {
 #pragma unroll
           for (int e = 0; e < 4; ++e) afrag[a][j][e] = 0u;
@@ -216,6 +285,16 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 
   // acc[4 j + 2 i + e]: token row 16 warp + lane / 4 + 8 i, W row 8 j + 2 (lane % 4) + e.
   if (!warp_has_rows) return;
+  float row_scale[2] = {1.f, 1.f};
+  if constexpr (XMODE == kXRmsNorm) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // the quad's four lanes hold all k of rows g, g + 8
+      float v = row_ss[i];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      row_scale[i] = rsqrtf(v / (float)K + eps);
+    }
+  }
   const bool pairs = ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(residual)) & 3) == 0 &&
                      ((ldo | (residual ? ldr : 0)) & 1) == 0;
 #pragma unroll
@@ -227,7 +306,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 #pragma unroll
     for (int j = 0; j < NW / 8; ++j) {
       const int n = n0 + 8 * j + 2 * (lane & 3);
-      float v0 = acc[4 * j + 2 * i], v1 = acc[4 * j + 2 * i + 1];
+      float v0 = acc[4 * j + 2 * i] * row_scale[i], v1 = acc[4 * j + 2 * i + 1] * row_scale[i];
       if (pairs && n + 1 < N) {
         if (rrow) {
           const float2 r = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(rrow + n));

@@ -184,32 +184,41 @@ register(KernelFamily(
 # as fit ~200 KB (the size of linear_gmma_kernel's rings), at least 6 where a smaller KA allows it, at most 12.
 NARROW_GMMA_ROWS = (32, 48, 64, 80, 96, 128, 192, 256)
 NARROW_GMMA_TOKEN_TILES = (16, 32, 64, 80)
+# XMODE: the op fused into the A fragments (0: none, 1: rmsnorm (+ residual add), 2: SwiGLU); 1 and 2 stage a second
+# x tile (the residual / up)
+NARROW_XMODES = {"none": 0, "rmsnorm": 1, "swiglu": 2}
 
 
-def _narrow_config(nw: int, tx: int, budget: int = 200 * 1024) -> tuple:
+def _narrow_config(nw: int, tx: int, xmode: int = 0, budget: int = 200 * 1024) -> tuple:
+    x_rows = tx * (1 if xmode == 0 else 2)
     kas = [ka for ka in (4, 2, 1) if ka == 1 or ka * nw * 128 <= 16384]
-    ka = next((k for k in kas if budget // (k * (nw + tx) * 128) >= 6), kas[-1])
-    return nw, tx, ka, min(12, budget // (ka * (nw + tx) * 128))
+    ka = next((k for k in kas if budget // (k * (nw + x_rows) * 128) >= 6), kas[-1])
+    return nw, tx, ka, min(12, budget // (ka * (nw + x_rows) * 128)), xmode
 
 
-NARROW_GMMA_INSTANCES = tuple(_narrow_config(nw, tx) for nw in NARROW_GMMA_ROWS for tx in NARROW_GMMA_TOKEN_TILES)
+NARROW_GMMA_INSTANCES = tuple(_narrow_config(nw, tx, xm) for xm in NARROW_XMODES.values() for nw in NARROW_GMMA_ROWS
+                              for tx in NARROW_GMMA_TOKEN_TILES)
 
 
 def narrow_entry(cfg: tuple) -> str:
-    """The kernel name expression of instance (NW, TX, KA, STAGES)."""
-    return "linear_gmma_narrow_kernel<%d, %d, %d, %d>" % cfg
+    """The kernel name expression of instance (NW, TX, KA, STAGES, XMODE); XMODE 0 is the default argument."""
+    return "linear_gmma_narrow_kernel<%d, %d, %d, %d>" % cfg[:4] if cfg[4] == 0 else \
+        "linear_gmma_narrow_kernel<%d, %d, %d, %d, %d>" % cfg
 
 
-register(KernelFamily(
-    name="dense_linear_narrow_sm90",
-    source="dense_linear_narrow_sm90.cu",
-    entries=tuple(narrow_entry(c) for c in NARROW_GMMA_INSTANCES),
-    archs=("90a",),
-    options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}",),
-    pdl=True,
-    required_sass={"90a": r"HGMMA"},
-    required_ptx={"90a": r"wgmma\.mma_async"},
-))
+# one family per XMODE (the same source): each compiles on its own (~17 s for 32 instances; all in one took 52 s)
+NARROW_FAMILIES = {xm: "dense_linear_narrow_sm90" + ("" if xm == "none" else "_" + xm) for xm in NARROW_XMODES}
+for _prologue, _family in NARROW_FAMILIES.items():
+    register(KernelFamily(
+        name=_family,
+        source="dense_linear_narrow_sm90.cu",
+        entries=tuple(narrow_entry(c) for c in NARROW_GMMA_INSTANCES if c[4] == NARROW_XMODES[_prologue]),
+        archs=("90a",),
+        options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}",),
+        pdl=True,
+        required_sass={"90a": r"HGMMA"},
+        required_ptx={"90a": r"wgmma\.mma_async"},
+    ))
 # Embedding gather, RMSNorm (+ residual add), RoPE (+ per-head q/k norm), SwiGLU, add.
 register(KernelFamily(
     name="norm_rope",

@@ -23,7 +23,8 @@ from runtime.cuda import DeviceArray, get_device, get_kernel
 from runtime.dense_kernels import Workspace, _i32, _need, default_workspace, linear_checks
 
 from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, FAMILIES, NARROW_GMMA_INSTANCES, NARROW_GMMA_ROWS,
-                                      NARROW_GMMA_TOKEN_TILES, gmma_entry, narrow_entry)
+                                      NARROW_FAMILIES, NARROW_GMMA_TOKEN_TILES, NARROW_XMODES, gmma_entry,
+                                      narrow_entry)
 
 FAMILY = "dense_linear_sm90"
 GMMA_ARCHS = FAMILIES[FAMILY].archs
@@ -288,17 +289,19 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
     return gmma_entry(cfg), (row_blocks, splits, z), per * atom_k, smem
 
 
-# Narrow row blocks (cutlass_kernels/dense_linear_narrow_sm90.cu, family dense_linear_narrow_sm90): W as wgmma's B
+# Narrow row blocks (cutlass_kernels/dense_linear_narrow_sm90.cu, families NARROW_FAMILIES): W as wgmma's B
 # operand, NW rows per block (any multiple of 16), x's <= 80 rows as its A side from registers (one warpgroup per
-# 64 rows). NW is the smallest
-# instance whose unsplit blocks fit one wave, taken where they fill it to >= 90%: Qwen3-8B qkv 6144 / 48, o and
-# down 4096 / 32, gate_up 24576 / 192: 128 blocks each on the H200's 132 SMs, where linear_gmma_kernel's 64- and
-# 128-row blocks leave 36..68 SMs idle at qkv, o and down (or split K in clusters). Not yet timed on a GPU, so off
-# unless DDTREE_GMMA_NARROW=1 (runtime.dense_kernels.linear then takes it wherever narrow_plan has a plan).
-NARROW_FAMILY = "dense_linear_narrow_sm90"
+# 64 rows), so the op that makes x (rmsnorm (+ residual add), SwiGLU) can be fused into the A fragments.
+# NW is the smallest instance whose unsplit blocks fit one wave, taken where they fill it to >= 90%: Qwen3-8B qkv
+# 6144 / 48, o and down 4096 / 32, gate_up 24576 / 192: 128 blocks each on the H200's 132 SMs, where
+# linear_gmma_kernel's 64- and 128-row blocks leave 36..68 SMs idle at qkv, o and down (or split K in clusters).
+# Not yet timed on a GPU, so off unless DDTREE_GMMA_NARROW=1: runtime.dense_kernels.linear then takes it wherever
+# narrow_plan has a plan, fused prologues included (narrow_fuses).
 GMMA_NARROW = os.environ.get("DDTREE_GMMA_NARROW", "0") == "1"
 NARROW_FILL = 0.9
-_NARROW_CONFIG = {c[:2]: c for c in NARROW_GMMA_INSTANCES}  # (NW, TX) -> (NW, TX, KA, STAGES)
+_NARROW_CONFIG = {(c[0], c[1], c[4]): c for c in NARROW_GMMA_INSTANCES}  # (NW, TX, XMODE) -> instance
+_NARROW_CONFIG_OF_ENTRY = {narrow_entry(c): c for c in NARROW_GMMA_INSTANCES}
+_NARROW_FAMILY_OF_XMODE = {NARROW_XMODES[p]: family for p, family in NARROW_FAMILIES.items()}
 
 
 def narrow_threads(tx: int) -> int:
@@ -306,24 +309,25 @@ def narrow_threads(tx: int) -> int:
     return 128 * -(-tx // 64)
 
 
-_NARROW_CONFIG_OF_ENTRY = {narrow_entry(c): c for c in NARROW_GMMA_INSTANCES}
-
-
 def gmma_narrow_config(entry: str) -> tuple:
-    """(NW, TX, KA, STAGES) of a built linear_gmma_narrow_kernel instance name (registry.narrow_entry's inverse)."""
+    """(NW, TX, KA, STAGES, XMODE) of a built linear_gmma_narrow_kernel instance name (registry.narrow_entry's
+    inverse)."""
     return _NARROW_CONFIG_OF_ENTRY[entry]
 
 
-def narrow_smem_bytes(nw: int, tx: int, ka: int, stages: int) -> int:
-    """Dynamic shared memory of linear_gmma_narrow_kernel<nw, tx, ka, stages>: the stages (x TX rows + W NW rows of
-    128 bytes per 64-k atom) plus 1 KB to align."""
-    return 1024 + stages * ka * (nw + tx) * 128
+def narrow_smem_bytes(nw: int, tx: int, ka: int, stages: int, xmode: int = 0) -> int:
+    """Dynamic shared memory of linear_gmma_narrow_kernel<nw, tx, ka, stages, xmode>: the stages (x TX rows, a
+    second TX rows with a prologue, W NW rows, 128 bytes each per 64-k atom) plus 1 KB to align."""
+    return 1024 + stages * ka * (nw + tx * (2 if xmode else 1)) * 128
 
 
-def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None):
-    """(entry, grid, dynamic smem bytes) of linear_gmma_narrow for [M, K] x [N, K]^T, or None where it has no plan
-    (M over the largest token tile; no NW whose unsplit blocks fill one wave to NARROW_FILL). nw forces the row
-    block (any built NW; M over the largest token tile then walks tiles of it on blockIdx.z)."""
+def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None, prologue: str = "none"):
+    """(entry, grid, dynamic smem bytes) of linear_gmma_narrow for [M, K] x [N, K]^T with `prologue` fused into the
+    x load, or None where it has no plan (M over the largest token tile; no NW whose unsplit blocks fill one wave
+    to NARROW_FILL). nw forces the row block (any built NW; M over the largest token tile then walks tiles of it on
+    blockIdx.z)."""
+    op = "linear_gmma_narrow"
+    _need(prologue in NARROW_XMODES, op, f"prologue {prologue!r}: one of {', '.join(NARROW_XMODES)}")
     tx = next((t for t in NARROW_GMMA_TOKEN_TILES if M <= t), None)
     if nw is None:
         if tx is None:
@@ -332,20 +336,35 @@ def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None):
         if nw is None or -(-N // nw) < NARROW_FILL * sm_count:
             return None
     tx = tx or NARROW_GMMA_TOKEN_TILES[-1]
-    _need((nw, tx) in _NARROW_CONFIG, "linear_gmma_narrow",
-          f"no instance with NW = {nw} W rows per block; built: {NARROW_GMMA_ROWS}")
-    cfg = _NARROW_CONFIG[(nw, tx)]
+    key = (nw, tx, NARROW_XMODES[prologue])
+    _need(key in _NARROW_CONFIG, op, f"no instance with NW = {nw} W rows per block; built: {NARROW_GMMA_ROWS}")
+    cfg = _NARROW_CONFIG[key]
     return narrow_entry(cfg), (-(-N // nw), 1, -(-M // tx)), narrow_smem_bytes(*cfg)
 
 
+def narrow_fuses(M: int, N: int, K: int, prologue: str) -> bool:
+    """Whether runtime.dense_kernels.linear runs this linear with `prologue` on the narrow-row kernel (GMMA_NARROW
+    on, the GMMA kernels take the shape, narrow_plan has a plan)."""
+    return (GMMA_NARROW and prologue in NARROW_XMODES and gmma_wanted(M, N, K)
+            and narrow_plan(M, N, K, get_device().sm_count, prologue=prologue) is not None)
+
+
 def launch_narrow(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None, M: int, N: int,
-                  K: int, ldx: int, ldo: int, ldr: int | None, plan, stream=None):
-    """linear_gmma_narrow_kernel with a plan of narrow_plan, after runtime.dense_kernels.linear_checks."""
+                  K: int, ldx: int, ldo: int, ldr: int | None, plan, stream=None, *, x2: DeviceArray | None = None,
+                  ldx2: int | None = None, norm_weight: DeviceArray | None = None, eps: float = 1e-6,
+                  sum_out: DeviceArray | None = None, ldsum: int | None = None):
+    """linear_gmma_narrow_kernel with a plan of narrow_plan (its instance names the prologue), after
+    runtime.dense_kernels.linear_checks and prologue_checks."""
     entry, grid, smem = plan
-    kern = get_kernel(NARROW_FAMILY, entry)
+    null = np.uint64(0)
+    cfg = gmma_narrow_config(entry)
+    kern = get_kernel(_NARROW_FAMILY_OF_XMODE[cfg[4]], entry)
     kern.set_max_dynamic_smem(smem)
-    kern.launch(grid, narrow_threads(gmma_narrow_config(entry)[1]),
-                [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),
+    kern.launch(grid, narrow_threads(cfg[1]),
+                [x, _i32(ldx), x2 if x2 is not None else null, _i32(ldx2 or 0),
+                 norm_weight if norm_weight is not None else null, np.float32(eps),
+                 sum_out if sum_out is not None else null, _i32(ldsum or 0),
+                 w, out, _i32(ldo), residual if residual is not None else null,
                  _i32(ldr or 0), _i32(M), _i32(N), _i32(K)], smem=smem, stream=stream)
     return out
 
@@ -355,29 +374,43 @@ def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
                 ws: Workspace | None = None, splits: int | None = None, tn: int | None = None,
                 ka: int | None = None, stages: int | None = None, rw: int | None = None,
                 cs: int | None = None, nwg: int | None = None, nw: int | str | None = None,
-                stream=None) -> DeviceArray:
+                prologue: str = "none", x2: DeviceArray | None = None, ldx2: int | None = None,
+                norm_weight: DeviceArray | None = None, eps: float = 1e-6, sum_out: DeviceArray | None = None,
+                ldsum: int | None = None, stream=None) -> DeviceArray:
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]), bf16, fp32 accumulation, on sm_90a GMMA.
     Same contract as runtime.dense_kernels.linear; splits/tn/ka/stages/rw/cs/nwg override the plan; nw runs the
-    narrow-row kernel instead (an int: that many W rows per block; "auto": narrow_plan's)."""
+    narrow-row kernel instead (an int: that many W rows per block; "auto": narrow_plan's), which also takes
+    prologue / x2 / norm_weight / eps / sum_out as dense_kernels.linear does."""
+    from runtime.dense_kernels import prologue_checks
     M, N, K, ldx, ldo, ldr = linear_checks("linear_gmma", x, w, out, residual, ldx, ldo, ldr)
+    ldx2, ldsum = prologue_checks("linear_gmma", prologue, M, K, x2, ldx2, norm_weight, sum_out, ldsum)
+    if prologue != "none" or nw is not None:
+        arch = get_device().arch
+        _need(gmma_available(arch), "linear_gmma", f"the GMMA kernel is built for {GMMA_ARCHS}, this device is "
+              f"sm_{arch}")
+        _need(nw is not None, "linear_gmma", "a fused prologue needs the narrow-row kernel (nw)")
+        _need((splits, tn, ka, stages, rw, cs, nwg) == (None,) * 7, "linear_gmma",
+              "nw (the narrow-row kernel) takes none of splits/tn/ka/stages/rw/cs/nwg")
+        plan = narrow_plan(M, N, K, get_device().sm_count, None if nw == "auto" else int(nw), prologue)
+        _need(plan is not None, "linear_gmma", f"no narrow-row plan for M={M} N={N} on {get_device().sm_count} SMs")
+        return launch_narrow(x, w, out, residual, M, N, K, ldx, ldo, ldr, plan, stream=stream, x2=x2, ldx2=ldx2,
+                             norm_weight=norm_weight, eps=eps, sum_out=sum_out, ldsum=ldsum)
     return launch_gmma(x, w, out, residual, M, N, K, ldx, ldo, ldr, ws=ws, splits=splits, tn=tn, ka=ka,
-                       stages=stages, rw=rw, cs=cs, nwg=nwg, nw=nw, stream=stream)
+                       stages=stages, rw=rw, cs=cs, nwg=nwg, stream=stream)
 
 
 def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None, M: int, N: int,
                 K: int, ldx: int, ldo: int, ldr: int | None, *, ws: Workspace | None = None,
                 splits: int | None = None, tn: int | None = None, ka: int | None = None,
                 stages: int | None = None, rw: int | None = None, cs: int | None = None, nwg: int | None = None,
-                nw: int | str | None = None, stream=None):
-    """linear_gmma after runtime.dense_kernels.linear_checks (which dense_kernels.linear has already run)."""
+                stream=None):
+    """linear_gmma after runtime.dense_kernels.linear_checks (which dense_kernels.linear has already run); with
+    GMMA_NARROW and no forced plan, the narrow-row kernel wherever narrow_plan has a plan."""
     op = "linear_gmma"
     dev = get_device()
     _need(gmma_available(dev.arch), op, f"the GMMA kernel is built for {GMMA_ARCHS}, this device is sm_{dev.arch}")
-    forced = (splits, tn, ka, stages, rw, cs, nwg) != (None,) * 7
-    _need(nw is None or not forced, op, "nw (the narrow-row kernel) takes none of splits/tn/ka/stages/rw/cs/nwg")
-    if nw is not None or (GMMA_NARROW and not forced):
-        plan = narrow_plan(M, N, K, dev.sm_count, None if nw in (None, "auto") else int(nw))
-        _need(plan is not None or nw is None, op, f"no narrow-row plan for M={M} N={N} on {dev.sm_count} SMs")
+    if GMMA_NARROW and (splits, tn, ka, stages, rw, cs, nwg) == (None,) * 7:
+        plan = narrow_plan(M, N, K, dev.sm_count)
         if plan is not None:
             return launch_narrow(x, w, out, residual, M, N, K, ldx, ldo, ldr, plan, stream=stream)
     entry, grid, k_per_split, smem = gmma_plan(M, N, K, dev.sm_count, splits, tn, ka, stages, rw, cs,

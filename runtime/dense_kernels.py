@@ -314,6 +314,34 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
     return entry, (row_blocks, splits, z), per * chunk, 0
 
 
+def prologue_checks(op: str, prologue: str, M: int, K: int, x2: DeviceArray | None, ldx2: int | None,
+                    norm_weight: DeviceArray | None, sum_out: DeviceArray | None, ldsum: int | None):
+    """The operand checks of a fused prologue (linear(prologue=...), also the narrow GMMA kernel's): (ldx2, ldsum)
+    with the strides defaulted."""
+    _need(prologue in PROLOGUES, op, f"prologue {prologue!r}: one of {', '.join(PROLOGUES)}")
+    if not PROLOGUES[prologue]:
+        _need(x2 is None and norm_weight is None and sum_out is None, op, "x2/norm_weight/sum_out need a prologue")
+        return ldx2, ldsum
+    if x2 is not None or prologue == "swiglu":
+        _need(x2 is not None, op, "prologue 'swiglu' needs x2 (up)")
+        _bf16(x2, op, "x2")
+        _need(len(x2.shape) == 2 and x2.shape[0] == M and x2.shape[1] == K, op,
+              f"x2 {x2.shape}, want [M, K] = [{M}, {K}]")
+        ldx2 = ldx2 or K
+        _need(ldx2 % 8 == 0 and ldx2 >= K, op, f"ldx2 = {ldx2} must be a multiple of 8 and >= K = {K}")
+    if prologue == "rmsnorm":
+        _need(norm_weight is not None, op, "prologue 'rmsnorm' needs norm_weight")
+        _bf16(norm_weight, op, "norm_weight")
+        _need(norm_weight.size == K, op, f"norm_weight has {norm_weight.size} elements, want K = {K}")
+    if sum_out is not None:
+        _need(prologue == "rmsnorm" and x2 is not None, op, "sum_out needs prologue 'rmsnorm' with x2")
+        _bf16(sum_out, op, "sum_out")
+        _need(sum_out.shape[0] == M and sum_out.shape[-1] == K, op, f"sum_out {sum_out.shape}, want [{M}, {K}]")
+        ldsum = ldsum or K
+        _need(ldsum % 8 == 0 and ldsum >= K, op, f"ldsum = {ldsum} must be a multiple of 8 and >= K = {K}")
+    return ldx2, ldsum
+
+
 def linear_checks(op: str, x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None,
                   ldx: int | None, ldo: int | None, ldr: int | None):
     """The input checks of every bf16 linear entry: (M, N, K, ldx, ldo, ldr) with the strides defaulted."""
@@ -354,32 +382,20 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
                  aliasing x or x2) receives bf16(x + x2), as rmsnorm's residual_out.
       "swiglu":  x <- silu(x) * x2 (x = gate [M, K], x2 = up [M, K]), as `swiglu`."""
     op = "linear"
-    _need(prologue in PROLOGUES, op, f"prologue {prologue!r}: one of {', '.join(PROLOGUES)}")
     M, N, K, ldx, ldo, ldr = linear_checks(op, x, w, out, residual, ldx, ldo, ldr)
-    xmode = PROLOGUES[prologue]
-    if xmode:
-        _need(fused_prologue_ok(M, K, prologue), op, f"no fused {prologue} kernel for M = {M}, K = {K}")
-        if x2 is not None or prologue == "swiglu":
-            _need(x2 is not None, op, "prologue 'swiglu' needs x2 (up)")
-            _bf16(x2, op, "x2")
-            _need(len(x2.shape) == 2 and x2.shape[0] == M and x2.shape[1] == K, op,
-                  f"x2 {x2.shape}, want [M, K] = [{M}, {K}]")
-            ldx2 = ldx2 or K
-            _need(ldx2 % 8 == 0 and ldx2 >= K, op, f"ldx2 = {ldx2} must be a multiple of 8 and >= K = {K}")
-        if prologue == "rmsnorm":
-            _need(norm_weight is not None, op, "prologue 'rmsnorm' needs norm_weight")
-            _bf16(norm_weight, op, "norm_weight")
-            _need(norm_weight.size == K, op, f"norm_weight has {norm_weight.size} elements, want K = {K}")
-        if sum_out is not None:
-            _need(prologue == "rmsnorm" and x2 is not None, op, "sum_out needs prologue 'rmsnorm' with x2")
-            _bf16(sum_out, op, "sum_out")
-            _need(sum_out.shape[0] == M and sum_out.shape[-1] == K, op, f"sum_out {sum_out.shape}, want [{M}, {K}]")
-            ldsum = ldsum or K
-            _need(ldsum % 8 == 0 and ldsum >= K, op, f"ldsum = {ldsum} must be a multiple of 8 and >= K = {K}")
-    else:
-        _need(x2 is None and norm_weight is None and sum_out is None, op, "x2/norm_weight/sum_out need a prologue")
+    xmode = PROLOGUES.get(prologue)
+    from runtime import dense_gmma
+    # the sm_90a narrow-row GMMA kernel takes the fused prologues where it takes the linear (dense_gmma.narrow_fuses)
+    narrow = bool(xmode) and kernel == "auto" and splits is None and dense_gmma.narrow_fuses(M, N, K, prologue)
+    _need(not xmode or narrow or fused_prologue_ok(M, K, prologue), op,
+          f"no fused {prologue} kernel for M = {M}, K = {K}")
+    ldx2, ldsum = prologue_checks(op, prologue, M, K, x2, ldx2, norm_weight, sum_out, ldsum)
+    if narrow:
+        return dense_gmma.launch_narrow(x, w, out, residual, M, N, K, ldx, ldo, ldr,
+                                        dense_gmma.narrow_plan(M, N, K, get_device().sm_count, prologue=prologue),
+                                        stream=stream, x2=x2, ldx2=ldx2, norm_weight=norm_weight, eps=eps,
+                                        sum_out=sum_out, ldsum=ldsum)
     if kernel == "auto" and not xmode:  # sm_90a GMMA path from dense_gmma.GMMA_MIN_M rows, DDTREE_LINEAR_GMMA=0: off
-        from runtime import dense_gmma
         if dense_gmma.gmma_wanted(M, N, K):
             return dense_gmma.launch_gmma(x, w, out, residual, M, N, K, ldx, ldo, ldr, ws=ws, splits=splits,
                                           stream=stream)

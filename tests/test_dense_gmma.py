@@ -6,6 +6,7 @@ output poisoned with NaN bits before each launch, every instance and forced spli
 and a captured graph replayed with new inputs. CPU tests: the plan, and the family's SASS."""
 import itertools
 import re
+import types
 
 import numpy as np
 import pytest
@@ -248,23 +249,79 @@ def _narrow_instances():
     return NARROW_GMMA_INSTANCES
 
 
+def _narrow_id(cfg):
+    return "<%d,%d,%d,%d>" % cfg[:4] + ("", "rmsnorm", "swiglu")[cfg[4]]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", _narrow_instances(), ids=lambda c: "<%d,%d,%d,%d>" % c)
+@pytest.mark.parametrize("cfg", _narrow_instances(), ids=_narrow_id)
 def test_linear_gmma_narrow_every_instance(dg, ref, cfg):
-    """Every built (NW, TX) instance at M just over the next smaller token tile, an even N with a tail (bf16 pair
-    stores), K with a tail; plain and with a residual."""
-    nw, tx = cfg[:2]
+    """Every built (NW, TX, prologue) instance at M just over the next smaller token tile, an even N with a tail
+    (bf16 pair stores), K with a tail; plain and with a residual. SwiGLU: bit for bit swiglu_kernel then the plain
+    narrow kernel. RMSNorm (with and without the residual add, whose bf16 sum must come out exact in sum_out):
+    within bf16 tolerance of the float32 oracle (it rounds h * norm_w, not the normalised row: no bit match)."""
+    import runtime.dense_kernels as dk
+    nw, tx, xmode = cfg[0], cfg[1], cfg[4]
     M, N, K = tx - 7, 3 * nw + 14, 1000
     rng, x, w = _data(M, N, K, sum(cfg) * 131)
     r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
-    want = ref.linear(x, w)
-    xd, wd, rd = dev_bf16(x), dev_bf16(w), dev_bf16(r)
-    for res in (None, rd):
-        out = poisoned((M, N))
-        dg.linear_gmma(xd, wd, out, res, nw=nw)
-        assert_close(out.download(), want + (r if res is not None else 0),
-                     f"linear_gmma narrow {cfg} M={M} N={N} K={K} residual={res is not None}", dtype="bf16",
-                     atol=ATOL)
+    x2 = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
+    g = round_bf16(1 + 0.2 * rng.standard_normal(K, dtype=np.float32))
+    xd, wd, rd, x2d, gd = dev_bf16(x), dev_bf16(w), dev_bf16(r), dev_bf16(x2), dev_bf16(g)
+    runs = {0: [("none", {}, x)],
+            2: [("swiglu", {"x2": x2d}, round_bf16(ref.swiglu(x, x2)))],
+            1: [("rmsnorm", {"norm_weight": gd}, ref.rmsnorm(x, g, 1e-6)),
+                ("rmsnorm", {"norm_weight": gd, "x2": x2d}, ref.rmsnorm(round_bf16(x + x2), g, 1e-6))]}[xmode]
+    for prologue, extra, x_eff in runs:
+        want = ref.linear(x_eff, w)
+        for res in (None, rd):
+            out = poisoned((M, N))
+            total = poisoned((M, K)) if "x2" in extra and prologue == "rmsnorm" else None
+            dg.linear_gmma(xd, wd, out, res, nw=nw, prologue=prologue, eps=1e-6, sum_out=total, **extra)
+            what = f"linear_gmma narrow {cfg} {prologue} {sorted(extra)} M={M} N={N} K={K} residual={res is not None}"
+            assert_close(out.download(), want + (r if res is not None else 0), what, dtype="bf16", atol=ATOL)
+            if total is not None:
+                np.testing.assert_array_equal(total.download(), to_bf16(round_bf16(x + x2)), err_msg=what)
+            if prologue == "swiglu":  # bit for bit: the unfused swiglu then the plain narrow kernel
+                act, plain = poisoned((M, K)), poisoned((M, N))
+                dk.swiglu(xd, x2d, act)
+                dg.linear_gmma(act, wd, plain, res, nw=nw)
+                np.testing.assert_array_equal(out.download(), plain.download(),
+                                              err_msg=what + ": fused != swiglu + linear")
+
+
+@pytest.mark.gpu
+def test_dense_linear_fuses_prologues_into_narrow(dg, ref, monkeypatch, cuda_device):
+    """With GMMA_NARROW on, dense_kernels.linear(prologue=...) runs on the narrow kernel where it takes the linear
+    (N = 32 x the SM count), at decode and verify sizes alike, and the CUDA backend's fusion rule agrees."""
+    import runtime.dense_kernels as dk
+    from runtime.backends.cuda_backend import CudaBackend
+    monkeypatch.setattr(dg, "GMMA_NARROW", True)
+    calls = []
+    real = dg.launch_narrow
+    monkeypatch.setattr(dg, "launch_narrow", lambda *a, **k: calls.append(a[-1][0]) or real(*a, **k))
+    N, K = 32 * cuda_device.sm_count, 2048
+    for M in (1, 17, 65):
+        rng, x, w = _data(M, N, K, M + 5)
+        up = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
+        g = round_bf16(1 + 0.2 * rng.standard_normal(K, dtype=np.float32))
+        assert dg.narrow_fuses(M, N, K, "swiglu") and dg.narrow_fuses(M, N, K, "rmsnorm")
+        for prologue, extra, x_eff in (("swiglu", {"x2": dev_bf16(up)}, round_bf16(ref.swiglu(x, up))),
+                                       ("rmsnorm", {"norm_weight": dev_bf16(g)}, ref.rmsnorm(x, g, 1e-5))):
+            calls.clear()
+            out = poisoned((M, N))
+            dk.linear(dev_bf16(x), dev_bf16(w), out, prologue=prologue, eps=1e-5, **extra)
+            assert calls and "linear_gmma_narrow_kernel" in calls[0], (M, prologue, calls)
+            assert_close(out.download(), ref.linear(x_eff, w), f"fused {prologue} on narrow, M={M}", dtype="bf16",
+                         atol=ATOL)
+    # the backend's rule: fuse where the narrow kernel takes the linear; not where another GMMA plan does (half a
+    # wave of 32-row blocks at 17 rows); the gemv's decode sizes where no GMMA plan does (a small weight at 1 row)
+    rule = types.SimpleNamespace(fuse=True)
+    assert CudaBackend._fuses(rule, 17, np.empty((N, K)), "swiglu")
+    assert not CudaBackend._fuses(rule, 17, np.empty((N // 2, K)), "swiglu")
+    assert CudaBackend._fuses(rule, 1, np.empty((576, 1536)), "swiglu")
+    monkeypatch.setattr(dg, "GMMA_NARROW", False)
+    assert not CudaBackend._fuses(rule, 17, np.empty((N, K)), "swiglu")
 
 
 @pytest.mark.gpu
@@ -495,8 +552,8 @@ def test_narrow_plan():
     from cutlass_kernels.registry import NARROW_GMMA_INSTANCES
     from runtime.dense_gmma import SMEM_PER_BLOCK_MAX, narrow_plan, narrow_smem_bytes
     for cfg in NARROW_GMMA_INSTANCES:
-        nw, tx, ka, stages = cfg
-        assert narrow_smem_bytes(*cfg) <= SMEM_PER_BLOCK_MAX and 4 <= stages <= 12
+        nw, tx, ka, stages, _ = cfg
+        assert narrow_smem_bytes(*cfg) <= SMEM_PER_BLOCK_MAX and 3 <= stages <= 12
         assert ka * nw * 128 <= 16384 or ka == 1
     qwen3 = {"qkv": (6144, 4096, 48), "o": (4096, 4096, 32), "gate_up": (24576, 4096, 192), "down": (4096, 12288, 32)}
     for name, (N, K, nw) in qwen3.items():
@@ -514,11 +571,18 @@ def test_narrow_plan():
     assert narrow_plan(1, 6144, 4096, 78)[0].startswith("linear_gmma_narrow_kernel<80, 16, ")  # H20: 77 blocks
     with pytest.raises(ValueError, match="NW = 40"):
         narrow_plan(1, 4096, 4096, 132, nw=40)
+    for prologue, xmode in (("swiglu", 2), ("rmsnorm", 1)):  # the prologue's own instance, same row block
+        entry = narrow_plan(1, 4096, 12288, 132, prologue=prologue)[0]
+        assert entry.startswith("linear_gmma_narrow_kernel<32, 16, ") and entry.endswith(f", {xmode}>")
+    with pytest.raises(ValueError, match="prologue 'gelu'"):
+        narrow_plan(1, 4096, 4096, 132, prologue="gelu")
 
 
 def test_narrow_launch_arguments_match_the_kernel(monkeypatch):
-    """launch_narrow's argument list against the sm_90a PTX signature of the instance it plans (no GPU)."""
+    """launch_narrow's argument list against the sm_90a PTX signature of the instance it plans, with and without
+    each prologue's operands (no GPU)."""
     import runtime.dense_gmma as dg
+    from cutlass_kernels.registry import NARROW_FAMILIES
     from fake_cuda import ptx_param_sizes
     from runtime.cuda import DeviceArray
     from runtime.cuda.kernel import check_arguments
@@ -534,43 +598,19 @@ def test_narrow_launch_arguments_match_the_kernel(monkeypatch):
 
     monkeypatch.setattr(dg, "get_kernel", lambda family, entry: launched.append((family, entry)) or _Stub())
     M, N, K = 17, 6144, 4096
-    x, w, out = (DeviceArray(0x10000, s, np.uint16) for s in ((M, K), (N, K), (M, N)))
-    plan = dg.narrow_plan(M, N, K, 132)
-    for residual in (None, DeviceArray(0x20000, (M, N), np.uint16)):
-        launched.clear()
-        dg.launch_narrow(x, w, out, residual, M, N, K, K, N, N if residual is not None else None, plan)
-        (family, entry), (grid, block, args, smem) = launched
-        assert (family, entry, grid, block, smem) == (dg.NARROW_FAMILY, plan[0], plan[1], 128, plan[2])
+    x, w, out, x2, nw, s = (DeviceArray(0x10000 * (i + 1), shape, np.uint16) for i, shape in enumerate(
+        ((M, K), (N, K), (M, N), (M, K), (K,), (M, K))))
+    for prologue, extra in (("none", {}), ("swiglu", {"x2": x2}), ("rmsnorm", {"norm_weight": nw}),
+                            ("rmsnorm", {"norm_weight": nw, "x2": x2, "sum_out": s})):
+        plan = dg.narrow_plan(M, N, K, 132, prologue=prologue)
+        for residual in (None, DeviceArray(0x200000, (M, N), np.uint16)):
+            launched.clear()
+            dg.launch_narrow(x, w, out, residual, M, N, K, K, N, N if residual is not None else None, plan, **extra)
+            (family, entry), (grid, block, args, smem) = launched
+            assert (family, entry, grid, block, smem) == (NARROW_FAMILIES[prologue], plan[0], plan[1], 128, plan[2])
 
-        class _K:
-            param_sizes = ptx_param_sizes(family, entry)
-            function, pdl, checked_types = None, True, set()
+            class _K:
+                param_sizes = ptx_param_sizes(family, entry)
+                function, pdl, checked_types = None, True, set()
 
-        check_arguments(_K(), args)
-
-
-def test_narrow_a_fragments_emulated():
-    """dense_linear_narrow_sm90.cu's x path in numpy: rows written into the 128-byte-swizzled tile as load_x does
-    (chunk c of row r at chunk c ^ (r % 8)), read back by ldmatrix.x4 with the lane addresses the kernel computes;
-    every thread must get the wgmma / mma.sync m16k16 A fragment of its warp's 16 rows (register c: row g + 8 (c % 2),
-    k 16 j + 2 t + 8 (c / 2) and the next; g = lane / 4, t = lane % 4), for each k16 step j and warp."""
-    TX = 80
-    x = np.arange(TX * 64, dtype=np.int32).reshape(TX, 64)  # x[r, k] = 64 r + k: every element distinct
-    tile = np.zeros(TX * 64, np.int32)                       # the tile in 2-byte elements
-    for r in range(TX):
-        for c in range(8):
-            pos = (r * 128 + ((c ^ (r & 7)) << 4)) // 2
-            tile[pos:pos + 8] = x[r, 8 * c:8 * c + 8]
-    for warp in range(TX // 16):
-        for j in range(4):
-            rows = []  # the 16-byte row each lane points ldmatrix at
-            for lane in range(32):
-                lm_row = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7)
-                addr = lm_row * 128 + ((((2 * j + (lane >> 4)) ^ (lm_row & 7))) << 4)
-                rows.append(tile[addr // 2:addr // 2 + 8])
-            for lane in range(32):
-                g, t = lane >> 2, lane & 3
-                for c in range(4):
-                    got = rows[8 * c + g][2 * t:2 * t + 2]            # matrix c, row g, elements 2t, 2t + 1
-                    m, k = 16 * warp + g + 8 * (c & 1), 16 * j + 2 * t + 8 * (c >> 1)
-                    assert list(got) == [x[m, k], x[m, k + 1]], (warp, j, lane, c)
+            check_arguments(_K(), args)

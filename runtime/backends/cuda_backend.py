@@ -368,10 +368,15 @@ class CudaBackend(Backend):
         return out
 
     def _fuses(self, M: int, w, prologue: str) -> bool:
-        """Whether `prologue` goes into the x load of the linear by w at M rows: decode sizes, unless the GMMA
-        kernel takes that linear (faster with the prologue as its own launch, runtime/dense_gmma.py GMMA_DECODE)."""
+        """Whether `prologue` goes into the x load of the linear by w at M rows: where the narrow-row GMMA kernel
+        takes that linear (dense_gmma.narrow_fuses), else at decode sizes unless another GMMA plan takes it (faster
+        with the prologue as its own launch, runtime/dense_gmma.py GMMA_DECODE)."""
         N, K = w.shape
-        return self.fuse and dk.fused_prologue_ok(M, K, prologue) and not dense_gmma.gmma_wanted(M, N, K)
+        if not self.fuse:
+            return False
+        if dense_gmma.gmma_wanted(M, N, K):
+            return dense_gmma.narrow_fuses(M, N, K, prologue)
+        return dk.fused_prologue_ok(M, K, prologue)
 
     def norm_linear(self, x, weight, eps, w, bias=None):
         """One launch at decode sizes: the linear's x load does the rmsnorm (and the pending residual add,
