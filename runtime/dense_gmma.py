@@ -299,6 +299,9 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
 # narrow_plan has a plan, fused prologues included (narrow_fuses).
 GMMA_NARROW = os.environ.get("DDTREE_GMMA_NARROW", "0") == "1"
 NARROW_FILL = 0.9
+# The narrow kernel takes rmsnorm / SwiGLU into its x load wherever it takes the linear (DDTREE_NARROW_FUSE=0: they
+# run as their own launches, for A/B timing)
+NARROW_FUSE = os.environ.get("DDTREE_NARROW_FUSE", "1") != "0"
 _NARROW_CONFIG = {(c[0], c[1], c[4]): c for c in NARROW_GMMA_INSTANCES}  # (NW, TX, XMODE) -> instance
 _NARROW_CONFIG_OF_ENTRY = {narrow_entry(c): c for c in NARROW_GMMA_INSTANCES}
 _NARROW_FAMILY_OF_XMODE = {NARROW_XMODES[p]: family for p, family in NARROW_FAMILIES.items()}
@@ -343,9 +346,9 @@ def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None, pr
 
 
 def narrow_fuses(M: int, N: int, K: int, prologue: str) -> bool:
-    """Whether runtime.dense_kernels.linear runs this linear with `prologue` on the narrow-row kernel (GMMA_NARROW
-    on, the GMMA kernels take the shape, narrow_plan has a plan)."""
-    return (GMMA_NARROW and prologue in NARROW_XMODES and gmma_wanted(M, N, K)
+    """Whether runtime.dense_kernels.linear runs this linear with `prologue` on the narrow-row kernel (GMMA_NARROW and
+    NARROW_FUSE on, the GMMA kernels take the shape, narrow_plan has a plan)."""
+    return (GMMA_NARROW and NARROW_FUSE and prologue in NARROW_XMODES and gmma_wanted(M, N, K)
             and narrow_plan(M, N, K, get_device().sm_count, prologue=prologue) is not None)
 
 

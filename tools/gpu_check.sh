@@ -89,9 +89,10 @@ step bench_verify python3 -m tools.bench_verify --per-op 64
 # against no one-warpgroup pairs, same weights, one run
 step bench_ar_gmma python3 -m tools.bench_ar --random qwen3-8b --layers 12 --prompts 1024 --new-tokens 8 --verify-budgets 64,128,256,512 --configs decode,decode+3wg0,decode+1wg0,decode+gmmadec0
 # The narrow-row GMMA linear (off by default until this runs): per op at the Qwen3-8B shapes against the planned
-# kernels, the streaming read by SM count (does an idle SM cost its share?), then in the 12-layer step (AR, b16, b32)
+# kernels, the streaming read by SM count (does an idle SM cost its share?), then in the 12-layer step (AR, b16, b32,
+# b64), with rmsnorm / SwiGLU fused into it and as their own launches
 step bench_narrow python3 tools/bench_dense.py --linear-only --gmma --read-by-sms --m 1 17 33 64 65 --ops Qwen3-8B:qkv Qwen3-8B:o Qwen3-8B:gate_up Qwen3-8B:down
-step bench_ar_narrow python3 -m tools.bench_ar --random qwen3-8b --layers 12 --prompts 1024 --new-tokens 8 --verify-budgets 16,32,64 --configs decode,decode+narrow1
+step bench_ar_narrow python3 -m tools.bench_ar --random qwen3-8b --layers 12 --prompts 1024 --new-tokens 8 --verify-budgets 16,32,64 --configs decode,decode+narrow1,decode+narrow1+nfuse0
 
 for want in ${GPU_CHECK_STEPS:-}; do   # a misspelt step name must not pass as "all steps passed"
   [[ " ${known[*]} " == *" $want "* ]] || failed+=("unknown-step:$want")
