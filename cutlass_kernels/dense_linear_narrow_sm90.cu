@@ -26,14 +26,16 @@
 // ddtree::grid_dependency_wait(); x, the residual and the output are touched only after it; the next kernel may
 // launch right after that wait (GMMA_EARLY_TRIGGER, as linear_gmma_kernel).
 //
-// XMODE fuses the op that makes x into the A fragments (in registers, after ldmatrix; one launch instead of two):
+// XMODE fuses the op that makes x into the x tile (one launch instead of two): after a stage lands, the block
+// rewrites its x tile in place, live rows only (16-byte chunks dealt over all threads), then a block barrier, then
+// the ldmatrix as usual. The cost follows M, not the 16 rows a warp's fragments span.
 //   kXSwiGLU: x <- silu(x) * x2 (gate, up), bit for bit swiglu_kernel's bf16 result;
 //   kXRmsNorm: y <- rmsnorm(x (+ x2)) @ W^T as (h * norm_w) @ W^T * inv: h = x, or bf16(x + x2) (block 0 writes it to
-//   sum_out, the residual stream); the A fragments are bf16(h * norm_w), each thread sums h^2 of its fragment rows as
-//   they stream, and the epilogue scales each token row by inv = rsqrt(mean(h^2) + eps). Rows need not be read
-//   twice (a norm before the loop would read every x row again and wait for it), at the price of the bits:
-//   rmsnorm_kernel rounds h * inv * norm_w to bf16, this rounds h * norm_w (the same one rounding per element).
-// x2 rides in its own tile of each stage, beside x's.
+//   sum_out, the residual stream); the tile becomes bf16(h * norm_w), h^2 is summed as the stages stream, and the
+//   epilogue scales each token row by inv = rsqrt(mean(h^2) + eps). No row is read twice (a norm before the loop
+//   would read every x row once more and make the MMAs wait for it), at the price of the bits: rmsnorm_kernel
+//   rounds h * inv * norm_w to bf16, this rounds h * norm_w (one rounding per element either way).
+// x2 rides in its own tile of each stage, beside x's; the rmsnorm weight's slice too.
 //
 // Epilogue: straight from the accumulators (a thread holds token rows 16 warp + lane / 4 (+ 8), W rows
 // 8 j + 2 (lane % 4) (+ 1)): bf16 pairs along n, with the residual. No workspace, no tickets, one writer per
@@ -59,20 +61,13 @@ __device__ __forceinline__ void ldmatrix_x4_s(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-__device__ __forceinline__ float2 bf2_to_f2(uint32_t v) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-}
-__device__ __forceinline__ uint32_t f2_to_bf2(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 }  // namespace
 
 // NW: W rows per block (wgmma N: a multiple of 16 up to 256). TX: token rows per tile (a multiple of 16 up to 128;
 // warps 0 .. TX/16 - 1 hold them; above 64, two warpgroups). KA: 64-k atoms per stage. STAGES: shared-memory stages.
 // XMODE: kXPlain, kXRmsNorm or kXSwiGLU (x2, norm_w, eps, sum_out unused where XMODE does not say).
-// Dynamic smem (runtime/dense_gmma.py narrow_smem_bytes): 1024 (alignment) + STAGES * KA * (XT * TX + NW) * 128,
-// XT = 2 x tiles (x, x2) with a prologue, else 1.
+// Dynamic smem (registry.narrow_stage_bytes): 1024 (alignment) + STAGES * stage, stage = KA * (XT * TX + NW) * 128
+// (XT = 2 x tiles (x, x2) with a prologue, else 1), + KA * 128 for the RMSNorm weight, rounded up to 1024.
 template <int NW, int TX, int KA, int STAGES, int XMODE = kXPlain>
 __global__ void __launch_bounds__(TX > 64 ? 256 : 128, 1)
 linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
@@ -93,7 +88,8 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   constexpr int kAtomX = TX * 128;              // one 64-k atom of the token rows (x, then x2 if any)
   constexpr int kAtomW = NW * 128;              // one 64-k atom of the W rows
   constexpr int kStageX = kXTiles * KA * kAtomX;  // x atoms first, x2 atoms, then W atoms (each 1024-aligned)
-  constexpr int kStageBytes = kStageX + KA * kAtomW;
+  constexpr int kStageG = kStageX + KA * kAtomW;  // RMSNorm: the norm weight's KA x 64 k (128 bytes each)
+  constexpr int kStageBytes = (kStageG + (XMODE == kXRmsNorm ? KA * 128 : 0) + 1023) / 1024 * 1024;
   constexpr int kStageK = 64 * KA;
   constexpr int kAcc = NW / 2;                  // fp32 accumulators per thread (64 x NW per warpgroup)
   constexpr int kWq = (NW + kRowsPerPass - 1) / kRowsPerPass;  // W rows per thread per atom (chunk tid % 8)
@@ -104,6 +100,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * STAGES];  // full[0..S), empty[0..S)
   const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  unsigned char* smem_gen = smem_raw + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)));
   const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
   auto full_bar = [&](int s) { return bar_base + 8u * s; };
   auto empty_bar = [&](int s) { return bar_base + 8u * (STAGES + s); };
@@ -173,6 +170,10 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
         }
       }
     }
+    if (XMODE == kXRmsNorm && tid < 8 * KA) {  // the norm weight of this stage's k: 16 bytes per thread
+      const int k = k0 + 8 * tid;
+      ddtree::cp_async16_s(buf + kStageG + 16 * tid, k < K ? (const void*)(norm_w + k) : (const void*)norm_w, k < K);
+    }
   };
 
   // Prologue: W of the first STAGES-1 stages before the dependency wait (weights are immutable), then x.
@@ -198,8 +199,53 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const uint32_t lm_off = lm_row * 128;
   const int lm_swz = lm_row & 7;
 
-  float row_ss[2] = {0.f, 0.f};  // RMSNorm: sum of h^2 over this thread's k of fragment rows g and g + 8
+  // Fused prologue: each stage's x tile is rewritten in place, rows below M only, by the whole block (16-byte
+  // chunks dealt over the threads in a fixed order), then a block barrier before any warp reads it: the cost
+  // follows the live rows, not the 64-row fragments. RMSNorm: h^2 summed per (thread, pass) slot over the stages,
+  // in stage order (deterministic), gathered per row after the loop.
+  constexpr int kChunks = KA * 8;                                   // 16-byte chunks of a row per stage
+  constexpr int kPasses = (TX * kChunks + kThreads - 1) / kThreads;  // chunks per thread per stage, at most
+  const int live_rows = min(TX, M - m0);
+  float ss_slot[XMODE == kXRmsNorm ? kPasses : 1];
+#pragma unroll
+  for (int p = 0; p < (XMODE == kXRmsNorm ? kPasses : 1); ++p) ss_slot[p] = 0.f;
   const bool write_sum = XMODE == kXRmsNorm && with_x2 && sum_out != nullptr && blockIdx.x == 0;
+  auto prologue = [&](int s, int b) {
+    unsigned char* stage = smem_gen + b * kStageBytes;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int i = tid + kThreads * p;
+      if (i >= live_rows * kChunks) break;
+      const int r = i / kChunks, c = i % kChunks, a = c >> 3, cc = c & 7;
+      const int off = a * kAtomX + r * 128 + ((cc ^ (r & 7)) << 4);
+      uint4* px = reinterpret_cast<uint4*>(stage + off);
+      float h[8], u[8];
+      ddtree::unpack8(*px, h);
+      if (with_x2) ddtree::unpack8(*reinterpret_cast<const uint4*>(stage + KA * kAtomX + off), u);
+      if constexpr (XMODE == kXSwiGLU) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) h[j] = ddtree::silu(h[j]) * u[j];  // as swiglu_kernel
+      } else {
+        const int k = s * kStageK + 64 * a + 8 * cc;
+        if (with_x2) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) h[j] += u[j];
+          const uint4 hv = ddtree::pack8(h);
+          ddtree::unpack8(hv, h);  // the rounded residual sum, as stored
+          if (write_sum && k < K) *reinterpret_cast<uint4*>(sum_out + (size_t)(m0 + r) * ldsum + k) = hv;
+        }
+        float g[8];
+        ddtree::unpack8(*reinterpret_cast<const uint4*>(stage + kStageG + a * 128 + 16 * cc), g);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          ss_slot[p] += h[j] * h[j];
+          h[j] *= g[j];
+        }
+      }
+      *px = ddtree::pack8(h);
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");  // every live row rewritten before any ldmatrix
+  };
 
   float acc[kAcc];
 #pragma unroll
@@ -213,6 +259,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     ddtree::mbar_wait(full_bar(b), (s / STAGES) & 1);
     // cp.async wrote through the generic proxy, wgmma reads W through the async proxy
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if constexpr (XMODE != kXPlain) prologue(s, b);
     const uint32_t xbase = smem_base + b * kStageBytes;
     const uint32_t wbase = xbase + kStageX;
     uint32_t afrag[KA][4][4];
@@ -221,39 +268,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (warp_has_rows) {
-          const uint32_t off = a * kAtomX + lm_off + (((2 * j + lm_half) ^ lm_swz) << 4);
-          ldmatrix_x4_s(afrag[a][j], xbase + off);
-          if constexpr (XMODE == kXSwiGLU) {
-            uint32_t up[4];
-            ldmatrix_x4_s(up, xbase + KA * kAtomX + off);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float2 g = bf2_to_f2(afrag[a][j][e]), u = bf2_to_f2(up[e]);
-              afrag[a][j][e] = f2_to_bf2(ddtree::silu(g.x) * u.x, ddtree::silu(g.y) * u.y);
-            }
-          } else if constexpr (XMODE == kXRmsNorm) {
-            uint32_t res[4];
-            if (with_x2) ldmatrix_x4_s(res, xbase + KA * kAtomX + off);
-            // register e: row g + 8 (e % 2), k = 16 j + 2 t + 8 (e / 2) and the next
-            const int kk = s * kStageK + 64 * a + 16 * j + 2 * (lane & 3);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int k = kk + 8 * (e >> 1);
-              uint32_t hb = afrag[a][j][e];
-              if (with_x2) {
-                const float2 h = bf2_to_f2(hb), r2 = bf2_to_f2(res[e]);
-                hb = f2_to_bf2(h.x + r2.x, h.y + r2.y);  // the rounded residual sum, as stored
-                const int m = m0 + 16 * warp + (lane >> 2) + 8 * (e & 1);
-                if (write_sum && m < M && k < K)
-                  *reinterpret_cast<uint32_t*>(sum_out + (size_t)m * ldsum + k) = hb;
-              }
-              const float2 h = bf2_to_f2(hb);
-              row_ss[e & 1] += h.x * h.x + h.y * h.y;
-              const float2 g = k < K ? bf2_to_f2(__ldg(reinterpret_cast<const unsigned int*>(norm_w + k)))
-                                     : make_float2(0.f, 0.f);
-              afrag[a][j][e] = f2_to_bf2(h.x * g.x, h.y * g.y);
-            }
-          }
+          ldmatrix_x4_s(afrag[a][j], xbase + a * kAtomX + lm_off + (((2 * j + lm_half) ^ lm_swz) << 4));
         } else {
 #pragma unroll
           for (int e = 0; e < 4; ++e) afrag[a][j][e] = 0u;
@@ -283,18 +298,25 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   }
   if (!GMMA_EARLY_TRIGGER) ddtree::launch_dependents();
 
-  // acc[4 j + 2 i + e]: token row 16 warp + lane / 4 + 8 i, W row 8 j + 2 (lane % 4) + e.
-  if (!warp_has_rows) return;
+  // RMSNorm: each row's sum of squares from its chunk slots, in chunk order; inv = rsqrt(mean + eps) scales the row.
   float row_scale[2] = {1.f, 1.f};
   if constexpr (XMODE == kXRmsNorm) {
+    __shared__ float slot_ss[TX * kChunks];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {  // the quad's four lanes hold all k of rows g, g + 8
-      float v = row_ss[i];
-      v += __shfl_xor_sync(0xffffffffu, v, 1);
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
+    for (int p = 0; p < kPasses; ++p)
+      if (tid + kThreads * p < TX * kChunks) slot_ss[tid + kThreads * p] = ss_slot[p];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = 16 * warp + (lane >> 2) + 8 * i;
+      float v = 0.f;
+      if (r < live_rows)
+        for (int c = 0; c < kChunks; ++c) v += slot_ss[r * kChunks + c];
       row_scale[i] = rsqrtf(v / (float)K + eps);
     }
   }
+  // acc[4 j + 2 i + e]: token row 16 warp + lane / 4 + 8 i, W row 8 j + 2 (lane % 4) + e.
+  if (!warp_has_rows) return;
   const bool pairs = ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(residual)) & 3) == 0 &&
                      ((ldo | (residual ? ldr : 0)) & 1) == 0;
 #pragma unroll

@@ -189,11 +189,18 @@ NARROW_GMMA_TOKEN_TILES = (16, 32, 64, 80)
 NARROW_XMODES = {"none": 0, "rmsnorm": 1, "swiglu": 2}
 
 
+def narrow_stage_bytes(nw: int, tx: int, ka: int, xmode: int = 0) -> int:
+    """Shared memory of one pipeline stage of linear_gmma_narrow_kernel<nw, tx, ka, *, xmode>: KA 64-k atoms of the
+    x tile (two tiles, x and x2, with a prologue) and of the W tile (128 bytes a row), the rmsnorm weight's KA x 128
+    bytes, rounded up to 1024 (every swizzled tile starts 1024-aligned)."""
+    stage = ka * (tx * (1 if xmode == 0 else 2) + nw) * 128 + (ka * 128 if xmode == 1 else 0)
+    return -(-stage // 1024) * 1024
+
+
 def _narrow_config(nw: int, tx: int, xmode: int = 0, budget: int = 200 * 1024) -> tuple:
-    x_rows = tx * (1 if xmode == 0 else 2)
     kas = [ka for ka in (4, 2, 1) if ka == 1 or ka * nw * 128 <= 16384]
-    ka = next((k for k in kas if budget // (k * (nw + x_rows) * 128) >= 6), kas[-1])
-    return nw, tx, ka, min(12, budget // (ka * (nw + x_rows) * 128)), xmode
+    ka = next((k for k in kas if budget // narrow_stage_bytes(nw, tx, k, xmode) >= 6), kas[-1])
+    return nw, tx, ka, min(12, budget // narrow_stage_bytes(nw, tx, ka, xmode)), xmode
 
 
 NARROW_GMMA_INSTANCES = tuple(_narrow_config(nw, tx, xm) for xm in NARROW_XMODES.values() for nw in NARROW_GMMA_ROWS

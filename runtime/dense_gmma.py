@@ -24,7 +24,7 @@ from runtime.dense_kernels import Workspace, _i32, _need, default_workspace, lin
 
 from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, FAMILIES, NARROW_GMMA_INSTANCES, NARROW_GMMA_ROWS,
                                       NARROW_FAMILIES, NARROW_GMMA_TOKEN_TILES, NARROW_XMODES, gmma_entry,
-                                      narrow_entry)
+                                      narrow_entry, narrow_stage_bytes)
 
 FAMILY = "dense_linear_sm90"
 GMMA_ARCHS = FAMILIES[FAMILY].archs
@@ -319,9 +319,9 @@ def gmma_narrow_config(entry: str) -> tuple:
 
 
 def narrow_smem_bytes(nw: int, tx: int, ka: int, stages: int, xmode: int = 0) -> int:
-    """Dynamic shared memory of linear_gmma_narrow_kernel<nw, tx, ka, stages, xmode>: the stages (x TX rows, a
-    second TX rows with a prologue, W NW rows, 128 bytes each per 64-k atom) plus 1 KB to align."""
-    return 1024 + stages * ka * (nw + tx * (2 if xmode else 1)) * 128
+    """Dynamic shared memory of linear_gmma_narrow_kernel<nw, tx, ka, stages, xmode>: the stages
+    (registry.narrow_stage_bytes) plus 1 KB to align."""
+    return 1024 + stages * narrow_stage_bytes(nw, tx, ka, xmode)
 
 
 def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None, prologue: str = "none"):
