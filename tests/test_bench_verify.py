@@ -161,3 +161,18 @@ def test_bench_e2e_reference_target(monkeypatch, capsys):
     monkeypatch.setattr(be, "REFERENCE_MAX_BYTES", 0)
     assert be.reference_target(args, hf_peer=False) is None
     assert "no float32 reference" in capsys.readouterr().err
+
+
+def test_gpu_sanitize_selections_exist():
+    """Every test node tools/gpu_sanitize.sh runs under compute-sanitizer is collected (instance ids change with the
+    plan rules; a stale one would fail only on the device)."""
+    import re
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    script = (root / "tools" / "gpu_sanitize.sh").read_text()
+    nodes = re.findall(r'^\s+"(tests/[^"]+)"', script, re.M)
+    assert len(nodes) >= 10
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *nodes],
+                       cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0 and "tests collected" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]

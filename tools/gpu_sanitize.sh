@@ -25,6 +25,9 @@ if [ ${#tests[@]} -eq 0 ]; then
     "tests/test_dense_gmma.py::test_linear_gmma_every_instance[<136,1,5,1,1>x3wg]"  # three, many tokens
     "tests/test_dense_gmma.py::test_linear_gmma_residual_and_strides"          # workspace split-K too
     "tests/test_dense_gmma.py::test_linear_gmma_narrow_every_instance[<48,16,2,12>]"   # narrow rows, RS wgmma
+    "tests/test_dense_gmma.py::test_linear_gmma_narrow_every_instance[<48,80,2,6>]"    # two warpgroups
+    "tests/test_dense_gmma.py::test_linear_gmma_narrow_every_instance[<48,16,2,9>rmsnorm]"  # x tile rewritten
+    "tests/test_dense_gmma.py::test_linear_gmma_narrow_every_instance[<32,16,4,6>swiglu]"
     "tests/test_dense_gmma.py::test_linear_gmma_narrow_chain_and_graph"        # PDL chain of narrow launches
     "tests/test_kimi_kernels.py::test_moe_layer_small"
     "tests/test_kimi_kernels.py::test_moe_layer_gmma_hot_experts"      # wgmma MoE (sm_90a)
