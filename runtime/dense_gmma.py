@@ -299,6 +299,11 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
 # narrow_plan has a plan, fused prologues included (narrow_fuses).
 GMMA_NARROW = os.environ.get("DDTREE_GMMA_NARROW", "0") == "1"
 NARROW_FILL = 0.9
+# Every narrow block reads all of x (and x2 with a prologue) for only NW rows of W: from L2, but through the same
+# SM load path as W. The plan takes it only while a block's x bytes stay within NARROW_X_PER_W times its W bytes
+# (M * tiles <= NARROW_X_PER_W * NW: qkv's 48-row blocks to 96 rows, o's and down's 32-row blocks to 64, or 48 and 32
+# with a fused prologue). A guess until timed: bench_dense times the narrow kernel at every M up to 80 regardless.
+NARROW_X_PER_W = 2.0
 # The narrow kernel takes rmsnorm / SwiGLU into its x load wherever it takes the linear (DDTREE_NARROW_FUSE=0: they
 # run as their own launches, for A/B timing)
 NARROW_FUSE = os.environ.get("DDTREE_NARROW_FUSE", "1") != "0"
@@ -327,7 +332,7 @@ def narrow_smem_bytes(nw: int, tx: int, ka: int, stages: int, xmode: int = 0) ->
 def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None, prologue: str = "none"):
     """(entry, grid, dynamic smem bytes) of linear_gmma_narrow for [M, K] x [N, K]^T with `prologue` fused into the
     x load, or None where it has no plan (M over the largest token tile; no NW whose unsplit blocks fill one wave
-    to NARROW_FILL). nw forces the row block (any built NW; M over the largest token tile then walks tiles of it on
+    to NARROW_FILL; more x than NARROW_X_PER_W allows). nw forces the row block (any built NW; M over the largest token tile then walks tiles of it on
     blockIdx.z)."""
     op = "linear_gmma_narrow"
     _need(prologue in NARROW_XMODES, op, f"prologue {prologue!r}: one of {', '.join(NARROW_XMODES)}")
@@ -336,7 +341,8 @@ def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None, pr
         if tx is None:
             return None
         nw = next((r for r in NARROW_GMMA_ROWS if -(-N // r) <= sm_count), None)
-        if nw is None or -(-N // nw) < NARROW_FILL * sm_count:
+        x_tiles = 1 if prologue == "none" else 2
+        if nw is None or -(-N // nw) < NARROW_FILL * sm_count or M * x_tiles > NARROW_X_PER_W * nw:
             return None
     tx = tx or NARROW_GMMA_TOKEN_TILES[-1]
     key = (nw, tx, NARROW_XMODES[prologue])

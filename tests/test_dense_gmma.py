@@ -293,7 +293,8 @@ def test_linear_gmma_narrow_every_instance(dg, ref, cfg):
 @pytest.mark.gpu
 def test_dense_linear_fuses_prologues_into_narrow(dg, ref, monkeypatch, cuda_device):
     """With GMMA_NARROW on, dense_kernels.linear(prologue=...) runs on the narrow kernel where it takes the linear
-    (N = 32 x the SM count), at decode and verify sizes alike, and the CUDA backend's fusion rule agrees."""
+    (N = 32 x the SM count: up to 32 rows with the second x tile), at decode and verify sizes alike, and the CUDA
+    backend's fusion rule agrees."""
     import runtime.dense_kernels as dk
     from runtime.backends.cuda_backend import CudaBackend
     monkeypatch.setattr(dg, "GMMA_NARROW", True)
@@ -301,7 +302,8 @@ def test_dense_linear_fuses_prologues_into_narrow(dg, ref, monkeypatch, cuda_dev
     real = dg.launch_narrow
     monkeypatch.setattr(dg, "launch_narrow", lambda *a, **k: calls.append(a[-1][0]) or real(*a, **k))
     N, K = 32 * cuda_device.sm_count, 2048
-    for M in (1, 17, 65):
+    assert not dg.narrow_fuses(33, N, K, "swiglu")  # x and up: 66 rows of x per 32 rows of W
+    for M in (1, 17, 32):
         rng, x, w = _data(M, N, K, M + 5)
         up = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
         g = round_bf16(1 + 0.2 * rng.standard_normal(K, dtype=np.float32))
@@ -384,8 +386,8 @@ def test_linear_gmma_narrow_chain_and_graph(dg, ref):
 @pytest.mark.gpu
 def test_dense_linear_hands_decode_sizes_to_narrow(dg, ref, monkeypatch, cuda_device):
     """With GMMA_NARROW on, runtime.dense_kernels.linear runs the narrow kernel where narrow_plan has a plan (N =
-    32 x the SM count: one full wave of 32-row blocks), and the planned kernel elsewhere; forcing a plan of the
-    other kernel (splits) keeps that kernel."""
+    32 x the SM count: one full wave of 32-row blocks, up to 64 rows; twice that N: 64-row blocks, up to 80 rows),
+    and the planned kernel elsewhere; forcing a plan of the other kernel (splits) keeps that kernel."""
     import runtime.dense_kernels as dk
     monkeypatch.setattr(dg, "GMMA_NARROW", True)
     calls = []
@@ -393,7 +395,8 @@ def test_dense_linear_hands_decode_sizes_to_narrow(dg, ref, monkeypatch, cuda_de
     monkeypatch.setattr(dg, "launch_narrow", lambda *a, **k: calls.append(a[-1][0]) or real(*a, **k))
     n_full = 32 * cuda_device.sm_count
     for M, N, K, kw, routed in [(1, n_full, 4096, {}, True), (17, n_full, 2048, {}, True),
-                                (65, n_full, 2048, {}, True), (81, n_full, 2048, {}, False),
+                                (64, n_full, 2048, {}, True), (65, n_full, 2048, {}, False),  # x > 2 x W a block
+                                (65, 2 * n_full, 2048, {}, True), (81, 2 * n_full, 2048, {}, False),
                                 (17, n_full // 2, 2048, {}, False),
                                 (17, n_full, 2048, {"splits": 2}, False)]:
         _, x, w = _data(M, N, K, M + N + K)
@@ -558,11 +561,17 @@ def test_narrow_plan():
     qwen3 = {"qkv": (6144, 4096, 48), "o": (4096, 4096, 32), "gate_up": (24576, 4096, 192), "down": (4096, 12288, 32)}
     for name, (N, K, nw) in qwen3.items():
         for M, tx in ((1, 16), (16, 16), (17, 32), (33, 64), (64, 64)):
+            if M > 2 * nw:
+                continue
             entry, grid, smem = narrow_plan(M, N, K, 132)
             assert entry.startswith(f"linear_gmma_narrow_kernel<{nw}, {tx}, "), (name, M, entry)
             assert grid == (-(-N // nw), 1, 1) and 0.9 * 132 <= grid[0] <= 132, (name, M, grid)
-        entry, grid, _ = narrow_plan(65, N, K, 132)  # the verify bucket 64: two warpgroups, 80 token rows
-        assert entry.startswith(f"linear_gmma_narrow_kernel<{nw}, 80, ") and grid == (-(-N // nw), 1, 1)
+        if 65 <= 2 * nw:  # the verify bucket 64: two warpgroups, 80 token rows (x within twice W per block)
+            entry, grid, _ = narrow_plan(65, N, K, 132)
+            assert entry.startswith(f"linear_gmma_narrow_kernel<{nw}, 80, ") and grid == (-(-N // nw), 1, 1)
+        else:
+            assert narrow_plan(65, N, K, 132) is None and narrow_plan(64, N, K, 132) is not None
+        assert (narrow_plan(33, N, K, 132, prologue="swiglu") is None) == (66 > 2 * nw)
         assert narrow_plan(81, N, K, 132) is None
         assert narrow_plan(81, N, K, 132, nw=nw)[1] == (-(-N // nw), 1, 2)
     assert narrow_plan(1, 151936, 4096, 132) is None  # lm_head: no NW <= 256 fits one wave

@@ -66,15 +66,18 @@ GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3,
 
 
 def narrow_variants(dg, M, N, K):
-    """The narrow-row GMMA kernel (runtime/dense_gmma.py narrow_plan) where it plans this shape, and its neighbours:
-    the next larger row block (fewer blocks) and the next smaller (more than one wave)."""
-    plan = dg.narrow_plan(M, N, K, get_device().sm_count)
-    if plan is None:
+    """The narrow-row GMMA kernel (runtime/dense_gmma.py) at every M up to its largest token tile where it has a row
+    block for this N (narrow_plan at one row): that NW ("narrow": planned at this M too, "narrow nw=..": not), and
+    its neighbours, the next larger row block (fewer blocks) and the next smaller (more than one wave)."""
+    sms = get_device().sm_count
+    plan = dg.narrow_plan(1, N, K, sms)
+    if plan is None or M > dg.NARROW_GMMA_TOKEN_TILES[-1]:
         return []
     nw = dg.gmma_narrow_config(plan[0])[0]
     rows = dg.NARROW_GMMA_ROWS
     i = rows.index(nw)
-    return [("narrow", {"gmma": True, "nw": "auto"})] + [
+    planned = dg.narrow_plan(M, N, K, sms) is not None
+    return [("narrow" if planned else f"narrow nw={nw}", {"gmma": True, "nw": "auto" if planned else nw})] + [
         (f"narrow nw={r}", {"gmma": True, "nw": r}) for r in rows[max(0, i - 1):i + 2] if r != nw]
 
 
