@@ -98,12 +98,10 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   using Op = typename ddtree::GmmaRsOp<NW>::type;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t bars[2 * STAGES];  // full[0..S), empty[0..S)
-  const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-  unsigned char* smem_gen = smem_raw + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)));
-  const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
-  auto full_bar = [&](int s) { return bar_base + 8u * s; };
-  auto empty_bar = [&](int s) { return bar_base + 8u * (STAGES + s); };
+  __shared__ ddtree::StageBarriers<STAGES> ring;
+  const ddtree::AlignedSmem smem = ddtree::align_smem_1024(smem_raw);
+  const uint32_t smem_base = smem.addr;
+  unsigned char* smem_gen = smem.ptr;
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -112,13 +110,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const int n_stages = (K + kStageK - 1) / kStageK;
   const bool with_x2 = XMODE == kXSwiGLU || (XMODE == kXRmsNorm && x2 != nullptr);
 
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      ddtree::mbar_init(full_bar(s), kThreads);
-      ddtree::mbar_init(empty_bar(s), kThreads);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) ring.init(kThreads);
   __syncthreads();
 
   // This thread's copies: 16-byte chunk c = tid % 8 of rows tid / 8 + kRowsPerPass q of every atom (those below
@@ -187,7 +179,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   for (int s = 0; s < kPre; ++s)
     if (s < n_stages) {
       load_x(s);
-      ddtree::mbar_arrive_cp_async(full_bar(s));
+      ddtree::mbar_arrive_cp_async(ring.full(s));
     }
 
   // Warp w holds token rows 16 w .. 16 w + 15 (warpgroup w / 4's m64 tile). ldmatrix rows of this lane: matrix
@@ -256,7 +248,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 
   for (int s = 0; s < n_stages; ++s) {
     const int b = s % STAGES;
-    ddtree::mbar_wait(full_bar(b), (s / STAGES) & 1);
+    ddtree::mbar_wait(ring.full(b), (s / STAGES) & 1);
     // cp.async wrote through the generic proxy, wgmma reads W through the async proxy
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     if constexpr (XMODE != kXPlain) prologue(s, b);
@@ -286,14 +278,14 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     cute::warpgroup_wait<0>();  // this stage's MMAs have retired: its buffer and the fragments are free
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[i]);
-    ddtree::mbar_arrive(empty_bar(b));
+    ddtree::mbar_arrive(ring.empty(b));
     // Refill: stage s + STAGES - 1 goes into the buffer stage s - 1 used, once every thread is done with it.
     const int t = s + kPre;
     if (t < n_stages) {
-      if (s >= 1) ddtree::mbar_wait(empty_bar((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
+      if (s >= 1) ddtree::mbar_wait(ring.empty((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
       load_w(t);
       load_x(t);
-      ddtree::mbar_arrive_cp_async(full_bar(t % STAGES));
+      ddtree::mbar_arrive_cp_async(ring.full(t % STAGES));
     }
   }
   if (!GMMA_EARLY_TRIGGER) ddtree::launch_dependents();

@@ -55,7 +55,6 @@ using ddtree::sw128_desc;
 
 using ddtree::mbar_arrive;
 using ddtree::mbar_arrive_cp_async;
-using ddtree::mbar_init;
 using ddtree::mbar_wait;
 // Thread-block cluster helpers (distributed shared memory).
 __device__ __forceinline__ void cluster_sync() {
@@ -123,12 +122,10 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   using Op = typename ddtree::GmmaOp<TN>::type;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t bars[2 * STAGES];  // full[0..S), empty[0..S)
-  const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-  unsigned char* smem_gen = smem_raw + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)));
-  const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
-  auto full_bar = [&](int s) { return bar_base + 8u * s; };
-  auto empty_bar = [&](int s) { return bar_base + 8u * (STAGES + s); };
+  __shared__ ddtree::StageBarriers<STAGES> ring;
+  const ddtree::AlignedSmem smem = ddtree::align_smem_1024(smem_raw);
+  const uint32_t smem_base = smem.addr;
+  unsigned char* smem_gen = smem.ptr;
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;  // warpgroup: W rows [64 RW wg, 64 RW (wg + 1)) of the block
@@ -138,13 +135,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const int k_end = min(K, k_begin + k_per_split);
   const int n_stages = (k_end - k_begin + kStageK - 1) / kStageK;
 
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar(s), kThreads);
-      mbar_init(empty_bar(s), kThreads);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) ring.init(kThreads);
   __syncthreads();
 
   // This thread's W chunks: rows tid/8 + (threads/8) q, 16-byte chunk c = tid % 8 of each 128-byte row of
@@ -201,7 +192,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   for (int s = 0; s < kPre; ++s)
     if (s < n_stages) {
       load_x(s);
-      mbar_arrive_cp_async(full_bar(s));
+      mbar_arrive_cp_async(ring.full(s));
     }
 
   float acc[RW][kAcc];
@@ -215,7 +206,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 
   for (int s = 0; s < n_stages; ++s) {
     const int b = s % STAGES;
-    mbar_wait(full_bar(b), (s / STAGES) & 1);
+    mbar_wait(ring.full(b), (s / STAGES) & 1);
     // cp.async wrote through the generic proxy, wgmma reads through the async proxy (measured free, run 2)
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     const uint32_t wbase = smem_base + b * kStageBytes + wg * (RW * 64 * 128);
@@ -239,14 +230,14 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     for (int t = 0; t < RW; ++t)
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[t][i]);
-    if (s >= 1) mbar_arrive(empty_bar((s - 1) % STAGES));
+    if (s >= 1) mbar_arrive(ring.empty((s - 1) % STAGES));
     // Refill: stage s + STAGES - 1 goes into the buffer stage s - 1 used, once both warpgroups are done.
     const int t = s + kPre;
     if (t < n_stages) {
-      if (s >= 1) mbar_wait(empty_bar((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
+      if (s >= 1) mbar_wait(ring.empty((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
       load_w(t);
       load_x(t);
-      mbar_arrive_cp_async(full_bar(t % STAGES));
+      mbar_arrive_cp_async(ring.full(t % STAGES));
     }
   }
   cute::warpgroup_wait<0>();

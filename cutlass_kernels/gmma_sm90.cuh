@@ -87,4 +87,36 @@ __device__ __forceinline__ void mbar_wait(cuda::std::uint32_t bar, cuda::std::ui
       " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
 }
 
+// The full / empty mbarrier pair of each of STAGES pipeline stages (full[s]: the stage's copies have landed;
+// empty[s]: every reader is done with it), declared __shared__ by the kernel.
+template <int STAGES>
+struct StageBarriers {
+  cuda::std::uint64_t bar[2 * STAGES];  // full[0..S), empty[0..S)
+  __device__ __forceinline__ cuda::std::uint32_t base() const {
+    return static_cast<cuda::std::uint32_t>(__cvta_generic_to_shared(bar));
+  }
+  __device__ __forceinline__ cuda::std::uint32_t full(int s) const { return base() + 8u * s; }
+  __device__ __forceinline__ cuda::std::uint32_t empty(int s) const { return base() + 8u * (STAGES + s); }
+  // By one thread, before a block barrier: every barrier completes a phase after `count` arrivals.
+  __device__ __forceinline__ void init(cuda::std::uint32_t count) const {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full(s), count);
+      mbar_init(empty(s), count);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+};
+
+// The dynamic shared memory from its first 1024-aligned byte (the 128-byte swizzle repeats every 1024 bytes; the
+// kernel asks for 1 KB of slack): as a shared-window address and as a generic pointer.
+struct AlignedSmem {
+  cuda::std::uint32_t addr;
+  unsigned char* ptr;
+};
+__device__ __forceinline__ AlignedSmem align_smem_1024(unsigned char* raw) {
+  const cuda::std::uint32_t raw_addr = static_cast<cuda::std::uint32_t>(__cvta_generic_to_shared(raw));
+  const cuda::std::uint32_t addr = (raw_addr + 1023u) & ~1023u;
+  return {addr, raw + (addr - raw_addr)};
+}
+
 }  // namespace ddtree

@@ -98,11 +98,13 @@ def test_linear_gmma_every_instance(dg, ref, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [{"splits": 1}, {"splits": 4}, {"cs": 2}], ids=str)
-def test_linear_gmma_residual_and_strides(dg, ref, kw):
-    """x rows ldx apart, out rows ldo apart (the columns between are never written), residual rows ldr apart."""
-    rng = np.random.default_rng(5 + sum(kw.values()))
-    M, N, K, ldx, ldo, ldr = 37, 989, 1000, 1032, 1000, 1011
+@pytest.mark.parametrize("kw,ldr", [({"splits": 1}, 1011), ({"splits": 4}, 1011), ({"cs": 2}, 1011),
+                                    ({"nw": 48}, 1011), ({"nw": 48}, 1012)], ids=str)
+def test_linear_gmma_residual_and_strides(dg, ref, kw, ldr):
+    """x rows ldx apart, out rows ldo apart (the columns between are never written), residual rows ldr apart (the
+    narrow kernel: odd ldr takes its single-element stores, even its bf16 pairs)."""
+    rng = np.random.default_rng(5 + sum(kw.values()) + ldr)
+    M, N, K, ldx, ldo = 37, 989, 1000, 1032, 1000
     x_wide = round_bf16(rng.standard_normal((M, ldx), dtype=np.float32))
     w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
     r_wide = round_bf16(rng.standard_normal((M, ldr), dtype=np.float32))
@@ -324,26 +326,6 @@ def test_dense_linear_fuses_prologues_into_narrow(dg, ref, monkeypatch, cuda_dev
     assert CudaBackend._fuses(rule, 1, np.empty((576, 1536)), "swiglu")
     monkeypatch.setattr(dg, "GMMA_NARROW", False)
     assert not CudaBackend._fuses(rule, 17, np.empty((N, K)), "swiglu")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ldr", [1011, 1012])
-def test_linear_gmma_narrow_residual_and_strides(dg, ref, ldr):
-    """x rows ldx apart, out rows ldo apart (the columns between never written), residual rows ldr apart: odd ldr
-    takes the single-element stores, even the pairs."""
-    rng = np.random.default_rng(ldr)
-    M, N, K, ldx, ldo = 37, 989, 1000, 1032, 1000
-    x_wide = round_bf16(rng.standard_normal((M, ldx), dtype=np.float32))
-    w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
-    r_wide = round_bf16(rng.standard_normal((M, ldr), dtype=np.float32))
-    want = ref.linear(x_wide[:, :K], w) + r_wide[:, :N]
-    xd, rd = dev_bf16(x_wide), dev_bf16(r_wide)
-    out = poisoned((M, ldo))
-    dg.linear_gmma(xd.view(0, (M, K)), dev_bf16(w), out.view(0, (M, N)), rd.view(0, (M, N)),
-                   ldx=ldx, ldo=ldo, ldr=ldr, nw=48)
-    got = out.download()
-    assert_close(got[:, :N], want, f"linear_gmma narrow + residual, strided (ldr {ldr})", dtype="bf16", atol=ATOL)
-    assert np.all(got[:, N:] == 0xFFFF), "wrote outside [M, N] of the strided output"
 
 
 @pytest.mark.gpu
