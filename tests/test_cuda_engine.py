@@ -158,6 +158,30 @@ def test_fused_prologues_at_verify_sizes(cuda_backend, tiny_dirs, kind, monkeypa
         test_ddtree_equals_ar_every_bucket(cuda_backend, tiny_dirs)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_narrow_gmma_linears_in_the_engine(cuda_backend, tiny_dirs, kind, monkeypatch, cuda_device):
+    """DDTREE_GMMA_NARROW=1 with its plan limits lifted so the tiny models take it (sm_90a): every linear of up to 80
+    rows on the narrow-row kernel, decode sizes included, with rmsnorm (+ the residual add) and SwiGLU fused into
+    it: logits within bf16 tolerance of the reference, DDTree equal to AR at every bucket (budgets over 64 mix in
+    the other GMMA plans), and the narrow kernel did run, fused."""
+    from runtime import dense_gmma
+    if not dense_gmma.gmma_available(cuda_device.arch):
+        pytest.skip(f"the GMMA kernels are sm_90a only; device is sm_{cuda_device.arch}")
+    for name, value in (("GMMA_NARROW", True), ("NARROW_FILL", 0.0), ("NARROW_X_PER_W", 8.0),
+                        ("GMMA_DECODE_MIN_BYTES", 0), ("GMMA_DECODE_MIN_K", 0)):
+        monkeypatch.setattr(dense_gmma, name, value)
+    entries = set()
+    real = dense_gmma.launch_narrow
+    monkeypatch.setattr(dense_gmma, "launch_narrow", lambda *a, **k: entries.add(a[-1][0]) or real(*a, **k))
+    test_logits_match_numpy(cuda_backend, tiny_dirs, kind)
+    if kind == "qwen3":
+        test_ddtree_equals_ar_every_bucket(cuda_backend, tiny_dirs)
+    xmodes = {dense_gmma.gmma_narrow_config(e)[4] for e in entries}
+    tiles = {dense_gmma.gmma_narrow_config(e)[1] for e in entries}
+    assert xmodes == {0, 1, 2}, entries   # plain, rmsnorm, swiglu
+    assert 16 in tiles and (kind == "llama" or 80 in tiles), entries
+
+
 def test_eager_cuda_engine_matches_graphs(tiny_dirs, cuda_device):
     """The generic engine loop on the CUDA backend (no graphs, host prefix) gives the graph path's tokens,
     greedy and sampled."""
