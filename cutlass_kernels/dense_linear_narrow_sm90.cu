@@ -1,4 +1,4 @@
-// bf16 linear y[M, N] = x[M, K] @ W[N, K]^T (+ residual) on Hopper GMMA (wgmma), sm_90a only, for up to 64 rows
+// bf16 linear y[M, N] = x[M, K] @ W[N, K]^T (+ residual) on Hopper GMMA (wgmma), sm_90a only, for up to 80 rows
 // of x: narrow row blocks of W, so that one wave of blocks covers every SM with no K split.
 //
 // Why: linear_gmma_kernel (dense_linear_sm90.cu) swaps the operands (W is wgmma's A, 64 rows per warpgroup), so its
@@ -9,7 +9,8 @@
 // multiple of 8 rows): NW rows per block, NW picked so that ceil(N / NW) blocks fill one wave (6144 / 48 = 128,
 // 4096 / 32 = 128), each streaming the whole K of its rows. x is the A side (the wgmma M of 64 rows per
 // warpgroup): the token rows, from registers (wgmma RS), read by ldmatrix from a TX-row tile staged with W's;
-// warps whose 16 rows hold no token feed zeros, and their output rows are not stored.
+// warps whose 16 rows hold no token feed zeros, and their output rows are not stored. Not measured yet (no GPU in
+// the session that wrote it): runtime/dense_gmma.py keeps it off unless DDTREE_GMMA_NARROW=1.
 //
 // Block: one warpgroup (128 threads) for up to 64 token rows, two (256 threads, token rows 64 wg ..) for TX = 80
 // (the verify bucket 64: 65 rows), over NW W rows and TX token rows (blockIdx.z walks token tiles if M > TX;

@@ -12,6 +12,10 @@ model): either inside a (1, CS, 1) thread-block cluster whose blocks sum their p
 distributed shared memory (CS = 2; 4 when forced: no workspace traffic, no tickets), or through
 fp32 partials in a runtime.dense_kernels.Workspace reduced by the last block of each tile
 (ddtree::splitk_finish: one int32 ticket per (token tile, row block), left at zero).
+
+The narrow-row kernel (narrow_plan, launch_narrow; cutlass_kernels/dense_linear_narrow_sm90.cu) is the other
+orientation for up to 80 rows: W on wgmma's N side in blocks of any multiple of 16 rows, so that one wave of unsplit
+blocks covers every SM, with rmsnorm / SwiGLU fused into its x tile. Off until timed (DDTREE_GMMA_NARROW=1).
 """
 from __future__ import annotations
 
@@ -291,7 +295,7 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
 
 # Narrow row blocks (cutlass_kernels/dense_linear_narrow_sm90.cu, families NARROW_FAMILIES): W as wgmma's B
 # operand, NW rows per block (any multiple of 16), x's <= 80 rows as its A side from registers (one warpgroup per
-# 64 rows), so the op that makes x (rmsnorm (+ residual add), SwiGLU) can be fused into the A fragments.
+# 64 rows), so the op that makes x (rmsnorm (+ residual add), SwiGLU) can be fused into its x tile.
 # NW is the smallest instance whose unsplit blocks fit one wave, taken where they fill it to >= 90%: Qwen3-8B qkv
 # 6144 / 48, o and down 4096 / 32, gate_up 24576 / 192: 128 blocks each on the H200's 132 SMs, where
 # linear_gmma_kernel's 64- and 128-row blocks leave 36..68 SMs idle at qkv, o and down (or split K in clusters).
@@ -332,8 +336,8 @@ def narrow_smem_bytes(nw: int, tx: int, ka: int, stages: int, xmode: int = 0) ->
 def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None, prologue: str = "none"):
     """(entry, grid, dynamic smem bytes) of linear_gmma_narrow for [M, K] x [N, K]^T with `prologue` fused into the
     x load, or None where it has no plan (M over the largest token tile; no NW whose unsplit blocks fill one wave
-    to NARROW_FILL; more x than NARROW_X_PER_W allows). nw forces the row block (any built NW; M over the largest token tile then walks tiles of it on
-    blockIdx.z)."""
+    to NARROW_FILL; more x than NARROW_X_PER_W allows). nw forces the row block (any built NW; M over the largest
+    token tile then walks tiles of it on blockIdx.z)."""
     op = "linear_gmma_narrow"
     _need(prologue in NARROW_XMODES, op, f"prologue {prologue!r}: one of {', '.join(NARROW_XMODES)}")
     tx = next((t for t in NARROW_GMMA_TOKEN_TILES if M <= t), None)

@@ -92,8 +92,8 @@ def configure(spec: str, defaults: dict) -> None:
                 dk.FUSED_PROLOGUE_ROWS[prologue] = int(term[-2:])
         else:
             raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
-                             "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, gmmadec0, gmma1, fuse0, narrow1, nfuse0, "
-                             "drowsN, fuse16/32, norm16/32 or swiglu16/32")
+                             "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, gmmadec0, gmma1, fuse0, narrow1, "
+                             "nfuse0, drowsN, fuse16/32, norm16/32 or swiglu16/32")
 
 
 FUSE_TERMS = {"fuse": ("rmsnorm", "swiglu"), "norm": ("rmsnorm",), "swiglu": ("swiglu",)}
