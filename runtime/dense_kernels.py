@@ -377,7 +377,8 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]) in bf16 with fp32 accumulation.
     kernel/splits/stages/rt/kw/persist override the plan (benchmarks and tests).
     prologue fuses the op that makes x into the x load (M <= FUSED_PROLOGUE_ROWS[prologue], see
-    fused_prologue_ok):
+    fused_prologue_ok; or wherever the sm_90a narrow-row GMMA kernel takes the linear, dense_gmma.narrow_fuses,
+    whose rmsnorm rounds h * norm_weight and scales the output rows instead: within bf16 tolerance, not bit-equal):
       "rmsnorm": x <- rmsnorm(x (+ x2), norm_weight, eps), as `rmsnorm`; with x2, sum_out (optional, not
                  aliasing x or x2) receives bf16(x + x2), as rmsnorm's residual_out.
       "swiglu":  x <- silu(x) * x2 (x = gate [M, K], x2 = up [M, K]), as `swiglu`."""
