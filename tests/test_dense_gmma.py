@@ -321,11 +321,12 @@ def test_dense_linear_fuses_prologues_into_narrow(dg, ref, monkeypatch, cuda_dev
     # the backend's rule: fuse where the narrow kernel takes the linear; not where another GMMA plan does (half a
     # wave of 32-row blocks at 17 rows); the gemv's decode sizes where no GMMA plan does (a small weight at 1 row)
     rule = types.SimpleNamespace(fuse=True)
-    assert CudaBackend._fuses(rule, 17, np.empty((N, K)), "swiglu")
-    assert not CudaBackend._fuses(rule, 17, np.empty((N // 2, K)), "swiglu")
-    assert CudaBackend._fuses(rule, 1, np.empty((576, 1536)), "swiglu")
+    weight = lambda n, k: types.SimpleNamespace(shape=(n, k))  # noqa: E731 (the rule reads only the shape)
+    assert CudaBackend._fuses(rule, 17, weight(N, K), "swiglu")
+    assert not CudaBackend._fuses(rule, 17, weight(N // 2, K), "swiglu")
+    assert CudaBackend._fuses(rule, 1, weight(576, 1536), "swiglu")
     monkeypatch.setattr(dg, "GMMA_NARROW", False)
-    assert not CudaBackend._fuses(rule, 17, np.empty((N, K)), "swiglu")
+    assert not CudaBackend._fuses(rule, 17, weight(N, K), "swiglu")
 
 
 @pytest.mark.gpu
