@@ -171,17 +171,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 
   // Prologue: W of the first STAGES-1 stages before the dependency wait (weights are immutable), then x.
   constexpr int kPre = STAGES - 1;
-#pragma unroll
-  for (int s = 0; s < kPre; ++s)
-    if (s < n_stages) load_w(s);
-  ddtree::grid_dependency_wait();
-  if (GMMA_EARLY_TRIGGER) ddtree::launch_dependents();
-#pragma unroll
-  for (int s = 0; s < kPre; ++s)
-    if (s < n_stages) {
-      load_x(s);
-      ddtree::mbar_arrive_cp_async(ring.full(s));
-    }
+  ring.prologue(n_stages, GMMA_EARLY_TRIGGER, load_w, load_x);
 
   // Warp w holds token rows 16 w .. 16 w + 15 (warpgroup w / 4's m64 tile). ldmatrix rows of this lane: matrix
   // q = lane / 8 is rows 8 (q % 2) .. + 7 of the warp's 16, k chunk q / 2 of the k16 step, so the four registers

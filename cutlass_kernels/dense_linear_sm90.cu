@@ -183,17 +183,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 
   // Prologue: W of the first STAGES-1 stages before the dependency wait (weights are immutable), then x.
   constexpr int kPre = STAGES - 1;
-#pragma unroll
-  for (int s = 0; s < kPre; ++s)
-    if (s < n_stages) load_w(s);
-  ddtree::grid_dependency_wait();
-  if (GMMA_EARLY_TRIGGER) ddtree::launch_dependents();
-#pragma unroll
-  for (int s = 0; s < kPre; ++s)
-    if (s < n_stages) {
-      load_x(s);
-      mbar_arrive_cp_async(ring.full(s));
-    }
+  ring.prologue(n_stages, GMMA_EARLY_TRIGGER, load_w, load_x);
 
   float acc[RW][kAcc];
 #pragma unroll

@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda/std/cstdint>  // NVRTC has no <cstdint>
 #include <cuda/std/utility>
+#include "device_common.cuh"  // grid_dependency_wait, launch_dependents
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // N = 24, 40, 56, 72, ... (every multiple of 8)
 #include <cute/arch/mma_sm90_gmma.hpp>
 
@@ -104,6 +105,23 @@ struct StageBarriers {
       mbar_init(empty(s), count);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // The PDL prologue of a weight-streaming ring (every thread): load_w(s) of the first STAGES - 1 stages before
+  // the dependency wait (weights are immutable), the next kernel let in right after it when `early`, then
+  // load_x(s) of those stages, each closed by the thread's cp.async arrival on full(s).
+  template <class LoadW, class LoadX>
+  __device__ __forceinline__ void prologue(int n_stages, bool early, LoadW&& load_w, LoadX&& load_x) const {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < n_stages) load_w(s);
+    grid_dependency_wait();
+    if (early) launch_dependents();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < n_stages) {
+        load_x(s);
+        mbar_arrive_cp_async(full(s));
+      }
   }
 };
 
