@@ -59,7 +59,7 @@ register(KernelFamily(
 register(KernelFamily(
     name="runtime_probe",
     source="runtime_probe.cu",
-    entries=("read_sum_kernel", "add_scalar_kernel", "noop_kernel") + tuple(
+    entries=("read_sum_kernel", "read_sum_deep_kernel<8>", "add_scalar_kernel", "noop_kernel") + tuple(
         f"stream_rows_kernel<{depth}, {hint}>" for depth in (1, 2, 3, 4, 6) for hint in (0, 1)),
 ))
 # The streaming read as a link of a programmatic-dependent-launch chain (tools/bench_dense.py).

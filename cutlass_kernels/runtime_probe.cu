@@ -20,6 +20,24 @@ extern "C" __global__ void read_sum_kernel(const uint4* __restrict__ src, long l
   read_fold(src, (long long)blockIdx.x * blockDim.x + threadIdx.x, n_vec, 0u, sink);
 }
 
+// The same read with DEPTH independent 16-byte loads in flight per thread (vectors i + j * stride, j < DEPTH, all
+// issued before any is folded): read_sum_kernel keeps one, so few blocks per SM cannot have enough bytes in flight.
+// tools/bench_dense.py --read-by-sms runs one 1024-thread block on each of G SMs with DEPTH 8 (128 KB in flight
+// per SM, about what the GMMA linears' rings hold), to see how the read scales with the SMs that stream.
+template <int DEPTH>
+__global__ void read_sum_deep_kernel(const uint4* __restrict__ src, long long n_vec, unsigned int* __restrict__ sink) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  unsigned int acc = 0u;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n_vec; i += DEPTH * stride) {
+    uint4 v[DEPTH];
+#pragma unroll
+    for (int j = 0; j < DEPTH; ++j) v[j] = i + j * stride < n_vec ? __ldcs(src + i + j * stride) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int j = 0; j < DEPTH; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
 // read_sum_kernel as a link of a PDL chain (family runtime_probe_pdl, launched with programmatic stream
 // serialization), shaped like the weight-streaming linears: each thread issues its first load, waits for the
 // previous kernel (ddtree::grid_dependency_wait), lets the next one launch, then streams the rest. What a chain of

@@ -35,6 +35,7 @@ def test_ptx_entry_params():
 
 def test_ptx_entry_params_of_real_kernels():
     assert ptx_param_sizes("runtime_probe", "read_sum_kernel") == (8, 8, 8)   # (const uint4*, long long, unsigned*)
+    assert ptx_param_sizes("runtime_probe", "read_sum_deep_kernel<8>") == (8, 8, 8)   # tools/read_bandwidth.py
     assert ptx_param_sizes("runtime_probe", "noop_kernel") == (8, 4)
     # tools/bench_stream_rows.py: (const uint4*, int units, int streams, int step_major, unsigned*)
     for depth in (1, 6):

@@ -345,12 +345,13 @@ def bench_sampling(stream):
 
 
 def bench_read_by_sms(stream, read_bw):
-    """The streaming read with one 1024-thread block on each of G SMs: GB/s per streaming SM, and % of the best
-    read. A linear whose blocks cover G SMs cannot beat this row; if the per-SM rate stays flat as G falls, idle
-    SMs are what a plan gives up."""
+    """The streaming read with one 1024-thread block (8 loads in flight per thread, 128 KB per SM) on each of G SMs:
+    GB/s per streaming SM, and % of the best read. If the per-SM rate stays flat as G falls, idle SMs are what a
+    plan gives up; if it rises, fewer SMs can still pull the bandwidth and the linears lose elsewhere."""
     sms = get_device().sm_count
     grids = sorted({g for g in (32, 64, 96, 112, 128, sms) if g <= sms})
-    print(f"\n## streaming read by SMs (one 1024-thread block per SM; % = of the {read_bw / 1e12:.2f} TB/s read)")
+    print(f"\n## streaming read by SMs (one 1024-thread block per SM, 8 loads in flight a thread; % = of the "
+          f"{read_bw / 1e12:.2f} TB/s read)")
     print("| bytes | blocks (SMs) | us | GB/s | GB/s per SM | % read |")
     print("|---|---|---|---|---|---|")
     for label, nbytes, copies in (("2 GiB", 2 << 30, 1), ("qkv 6144x4096 (50 MB)", 6144 * 4096 * 2, 8),

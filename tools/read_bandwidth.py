@@ -47,10 +47,11 @@ def read_bandwidth(nbytes: int = 2 << 30, configs=CONFIGS, iters: int = 20, stre
 
 def read_time_by_blocks(regions, blocks, threads: int = 1024, iters: int = 20, stream=None) -> list[float]:
     """Median microseconds of reading one region with each grid size in `blocks` (of `threads` threads; at 1024
-    threads no two blocks share an SM while the grid is at most the SM count): how the read scales with the SMs
-    that stream, the question behind a linear whose row blocks leave SMs idle."""
+    threads no two blocks share an SM while the grid is at most the SM count), 8 loads in flight per thread
+    (read_sum_deep_kernel<8>): how the read scales with the SMs that stream, the question behind a linear whose row
+    blocks leave SMs idle."""
     from runtime import cuda
-    kernel = cuda.get_kernel("runtime_probe", "read_sum_kernel")
+    kernel = cuda.get_kernel("runtime_probe", "read_sum_deep_kernel<8>")
     sink = cuda.empty((4,), np.uint32)
     nbytes = regions[0].nbytes
     out = []
