@@ -184,7 +184,7 @@ register(KernelFamily(
 # as fit ~200 KB (the size of linear_gmma_kernel's rings), at least 6 where a smaller KA allows it, at most 12.
 NARROW_GMMA_ROWS = (32, 48, 64, 80, 96, 128, 192, 256)
 NARROW_GMMA_TOKEN_TILES = (16, 32, 64, 80)
-# XMODE: the op fused into the A fragments (0: none, 1: rmsnorm (+ residual add), 2: SwiGLU); 1 and 2 stage a second
+# XMODE: the op fused into the x tile (0: none, 1: rmsnorm (+ residual add), 2: SwiGLU); 1 and 2 stage a second
 # x tile (the residual / up)
 NARROW_XMODES = {"none": 0, "rmsnorm": 1, "swiglu": 2}
 
