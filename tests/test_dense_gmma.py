@@ -640,3 +640,30 @@ def test_narrow_kernel_emulated(nw, tx, xmode):
                          dtype="bf16", atol=ATOL)
             if total is not None:
                 np.testing.assert_array_equal(total, round_bf16(x + x2))
+
+
+def test_narrow_a_fragments_emulated():
+    """dense_linear_narrow_sm90.cu's x path in numpy: rows written into the 128-byte-swizzled tile as load_x does
+    (chunk c of row r at chunk c ^ (r % 8)), read back by ldmatrix.x4 with the lane addresses the kernel computes;
+    every thread must get the wgmma / mma.sync m16k16 A fragment of its warp's 16 rows (register c: row g + 8 (c % 2),
+    k 16 j + 2 t + 8 (c / 2) and the next; g = lane / 4, t = lane % 4), for each k16 step j and warp."""
+    TX = 80
+    x = np.arange(TX * 64, dtype=np.int32).reshape(TX, 64)  # x[r, k] = 64 r + k: every element distinct
+    tile = np.zeros(TX * 64, np.int32)                       # the tile in 2-byte elements
+    for r in range(TX):
+        for c in range(8):
+            pos = (r * 128 + ((c ^ (r & 7)) << 4)) // 2
+            tile[pos:pos + 8] = x[r, 8 * c:8 * c + 8]
+    for warp in range(TX // 16):
+        for j in range(4):
+            rows = []  # the 16-byte row each lane points ldmatrix at
+            for lane in range(32):
+                lm_row = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7)
+                addr = lm_row * 128 + ((((2 * j + (lane >> 4)) ^ (lm_row & 7))) << 4)
+                rows.append(tile[addr // 2:addr // 2 + 8])
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for c in range(4):
+                    got = rows[8 * c + g][2 * t:2 * t + 2]            # matrix c, row g, elements 2t, 2t + 1
+                    m, k = 16 * warp + g + 8 * (c & 1), 16 * j + 2 * t + 8 * (c >> 1)
+                    assert list(got) == [x[m, k], x[m, k + 1]], (warp, j, lane, c)
