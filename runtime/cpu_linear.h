@@ -88,14 +88,15 @@ DDT_INLINE float ddt_hsum8(ddt_v8f v) {
 
 #define DDT_SAME(v) (v)
 
-/* Rows m..m+mt-1 of x against rows n..n+NT-1 of W (element type WT, read 8 at a time by LOAD8, one by ONE); K8 = K
-   rounded down to 8, the rest in scalars. The loops over i and j unroll; i >= mt are skipped, so every (i, j) runs
-   the same code. SUF names the weight type: bf16 (x holds bf16 values then) or f32. */
-#define DDT_TILE8(SUF, WT, LOAD8, ONE, NT)                                                                  \
-  DDT_INLINE void ddt_tile8_##SUF##_##NT(const float *x, const WT *w, float *out, ptrdiff_t N, ptrdiff_t K, \
-                                         ptrdiff_t n, ptrdiff_t m, int mt) {                                \
-    ddt_v8f acc[4][NT];                                                                                     \
-    for (int i = 0; i < 4; i++)                                                                             \
+/* Rows m..m+mt-1 (mt <= MT) of x against rows n..n+NT-1 of W (element type WT, read 8 at a time by LOAD8, one by
+   ONE); K8 = K rounded down to 8, the rest in scalars. The loops over i and j unroll; i >= mt are skipped, so every
+   (i, j) runs the same code, and a row sums in the same order whatever tile holds it. SUF names the weight type:
+   bf16 (x holds bf16 values then) or f32. */
+#define DDT_TILE8(SUF, WT, LOAD8, ONE, NT, MT)                                                              \
+  DDT_INLINE void ddt_tile8_##SUF##_##NT##x##MT(const float *x, const WT *w, float *out, ptrdiff_t N,      \
+                                                ptrdiff_t K, ptrdiff_t n, ptrdiff_t m, int mt) {            \
+    ddt_v8f acc[MT][NT];                                                                                    \
+    for (int i = 0; i < MT; i++)                                                                            \
       for (int j = 0; j < NT; j++) acc[i][j] = (ddt_v8f){0, 0, 0, 0, 0, 0, 0, 0};                         \
     const WT *w0 = w + n * K;                                                                               \
     const float *x0 = x + m * K;                                                                            \
@@ -105,7 +106,7 @@ DDT_INLINE float ddt_hsum8(ddt_v8f v) {
         for (int j = 0; j < NT; j++) DDT_PREFETCH_W(w0, j, K, k, NT);                                      \
       ddt_v8f wv[NT];                                                                                       \
       for (int j = 0; j < NT; j++) wv[j] = LOAD8(w0 + j * K + k);                                          \
-      for (int i = 0; i < 4; i++) {                                                                         \
+      for (int i = 0; i < MT; i++) {                                                                        \
         if (i >= mt) break;                                                                                 \
         ddt_v8f xv = ddt_load8_f32(x0 + i * K + k);                                                        \
         for (int j = 0; j < NT; j++) acc[i][j] += xv * wv[j];                                              \
@@ -118,22 +119,41 @@ DDT_INLINE float ddt_hsum8(ddt_v8f v) {
         out[(m + i) * N + n + j] = s;                                                                       \
       }                                                                                                     \
   }
-DDT_TILE8(bf16, uint16_t, ddt_load8_bf16, ddt_bf16_to_f32, 2)
-DDT_TILE8(bf16, uint16_t, ddt_load8_bf16, ddt_bf16_to_f32, 1)
-DDT_TILE8(f32, float, ddt_load8_f32, DDT_SAME, 2)
-DDT_TILE8(f32, float, ddt_load8_f32, DDT_SAME, 1)
+DDT_TILE8(bf16, uint16_t, ddt_load8_bf16, ddt_bf16_to_f32, 2, 4)
+DDT_TILE8(bf16, uint16_t, ddt_load8_bf16, ddt_bf16_to_f32, 1, 4)
+DDT_TILE8(bf16, uint16_t, ddt_load8_bf16, ddt_bf16_to_f32, 2, 6)
+DDT_TILE8(bf16, uint16_t, ddt_load8_bf16, ddt_bf16_to_f32, 1, 6)
+DDT_TILE8(f32, float, ddt_load8_f32, DDT_SAME, 2, 4)
+DDT_TILE8(f32, float, ddt_load8_f32, DDT_SAME, 1, 4)
+DDT_TILE8(f32, float, ddt_load8_f32, DDT_SAME, 2, 6)
+DDT_TILE8(f32, float, ddt_load8_f32, DDT_SAME, 1, 6)
 
-/* x against W: pairs of W rows over the threads, then the odd row; a baseline and an AVX2+FMA build. */
+/* x against W: pairs of W rows over the threads, then the odd row; a baseline and an AVX2+FMA build. Tiles of 4 x
+   rows up to 4 rows, of 6 from 5 (12 accumulators + 2 W + 1 x vector fill AVX2's 16 registers; a 5-row DDTree verify
+   at budget 4 is then one pass). 6-row tiles against 4 (dev VM, avx2+fma, bench_cpu, builds alternated): lm_head
+   49152x576 at 5 rows 3.65-4.18 -> 2.87-3.27 ms, 17 rows 9.6-11.6 -> 7.6-9.5; at one row a 6-row tile ran 7-15%
+   slower, so up to 4 rows keep the 4-row tile. */
+#define DDT_LINEAR8_ROWS(SUF, NT, MT, n)                                                                    \
+  for (ptrdiff_t m = 0; m < M; m += MT)                                                                     \
+    ddt_tile8_##SUF##_##NT##x##MT(x, w, out, N, K, (n), m, M - m < MT ? (int)(M - m) : MT);
 #define DDT_LINEAR8_BODY(SUF)                                                                               \
   {                                                                                                         \
     const ptrdiff_t pairs = N / 2;                                                                          \
     _Pragma("omp parallel for schedule(static) if (pairs > 64)")                                           \
-    for (ptrdiff_t p = 0; p < pairs; p++)                                                                   \
-      for (ptrdiff_t m = 0; m < M; m += 4)                                                                  \
-        ddt_tile8_##SUF##_2(x, w, out, N, K, 2 * p, m, M - m < 4 ? (int)(M - m) : 4);                      \
-    if (N & 1)                                                                                              \
-      for (ptrdiff_t m = 0; m < M; m += 4)                                                                  \
-        ddt_tile8_##SUF##_1(x, w, out, N, K, N - 1, m, M - m < 4 ? (int)(M - m) : 4);                      \
+    for (ptrdiff_t p = 0; p < pairs; p++) {                                                                 \
+      if (M <= 4) {                                                                                         \
+        DDT_LINEAR8_ROWS(SUF, 2, 4, 2 * p)                                                                  \
+      } else {                                                                                              \
+        DDT_LINEAR8_ROWS(SUF, 2, 6, 2 * p)                                                                  \
+      }                                                                                                     \
+    }                                                                                                       \
+    if (N & 1) {                                                                                            \
+      if (M <= 4) {                                                                                         \
+        DDT_LINEAR8_ROWS(SUF, 1, 4, N - 1)                                                                  \
+      } else {                                                                                              \
+        DDT_LINEAR8_ROWS(SUF, 1, 6, N - 1)                                                                  \
+      }                                                                                                     \
+    }                                                                                                       \
   }
 #if DDT_X86
 #define DDT_LINEAR8_FUNCS(SUF, WT)                                                                          \
