@@ -193,7 +193,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 #pragma unroll
   for (int p = 0; p < (XMODE == kXRmsNorm ? kPasses : 1); ++p) ss_slot[p] = 0.f;
   const bool write_sum = XMODE == kXRmsNorm && with_x2 && sum_out != nullptr && blockIdx.x == 0;
-  auto prologue = [&](int s, int b) {
+  auto rewrite_x = [&](int s, int b) {
     unsigned char* stage = smem_gen + b * kStageBytes;
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
@@ -242,7 +242,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     ddtree::mbar_wait(ring.full(b), (s / STAGES) & 1);
     // cp.async wrote through the generic proxy, wgmma reads W through the async proxy
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if constexpr (XMODE != kXPlain) prologue(s, b);
+    if constexpr (XMODE != kXPlain) rewrite_x(s, b);
     const uint32_t xbase = smem_base + b * kStageBytes;
     const uint32_t wbase = xbase + kStageX;
     uint32_t afrag[KA][4][4];
