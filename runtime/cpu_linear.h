@@ -133,26 +133,25 @@ DDT_TILE8(f32, float, ddt_load8_f32, DDT_SAME, 1, 6)
    at budget 4 is then one pass). 6-row tiles against 4 (dev VM, avx2+fma, bench_cpu, builds alternated): lm_head
    49152x576 at 5 rows 3.65-4.18 -> 2.87-3.27 ms, 17 rows 9.6-11.6 -> 7.6-9.5; at one row a 6-row tile ran 7-15%
    slower, so up to 4 rows keep the 4-row tile. */
-#define DDT_LINEAR8_ROWS(SUF, NT, MT, n)                                                                    \
+#define DDT_LINEAR8_TILES(SUF, NT, MT, n)                                                                   \
   for (ptrdiff_t m = 0; m < M; m += MT)                                                                     \
     ddt_tile8_##SUF##_##NT##x##MT(x, w, out, N, K, (n), m, M - m < MT ? (int)(M - m) : MT);
+/* All of x against NT W rows from row n: 4-row tiles up to 4 rows, 6-row tiles from 5. */
+#define DDT_LINEAR8_ROWS(SUF, NT, n)                                                                        \
+  if (M <= 4) {                                                                                             \
+    DDT_LINEAR8_TILES(SUF, NT, 4, n)                                                                        \
+  } else {                                                                                                  \
+    DDT_LINEAR8_TILES(SUF, NT, 6, n)                                                                        \
+  }
 #define DDT_LINEAR8_BODY(SUF)                                                                               \
   {                                                                                                         \
     const ptrdiff_t pairs = N / 2;                                                                          \
     _Pragma("omp parallel for schedule(static) if (pairs > 64)")                                           \
     for (ptrdiff_t p = 0; p < pairs; p++) {                                                                 \
-      if (M <= 4) {                                                                                         \
-        DDT_LINEAR8_ROWS(SUF, 2, 4, 2 * p)                                                                  \
-      } else {                                                                                              \
-        DDT_LINEAR8_ROWS(SUF, 2, 6, 2 * p)                                                                  \
-      }                                                                                                     \
+      DDT_LINEAR8_ROWS(SUF, 2, 2 * p)                                                                       \
     }                                                                                                       \
     if (N & 1) {                                                                                            \
-      if (M <= 4) {                                                                                         \
-        DDT_LINEAR8_ROWS(SUF, 1, 4, N - 1)                                                                  \
-      } else {                                                                                              \
-        DDT_LINEAR8_ROWS(SUF, 1, 6, N - 1)                                                                  \
-      }                                                                                                     \
+      DDT_LINEAR8_ROWS(SUF, 1, N - 1)                                                                       \
     }                                                                                                       \
   }
 #if DDT_X86
