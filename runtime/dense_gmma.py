@@ -355,11 +355,17 @@ def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None, pr
     return narrow_entry(cfg), (-(-N // nw), 1, -(-M // tx)), narrow_smem_bytes(*cfg)
 
 
+def narrow_fused_plan(M: int, N: int, K: int, prologue: str):
+    """The narrow_plan runtime.dense_kernels.linear runs this linear with `prologue` on (GMMA_NARROW and NARROW_FUSE
+    on, the GMMA kernels take the shape, narrow_plan has a plan), else None."""
+    if not (GMMA_NARROW and NARROW_FUSE and prologue in NARROW_XMODES and gmma_wanted(M, N, K)):
+        return None
+    return narrow_plan(M, N, K, get_device().sm_count, prologue=prologue)
+
+
 def narrow_fuses(M: int, N: int, K: int, prologue: str) -> bool:
-    """Whether runtime.dense_kernels.linear runs this linear with `prologue` on the narrow-row kernel (GMMA_NARROW and
-    NARROW_FUSE on, the GMMA kernels take the shape, narrow_plan has a plan)."""
-    return (GMMA_NARROW and NARROW_FUSE and prologue in NARROW_XMODES and gmma_wanted(M, N, K)
-            and narrow_plan(M, N, K, get_device().sm_count, prologue=prologue) is not None)
+    """Whether runtime.dense_kernels.linear fuses `prologue` into this linear on the narrow-row kernel."""
+    return narrow_fused_plan(M, N, K, prologue) is not None
 
 
 def launch_narrow(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None, M: int, N: int,
@@ -382,6 +388,13 @@ def launch_narrow(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: De
     return out
 
 
+def _need_gmma_device(op: str):
+    """The current device, after a clear error unless the GMMA kernels are built for its arch."""
+    dev = get_device()
+    _need(gmma_available(dev.arch), op, f"the GMMA kernel is built for {GMMA_ARCHS}, this device is sm_{dev.arch}")
+    return dev
+
+
 def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None = None, *,
                 ldx: int | None = None, ldo: int | None = None, ldr: int | None = None,
                 ws: Workspace | None = None, splits: int | None = None, tn: int | None = None,
@@ -398,9 +411,7 @@ def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
     M, N, K, ldx, ldo, ldr = linear_checks("linear_gmma", x, w, out, residual, ldx, ldo, ldr)
     ldx2, ldsum = prologue_checks("linear_gmma", prologue, M, K, x2, ldx2, norm_weight, sum_out, ldsum)
     if prologue != "none" or nw is not None:
-        arch = get_device().arch
-        _need(gmma_available(arch), "linear_gmma", f"the GMMA kernel is built for {GMMA_ARCHS}, this device is "
-              f"sm_{arch}")
+        _need_gmma_device("linear_gmma")
         _need(nw is not None, "linear_gmma", "a fused prologue needs the narrow-row kernel (nw)")
         _need((splits, tn, ka, stages, rw, cs, nwg) == (None,) * 7, "linear_gmma",
               "nw (the narrow-row kernel) takes none of splits/tn/ka/stages/rw/cs/nwg")
@@ -419,9 +430,7 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
                 stream=None):
     """linear_gmma after runtime.dense_kernels.linear_checks (which dense_kernels.linear has already run); with
     GMMA_NARROW and no forced plan, the narrow-row kernel wherever narrow_plan has a plan."""
-    op = "linear_gmma"
-    dev = get_device()
-    _need(gmma_available(dev.arch), op, f"the GMMA kernel is built for {GMMA_ARCHS}, this device is sm_{dev.arch}")
+    dev = _need_gmma_device("linear_gmma")
     if GMMA_NARROW and (splits, tn, ka, stages, rw, cs, nwg) == (None,) * 7:
         plan = narrow_plan(M, N, K, dev.sm_count)
         if plan is not None:

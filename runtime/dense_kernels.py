@@ -387,15 +387,15 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArr
     xmode = PROLOGUES.get(prologue)
     from runtime import dense_gmma
     # the sm_90a narrow-row GMMA kernel takes the fused prologues where it takes the linear (dense_gmma.narrow_fuses)
-    narrow = bool(xmode) and kernel == "auto" and splits is None and dense_gmma.narrow_fuses(M, N, K, prologue)
-    _need(not xmode or narrow or fused_prologue_ok(M, K, prologue), op,
+    narrow_plan = (dense_gmma.narrow_fused_plan(M, N, K, prologue) if xmode and kernel == "auto" and splits is None
+                   else None)
+    _need(not xmode or narrow_plan is not None or fused_prologue_ok(M, K, prologue), op,
           f"no fused {prologue} kernel for M = {M}, K = {K}")
     ldx2, ldsum = prologue_checks(op, prologue, M, K, x2, ldx2, norm_weight, sum_out, ldsum)
-    if narrow:
-        return dense_gmma.launch_narrow(x, w, out, residual, M, N, K, ldx, ldo, ldr,
-                                        dense_gmma.narrow_plan(M, N, K, get_device().sm_count, prologue=prologue),
-                                        stream=stream, x2=x2, ldx2=ldx2, norm_weight=norm_weight, eps=eps,
-                                        sum_out=sum_out, ldsum=ldsum)
+    if narrow_plan is not None:
+        return dense_gmma.launch_narrow(x, w, out, residual, M, N, K, ldx, ldo, ldr, narrow_plan, stream=stream,
+                                        x2=x2, ldx2=ldx2, norm_weight=norm_weight, eps=eps, sum_out=sum_out,
+                                        ldsum=ldsum)
     if kernel == "auto" and not xmode:  # sm_90a GMMA path from dense_gmma.GMMA_MIN_M rows, DDTREE_LINEAR_GMMA=0: off
         if dense_gmma.gmma_wanted(M, N, K):
             return dense_gmma.launch_gmma(x, w, out, residual, M, N, K, ldx, ldo, ldr, ws=ws, splits=splits,
