@@ -225,6 +225,15 @@ def test_linear_gmma_rejects_bad_shapes(dg):
 
 
 # ---------------------------------------------------------------- GPU: the narrow-row kernel
+@pytest.fixture
+def narrow_launches(dg, monkeypatch):
+    """The instance names of every launch_narrow call from here on (the calls still run)."""
+    entries = []
+    real = dg.launch_narrow
+    monkeypatch.setattr(dg, "launch_narrow", lambda *a, **k: entries.append(a[-1][0]) or real(*a, **k))
+    return entries
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K,nw", [
     # N and K tails (N not a multiple of NW; K not of the stage's k), 1..64 token rows over every token tile
@@ -293,16 +302,14 @@ def test_linear_gmma_narrow_every_instance(dg, ref, cfg):
 
 
 @pytest.mark.gpu
-def test_dense_linear_fuses_prologues_into_narrow(dg, ref, monkeypatch, cuda_device):
+def test_dense_linear_fuses_prologues_into_narrow(dg, ref, monkeypatch, cuda_device, narrow_launches):
     """With GMMA_NARROW on, dense_kernels.linear(prologue=...) runs on the narrow kernel where it takes the linear
     (N = 32 x the SM count: up to 32 rows with the second x tile), at decode and verify sizes alike, and the CUDA
     backend's fusion rule agrees."""
     import runtime.dense_kernels as dk
     from runtime.backends.cuda_backend import CudaBackend
     monkeypatch.setattr(dg, "GMMA_NARROW", True)
-    calls = []
-    real = dg.launch_narrow
-    monkeypatch.setattr(dg, "launch_narrow", lambda *a, **k: calls.append(a[-1][0]) or real(*a, **k))
+    calls = narrow_launches
     N, K = 32 * cuda_device.sm_count, 2048
     assert not dg.narrow_fuses(33, N, K, "swiglu")  # x and up: 66 rows of x per 32 rows of W
     for M in (1, 17, 32):
@@ -367,15 +374,13 @@ def test_linear_gmma_narrow_chain_and_graph(dg, ref):
 
 
 @pytest.mark.gpu
-def test_dense_linear_hands_decode_sizes_to_narrow(dg, ref, monkeypatch, cuda_device):
+def test_dense_linear_hands_decode_sizes_to_narrow(dg, ref, monkeypatch, cuda_device, narrow_launches):
     """With GMMA_NARROW on, runtime.dense_kernels.linear runs the narrow kernel where narrow_plan has a plan (N =
     32 x the SM count: one full wave of 32-row blocks, up to 64 rows; twice that N: 64-row blocks, up to 80 rows),
     and the planned kernel elsewhere; forcing a plan of the other kernel (splits) keeps that kernel."""
     import runtime.dense_kernels as dk
     monkeypatch.setattr(dg, "GMMA_NARROW", True)
-    calls = []
-    real = dg.launch_narrow
-    monkeypatch.setattr(dg, "launch_narrow", lambda *a, **k: calls.append(a[-1][0]) or real(*a, **k))
+    calls = narrow_launches
     n_full = 32 * cuda_device.sm_count
     for M, N, K, kw, routed in [(1, n_full, 4096, {}, True), (17, n_full, 2048, {}, True),
                                 (64, n_full, 2048, {}, True), (65, n_full, 2048, {}, False),  # x > 2 x W a block
