@@ -53,6 +53,11 @@ using cuda::std::uintptr_t;
 #ifndef GMMA_EARLY_TRIGGER
 #define GMMA_EARLY_TRIGGER 1
 #endif
+// 1: a fused prologue rewrites stage s + 1's x tile while stage s's MMAs run (off the MMAs' path); 0: stage s's
+// before its own ldmatrix (registry DDTREE_NARROW_REWRITE)
+#ifndef NARROW_REWRITE_AHEAD
+#define NARROW_REWRITE_AHEAD 1
+#endif
 
 namespace {
 constexpr int kXPlain = 0, kXRmsNorm = 1, kXSwiGLU = 2;  // XMODE (as dense_linear.cu's)
@@ -193,7 +198,10 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 #pragma unroll
   for (int p = 0; p < (XMODE == kXRmsNorm ? kPasses : 1); ++p) ss_slot[p] = 0.f;
   const bool write_sum = XMODE == kXRmsNorm && with_x2 && sum_out != nullptr && blockIdx.x == 0;
+  // rewrite_x(s, b): stage s (in buffer b), once landed; the block barrier after it comes from the caller.
   auto rewrite_x = [&](int s, int b) {
+    ddtree::mbar_wait(ring.full(b), (s / STAGES) & 1);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     unsigned char* stage = smem_gen + b * kStageBytes;
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
@@ -227,8 +235,13 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       }
       *px = ddtree::pack8(h);
     }
-    asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");  // every live row rewritten before any ldmatrix
   };
+  auto block_sync = [] { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); };
+  constexpr bool kAhead = XMODE != kXPlain && NARROW_REWRITE_AHEAD;
+  if constexpr (kAhead) {  // stage 0 before the loop; the loop rewrites stage s + 1 under stage s's MMAs
+    rewrite_x(0, 0);
+    block_sync();
+  }
 
   float acc[kAcc];
 #pragma unroll
@@ -239,10 +252,16 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 
   for (int s = 0; s < n_stages; ++s) {
     const int b = s % STAGES;
-    ddtree::mbar_wait(ring.full(b), (s / STAGES) & 1);
-    // cp.async wrote through the generic proxy, wgmma reads W through the async proxy
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if constexpr (XMODE != kXPlain) rewrite_x(s, b);
+    if constexpr (kAhead) {
+      // stage s landed and was rewritten in the previous iteration (or before the loop)
+    } else if constexpr (XMODE != kXPlain) {
+      rewrite_x(s, b);
+      block_sync();  // every live row rewritten before any ldmatrix
+    } else {
+      ddtree::mbar_wait(ring.full(b), (s / STAGES) & 1);
+      // cp.async wrote through the generic proxy, wgmma reads W through the async proxy
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
     const uint32_t xbase = smem_base + b * kStageBytes;
     const uint32_t wbase = xbase + kStageX;
     uint32_t afrag[KA][4][4];
@@ -266,10 +285,14 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
         ddtree::gmma_rs<Op>(afrag[a][j], db + 2 * j, acc, cuda::std::make_integer_sequence<int, kAcc>{});
     }
     cute::warpgroup_commit_batch();
+    if constexpr (kAhead) {
+      if (s + 1 < n_stages) rewrite_x(s + 1, (s + 1) % STAGES);  // while the MMAs run (another buffer)
+    }
     cute::warpgroup_wait<0>();  // this stage's MMAs have retired: its buffer and the fragments are free
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[i]);
     ddtree::mbar_arrive(ring.empty(b));
+    if constexpr (kAhead) block_sync();  // stage s + 1's rows rewritten before the next ldmatrix
     // Refill: stage s + STAGES - 1 goes into the buffer stage s - 1 used, once every thread is done with it.
     const int t = s + kPre;
     if (t < n_stages) {

@@ -159,6 +159,16 @@ def _gmma_trigger() -> int:
     return int(v == "start")
 
 
+def _narrow_rewrite() -> int:
+    """When linear_gmma_narrow_kernel's fused prologue rewrites a stage's x tile: DDTREE_NARROW_REWRITE=ahead (the
+    default) the next stage's while this stage's MMAs run, =inline each stage's just before its own MMAs (session
+    24's first version, for A/B timing)."""
+    v = os.environ.get("DDTREE_NARROW_REWRITE", "ahead")
+    if v not in ("ahead", "inline"):
+        raise ValueError(f"DDTREE_NARROW_REWRITE={v!r}: use ahead or inline")
+    return int(v == "ahead")
+
+
 def gmma_entry(cfg: tuple) -> str:
     """The kernel name expression of instance (TN, KA, STAGES, RW, CS, NWG); NWG = 2 is the default argument."""
     if cfg[5] == 2:
@@ -221,7 +231,7 @@ for _prologue, _family in NARROW_FAMILIES.items():
         source="dense_linear_narrow_sm90.cu",
         entries=tuple(narrow_entry(c) for c in NARROW_GMMA_INSTANCES if c[4] == NARROW_XMODES[_prologue]),
         archs=("90a",),
-        options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}",),
+        options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}", f"-DNARROW_REWRITE_AHEAD={_narrow_rewrite()}"),
         pdl=True,
         required_sass={"90a": r"HGMMA"},
         required_ptx={"90a": r"wgmma\.mma_async"},

@@ -303,11 +303,16 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
 # narrow_plan has a plan, fused prologues included (narrow_fuses).
 GMMA_NARROW = os.environ.get("DDTREE_GMMA_NARROW", "0") == "1"
 NARROW_FILL = 0.9
-# Every narrow block reads all of x (and x2 with a prologue) for only NW rows of W: from L2, but through the same
-# SM load path as W. The plan takes it only while a block's x bytes stay within NARROW_X_PER_W times its W bytes
-# (M * tiles <= NARROW_X_PER_W * NW: qkv's 48-row blocks to 96 rows, o's and down's 32-row blocks to 64, or 48 and 32
-# with a fused prologue). A guess until timed: bench_dense times the narrow kernel at every M up to 80 regardless.
-NARROW_X_PER_W = 2.0
+# Every narrow block reads all of x (and x2 with a prologue) for only NW rows of W: from L2, every block the same
+# lines at once. The plan takes it only while a block's x rows stay within NARROW_X_PER_W times its W rows
+# (M * tiles <= NARROW_X_PER_W * NW). H100, 2026-12-05 (25), Qwen3-8B, narrow vs linear_gmma_kernel's plan: qkv
+# (NW 48) M = 17 20.2 vs 20.6 us, M = 33 22.6 vs 21.3; o (NW 32) M = 17 13.6 vs 14.7, M = 33 17.9 vs 14.8; down
+# M = 17 36.2 vs 37.3, M = 33 48.1 vs 38.4: wins up to x / W = 0.53, loses from 0.69.
+NARROW_X_PER_W = 0.6
+# A plain linear goes to the narrow kernel only where linear_gmma_kernel's plan runs fewer blocks than this share of
+# the SMs (qkv, o, down: 96 of 132): gate_up's 128 blocks of 192 rows measured 70.2 vs 71.6 us at M = 1 and
+# 72.7 vs 73.9 at M = 17 against the narrow kernel's (H100, 2026-12-05 (25)).
+NARROW_GMMA_IDLE = 0.9
 # The narrow kernel takes rmsnorm / SwiGLU into its x load wherever it takes the linear (DDTREE_NARROW_FUSE=0: they
 # run as their own launches, for A/B timing)
 NARROW_FUSE = os.environ.get("DDTREE_NARROW_FUSE", "1") != "0"
@@ -429,14 +434,16 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
                 stages: int | None = None, rw: int | None = None, cs: int | None = None, nwg: int | None = None,
                 stream=None):
     """linear_gmma after runtime.dense_kernels.linear_checks (which dense_kernels.linear has already run); with
-    GMMA_NARROW and no forced plan, the narrow-row kernel wherever narrow_plan has a plan."""
+    GMMA_NARROW and no forced plan, the narrow-row kernel wherever narrow_plan has a plan and this one leaves SMs
+    idle (NARROW_GMMA_IDLE)."""
     dev = _need_gmma_device("linear_gmma")
-    if GMMA_NARROW and (splits, tn, ka, stages, rw, cs, nwg) == (None,) * 7:
+    entry, grid, k_per_split, smem = gmma_plan(M, N, K, dev.sm_count, splits, tn, ka, stages, rw, cs,
+                                               cluster_slots=device_cluster_slots, nwg=nwg)
+    if (GMMA_NARROW and (splits, tn, ka, stages, rw, cs, nwg) == (None,) * 7
+            and grid[0] * grid[1] * grid[2] < NARROW_GMMA_IDLE * dev.sm_count):
         plan = narrow_plan(M, N, K, dev.sm_count)
         if plan is not None:
             return launch_narrow(x, w, out, residual, M, N, K, ldx, ldo, ldr, plan, stream=stream)
-    entry, grid, k_per_split, smem = gmma_plan(M, N, K, dev.sm_count, splits, tn, ka, stages, rw, cs,
-                                               cluster_slots=device_cluster_slots, nwg=nwg)
     cfg = gmma_config(entry)
     ws = ws or default_workspace()
     if grid[1] > 1 and cfg[4] == 1:  # workspace split-K (cluster splits reduce in smem)

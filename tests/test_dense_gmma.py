@@ -309,6 +309,7 @@ def test_dense_linear_fuses_prologues_into_narrow(dg, ref, monkeypatch, cuda_dev
     import runtime.dense_kernels as dk
     from runtime.backends.cuda_backend import CudaBackend
     monkeypatch.setattr(dg, "GMMA_NARROW", True)
+    monkeypatch.setattr(dg, "NARROW_X_PER_W", 2.0)  # the routing, not the measured limit (test_narrow_plan)
     calls = narrow_launches
     N, K = 32 * cuda_device.sm_count, 2048
     assert not dg.narrow_fuses(33, N, K, "swiglu")  # x and up: 66 rows of x per 32 rows of W
@@ -377,10 +378,24 @@ def test_linear_gmma_narrow_chain_and_graph(dg, ref):
 def test_dense_linear_hands_decode_sizes_to_narrow(dg, ref, monkeypatch, cuda_device, narrow_launches):
     """With GMMA_NARROW on, runtime.dense_kernels.linear runs the narrow kernel where narrow_plan has a plan (N =
     32 x the SM count: one full wave of 32-row blocks, up to 64 rows; twice that N: 64-row blocks, up to 80 rows),
-    and the planned kernel elsewhere; forcing a plan of the other kernel (splits) keeps that kernel."""
+    and the planned kernel elsewhere; forcing a plan of the other kernel (splits) keeps that kernel. With the
+    measured limits: only where linear_gmma_kernel's plan leaves SMs idle (NARROW_GMMA_IDLE)."""
     import runtime.dense_kernels as dk
     monkeypatch.setattr(dg, "GMMA_NARROW", True)
     calls = narrow_launches
+    sms = cuda_device.sm_count
+    for M, N, K in ((1, 32 * sms, 4096), (1, 192 * (sms - 4), 4096), (17, 48 * (sms - 4), 4096)):
+        grid = dg.gmma_plan(M, N, K, sms, cluster_slots=dg.device_cluster_slots)[1]
+        routed = grid[0] * grid[1] * grid[2] < dg.NARROW_GMMA_IDLE * sms and dg.narrow_plan(M, N, K, sms) is not None
+        _, x, w = _data(M, N, K, M + N)
+        out = poisoned((M, N))
+        calls.clear()
+        dk.linear(dev_bf16(x), dev_bf16(w), out)
+        assert bool(calls) == routed, (M, N, K, grid, calls)
+        assert_close(out.download(), ref.linear(x, w), f"dense_kernels.linear narrow={routed} M={M} N={N}",
+                     dtype="bf16", atol=ATOL)
+    monkeypatch.setattr(dg, "NARROW_X_PER_W", 2.0)  # the routing mechanics, not the measured limits
+    monkeypatch.setattr(dg, "NARROW_GMMA_IDLE", 2.0)
     n_full = 32 * cuda_device.sm_count
     for M, N, K, kw, routed in [(1, n_full, 4096, {}, True), (17, n_full, 2048, {}, True),
                                 (64, n_full, 2048, {}, True), (65, n_full, 2048, {}, False),  # x > 2 x W a block
@@ -541,25 +556,23 @@ def test_narrow_plan():
     token tile is the smallest >= M; shared memory within a block's; no plan past 80 rows (unless NW is forced)
     or where no NW fills a wave."""
     from cutlass_kernels.registry import NARROW_GMMA_INSTANCES
-    from runtime.dense_gmma import SMEM_PER_BLOCK_MAX, narrow_plan, narrow_smem_bytes
+    from runtime.dense_gmma import NARROW_X_PER_W, SMEM_PER_BLOCK_MAX, narrow_plan, narrow_smem_bytes
     for cfg in NARROW_GMMA_INSTANCES:
         nw, tx, ka, stages, _ = cfg
         assert narrow_smem_bytes(*cfg) <= SMEM_PER_BLOCK_MAX and 3 <= stages <= 12
         assert ka * nw * 128 <= 16384 or ka == 1
     qwen3 = {"qkv": (6144, 4096, 48), "o": (4096, 4096, 32), "gate_up": (24576, 4096, 192), "down": (4096, 12288, 32)}
     for name, (N, K, nw) in qwen3.items():
-        for M, tx in ((1, 16), (16, 16), (17, 32), (33, 64), (64, 64)):
-            if M > 2 * nw:
+        for M, tx in ((1, 16), (16, 16), (17, 32), (33, 64), (64, 64), (65, 80)):
+            plan = narrow_plan(M, N, K, 132)
+            if M > NARROW_X_PER_W * nw:  # more x rows per block than the plan takes
+                assert plan is None, (name, M)
                 continue
-            entry, grid, smem = narrow_plan(M, N, K, 132)
+            entry, grid, smem = plan
             assert entry.startswith(f"linear_gmma_narrow_kernel<{nw}, {tx}, "), (name, M, entry)
             assert grid == (-(-N // nw), 1, 1) and 0.9 * 132 <= grid[0] <= 132, (name, M, grid)
-        if 65 <= 2 * nw:  # the verify bucket 64: two warpgroups, 80 token rows (x within twice W per block)
-            entry, grid, _ = narrow_plan(65, N, K, 132)
-            assert entry.startswith(f"linear_gmma_narrow_kernel<{nw}, 80, ") and grid == (-(-N // nw), 1, 1)
-        else:
-            assert narrow_plan(65, N, K, 132) is None and narrow_plan(64, N, K, 132) is not None
-        assert (narrow_plan(33, N, K, 132, prologue="swiglu") is None) == (66 > 2 * nw)
+        # x and x2 (the residual, SwiGLU's up) count twice
+        assert (narrow_plan(17, N, K, 132, prologue="swiglu") is None) == (34 > NARROW_X_PER_W * nw)
         assert narrow_plan(81, N, K, 132) is None
         assert narrow_plan(81, N, K, 132, nw=nw)[1] == (-(-N // nw), 1, 2)
     assert narrow_plan(1, 151936, 4096, 132) is None  # lm_head: no NW <= 256 fits one wave
@@ -594,7 +607,7 @@ def test_narrow_launch_arguments_match_the_kernel(monkeypatch):
             launched.append((grid, block, args, smem))
 
     monkeypatch.setattr(dg, "get_kernel", lambda family, entry: launched.append((family, entry)) or _Stub())
-    M, N, K = 17, 6144, 4096
+    M, N, K = 13, 6144, 4096  # x and x2 within the plan's NARROW_X_PER_W of qkv's 48 rows
     x, w, out, x2, nw, s = (DeviceArray(0x10000 * (i + 1), shape, np.uint16) for i, shape in enumerate(
         ((M, K), (N, K), (M, N), (M, K), (K,), (M, K))))
     for prologue, extra in (("none", {}), ("swiglu", {"x2": x2}), ("rmsnorm", {"norm_weight": nw}),

@@ -344,6 +344,67 @@ def bench_sampling(stream):
             print(f"| sample (T=0.8) | {rows} x {V} | - | {us:.2f} |", flush=True)
 
 
+FUSED_OPS = {"qkv": "rmsnorm", "gate_up": "rmsnorm", "down": "swiglu"}  # the op that makes each linear's x
+
+
+def bench_fused(stream, read_bw, ms_list, ops=None):
+    """--fused: the linears whose x an rmsnorm (with the residual add, sum written) or a SwiGLU makes, at Qwen3-8B
+    shapes: the two ops as separate launches (the planned linear; the narrow-row kernel) against one fused launch
+    (the narrow-row kernel's prologue; the gemv's where fused_prologue_ok). Same graph timing as bench_linear; %
+    read = W bytes over the time, of the measured read."""
+    from runtime import dense_gmma as dg
+    if not dg.gmma_available():
+        print("(--fused: the narrow-row kernel is sm_90a only; not timed on this device)")
+        return
+    rng = np.random.default_rng(2)
+    sms = get_device().sm_count
+    print(f"\n## fused prologues (rmsnorm + residual add / SwiGLU into the linear's x; % = of {read_bw / 1e12:.2f} "
+          "TB/s; x = separate planned / this)")
+    print("| op | N x K | M | prologue | variant | us | % read | x separate |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model, name, N, K in linear_shapes(False, ops):
+        prologue = FUSED_OPS.get(name)
+        if model != "Qwen3-8B" or prologue is None:
+            continue
+        w_bytes = N * K * 2
+        copies = max(1, min(64, math.ceil(ROTATE_BYTES / w_bytes)))
+        block = to_bf16(rng.standard_normal((min(N, 1024), K), dtype=np.float32) * 0.02)
+        weights = [to_device(np.resize(block, (N, K))) for _ in range(copies)]
+        plan1 = dg.narrow_plan(1, N, K, sms)
+        nw = dg.gmma_narrow_config(plan1[0])[0] if plan1 else None
+        for M in ms_list:
+            x = to_device(to_bf16(rng.standard_normal((M, K), dtype=np.float32)))
+            x2 = to_device(to_bf16(rng.standard_normal((M, K), dtype=np.float32)))
+            g = to_device(to_bf16(1 + 0.1 * rng.standard_normal(K, dtype=np.float32)))
+            mid, total, out = empty((M, K), np.uint16), empty((M, K), np.uint16), empty((M, N), np.uint16)
+
+            def pre(s):  # the separate prologue launch
+                if prologue == "rmsnorm":
+                    dk.rmsnorm(x, g, mid, 1e-6, residual=x2, residual_out=total, stream=s)
+                else:
+                    dk.swiglu(x, x2, mid, stream=s)
+            fused_kw = dict(prologue=prologue, x2=x2, **({"norm_weight": g, "eps": 1e-6, "sum_out": total}
+                                                           if prologue == "rmsnorm" else {}))
+            variants = [("separate: planned linear", lambda i, s: (pre(s), dk.linear(mid, weights[i % copies],
+                                                                                      out, stream=s)))]
+            if nw is not None and M <= dg.NARROW_GMMA_TOKEN_TILES[-1]:
+                variants += [
+                    (f"separate: narrow nw={nw}", lambda i, s: (pre(s), dg.linear_gmma(mid, weights[i % copies],
+                                                                                        out, nw=nw, stream=s))),
+                    (f"fused: narrow nw={nw}", lambda i, s: dg.linear_gmma(x, weights[i % copies], out, nw=nw,
+                                                                            stream=s, **fused_kw))]
+            if dk.fused_prologue_ok(M, K, prologue):
+                variants.append(("fused: gemv", lambda i, s: dk.linear(x, weights[i % copies], out, kernel="gemv",
+                                                                        stream=s, **fused_kw)))
+            base = None
+            for vname, launch in variants:
+                us = graph_time_us(launch, reps=max(copies, 8), stream=stream)
+                base = base or us
+                print(f"| {name} | {N}x{K} | {M} | {prologue} | {vname} | {us:.2f} | "
+                      f"{100 * w_bytes / (us * 1e-6) / read_bw:.1f} | {base / us:.2f} |", flush=True)
+        del weights
+
+
 def bench_read_by_sms(stream, read_bw):
     """The streaming read with one 1024-thread block (8 loads in flight per thread, 128 KB per SM) on each of G SMs:
     GB/s per streaming SM, and % of the best read. If the per-SM rate stays flat as G falls, idle SMs are what a
@@ -376,6 +437,8 @@ def main():
     ap.add_argument("--ops", nargs="+", help="linear shapes to time: op names or model:op")
     ap.add_argument("--read-by-sms", action="store_true", help="also time the streaming read of 2 GiB and of the "
                     "Qwen3-8B weights with one 1024-thread block on each of 32..all SMs (how it scales with SMs)")
+    ap.add_argument("--fused", action="store_true", help="also time rmsnorm / SwiGLU fused into the linear against "
+                    "separate launches (Qwen3-8B qkv, gate_up, down; sm_90a)")
     ap.add_argument("--peer", action="store_true", help="add cuBLAS rows (torch, in a child process)")
     ap.add_argument("--attn-prefix", type=int, nargs="+", default=[1024, 8192, 32768],
                     help="attention: prefix lengths")
@@ -405,6 +468,8 @@ def main():
         if args.read_by_sms:
             bench_read_by_sms(stream, read_bw)
         bench_linear(stream, read_bw, args.m, args.quick, args.gmma, args.ops, peer)
+        if args.fused:
+            bench_fused(stream, read_bw, args.m, args.ops)
     if not args.linear_only:
         bench_attention(stream, args.quick, args.attn_splits, args.attn_prefix, args.attn_model, args.attn_capacity,
                         args.attn_budgets, [None if k == "auto" else k for k in args.attn_kernels],
