@@ -74,26 +74,33 @@ __device__ __forceinline__ void ldmatrix_x4_s(uint32_t (&r)[4], uint32_t addr) {
 // XMODE: kXPlain, kXRmsNorm or kXSwiGLU (x2, norm_w, eps, sum_out unused where XMODE does not say).
 // Dynamic smem (registry.narrow_stage_bytes): 1024 (alignment) + STAGES * stage, stage = KA * (XT * TX + NW) * 128
 // (XT = 2 x tiles (x, x2) with a prologue, else 1), + KA * 128 for the RMSNorm weight, rounded up to 1024.
-template <int NW, int TX, int KA, int STAGES, int XMODE = kXPlain>
-__global__ void __launch_bounds__(TX > 64 ? 256 : 128, 1)
-linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
-                          const __nv_bfloat16* __restrict__ x2, int ldx2,      // up (SwiGLU) / residual (RMSNorm)
-                          const __nv_bfloat16* __restrict__ norm_w, float eps,  // RMSNorm weight [K]
-                          __nv_bfloat16* __restrict__ sum_out, int ldsum,       // RMSNorm: bf16(x + x2) (nullable)
-                          const __nv_bfloat16* __restrict__ w,  // [N, K] row-major, K % 8 == 0
-                          __nv_bfloat16* __restrict__ out, int ldo,
-                          const __nv_bfloat16* __restrict__ residual, int ldr,  // nullable
-                          int M, int N, int K) {
+// CS: with CS > 1 (linear_gmma_narrow_mc_kernel, a (CS, 1, 1) cluster of neighbouring row blocks) x is read once per
+// cluster: each block bulk-copies every CS-th token row and multicasts it to all CS blocks (see the file comment).
+template <int NW, int TX, int KA, int STAGES, int XMODE, int CS>
+__device__ __forceinline__ void narrow_linear(const __nv_bfloat16* __restrict__ x, int ldx,
+                                              const __nv_bfloat16* __restrict__ x2, int ldx2,
+                                              const __nv_bfloat16* __restrict__ norm_w, float eps,
+                                              __nv_bfloat16* __restrict__ sum_out, int ldsum,
+                                              const __nv_bfloat16* __restrict__ w,
+                                              __nv_bfloat16* __restrict__ out, int ldo,
+                                              const __nv_bfloat16* __restrict__ residual, int ldr,
+                                              int M, int N, int K) {
   static_assert(NW % 16 == 0 && NW >= 16 && NW <= 256, "wgmma N, and whole passes of 16 rows per copy");
+  static_assert(CS >= 1 && CS <= 4, "cluster of row blocks sharing x");
   static_assert(TX % 16 == 0 && TX >= 16 && TX <= 128, "token rows: whole warps of one or two m64 tiles");
   static_assert(KA >= 1 && KA <= 4, "k atoms per stage");
   static_assert(XMODE == kXPlain || XMODE == kXRmsNorm || XMODE == kXSwiGLU, "x prologue");
   constexpr int kThreads = TX > 64 ? 256 : 128;
   constexpr int kRowsPerPass = kThreads / 8;    // rows one pass of 16-byte copies covers (8 chunks a row)
   constexpr int kXTiles = XMODE == kXPlain ? 1 : 2;
+  constexpr bool kMc = CS > 1;
   constexpr int kAtomX = TX * 128;              // one 64-k atom of the token rows (x, then x2 if any)
   constexpr int kAtomW = NW * 128;              // one 64-k atom of the W rows
-  constexpr int kStageX = kXTiles * KA * kAtomX;  // x atoms first, x2 atoms, then W atoms (each 1024-aligned)
+  // CS > 1: each x tile is TX rows of the stage's KA * 128 bytes as one bulk copy wrote them (no swizzle), kPitch
+  // apart: rows 16 bytes apart in the banks, so an ldmatrix's 8 rows hit distinct banks.
+  constexpr int kPitch = KA * 128 + 16;
+  constexpr int kTileX = kMc ? TX * kPitch : KA * kAtomX;  // one x tile (x or x2) of a stage
+  constexpr int kStageX = (kXTiles * kTileX + 1023) / 1024 * 1024;  // x tile(s), then W atoms (each 1024-aligned)
   constexpr int kStageG = kStageX + KA * kAtomW;  // RMSNorm: the norm weight's KA x 64 k (128 bytes each)
   constexpr int kStageBytes = (kStageG + (XMODE == kXRmsNorm ? KA * 128 : 0) + 1023) / 1024 * 1024;
   constexpr int kStageK = 64 * KA;
@@ -101,6 +108,12 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   constexpr int kWq = (NW + kRowsPerPass - 1) / kRowsPerPass;  // W rows per thread per atom (chunk tid % 8)
   constexpr int kXq = (TX + kRowsPerPass - 1) / kRowsPerPass;
   static_assert(kAtomX % 1024 == 0 && kAtomW % 1024 == 0, "swizzled tiles start 1024-aligned");
+  static_assert(!kMc || TX <= CS * kThreads, "multicast: one row per thread and tile");
+  // Byte offset in a stage of 16-byte chunk c (0 .. 8 KA - 1) of token row r in x tile t (0: x, 1: x2).
+  auto x_off = [](int t, int r, int c) {
+    return kMc ? t * kTileX + r * kPitch + 16 * c
+               : (t * KA + (c >> 3)) * kAtomX + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+  };
   using Op = typename ddtree::GmmaRsOp<NW>::type;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -116,8 +129,16 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const int n_stages = (K + kStageK - 1) / kStageK;
   const bool with_x2 = XMODE == kXSwiGLU || (XMODE == kXRmsNorm && x2 != nullptr);
 
-  if (tid == 0) ring.init(kThreads);
-  __syncthreads();
+  // full: every thread's cp.async (W, the norm weight; CS = 1: x), and with CS > 1 thread 0's expect_tx of the
+  // multicast bytes. empty: every thread (CS > 1: every warp of every block of the cluster, whose copies write
+  // into all of them).
+  if (tid == 0) ring.init(kThreads + (kMc ? 1 : 0), kMc ? kThreads / 32 * CS : kThreads);
+  const uint32_t rank = kMc ? ddtree::cluster_ctarank() : 0;
+  if constexpr (kMc) {
+    ddtree::cluster_sync();  // every block's barriers initialised before any multicast or remote arrival
+  } else {
+    __syncthreads();
+  }
 
   // This thread's copies: 16-byte chunk c = tid % 8 of rows tid / 8 + kRowsPerPass q of every atom (those below
   // NW / TX); the swizzle puts chunk c of row r at chunk c ^ (r % 8), and r % 8 = (tid / 8) % 8 for every q.
@@ -147,9 +168,26 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     }
   };
   // x (and x2 into the next KA atoms): rows past M zero-filled, so their products land in rows never stored.
+  // CS > 1: this block's rows (r % CS == rank), each one bulk copy of the stage's k range multicast to the
+  // cluster; rows past M and the k past K are not written (stale: the fragments mask k >= K, rows past M only
+  // make rows never stored). Thread 0 expects the bytes every block's copies bring into this block.
   auto load_x = [&](int stage) {
     const uint32_t buf = smem_base + (stage % STAGES) * kStageBytes;
     const int k0 = stage * kStageK;
+    if constexpr (kMc) {
+      const int live_rows = min(TX, M - m0);
+      const uint32_t row_bytes = 2 * min(kStageK, K - k0);
+      const uint32_t full_bar = ring.full(stage % STAGES);
+      if (tid == 0) ddtree::mbar_arrive_expect_tx(full_bar, (with_x2 ? 2 : 1) * live_rows * row_bytes);
+      const int r = CS * tid + (int)rank;
+      if (r < live_rows) {
+        ddtree::bulk_copy_multicast(buf + x_off(0, r, 0), x + (size_t)(m0 + r) * ldx + k0, row_bytes, full_bar,
+                                    (1 << CS) - 1);
+        if (with_x2)
+          ddtree::bulk_copy_multicast(buf + x_off(1, r, 0), x2 + (size_t)(m0 + r) * ldx2 + k0, row_bytes,
+                                      full_bar, (1 << CS) - 1);
+      }
+    } else {
 #pragma unroll
     for (int t = 0; t < kXTiles; ++t) {
       const __nv_bfloat16* src = t == 0 ? x : x2;
@@ -167,6 +205,7 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                                ok ? (const void*)(src + (size_t)m * ld + k) : (const void*)src, ok);
         }
       }
+    }
     }
     if (XMODE == kXRmsNorm && tid < 8 * KA) {  // the norm weight of this stage's k: 16 bytes per thread
       const int k = k0 + 8 * tid;
@@ -208,11 +247,11 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       const int i = tid + kThreads * p;
       if (i >= live_rows * kChunks) break;
       const int r = i / kChunks, c = i % kChunks, a = c >> 3, cc = c & 7;
-      const int off = a * kAtomX + r * 128 + ((cc ^ (r & 7)) << 4);
-      uint4* px = reinterpret_cast<uint4*>(stage + off);
+      if (kMc && s * kStageK + 8 * c >= K) continue;  // never copied (stale); the fragments mask it
+      uint4* px = reinterpret_cast<uint4*>(stage + x_off(0, r, c));
       float h[8], u[8];
       ddtree::unpack8(*px, h);
-      if (with_x2) ddtree::unpack8(*reinterpret_cast<const uint4*>(stage + KA * kAtomX + off), u);
+      if (with_x2) ddtree::unpack8(*reinterpret_cast<const uint4*>(stage + x_off(1, r, c)), u);
       if constexpr (XMODE == kXSwiGLU) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) h[j] = ddtree::silu(h[j]) * u[j];  // as swiglu_kernel
@@ -270,12 +309,28 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (warp_has_rows) {
-          ldmatrix_x4_s(afrag[a][j], xbase + a * kAtomX + lm_off + (((2 * j + lm_half) ^ lm_swz) << 4));
+          if constexpr (kMc) {
+            ldmatrix_x4_s(afrag[a][j], xbase + x_off(0, lm_row, 8 * a + 2 * j + lm_half));
+          } else {
+            ldmatrix_x4_s(afrag[a][j], xbase + a * kAtomX + lm_off + (((2 * j + lm_half) ^ lm_swz) << 4));
+          }
         } else {
 #pragma unroll
           for (int e = 0; e < 4; ++e) afrag[a][j][e] = 0u;
         }
       }
+    if constexpr (kMc) {  // the last stage's k past K was never copied: zero those bf16 pairs (K % 8 == 0)
+      const int k0 = s * kStageK;
+      if (k0 + kStageK > K) {
+#pragma unroll
+        for (int a = 0; a < KA; ++a)
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (k0 + 64 * a + 16 * j + 8 * (e >> 1) + 2 * (lane & 3) >= K) afrag[a][j][e] = 0u;
+      }
+    }
     cute::warpgroup_arrive();
 #pragma unroll
     for (int a = 0; a < KA; ++a) {
@@ -291,18 +346,37 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     cute::warpgroup_wait<0>();  // this stage's MMAs have retired: its buffer and the fragments are free
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[i]);
-    ddtree::mbar_arrive(ring.empty(b));
+    if constexpr (kMc) {
+      // every block's next copies into buffer b wait for this warp: its generic writes (the rewrite) ordered before
+      // them (async proxy), then one arrival per warp on buffer b's empty barrier in each block of the cluster
+      if constexpr (XMODE != kXPlain) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncwarp();
+      if (lane == 0) {
+#pragma unroll
+        for (int c = 0; c < CS; ++c) ddtree::mbar_arrive_cluster(ddtree::dsmem_map(ring.empty(b), c));
+      }
+    } else {
+      ddtree::mbar_arrive(ring.empty(b));
+    }
     if constexpr (kAhead) block_sync();  // stage s + 1's rows rewritten before the next ldmatrix
     // Refill: stage s + STAGES - 1 goes into the buffer stage s - 1 used, once every thread is done with it.
     const int t = s + kPre;
     if (t < n_stages) {
-      if (s >= 1) ddtree::mbar_wait(ring.empty((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
+      if (s >= 1) {
+        if constexpr (kMc) {
+          ddtree::mbar_wait_cluster(ring.empty((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
+        } else {
+          ddtree::mbar_wait(ring.empty((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
+        }
+      }
       load_w(t);
       load_x(t);
       ddtree::mbar_arrive_cp_async(ring.full(t % STAGES));
     }
   }
   if (!GMMA_EARLY_TRIGGER) ddtree::launch_dependents();
+  // no block leaves while another may still arrive on its barriers or copy into it
+  if constexpr (kMc) ddtree::cluster_sync();
 
   // RMSNorm: each row's sum of squares from its chunk slots, in chunk order; inv = rsqrt(mean + eps) scales the row.
   float row_scale[2] = {1.f, 1.f};
@@ -348,6 +422,29 @@ linear_gmma_narrow_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       }
     }
   }
+}
+
+#define NARROW_PARAMS                                                                                      \
+  const __nv_bfloat16 *__restrict__ x, int ldx,                                                          \
+      const __nv_bfloat16 *__restrict__ x2, int ldx2,      /* up (SwiGLU) / residual (RMSNorm) */          \
+      const __nv_bfloat16 *__restrict__ norm_w, float eps, /* RMSNorm weight [K] */                        \
+      __nv_bfloat16 *__restrict__ sum_out, int ldsum,      /* RMSNorm: bf16(x + x2) (nullable) */          \
+      const __nv_bfloat16 *__restrict__ w,                 /* [N, K] row-major, K % 8 == 0 */              \
+      __nv_bfloat16 *__restrict__ out, int ldo, const __nv_bfloat16 *__restrict__ residual, /* nullable */ \
+      int ldr, int M, int N, int K
+#define NARROW_ARGS x, ldx, x2, ldx2, norm_w, eps, sum_out, ldsum, w, out, ldo, residual, ldr, M, N, K
+
+// One block per NW rows of W (grid x), per TX token rows (grid z).
+template <int NW, int TX, int KA, int STAGES, int XMODE = kXPlain>
+__global__ void __launch_bounds__(TX > 64 ? 256 : 128, 1) linear_gmma_narrow_kernel(NARROW_PARAMS) {
+  narrow_linear<NW, TX, KA, STAGES, XMODE, 1>(NARROW_ARGS);
+}
+
+// The same in (CS, 1, 1) clusters that read x once per cluster (grid x a multiple of CS; blocks past N only copy).
+template <int NW, int TX, int KA, int STAGES, int XMODE, int CS>
+__global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(TX > 64 ? 256 : 128, 1)
+    linear_gmma_narrow_mc_kernel(NARROW_PARAMS) {
+  narrow_linear<NW, TX, KA, STAGES, XMODE, CS>(NARROW_ARGS);
 }
 
 // Instances: cutlass_kernels/registry.py NARROW_GMMA_INSTANCES (NVRTC instantiates its name expressions).

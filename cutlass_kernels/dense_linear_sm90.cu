@@ -56,21 +56,9 @@ using ddtree::sw128_desc;
 using ddtree::mbar_arrive;
 using ddtree::mbar_arrive_cp_async;
 using ddtree::mbar_wait;
-// Thread-block cluster helpers (distributed shared memory).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// The shared::cluster address of shared offset `addr` (this CTA's address space) in cluster CTA `rank`.
-__device__ __forceinline__ uint32_t dsmem_map(uint32_t addr, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  return remote;
-}
+using ddtree::cluster_ctarank;
+using ddtree::cluster_sync;
+using ddtree::dsmem_map;
 // 4 fp32 at a shared::cluster address. No "memory" clobber: the caller orders the loads after a cluster
 // barrier (an asm with a clobber) and issues a batch of them before using any result, so their latencies
 // overlap (with a clobber each load waited for the previous one's add: ~5 us per tile at CS = 2, TN = 72).

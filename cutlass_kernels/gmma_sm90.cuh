@@ -88,6 +88,46 @@ __device__ __forceinline__ void mbar_wait(cuda::std::uint32_t bar, cuda::std::ui
       " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
 }
 
+// Thread-block cluster helpers (distributed shared memory).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ cuda::std::uint32_t cluster_ctarank() {
+  cuda::std::uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// The shared::cluster address of shared offset `addr` (this CTA's address space) in cluster CTA `rank`.
+__device__ __forceinline__ cuda::std::uint32_t dsmem_map(cuda::std::uint32_t addr, cuda::std::uint32_t rank) {
+  cuda::std::uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+// One arrival on an mbarrier of any CTA of the cluster (a dsmem_map address), releasing at cluster scope.
+__device__ __forceinline__ void mbar_arrive_cluster(cuda::std::uint32_t remote_bar) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
+}
+// mbar_wait acquiring at cluster scope: the phase's arrivals came from other CTAs of the cluster too.
+__device__ __forceinline__ void mbar_wait_cluster(cuda::std::uint32_t bar, cuda::std::uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+// One arrival that also expects `bytes` more of asynchronous copies (complete_tx) before the phase completes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(cuda::std::uint32_t bar, cuda::std::uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to shared offset `dst` of every
+// CTA in `cta_mask`, each completing the transfer on its own mbarrier at offset `bar` (sm_90a).
+__device__ __forceinline__ void bulk_copy_multicast(cuda::std::uint32_t dst, const void* src,
+                                                    cuda::std::uint32_t bytes, cuda::std::uint32_t bar,
+                                                    cuda::std::uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(cta_mask) : "memory");
+}
+
 // The full / empty mbarrier pair of each of STAGES pipeline stages (full[s]: the stage's copies have landed;
 // empty[s]: every reader is done with it), declared __shared__ by the kernel.
 template <int STAGES>
@@ -99,10 +139,11 @@ struct StageBarriers {
   __device__ __forceinline__ cuda::std::uint32_t full(int s) const { return base() + 8u * s; }
   __device__ __forceinline__ cuda::std::uint32_t empty(int s) const { return base() + 8u * (STAGES + s); }
   // By one thread, before a block barrier: every barrier completes a phase after `count` arrivals.
-  __device__ __forceinline__ void init(cuda::std::uint32_t count) const {
+  __device__ __forceinline__ void init(cuda::std::uint32_t count) const { init(count, count); }
+  __device__ __forceinline__ void init(cuda::std::uint32_t full_count, cuda::std::uint32_t empty_count) const {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full(s), count);
-      mbar_init(empty(s), count);
+      mbar_init(full(s), full_count);
+      mbar_init(empty(s), empty_count);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }

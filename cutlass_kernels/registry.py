@@ -199,26 +199,41 @@ NARROW_GMMA_TOKEN_TILES = (16, 32, 64, 80)
 NARROW_XMODES = {"none": 0, "rmsnorm": 1, "swiglu": 2}
 
 
-def narrow_stage_bytes(nw: int, tx: int, ka: int, xmode: int = 0) -> int:
-    """Shared memory of one pipeline stage of linear_gmma_narrow_kernel<nw, tx, ka, *, xmode>: KA 64-k atoms of the
-    x tile (two tiles, x and x2, with a prologue) and of the W tile (128 bytes a row), the rmsnorm weight's KA x 128
-    bytes, rounded up to 1024 (every swizzled tile starts 1024-aligned)."""
-    stage = ka * (tx * (1 if xmode == 0 else 2) + nw) * 128 + (ka * 128 if xmode == 1 else 0)
+def narrow_stage_bytes(nw: int, tx: int, ka: int, xmode: int = 0, cs: int = 1) -> int:
+    """Shared memory of one pipeline stage of linear_gmma_narrow_kernel<nw, tx, ka, *, xmode> (cs = 1) or
+    linear_gmma_narrow_mc_kernel<nw, tx, ka, *, xmode, cs>: the x tile (two tiles, x and x2, with a prologue; KA
+    swizzled 64-k atoms of 128 bytes a row, or with cs > 1 TX rows of KA * 128 + 16 bytes, rounded up to 1024), KA
+    64-k atoms of the W tile (128 bytes a row), the rmsnorm weight's KA x 128 bytes; rounded up to 1024 (every
+    swizzled tile starts 1024-aligned)."""
+    tiles = 1 if xmode == 0 else 2
+    x = ka * tx * 128 * tiles if cs == 1 else -(-tiles * tx * (ka * 128 + 16) // 1024) * 1024
+    stage = x + ka * nw * 128 + (ka * 128 if xmode == 1 else 0)
     return -(-stage // 1024) * 1024
 
 
-def _narrow_config(nw: int, tx: int, xmode: int = 0, budget: int = 200 * 1024) -> tuple:
+def _narrow_config(nw: int, tx: int, xmode: int = 0, cs: int = 1, budget: int = 200 * 1024) -> tuple:
+    """(NW, TX, KA, STAGES, XMODE), + (CS,) for a cluster instance: KA as large as keeps 16 KB of W and 6 stages."""
     kas = [ka for ka in (4, 2, 1) if ka == 1 or ka * nw * 128 <= 16384]
-    ka = next((k for k in kas if budget // narrow_stage_bytes(nw, tx, k, xmode) >= 6), kas[-1])
-    return nw, tx, ka, min(12, budget // narrow_stage_bytes(nw, tx, ka, xmode)), xmode
+    ka = next((k for k in kas if budget // narrow_stage_bytes(nw, tx, k, xmode, cs) >= 6), kas[-1])
+    cfg = nw, tx, ka, min(12, budget // narrow_stage_bytes(nw, tx, ka, xmode, cs)), xmode
+    return cfg if cs == 1 else cfg + (cs,)
 
 
 NARROW_GMMA_INSTANCES = tuple(_narrow_config(nw, tx, xm) for xm in NARROW_XMODES.values() for nw in NARROW_GMMA_ROWS
                               for tx in NARROW_GMMA_TOKEN_TILES)
+# linear_gmma_narrow_mc_kernel: the row blocks of qkv / o / down (48, 32) in clusters of 2 that read x once per
+# cluster (multicast bulk copies), for the token counts where each block reading all of x costs (NARROW_X_PER_W)
+NARROW_MC_ROWS = (32, 48, 64)
+NARROW_MC_CS = 2
+NARROW_MC_INSTANCES = tuple(_narrow_config(nw, tx, xm, NARROW_MC_CS) for xm in NARROW_XMODES.values()
+                            for nw in NARROW_MC_ROWS for tx in NARROW_GMMA_TOKEN_TILES)
 
 
 def narrow_entry(cfg: tuple) -> str:
-    """The kernel name expression of instance (NW, TX, KA, STAGES, XMODE); XMODE 0 is the default argument."""
+    """The kernel name expression of instance (NW, TX, KA, STAGES, XMODE) (XMODE 0 is the default argument), or of
+    the cluster kernel's (NW, TX, KA, STAGES, XMODE, CS)."""
+    if len(cfg) == 6:
+        return "linear_gmma_narrow_mc_kernel<%d, %d, %d, %d, %d, %d>" % cfg
     return "linear_gmma_narrow_kernel<%d, %d, %d, %d>" % cfg[:4] if cfg[4] == 0 else \
         "linear_gmma_narrow_kernel<%d, %d, %d, %d, %d>" % cfg
 
@@ -236,6 +251,17 @@ for _prologue, _family in NARROW_FAMILIES.items():
         required_sass={"90a": r"HGMMA"},
         required_ptx={"90a": r"wgmma\.mma_async"},
     ))
+NARROW_MC_FAMILY = "dense_linear_narrow_mc_sm90"
+register(KernelFamily(
+    name=NARROW_MC_FAMILY,
+    source="dense_linear_narrow_sm90.cu",
+    entries=tuple(narrow_entry(c) for c in NARROW_MC_INSTANCES),
+    archs=("90a",),
+    options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}", f"-DNARROW_REWRITE_AHEAD={_narrow_rewrite()}"),
+    pdl=True,
+    required_sass={"90a": r"HGMMA"},
+    required_ptx={"90a": r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes\.multicast"},
+))
 # Embedding gather, RMSNorm (+ residual add), RoPE (+ per-head q/k norm), SwiGLU, add.
 register(KernelFamily(
     name="norm_rope",

@@ -27,8 +27,9 @@ from runtime.cuda import DeviceArray, get_device, get_kernel
 from runtime.dense_kernels import Workspace, _i32, _need, default_workspace, linear_checks
 
 from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, FAMILIES, NARROW_GMMA_INSTANCES, NARROW_GMMA_ROWS,
-                                      NARROW_FAMILIES, NARROW_GMMA_TOKEN_TILES, NARROW_XMODES, gmma_entry,
-                                      narrow_entry, narrow_stage_bytes)
+                                      NARROW_FAMILIES, NARROW_GMMA_TOKEN_TILES, NARROW_MC_CS, NARROW_MC_FAMILY,
+                                      NARROW_MC_INSTANCES, NARROW_XMODES, gmma_entry, narrow_entry,
+                                      narrow_stage_bytes)
 
 FAMILY = "dense_linear_sm90"
 GMMA_ARCHS = FAMILIES[FAMILY].archs
@@ -313,11 +314,16 @@ NARROW_X_PER_W = 0.6
 # the SMs (qkv, o, down: 96 of 132): gate_up's 128 blocks of 192 rows measured 70.2 vs 71.6 us at M = 1 and
 # 72.7 vs 73.9 at M = 17 against the narrow kernel's (H100, 2026-12-05 (25)).
 NARROW_GMMA_IDLE = 0.9
+# Past that limit, clusters of NARROW_MC_CS row blocks that read x once per cluster (linear_gmma_narrow_mc_kernel,
+# multicast bulk copies), while M * tiles <= NARROW_X_PER_W * NW * NARROW_MC_CS. Not timed yet: DDTREE_NARROW_MC=0
+# leaves those sizes to linear_gmma_kernel.
+NARROW_MC = os.environ.get("DDTREE_NARROW_MC", "1") != "0"
 # The narrow kernel takes rmsnorm / SwiGLU into its x load wherever it takes the linear (DDTREE_NARROW_FUSE=0: they
 # run as their own launches, for A/B timing)
 NARROW_FUSE = os.environ.get("DDTREE_NARROW_FUSE", "1") != "0"
-_NARROW_CONFIG = {(c[0], c[1], c[4]): c for c in NARROW_GMMA_INSTANCES}  # (NW, TX, XMODE) -> instance
-_NARROW_CONFIG_OF_ENTRY = {narrow_entry(c): c for c in NARROW_GMMA_INSTANCES}
+_NARROW_CONFIG = {(c[0], c[1], c[4], 1): c for c in NARROW_GMMA_INSTANCES}  # (NW, TX, XMODE, CS) -> instance
+_NARROW_CONFIG.update({(c[0], c[1], c[4], c[5]): c for c in NARROW_MC_INSTANCES})
+_NARROW_CONFIG_OF_ENTRY = {narrow_entry(c): c for c in _NARROW_CONFIG.values()}
 _NARROW_FAMILY_OF_XMODE = {NARROW_XMODES[p]: family for p, family in NARROW_FAMILIES.items()}
 
 
@@ -327,37 +333,48 @@ def narrow_threads(tx: int) -> int:
 
 
 def gmma_narrow_config(entry: str) -> tuple:
-    """(NW, TX, KA, STAGES, XMODE) of a built linear_gmma_narrow_kernel instance name (registry.narrow_entry's
-    inverse)."""
+    """(NW, TX, KA, STAGES, XMODE) of a built linear_gmma_narrow_kernel instance name, (.., CS) of a
+    linear_gmma_narrow_mc_kernel one (registry.narrow_entry's inverse)."""
     return _NARROW_CONFIG_OF_ENTRY[entry]
 
 
-def narrow_smem_bytes(nw: int, tx: int, ka: int, stages: int, xmode: int = 0) -> int:
-    """Dynamic shared memory of linear_gmma_narrow_kernel<nw, tx, ka, stages, xmode>: the stages
-    (registry.narrow_stage_bytes) plus 1 KB to align."""
-    return 1024 + stages * narrow_stage_bytes(nw, tx, ka, xmode)
+def narrow_smem_bytes(nw: int, tx: int, ka: int, stages: int, xmode: int = 0, cs: int = 1) -> int:
+    """Dynamic shared memory of linear_gmma_narrow_kernel<nw, tx, ka, stages, xmode> (or the _mc_ kernel's with
+    cs): the stages (registry.narrow_stage_bytes) plus 1 KB to align."""
+    return 1024 + stages * narrow_stage_bytes(nw, tx, ka, xmode, cs)
 
 
-def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None, prologue: str = "none"):
+def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None, prologue: str = "none",
+                cs: int | None = None):
     """(entry, grid, dynamic smem bytes) of linear_gmma_narrow for [M, K] x [N, K]^T with `prologue` fused into the
     x load, or None where it has no plan (M over the largest token tile; no NW whose unsplit blocks fill one wave
-    to NARROW_FILL; more x than NARROW_X_PER_W allows). nw forces the row block (any built NW; M over the largest
-    token tile then walks tiles of it on blockIdx.z)."""
+    to NARROW_FILL; more x than NARROW_X_PER_W allows, in clusters of NARROW_MC_CS where NARROW_MC). nw forces the
+    row block (any built NW; M over the largest token tile then walks tiles of it on blockIdx.z), cs the cluster
+    (1, or NARROW_MC_CS for the kernel that shares x; forced, the x limit is not applied)."""
     op = "linear_gmma_narrow"
     _need(prologue in NARROW_XMODES, op, f"prologue {prologue!r}: one of {', '.join(NARROW_XMODES)}")
+    _need(cs in (None, 1, NARROW_MC_CS), op, f"cs = {cs}: 1 or {NARROW_MC_CS} (blocks sharing x)")
     tx = next((t for t in NARROW_GMMA_TOKEN_TILES if M <= t), None)
     if nw is None:
         if tx is None:
             return None
         nw = next((r for r in NARROW_GMMA_ROWS if -(-N // r) <= sm_count), None)
-        x_tiles = 1 if prologue == "none" else 2
-        if nw is None or -(-N // nw) < NARROW_FILL * sm_count or M * x_tiles > NARROW_X_PER_W * nw:
+        if nw is None or -(-N // nw) < NARROW_FILL * sm_count:
             return None
+        x_rows = M * (1 if prologue == "none" else 2)
+        if cs is None:
+            cs = 1 if x_rows <= NARROW_X_PER_W * nw else (
+                NARROW_MC_CS if NARROW_MC and x_rows <= NARROW_X_PER_W * nw * NARROW_MC_CS else None)
+            if cs is None or (nw, tx, NARROW_XMODES[prologue], cs) not in _NARROW_CONFIG:
+                return None
+    cs = cs or 1
     tx = tx or NARROW_GMMA_TOKEN_TILES[-1]
-    key = (nw, tx, NARROW_XMODES[prologue])
-    _need(key in _NARROW_CONFIG, op, f"no instance with NW = {nw} W rows per block; built: {NARROW_GMMA_ROWS}")
+    key = (nw, tx, NARROW_XMODES[prologue], cs)
+    _need(key in _NARROW_CONFIG, op, f"no instance with NW = {nw} W rows per block" + (
+        f" in clusters of {cs}" if cs > 1 else "") + f"; built: {sorted({k[0] for k in _NARROW_CONFIG if k[3] == cs})}")
     cfg = _NARROW_CONFIG[key]
-    return narrow_entry(cfg), (-(-N // nw), 1, -(-M // tx)), narrow_smem_bytes(*cfg)
+    blocks = -(-N // nw)
+    return narrow_entry(cfg), (-(-blocks // cs) * cs, 1, -(-M // tx)), narrow_smem_bytes(*cfg)
 
 
 def narrow_fused_plan(M: int, N: int, K: int, prologue: str):
@@ -382,7 +399,7 @@ def launch_narrow(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: De
     entry, grid, smem = plan
     null = np.uint64(0)
     cfg = gmma_narrow_config(entry)
-    kern = get_kernel(_NARROW_FAMILY_OF_XMODE[cfg[4]], entry)
+    kern = get_kernel(NARROW_MC_FAMILY if len(cfg) == 6 else _NARROW_FAMILY_OF_XMODE[cfg[4]], entry)
     kern.set_max_dynamic_smem(smem)
     kern.launch(grid, narrow_threads(cfg[1]),
                 [x, _i32(ldx), x2 if x2 is not None else null, _i32(ldx2 or 0),
@@ -410,17 +427,18 @@ def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
                 ldsum: int | None = None, stream=None) -> DeviceArray:
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]), bf16, fp32 accumulation, on sm_90a GMMA.
     Same contract as runtime.dense_kernels.linear; splits/tn/ka/stages/rw/cs/nwg override the plan; nw runs the
-    narrow-row kernel instead (an int: that many W rows per block; "auto": narrow_plan's), which also takes
-    prologue / x2 / norm_weight / eps / sum_out as dense_kernels.linear does."""
+    narrow-row kernel instead (an int: that many W rows per block; "auto": narrow_plan's; with it cs is the cluster
+    of row blocks sharing x), which also takes prologue / x2 / norm_weight / eps / sum_out as dense_kernels.linear
+    does."""
     from runtime.dense_kernels import prologue_checks
     M, N, K, ldx, ldo, ldr = linear_checks("linear_gmma", x, w, out, residual, ldx, ldo, ldr)
     ldx2, ldsum = prologue_checks("linear_gmma", prologue, M, K, x2, ldx2, norm_weight, sum_out, ldsum)
     if prologue != "none" or nw is not None:
         _need_gmma_device("linear_gmma")
         _need(nw is not None, "linear_gmma", "a fused prologue needs the narrow-row kernel (nw)")
-        _need((splits, tn, ka, stages, rw, cs, nwg) == (None,) * 7, "linear_gmma",
-              "nw (the narrow-row kernel) takes none of splits/tn/ka/stages/rw/cs/nwg")
-        plan = narrow_plan(M, N, K, get_device().sm_count, None if nw == "auto" else int(nw), prologue)
+        _need((splits, tn, ka, stages, rw, nwg) == (None,) * 6, "linear_gmma",
+              "nw (the narrow-row kernel) takes none of splits/tn/ka/stages/rw/nwg")
+        plan = narrow_plan(M, N, K, get_device().sm_count, None if nw == "auto" else int(nw), prologue, cs)
         _need(plan is not None, "linear_gmma", f"no narrow-row plan for M={M} N={N} on {get_device().sm_count} SMs")
         return launch_narrow(x, w, out, residual, M, N, K, ldx, ldo, ldr, plan, stream=stream, x2=x2, ldx2=ldx2,
                              norm_weight=norm_weight, eps=eps, sum_out=sum_out, ldsum=ldsum)

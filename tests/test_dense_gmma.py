@@ -256,12 +256,12 @@ def test_linear_gmma_narrow(dg, ref, M, N, K, nw):
 
 
 def _narrow_instances():
-    from cutlass_kernels.registry import NARROW_GMMA_INSTANCES
-    return NARROW_GMMA_INSTANCES
+    from cutlass_kernels.registry import NARROW_GMMA_INSTANCES, NARROW_MC_INSTANCES
+    return NARROW_GMMA_INSTANCES + NARROW_MC_INSTANCES
 
 
 def _narrow_id(cfg):
-    return "<%d,%d,%d,%d>" % cfg[:4] + ("", "rmsnorm", "swiglu")[cfg[4]]
+    return "<%d,%d,%d,%d>" % cfg[:4] + ("", "rmsnorm", "swiglu")[cfg[4]] + (f"cs{cfg[5]}" if len(cfg) == 6 else "")
 
 
 @pytest.mark.gpu
@@ -270,10 +270,13 @@ def test_linear_gmma_narrow_every_instance(dg, ref, cfg):
     """Every built (NW, TX, prologue) instance at M just over the next smaller token tile, an even N with a tail
     (bf16 pair stores), K with a tail; plain and with a residual. SwiGLU: bit for bit swiglu_kernel then the plain
     narrow kernel. RMSNorm (with and without the residual add, whose bf16 sum must come out exact in sum_out):
-    within bf16 tolerance of the float32 oracle (it rounds h * norm_w, not the normalised row: no bit match)."""
+    within bf16 tolerance of the float32 oracle (it rounds h * norm_w, not the normalised row: no bit match).
+    Cluster instances (x multicast): an odd M (the two blocks of a cluster copy unequal shares), three row blocks (the
+    fourth of the last cluster only copies), K's tail never copied (masked in the fragments)."""
     import runtime.dense_kernels as dk
     nw, tx, xmode = cfg[0], cfg[1], cfg[4]
-    M, N, K = tx - 7, 3 * nw + 14, 1000
+    cs = cfg[5] if len(cfg) == 6 else None
+    M, N, K = tx - 7, (2 if cs else 3) * nw + 14, 1000
     rng, x, w = _data(M, N, K, sum(cfg) * 131)
     r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
     x2 = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
@@ -288,7 +291,7 @@ def test_linear_gmma_narrow_every_instance(dg, ref, cfg):
         for res in (None, rd):
             out = poisoned((M, N))
             total = poisoned((M, K)) if "x2" in extra and prologue == "rmsnorm" else None
-            dg.linear_gmma(xd, wd, out, res, nw=nw, prologue=prologue, eps=1e-6, sum_out=total, **extra)
+            dg.linear_gmma(xd, wd, out, res, nw=nw, cs=cs, prologue=prologue, eps=1e-6, sum_out=total, **extra)
             what = f"linear_gmma narrow {cfg} {prologue} {sorted(extra)} M={M} N={N} K={K} residual={res is not None}"
             assert_close(out.download(), want + (r if res is not None else 0), what, dtype="bf16", atol=ATOL)
             if total is not None:
@@ -340,7 +343,7 @@ def test_dense_linear_fuses_prologues_into_narrow(dg, ref, monkeypatch, cuda_dev
 @pytest.mark.gpu
 def test_linear_gmma_narrow_chain_and_graph(dg, ref):
     """Back-to-back narrow launches with PDL (the second reads what the first writes and overwrites the first's
-    input), eagerly and captured in a graph replayed with new inputs."""
+    input; the first in clusters that multicast x), eagerly and captured in a graph replayed with new inputs."""
     from runtime.cuda import Stream, capture
     rng = np.random.default_rng(23)
     M, N, K = 17, 1536, 2048
@@ -348,7 +351,7 @@ def test_linear_gmma_narrow_chain_and_graph(dg, ref):
     xd, w1d, w2d, y = poisoned((M, K)), poisoned((N, K)), poisoned((K, N)), poisoned((M, N))
 
     def record():
-        dg.linear_gmma(xd, w1d, y, nw=48, stream=stream)  # y = x @ w1^T
+        dg.linear_gmma(xd, w1d, y, nw=48, cs=2, stream=stream)  # y = x @ w1^T
         dg.linear_gmma(y, w2d, xd, nw=32, stream=stream)  # x <- y @ w2^T (overwrites the input)
 
     def check(run):
@@ -556,23 +559,37 @@ def test_narrow_plan():
     token tile is the smallest >= M; shared memory within a block's; no plan past 80 rows (unless NW is forced)
     or where no NW fills a wave."""
     from cutlass_kernels.registry import NARROW_GMMA_INSTANCES
+    from cutlass_kernels.registry import NARROW_MC_INSTANCES, NARROW_MC_ROWS
     from runtime.dense_gmma import NARROW_X_PER_W, SMEM_PER_BLOCK_MAX, narrow_plan, narrow_smem_bytes
-    for cfg in NARROW_GMMA_INSTANCES:
-        nw, tx, ka, stages, _ = cfg
+    for cfg in NARROW_GMMA_INSTANCES + NARROW_MC_INSTANCES:
+        nw, tx, ka, stages = cfg[:4]
         assert narrow_smem_bytes(*cfg) <= SMEM_PER_BLOCK_MAX and 3 <= stages <= 12
         assert ka * nw * 128 <= 16384 or ka == 1
     qwen3 = {"qkv": (6144, 4096, 48), "o": (4096, 4096, 32), "gate_up": (24576, 4096, 192), "down": (4096, 12288, 32)}
     for name, (N, K, nw) in qwen3.items():
         for M, tx in ((1, 16), (16, 16), (17, 32), (33, 64), (64, 64), (65, 80)):
             plan = narrow_plan(M, N, K, 132)
-            if M > NARROW_X_PER_W * nw:  # more x rows per block than the plan takes
-                assert plan is None, (name, M)
-                continue
+            kernel = "linear_gmma_narrow_kernel"
+            if M > NARROW_X_PER_W * nw:  # more x rows per block than the plan takes: clusters of 2 that share x
+                if M > 2 * NARROW_X_PER_W * nw or nw not in NARROW_MC_ROWS:
+                    assert plan is None, (name, M)
+                    continue
+                kernel = "linear_gmma_narrow_mc_kernel"
+                assert plan[0].endswith(", 0, 2>"), plan
             entry, grid, smem = plan
-            assert entry.startswith(f"linear_gmma_narrow_kernel<{nw}, {tx}, "), (name, M, entry)
+            assert entry.startswith(f"{kernel}<{nw}, {tx}, "), (name, M, entry)
             assert grid == (-(-N // nw), 1, 1) and 0.9 * 132 <= grid[0] <= 132, (name, M, grid)
+            with pytest.MonkeyPatch.context() as mp:  # DDTREE_NARROW_MC=0: none past the one-block limit
+                mp.setattr("runtime.dense_gmma.NARROW_MC", False)
+                assert (narrow_plan(M, N, K, 132) is None) == (kernel != "linear_gmma_narrow_kernel")
         # x and x2 (the residual, SwiGLU's up) count twice
-        assert (narrow_plan(17, N, K, 132, prologue="swiglu") is None) == (34 > NARROW_X_PER_W * nw)
+        plan = narrow_plan(17, N, K, 132, prologue="swiglu")
+        if 34 <= NARROW_X_PER_W * nw:
+            assert plan[0].startswith("linear_gmma_narrow_kernel<") and plan[0].endswith(", 2>")
+        elif 34 <= 2 * NARROW_X_PER_W * nw:
+            assert plan[0].startswith("linear_gmma_narrow_mc_kernel<") and plan[0].endswith(", 2, 2>")
+        else:
+            assert plan is None
         assert narrow_plan(81, N, K, 132) is None
         assert narrow_plan(81, N, K, 132, nw=nw)[1] == (-(-N // nw), 1, 2)
     assert narrow_plan(1, 151936, 4096, 132) is None  # lm_head: no NW <= 256 fits one wave
@@ -586,13 +603,20 @@ def test_narrow_plan():
         assert entry.startswith("linear_gmma_narrow_kernel<32, 16, ") and entry.endswith(f", {xmode}>")
     with pytest.raises(ValueError, match="prologue 'gelu'"):
         narrow_plan(1, 4096, 4096, 132, prologue="gelu")
+    # a forced cluster: grid x rounded up to whole clusters (the extra block only copies its share of x)
+    entry, grid, _ = narrow_plan(65, 4096 - 32, 4096, 132, nw=32, cs=2)
+    assert entry.startswith("linear_gmma_narrow_mc_kernel<32, 80, ") and grid == (128, 1, 1)
+    with pytest.raises(ValueError, match="cs = 3"):
+        narrow_plan(1, 4096, 4096, 132, nw=32, cs=3)
+    with pytest.raises(ValueError, match="in clusters of 2"):
+        narrow_plan(1, 24576, 4096, 132, nw=192, cs=2)
 
 
 def test_narrow_launch_arguments_match_the_kernel(monkeypatch):
     """launch_narrow's argument list against the sm_90a PTX signature of the instance it plans, with and without
     each prologue's operands (no GPU)."""
     import runtime.dense_gmma as dg
-    from cutlass_kernels.registry import NARROW_FAMILIES
+    from cutlass_kernels.registry import NARROW_FAMILIES, NARROW_MC_FAMILY
     from fake_cuda import ptx_param_sizes
     from runtime.cuda import DeviceArray
     from runtime.cuda.kernel import check_arguments
@@ -610,14 +634,16 @@ def test_narrow_launch_arguments_match_the_kernel(monkeypatch):
     M, N, K = 13, 6144, 4096  # x and x2 within the plan's NARROW_X_PER_W of qkv's 48 rows
     x, w, out, x2, nw, s = (DeviceArray(0x10000 * (i + 1), shape, np.uint16) for i, shape in enumerate(
         ((M, K), (N, K), (M, N), (M, K), (K,), (M, K))))
-    for prologue, extra in (("none", {}), ("swiglu", {"x2": x2}), ("rmsnorm", {"norm_weight": nw}),
-                            ("rmsnorm", {"norm_weight": nw, "x2": x2, "sum_out": s})):
-        plan = dg.narrow_plan(M, N, K, 132, prologue=prologue)
+    cases = [(p, e, cs) for p, e in (("none", {}), ("swiglu", {"x2": x2}), ("rmsnorm", {"norm_weight": nw}),
+                                      ("rmsnorm", {"norm_weight": nw, "x2": x2, "sum_out": s})) for cs in (1, 2)]
+    for prologue, extra, cs in cases:
+        plan = dg.narrow_plan(M, N, K, 132, nw=48, prologue=prologue, cs=cs)
         for residual in (None, DeviceArray(0x200000, (M, N), np.uint16)):
             launched.clear()
             dg.launch_narrow(x, w, out, residual, M, N, K, K, N, N if residual is not None else None, plan, **extra)
             (family, entry), (grid, block, args, smem) = launched
-            assert (family, entry, grid, block, smem) == (NARROW_FAMILIES[prologue], plan[0], plan[1], 128, plan[2])
+            want_family = NARROW_FAMILIES[prologue] if cs == 1 else NARROW_MC_FAMILY
+            assert (family, entry, grid, block, smem) == (want_family, plan[0], plan[1], 128, plan[2])
 
             class _K:
                 param_sizes = ptx_param_sizes(family, entry)

@@ -24,7 +24,8 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
                 DDTREE_GMMA_DECODE=0); gmma1: every unfused linear of any size on GMMA
   fuse0         no rmsnorm / swiglu fused into a linear (as DDTREE_FUSED_PROLOGUE_ROWS=0)
   narrow1       GMMA linear: the narrow-row kernel wherever it has a plan, up to 80 rows (as DDTREE_GMMA_NARROW=1),
-                rmsnorm / SwiGLU fused into it; nfuse0: those as their own launches (as DDTREE_NARROW_FUSE=0)
+                rmsnorm / SwiGLU fused into it; nfuse0: those as their own launches (as DDTREE_NARROW_FUSE=0);
+                nmc0: no clusters that share x past the one-block x limit (as DDTREE_NARROW_MC=0)
   drowsN        the decode kernel up to N packed rows per KV head at every head dim (DECODE_MAX_ROWS)
   fuse16/fuse32 rmsnorm and swiglu fused into the linears up to 16 / 32 rows (as DDTREE_FUSED_PROLOGUE_ROWS):
                 verify b16 and drafter blocks as six launches per layer, on the x-resident kernel; norm32 /
@@ -83,6 +84,8 @@ def configure(spec: str, defaults: dict) -> None:
             dense_gmma.GMMA_NARROW = True
         elif term == "nfuse0":
             dense_gmma.NARROW_FUSE = False
+        elif term == "nmc0":
+            dense_gmma.NARROW_MC = False
         elif term == "fuse0":
             dk.FUSED_PROLOGUE_ROWS = {p: 0 for p in defaults["FUSED_PROLOGUE_ROWS"]}
         elif term.startswith("drows") and term[5:].isdigit():
@@ -93,16 +96,16 @@ def configure(spec: str, defaults: dict) -> None:
         else:
             raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
                              "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, gmmadec0, gmma1, fuse0, narrow1, "
-                             "nfuse0, drowsN, fuse16/32, norm16/32 or swiglu16/32")
+                             "nfuse0, nmc0, drowsN, fuse16/32, norm16/32 or swiglu16/32")
 
 
 FUSE_TERMS = {"fuse": ("rmsnorm", "swiglu"), "norm": ("rmsnorm",), "swiglu": ("swiglu",)}
 # the launch choices a configuration may change, restored before each one
 KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV", "GMMA_ENABLED",
          "FUSED_PROLOGUE_ROWS", "ATTN_GMMA", "DECODE_MAX_ROWS", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG",
-         "GMMA_DECODE", "GMMA_MIN_M", "GMMA_NARROW", "NARROW_FUSE")
+         "GMMA_DECODE", "GMMA_MIN_M", "GMMA_NARROW", "NARROW_FUSE", "NARROW_MC")
 GMMA_KNOBS = ("GMMA_ENABLED", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG", "GMMA_DECODE", "GMMA_MIN_M", "GMMA_NARROW",
-              "NARROW_FUSE")   # held by runtime.dense_gmma
+              "NARROW_FUSE", "NARROW_MC")   # held by runtime.dense_gmma
 
 
 def knob_owner(name: str):

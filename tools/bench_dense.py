@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from cutlass_kernels.registry import NARROW_MC_ROWS
 from runtime import dense_kernels as dk
 from runtime.bf16 import to_bf16
 from runtime.cuda import Stream, bench, capture, empty, get_device, get_kernel, to_device
@@ -68,7 +69,8 @@ GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3,
 def narrow_variants(dg, M, N, K):
     """The narrow-row GMMA kernel (runtime/dense_gmma.py) at every M up to its largest token tile where it has a row
     block for this N (narrow_plan at one row): that NW ("narrow": planned at this M too, "narrow nw=..": not), and
-    its neighbours, the next larger row block (fewer blocks) and the next smaller (more than one wave)."""
+    its neighbours, the next larger row block (fewer blocks) and the next smaller (more than one wave), and that NW
+    in clusters of two blocks that read x once (cs=2) where it is built."""
     sms = get_device().sm_count
     plan = dg.narrow_plan(1, N, K, sms)
     if plan is None or M > dg.NARROW_GMMA_TOKEN_TILES[-1]:
@@ -76,9 +78,14 @@ def narrow_variants(dg, M, N, K):
     nw = dg.gmma_narrow_config(plan[0])[0]
     rows = dg.NARROW_GMMA_ROWS
     i = rows.index(nw)
-    planned = dg.narrow_plan(M, N, K, sms) is not None
-    return [("narrow" if planned else f"narrow nw={nw}", {"gmma": True, "nw": "auto" if planned else nw})] + [
+    planned = dg.narrow_plan(M, N, K, sms)
+    cs = dg.gmma_narrow_config(planned[0])[5] if planned and planned[0].startswith("linear_gmma_narrow_mc") else 1
+    out = [("narrow" if planned else f"narrow nw={nw}", {"gmma": True, "nw": "auto" if planned else nw})] + [
         (f"narrow nw={r}", {"gmma": True, "nw": r}) for r in rows[max(0, i - 1):i + 2] if r != nw]
+    for c in (1, dg.NARROW_MC_CS):  # the cluster size the plan did not pick, where built
+        if c != cs and (c == 1 or nw in NARROW_MC_ROWS):
+            out.append((f"narrow nw={nw} cs={c}", {"gmma": True, "nw": nw, "cs": c}))
+    return out
 
 
 def linear_shapes(quick, ops):
@@ -208,9 +215,9 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
             for vname, kw in variants:
                 try:
                     if "nw" in kw:
-                        gkw = {"nw": kw["nw"]}
+                        gkw = {"nw": kw["nw"], "cs": kw.get("cs")}
                         plan = dg.narrow_plan(M, N, K, get_device().sm_count,
-                                              None if kw["nw"] == "auto" else kw["nw"])
+                                              None if kw["nw"] == "auto" else kw["nw"], cs=kw.get("cs"))
                     elif kw.get("gmma"):
                         gkw = {k: v for k, v in kw.items() if k != "gmma"}
                         plan = dg.gmma_plan(M, N, K, get_device().sm_count, gkw.get("splits"), gkw.get("tn"),
@@ -233,7 +240,8 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                 if kw.get("gmma"):
                     us = graph_time_us(lambda i, s: dg.linear_gmma(x, weights[i % copies], out, stream=s, **gkw),
                                        reps=max(copies, 8), stream=stream)
-                    kind = plan[0].replace("linear_gmma_narrow_kernel", "narrow").replace("linear_gmma_kernel", "gmma")
+                    kind = plan[0].replace("linear_gmma_narrow_mc_kernel", "narrow_mc").replace(
+                        "linear_gmma_narrow_kernel", "narrow").replace("linear_gmma_kernel", "gmma")
                 else:
                     us = graph_time_us(lambda i, s: dk.linear(x, weights[i % copies], out, stream=s, **kw),
                                        reps=max(copies, 8), stream=stream)
@@ -392,7 +400,10 @@ def bench_fused(stream, read_bw, ms_list, ops=None):
                     (f"separate: narrow nw={nw}", lambda i, s: (pre(s), dg.linear_gmma(mid, weights[i % copies],
                                                                                         out, nw=nw, stream=s))),
                     (f"fused: narrow nw={nw}", lambda i, s: dg.linear_gmma(x, weights[i % copies], out, nw=nw,
-                                                                            stream=s, **fused_kw))]
+                                                                            stream=s, **fused_kw)),
+                    (f"fused: narrow nw={nw} cs=2", lambda i, s: dg.linear_gmma(x, weights[i % copies], out, nw=nw,
+                                                                                 cs=2, stream=s, **fused_kw))]
+                variants = variants[:3] if nw not in NARROW_MC_ROWS else variants
             if dk.fused_prologue_ok(M, K, prologue):
                 variants.append(("fused: gemv", lambda i, s: dk.linear(x, weights[i % copies], out, kernel="gemv",
                                                                         stream=s, **fused_kw)))

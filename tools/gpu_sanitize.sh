@@ -30,6 +30,8 @@ if [ ${#tests[@]} -eq 0 ]; then
     "tests/test_dense_gmma.py::test_linear_gmma_narrow_every_instance[<48,80,2,6>]"    # two warpgroups
     "tests/test_dense_gmma.py::test_linear_gmma_narrow_every_instance[<48,16,2,9>rmsnorm]"  # x tile rewritten
     "tests/test_dense_gmma.py::test_linear_gmma_narrow_every_instance[<32,16,4,6>swiglu]"
+    "tests/test_dense_gmma.py::test_linear_gmma_narrow_every_instance[<48,64,2,6>cs2]"  # x multicast in clusters
+    "tests/test_dense_gmma.py::test_linear_gmma_narrow_every_instance[<32,80,1,7>rmsnormcs2]"
     "tests/test_dense_gmma.py::test_linear_gmma_narrow_chain_and_graph"        # PDL chain of narrow launches
     "tests/test_kimi_kernels.py::test_moe_layer_small"
     "tests/test_kimi_kernels.py::test_moe_layer_gmma_hot_experts"      # wgmma MoE (sm_90a)
