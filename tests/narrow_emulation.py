@@ -25,14 +25,23 @@ def emulate_narrow(x, w, cfg, stage_bytes, *, x2=None, norm_w=None, eps=1e-6, re
     """out (float32, rounded to bf16) of linear_gmma_narrow_kernel<cfg> on bf16-valued float32 arrays x [M, K],
     w [N, K] (x2 [M, K], norm_w [K], residual [M, N] as the prologue / epilogue take them); and sum_out (the residual
     sum block (0, z) writes, or None)."""
-    NW, TX, KA, STAGES, XMODE = cfg
+    NW, TX, KA, STAGES, XMODE = cfg[:5]
+    mc = len(cfg) == 6     # linear_gmma_narrow_mc_kernel: x rows bulk-copied by the cluster, unswizzled, kPitch apart
+    CS = cfg[5] if mc else 1
     M, K = x.shape
     N = w.shape[0]
     threads = 256 if TX > 64 else 128
     rows_pass = threads // 8
     x_tiles = 1 if XMODE == 0 else 2
     atom_x, atom_w = TX * 128, NW * 128
-    stage_x = x_tiles * KA * atom_x
+    pitch = KA * 128 + 16
+    tile_x = TX * pitch if mc else KA * atom_x
+    stage_x = -(-x_tiles * tile_x // 1024) * 1024
+
+    def x_off(t, r, c):  # the kernel's x_off: byte of 16-byte chunk c of token row r in x tile t
+        if mc:
+            return t * tile_x + r * pitch + 16 * c
+        return (t * KA + (c >> 3)) * atom_x + r * 128 + (((c & 7) ^ (r & 7)) << 4)
     stage_g = stage_x + KA * atom_w
     stage_k = 64 * KA
     n_stages = -(-K // stage_k)
@@ -62,7 +71,7 @@ def emulate_narrow(x, w, cfg, stage_bytes, *, x2=None, norm_w=None, eps=1e-6, re
                             k = k0 + 64 * a + 8 * wc
                             dst = _chunk(smem, stage_x + a * atom_w + chunk_dst + q * rows_pass * 128)
                             dst[:] = w[n, k:k + 8] if (k < K and n < N) else 0.0
-                    for t in range(x_tiles):                                                # load_x
+                    for t in range(x_tiles if not mc else 0):                               # load_x
                         if t == 1 and not with_x2:
                             break
                         src = x if t == 0 else x2
@@ -74,6 +83,14 @@ def emulate_narrow(x, w, cfg, stage_bytes, *, x2=None, norm_w=None, eps=1e-6, re
                                 k = k0 + 64 * a + 8 * wc
                                 dst = _chunk(smem, (t * KA + a) * atom_x + chunk_dst + q * rows_pass * 128)
                                 dst[:] = src[m, k:k + 8] if (m < M and k < K) else 0.0
+                    for rank in range(CS if mc else 0):   # the cluster's bulk copies: this row's k range, no more
+                        r = CS * tid + rank
+                        if r < live_rows:
+                            n_el = min(stage_k, K - k0)
+                            for t in range(2 if with_x2 else 1):
+                                src = x if t == 0 else x2
+                                base = x_off(t, r, 0) // 2
+                                smem[base:base + n_el] = src[m0 + r, k0:k0 + n_el]
                     if XMODE == 1 and tid < 8 * KA:                                        # the norm weight
                         k = k0 + 8 * tid
                         _chunk(smem, stage_g + 16 * tid)[:] = norm_w[k:k + 8] if k < K else 0.0
@@ -85,9 +102,11 @@ def emulate_narrow(x, w, cfg, stage_bytes, *, x2=None, norm_w=None, eps=1e-6, re
                                 break
                             r, c = divmod(i, chunks)
                             a, cc = divmod(c, 8)
-                            off = a * atom_x + r * 128 + ((cc ^ (r & 7)) << 4)
+                            if mc and k0 + 8 * c >= K:
+                                continue
+                            off = x_off(0, r, c)
                             h = _chunk(smem, off).astype(np.float32)
-                            u = _chunk(smem, KA * atom_x + off) if with_x2 else None
+                            u = _chunk(smem, x_off(1, r, c)) if with_x2 else None
                             if XMODE == 2:
                                 h = round_bf16(_silu(h) * u)
                             else:
@@ -112,12 +131,14 @@ def emulate_narrow(x, w, cfg, stage_bytes, *, x2=None, norm_w=None, eps=1e-6, re
                                 rows = []
                                 for lane in range(32):
                                     lm_row = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7)
-                                    rows.append(_chunk(smem, a * atom_x + lm_row * 128
-                                                       + (((2 * j + (lane >> 4)) ^ (lm_row & 7)) << 4)))
+                                    rows.append(_chunk(smem, x_off(0, lm_row, 8 * a + 2 * j + (lane >> 4))))
                                 for lane in range(32):
                                     g_, t_ = lane >> 2, lane & 3
                                     for reg in range(4):    # register reg: row g + 8 (reg % 2), k 2t + 8 (reg / 2)
-                                        A[g_ + 8 * (reg & 1), 2 * t_ + 8 * (reg >> 1):2 * t_ + 8 * (reg >> 1) + 2] = \
+                                        col = 2 * t_ + 8 * (reg >> 1)
+                                        # the cluster kernel zeroes the pairs past K (never copied)
+                                        masked = mc and k0 + 64 * a + 16 * j + col >= K
+                                        A[g_ + 8 * (reg & 1), col:col + 2] = 0.0 if masked else \
                                             rows[8 * reg + g_][2 * t_:2 * t_ + 2]
                             acc[16 * warp:16 * warp + 16] += A.astype(np.float64) @ B.T.astype(np.float64)
             scale = np.ones(acc.shape[0])

@@ -652,25 +652,29 @@ def test_narrow_launch_arguments_match_the_kernel(monkeypatch):
             check_arguments(_K(), args)
 
 
-@pytest.mark.parametrize("nw,tx,xmode", [(48, 16, 0), (32, 80, 0), (192, 32, 0), (48, 16, 1), (32, 80, 1),
-                                         (64, 32, 2), (48, 80, 2)])
-def test_narrow_kernel_emulated(nw, tx, xmode):
+@pytest.mark.parametrize("nw,tx,xmode,cs", [(48, 16, 0, 1), (32, 80, 0, 1), (192, 32, 0, 1), (48, 16, 1, 1),
+                                            (32, 80, 1, 1), (64, 32, 2, 1), (48, 80, 2, 1),
+                                            (48, 64, 0, 2), (32, 80, 1, 2), (32, 16, 2, 2)])
+def test_narrow_kernel_emulated(nw, tx, xmode, cs):
     """tests/narrow_emulation.py replays the kernel's copies, prologue, ldmatrix and swizzled B reads on the CPU for
     a registered instance (its KA, STAGES and stage size), from NaN-filled shared memory: every output within bf16
     tolerance of the float32 oracle (so no read of an unwritten byte, no misplaced chunk); the residual sum exact.
-    Two row blocks with an N tail, K with a tail of 8, M just over the next smaller tile (and over the tile: z)."""
+    Two row blocks with an N tail, K with a tail of 8, M just over the next smaller tile (and over the tile: z).
+    cs = 2: the cluster kernel's row-per-thread bulk copies into the unswizzled pitched tile, its k tail left stale
+    (NaN here) and masked in the fragments."""
     from narrow_emulation import emulate_narrow
-    from cutlass_kernels.registry import NARROW_GMMA_INSTANCES, narrow_stage_bytes
+    from cutlass_kernels.registry import NARROW_GMMA_INSTANCES, NARROW_MC_INSTANCES, narrow_stage_bytes
     from runtime.backends.numpy_backend import NumpyBackend
     ref = NumpyBackend()
-    cfg = next(c for c in NARROW_GMMA_INSTANCES if (c[0], c[1], c[4]) == (nw, tx, xmode))
+    cfg = next(c for c in NARROW_GMMA_INSTANCES + NARROW_MC_INSTANCES
+               if (c[0], c[1], c[4], c[5] if len(c) == 6 else 1) == (nw, tx, xmode, cs))
     for M in ((tx - 7,) if xmode else (tx - 7, tx + 3)):
         N, K = nw + 14, 200
         rng, x, w = _data(M, N, K, nw + tx + xmode + M)
         x2 = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
         g = round_bf16(1 + 0.2 * rng.standard_normal(K, dtype=np.float32))
         r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
-        stage = narrow_stage_bytes(nw, tx, cfg[2], xmode)
+        stage = narrow_stage_bytes(nw, tx, cfg[2], xmode, cs)
         if xmode == 0:
             runs = [({}, x)]
         elif xmode == 2:
