@@ -38,6 +38,16 @@
 //   rounds h * inv * norm_w to bf16, this rounds h * norm_w (one rounding per element either way).
 // x2 rides in its own tile of each stage, beside x's; the rmsnorm weight's slice too.
 //
+// Clusters that share x (linear_gmma_narrow_mc_kernel, CS = 2): every block reads all of x for its NW rows of W,
+// so from ~0.6 x rows per W row the L2 -> SM traffic of x, not HBM, sets the time (H100: o at M = 33, 17.9 vs
+// 14.8 us for linear_gmma_kernel). In a (CS, 1, 1) cluster of neighbouring row blocks each x row of a stage is one
+// bulk copy (cp.async.bulk ... multicast::cluster) issued by one thread of one block (row r by block r % CS) and
+// written into every block's tile; thread 0 of each block expects all of the stage's x bytes on its full barrier
+// (transaction count), and a stage's buffer is refilled only when every warp of every block of the cluster has
+// released it (one remote arrival per warp on each block's empty barrier). The rows land unswizzled, kPitch =
+// KA * 128 + 16 bytes apart (so an ldmatrix's 8 rows fall in distinct banks); the k past K in the last stage is
+// never written and is zeroed in the A fragments instead; rows past M stay stale and only feed rows not stored.
+//
 // Epilogue: straight from the accumulators (a thread holds token rows 16 warp + lane / 4 (+ 8), W rows
 // 8 j + 2 (lane % 4) (+ 1)): bf16 pairs along n, with the residual. No workspace, no tickets, one writer per
 // output element: deterministic.
