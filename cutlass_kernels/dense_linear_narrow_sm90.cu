@@ -236,6 +236,14 @@ __device__ __forceinline__ void narrow_linear(const __nv_bfloat16* __restrict__ 
   const uint32_t lm_off = lm_row * 128;
   const int lm_swz = lm_row & 7;
 
+  // Stage s landed (in buffer b). CS > 1: a polling wait, as the partner's copies complete the phase.
+  auto wait_full = [&](int s, int b) {
+    if constexpr (kMc) {
+      ddtree::mbar_wait_poll<false>(ring.full(b), (s / STAGES) & 1);
+    } else {
+      ddtree::mbar_wait(ring.full(b), (s / STAGES) & 1);
+    }
+  };
   // Fused prologue: each stage's x tile is rewritten in place, rows below M only, by the whole block (16-byte
   // chunks dealt over the threads in a fixed order), then a block barrier before any warp reads it: the cost
   // follows the live rows, not the 64-row fragments. RMSNorm: h^2 summed per (thread, pass) slot over the stages,
@@ -249,7 +257,7 @@ __device__ __forceinline__ void narrow_linear(const __nv_bfloat16* __restrict__ 
   const bool write_sum = XMODE == kXRmsNorm && with_x2 && sum_out != nullptr && blockIdx.x == 0;
   // rewrite_x(s, b): stage s (in buffer b), once landed; the block barrier after it comes from the caller.
   auto rewrite_x = [&](int s, int b) {
-    ddtree::mbar_wait(ring.full(b), (s / STAGES) & 1);
+    wait_full(s, b);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     unsigned char* stage = smem_gen + b * kStageBytes;
 #pragma unroll
@@ -307,7 +315,7 @@ __device__ __forceinline__ void narrow_linear(const __nv_bfloat16* __restrict__ 
       rewrite_x(s, b);
       block_sync();  // every live row rewritten before any ldmatrix
     } else {
-      ddtree::mbar_wait(ring.full(b), (s / STAGES) & 1);
+      wait_full(s, b);
       // cp.async wrote through the generic proxy, wgmma reads W through the async proxy
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -374,7 +382,7 @@ __device__ __forceinline__ void narrow_linear(const __nv_bfloat16* __restrict__ 
     if (t < n_stages) {
       if (s >= 1) {
         if constexpr (kMc) {
-          ddtree::mbar_wait_cluster(ring.empty((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
+          ddtree::mbar_wait_poll<true>(ring.empty((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
         } else {
           ddtree::mbar_wait(ring.empty((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
         }

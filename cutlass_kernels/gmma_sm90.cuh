@@ -107,12 +107,21 @@ __device__ __forceinline__ cuda::std::uint32_t dsmem_map(cuda::std::uint32_t add
 __device__ __forceinline__ void mbar_arrive_cluster(cuda::std::uint32_t remote_bar) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
 }
-// mbar_wait acquiring at cluster scope: the phase's arrivals came from other CTAs of the cluster too.
-__device__ __forceinline__ void mbar_wait_cluster(cuda::std::uint32_t bar, cuda::std::uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
+// mbar_wait without try_wait's suspension, for phases completed from another CTA (a remote arrival, a multicast
+// copy's complete_tx): spins on test_wait. cluster: acquire at cluster scope.
+template <bool kCluster>
+__device__ __forceinline__ void mbar_wait_poll(cuda::std::uint32_t bar, cuda::std::uint32_t parity) {
+  if constexpr (kCluster) {
+    asm volatile(
+        "{\n .reg .pred done;\n WAIT_%=:\n"
+        " mbarrier.test_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
+  } else {
+    asm volatile(
+        "{\n .reg .pred done;\n WAIT_%=:\n"
+        " mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
+  }
 }
 // One arrival that also expects `bytes` more of asynchronous copies (complete_tx) before the phase completes.
 __device__ __forceinline__ void mbar_arrive_expect_tx(cuda::std::uint32_t bar, cuda::std::uint32_t bytes) {

@@ -300,9 +300,12 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
 # NW is the smallest instance whose unsplit blocks fit one wave, taken where they fill it to >= 90%: Qwen3-8B qkv
 # 6144 / 48, o and down 4096 / 32, gate_up 24576 / 192: 128 blocks each on the H200's 132 SMs, where
 # linear_gmma_kernel's 64- and 128-row blocks leave 36..68 SMs idle at qkv, o and down (or split K in clusters).
-# Not yet timed on a GPU, so off unless DDTREE_GMMA_NARROW=1: runtime.dense_kernels.linear then takes it wherever
-# narrow_plan has a plan, fused prologues included (narrow_fuses).
-GMMA_NARROW = os.environ.get("DDTREE_GMMA_NARROW", "0") == "1"
+# runtime.dense_kernels.linear takes it wherever narrow_plan has a plan and linear_gmma_kernel's leaves SMs idle
+# (NARROW_GMMA_IDLE). H100, 2026-12-05 (25), per op (graph of rotating weights): qkv M = 1 17.8 vs 19.8 us, M = 17
+# 20.2 vs 20.6; o 12.7 vs 14.0, 13.6 vs 14.7; down 35.0 vs 36.1, 36.2 vs 37.3; the 12-layer Qwen3-8B step (bench_ar):
+# AR 2306 vs 2320 us, verify b16 / b32 / b64 2435 / 2541 / 2712 vs 2422 / 2536 / 2713 (equal within noise).
+# DDTREE_GMMA_NARROW=0: off.
+GMMA_NARROW = os.environ.get("DDTREE_GMMA_NARROW", "1") != "0"
 NARROW_FILL = 0.9
 # Every narrow block reads all of x (and x2 with a prologue) for only NW rows of W: from L2, every block the same
 # lines at once. The plan takes it only while a block's x rows stay within NARROW_X_PER_W times its W rows
@@ -316,11 +319,16 @@ NARROW_X_PER_W = 0.6
 NARROW_GMMA_IDLE = 0.9
 # Past that limit, clusters of NARROW_MC_CS row blocks that read x once per cluster (linear_gmma_narrow_mc_kernel,
 # multicast bulk copies), while M * tiles <= NARROW_X_PER_W * NW * NARROW_MC_CS. Not timed yet: DDTREE_NARROW_MC=0
-# leaves those sizes to linear_gmma_kernel.
-NARROW_MC = os.environ.get("DDTREE_NARROW_MC", "1") != "0"
-# The narrow kernel takes rmsnorm / SwiGLU into its x load wherever it takes the linear (DDTREE_NARROW_FUSE=0: they
-# run as their own launches, for A/B timing)
-NARROW_FUSE = os.environ.get("DDTREE_NARROW_FUSE", "1") != "0"
+# leaves those sizes to linear_gmma_kernel. Off: H100, 2026-12-05 (25), it ran 2-2.5x slower than the one-block
+# kernel at every size (qkv M = 1 44.8 vs 17.8 us, o M = 33 63.7 vs 19.4), ~1.4 us per stage, as if one stage were in
+# flight; its waits now poll (test_wait) instead of try_wait, untimed. DDTREE_NARROW_MC=1: on.
+NARROW_MC = os.environ.get("DDTREE_NARROW_MC", "0") == "1"
+# DDTREE_NARROW_FUSE=1: the narrow kernel also takes rmsnorm / SwiGLU into its x load wherever it takes the linear.
+# Off: H100, 2026-12-05 (25), fused against the two launches, qkv (rmsnorm + residual) M = 1 24.5 vs 20.8 us, M = 17
+# 41.5 vs 23.2, M = 33 75 vs 26; down (SwiGLU) M = 17 107 vs 40; gate_up even only up to 17 rows (73.1 vs 73.6 at
+# M = 1, 109 vs 82 at 65); the AR step 2358 vs 2299 us with it. The cost grows with the rows rewritten per stage,
+# with the rewrite ahead of the MMAs or not (bench_dense --fused).
+NARROW_FUSE = os.environ.get("DDTREE_NARROW_FUSE", "0") == "1"
 _NARROW_CONFIG = {(c[0], c[1], c[4], 1): c for c in NARROW_GMMA_INSTANCES}  # (NW, TX, XMODE, CS) -> instance
 _NARROW_CONFIG.update({(c[0], c[1], c[4], c[5]): c for c in NARROW_MC_INSTANCES})
 _NARROW_CONFIG_OF_ENTRY = {narrow_entry(c): c for c in _NARROW_CONFIG.values()}

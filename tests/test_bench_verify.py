@@ -89,11 +89,12 @@ def test_bench_ar_configure_sets_and_restores_the_gmma_knobs():
         configure("decode", defaults)
         assert dense_gmma.GMMA_THREE_WG_MANY is True and dense_gmma.GMMA_ONE_WG is True
         assert dense_gmma.gmma_plan(129, 24576, 4096, 132)[0] == _plan_3wg(dense_gmma)
-        assert defaults["GMMA_NARROW"] is False  # off until timed on a GPU
-        configure("decode+narrow1+nfuse0+nmc0", defaults)
-        assert dense_gmma.GMMA_NARROW is True and dense_gmma.NARROW_FUSE is False and dense_gmma.NARROW_MC is False
-        configure("decode", defaults)
+        # on by default: the narrow kernel, unfused, one block per row block (timed, runtime/dense_gmma.py)
+        assert (defaults["GMMA_NARROW"], defaults["NARROW_FUSE"], defaults["NARROW_MC"]) == (True, False, False)
+        configure("decode+narrow0+nfuse1+nmc1", defaults)
         assert dense_gmma.GMMA_NARROW is False and dense_gmma.NARROW_FUSE is True and dense_gmma.NARROW_MC is True
+        configure("decode", defaults)
+        assert dense_gmma.GMMA_NARROW is True and dense_gmma.NARROW_FUSE is False and dense_gmma.NARROW_MC is False
     finally:
         configure("decode", defaults)
 

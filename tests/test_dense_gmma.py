@@ -312,6 +312,8 @@ def test_dense_linear_fuses_prologues_into_narrow(dg, ref, monkeypatch, cuda_dev
     import runtime.dense_kernels as dk
     from runtime.backends.cuda_backend import CudaBackend
     monkeypatch.setattr(dg, "GMMA_NARROW", True)
+    monkeypatch.setattr(dg, "NARROW_FUSE", True)
+    monkeypatch.setattr(dg, "NARROW_MC", False)
     monkeypatch.setattr(dg, "NARROW_X_PER_W", 2.0)  # the routing, not the measured limit (test_narrow_plan)
     calls = narrow_launches
     N, K = 32 * cuda_device.sm_count, 2048
@@ -399,6 +401,7 @@ def test_dense_linear_hands_decode_sizes_to_narrow(dg, ref, monkeypatch, cuda_de
                      dtype="bf16", atol=ATOL)
     monkeypatch.setattr(dg, "NARROW_X_PER_W", 2.0)  # the routing mechanics, not the measured limits
     monkeypatch.setattr(dg, "NARROW_GMMA_IDLE", 2.0)
+    monkeypatch.setattr(dg, "NARROW_MC", False)
     n_full = 32 * cuda_device.sm_count
     for M, N, K, kw, routed in [(1, n_full, 4096, {}, True), (17, n_full, 2048, {}, True),
                                 (64, n_full, 2048, {}, True), (65, n_full, 2048, {}, False),  # x > 2 x W a block
@@ -421,7 +424,7 @@ def test_linear_gmma_narrow_rejects(dg):
     with pytest.raises(ValueError, match="NW = 40"):
         dg.linear_gmma(x, w, out, nw=40)
     with pytest.raises(ValueError, match="takes none of"):
-        dg.linear_gmma(x, w, out, nw=32, cs=2)
+        dg.linear_gmma(x, w, out, nw=32, splits=2)
     with pytest.raises(ValueError, match="no narrow-row plan"):
         dg.linear_gmma(x, w, out, nw="auto")  # 8 rows of W: no full wave
 
@@ -554,13 +557,14 @@ def test_gmma_trigger_option(monkeypatch):
         registry._gmma_trigger()
 
 
-def test_narrow_plan():
+def test_narrow_plan(monkeypatch):
     """The narrow-row plan: the smallest NW whose unsplit blocks fit one wave, where they fill it to >= 90%; the
     token tile is the smallest >= M; shared memory within a block's; no plan past 80 rows (unless NW is forced)
     or where no NW fills a wave."""
     from cutlass_kernels.registry import NARROW_GMMA_INSTANCES
     from cutlass_kernels.registry import NARROW_MC_INSTANCES, NARROW_MC_ROWS
     from runtime.dense_gmma import NARROW_X_PER_W, SMEM_PER_BLOCK_MAX, narrow_plan, narrow_smem_bytes
+    monkeypatch.setattr("runtime.dense_gmma.NARROW_MC", True)  # clusters past the one-block x limit (off by default)
     for cfg in NARROW_GMMA_INSTANCES + NARROW_MC_INSTANCES:
         nw, tx, ka, stages = cfg[:4]
         assert narrow_smem_bytes(*cfg) <= SMEM_PER_BLOCK_MAX and 3 <= stages <= 12
@@ -579,8 +583,8 @@ def test_narrow_plan():
             entry, grid, smem = plan
             assert entry.startswith(f"{kernel}<{nw}, {tx}, "), (name, M, entry)
             assert grid == (-(-N // nw), 1, 1) and 0.9 * 132 <= grid[0] <= 132, (name, M, grid)
-            with pytest.MonkeyPatch.context() as mp:  # DDTREE_NARROW_MC=0: none past the one-block limit
-                mp.setattr("runtime.dense_gmma.NARROW_MC", False)
+            with pytest.MonkeyPatch.context() as off:  # DDTREE_NARROW_MC=0: none past the one-block limit
+                off.setattr("runtime.dense_gmma.NARROW_MC", False)
                 assert (narrow_plan(M, N, K, 132) is None) == (kernel != "linear_gmma_narrow_kernel")
         # x and x2 (the residual, SwiGLU's up) count twice
         plan = narrow_plan(17, N, K, 132, prologue="swiglu")

@@ -23,9 +23,9 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
   gmmadec0      decode-size linears (1..8 rows) on the gemv / x-resident kernels for every weight (as
                 DDTREE_GMMA_DECODE=0); gmma1: every unfused linear of any size on GMMA
   fuse0         no rmsnorm / swiglu fused into a linear (as DDTREE_FUSED_PROLOGUE_ROWS=0)
-  narrow1       GMMA linear: the narrow-row kernel wherever it has a plan, up to 80 rows (as DDTREE_GMMA_NARROW=1),
-                rmsnorm / SwiGLU fused into it; nfuse0: those as their own launches (as DDTREE_NARROW_FUSE=0);
-                nmc0: no clusters that share x past the one-block x limit (as DDTREE_NARROW_MC=0)
+  narrow0       GMMA linear: no narrow-row kernel (as DDTREE_GMMA_NARROW=0; narrow1: on, the default); nfuse1:
+                rmsnorm / SwiGLU fused into it (as DDTREE_NARROW_FUSE=1; nfuse0: not, the default); nmc1: clusters
+                that share x past the one-block x limit (as DDTREE_NARROW_MC=1; nmc0: not, the default)
   drowsN        the decode kernel up to N packed rows per KV head at every head dim (DECODE_MAX_ROWS)
   fuse16/fuse32 rmsnorm and swiglu fused into the linears up to 16 / 32 rows (as DDTREE_FUSED_PROLOGUE_ROWS):
                 verify b16 and drafter blocks as six launches per layer, on the x-resident kernel; norm32 /
@@ -80,12 +80,12 @@ def configure(spec: str, defaults: dict) -> None:
             dense_gmma.GMMA_DECODE = False
         elif term == "gmma1":
             dense_gmma.GMMA_MIN_M = 1
-        elif term == "narrow1":
-            dense_gmma.GMMA_NARROW = True
-        elif term == "nfuse0":
-            dense_gmma.NARROW_FUSE = False
-        elif term == "nmc0":
-            dense_gmma.NARROW_MC = False
+        elif term in ("narrow0", "narrow1"):
+            dense_gmma.GMMA_NARROW = term == "narrow1"
+        elif term in ("nfuse0", "nfuse1"):
+            dense_gmma.NARROW_FUSE = term == "nfuse1"
+        elif term in ("nmc0", "nmc1"):
+            dense_gmma.NARROW_MC = term == "nmc1"
         elif term == "fuse0":
             dk.FUSED_PROLOGUE_ROWS = {p: 0 for p in defaults["FUSED_PROLOGUE_ROWS"]}
         elif term.startswith("drows") and term[5:].isdigit():
@@ -95,8 +95,8 @@ def configure(spec: str, defaults: dict) -> None:
                 dk.FUSED_PROLOGUE_ROWS[prologue] = int(term[-2:])
         else:
             raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
-                             "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, gmmadec0, gmma1, fuse0, narrow1, "
-                             "nfuse0, nmc0, drowsN, fuse16/32, norm16/32 or swiglu16/32")
+                             "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, gmmadec0, gmma1, fuse0, narrow0/1, "
+                             "nfuse0/1, nmc0/1, drowsN, fuse16/32, norm16/32 or swiglu16/32")
 
 
 FUSE_TERMS = {"fuse": ("rmsnorm", "swiglu"), "norm": ("rmsnorm",), "swiglu": ("swiglu",)}
