@@ -236,14 +236,7 @@ __device__ __forceinline__ void narrow_linear(const __nv_bfloat16* __restrict__ 
   const uint32_t lm_off = lm_row * 128;
   const int lm_swz = lm_row & 7;
 
-  // Stage s landed (in buffer b). CS > 1: a polling wait, as the partner's copies complete the phase.
-  auto wait_full = [&](int s, int b) {
-    if constexpr (kMc) {
-      ddtree::mbar_wait_poll<false>(ring.full(b), (s / STAGES) & 1);
-    } else {
-      ddtree::mbar_wait(ring.full(b), (s / STAGES) & 1);
-    }
-  };
+  auto wait_full = [&](int s, int b) { ddtree::mbar_wait(ring.full(b), (s / STAGES) & 1); };  // stage s landed
   // Fused prologue: each stage's x tile is rewritten in place, rows below M only, by the whole block (16-byte
   // chunks dealt over the threads in a fixed order), then a block barrier before any warp reads it: the cost
   // follows the live rows, not the 64-row fragments. RMSNorm: h^2 summed per (thread, pass) slot over the stages,
@@ -397,13 +390,7 @@ __device__ __forceinline__ void narrow_linear(const __nv_bfloat16* __restrict__ 
     // Refill: stage s + STAGES - 1 goes into the buffer stage s - 1 used, once every thread is done with it.
     const int t = s + kPre;
     if (t < n_stages) {
-      if (s >= 1) {
-        if constexpr (kMc) {
-          ddtree::mbar_wait_poll<true>(ring.empty((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
-        } else {
-          ddtree::mbar_wait(ring.empty((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
-        }
-      }
+      if (s >= 1) ddtree::mbar_wait(ring.empty((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
       load_w(t);
       load_x(t);
       ddtree::mbar_arrive_cp_async(ring.full(t % STAGES));

@@ -103,25 +103,11 @@ __device__ __forceinline__ cuda::std::uint32_t dsmem_map(cuda::std::uint32_t add
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
   return remote;
 }
-// One arrival on an mbarrier of any CTA of the cluster (a dsmem_map address), releasing at cluster scope.
+// One arrival on an mbarrier of any CTA of the cluster (a dsmem_map address). Release at CTA scope, as CUTLASS's
+// cluster pipelines do: .release.cluster compiles to MEMBAR.ALL.GPU + ERRBAR before the arrival, which waits for
+// every load the thread has in flight (its cp.async of later stages) and put one stage in flight at a time.
 __device__ __forceinline__ void mbar_arrive_cluster(cuda::std::uint32_t remote_bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
-}
-// mbar_wait without try_wait's suspension, for phases completed from another CTA (a remote arrival, a multicast
-// copy's complete_tx): spins on test_wait. cluster: acquire at cluster scope.
-template <bool kCluster>
-__device__ __forceinline__ void mbar_wait_poll(cuda::std::uint32_t bar, cuda::std::uint32_t parity) {
-  if constexpr (kCluster) {
-    asm volatile(
-        "{\n .reg .pred done;\n WAIT_%=:\n"
-        " mbarrier.test_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-        " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
-  } else {
-    asm volatile(
-        "{\n .reg .pred done;\n WAIT_%=:\n"
-        " mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-        " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
-  }
+  asm volatile("mbarrier.arrive.release.cta.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
 }
 // One arrival that also expects `bytes` more of asynchronous copies (complete_tx) before the phase completes.
 __device__ __forceinline__ void mbar_arrive_expect_tx(cuda::std::uint32_t bar, cuda::std::uint32_t bytes) {
