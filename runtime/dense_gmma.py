@@ -318,10 +318,11 @@ NARROW_X_PER_W = 0.6
 # 72.7 vs 73.9 at M = 17 against the narrow kernel's (H100, 2026-12-05 (25)).
 NARROW_GMMA_IDLE = 0.9
 # Past that limit, clusters of NARROW_MC_CS row blocks that read x once per cluster (linear_gmma_narrow_mc_kernel,
-# multicast bulk copies), while M * tiles <= NARROW_X_PER_W * NW * NARROW_MC_CS. Not timed yet: DDTREE_NARROW_MC=0
-# leaves those sizes to linear_gmma_kernel. Off: H100, 2026-12-05 (25), it ran 2-2.5x slower than the one-block
-# kernel at every size (qkv M = 1 44.8 vs 17.8 us, o M = 33 63.7 vs 19.4), ~1.4 us per stage, as if one stage were in
-# flight; its waits now poll (test_wait) instead of try_wait, untimed. DDTREE_NARROW_MC=1: on.
+# multicast bulk copies), while M * tiles <= NARROW_X_PER_W * NW * NARROW_MC_CS. Off (DDTREE_NARROW_MC=1: on): H100,
+# 2026-12-05 (25), it ran 2-2.5x slower than the one-block kernel at every size (qkv M = 1 44.8 vs 17.8 us, o M = 33
+# 63.7 vs 19.4), ~1.4 us per stage, as if one stage were in flight. Its per-warp arrivals on the other block's
+# barriers released at cluster scope, which compiles to MEMBAR.ALL.GPU and waits for the thread's loads in flight;
+# now they release at CTA scope (as CUTLASS's cluster pipelines do). Not timed since.
 NARROW_MC = os.environ.get("DDTREE_NARROW_MC", "0") == "1"
 # DDTREE_NARROW_FUSE=1: the narrow kernel also takes rmsnorm / SwiGLU into its x load wherever it takes the linear.
 # Off: H100, 2026-12-05 (25), fused against the two launches, qkv (rmsnorm + residual) M = 1 24.5 vs 20.8 us, M = 17
