@@ -253,54 +253,37 @@ __device__ __forceinline__ void narrow_linear(const __nv_bfloat16* __restrict__ 
     wait_full(s, b);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     unsigned char* stage = smem_gen + b * kStageBytes;
-    // Up to 4 passes' loads before any of their stores (the stores could alias a later pass's loads as far as the
-    // compiler knows, which made every pass one shared-memory round trip).
-    auto live = [&](int p) {
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
       const int i = tid + kThreads * p;
-      return i < live_rows * kChunks && !(kMc && s * kStageK + 8 * (i % kChunks) >= K);  // kMc: never copied
-    };
-    constexpr int kGroupMax = NW >= 192 ? 2 : 4;  // the accumulators leave fewer registers at 192 and 256 W rows
-    constexpr int kGroup = kPasses < kGroupMax ? kPasses : kGroupMax;
+      if (i >= live_rows * kChunks) break;
+      const int r = i / kChunks, c = i % kChunks, a = c >> 3, cc = c & 7;
+      if (kMc && s * kStageK + 8 * c >= K) continue;  // never copied (stale); the fragments mask it
+      uint4* px = reinterpret_cast<uint4*>(stage + x_off(0, r, c));
+      float h[8], u[8];
+      ddtree::unpack8(*px, h);
+      if (with_x2) ddtree::unpack8(*reinterpret_cast<const uint4*>(stage + x_off(1, r, c)), u);
+      if constexpr (XMODE == kXSwiGLU) {
 #pragma unroll
-    for (int p0 = 0; p0 < kPasses; p0 += kGroup) {
-      uint4 xv[kGroup], uv[kGroup], gv[kGroup];
+        for (int j = 0; j < 8; ++j) h[j] = ddtree::silu(h[j]) * u[j];  // as swiglu_kernel
+      } else {
+        const int k = s * kStageK + 64 * a + 8 * cc;
+        if (with_x2) {
 #pragma unroll
-      for (int q = 0; q < kGroup; ++q) {
-        const int p = p0 + q, i = tid + kThreads * p, r = i / kChunks, c = i % kChunks;
-        if (p >= kPasses || !live(p)) continue;
-        xv[q] = *reinterpret_cast<const uint4*>(stage + x_off(0, r, c));
-        if (with_x2) uv[q] = *reinterpret_cast<const uint4*>(stage + x_off(1, r, c));
-        if constexpr (XMODE == kXRmsNorm) gv[q] = *reinterpret_cast<const uint4*>(stage + kStageG + 16 * c);
-      }
-#pragma unroll
-      for (int q = 0; q < kGroup; ++q) {
-        const int p = p0 + q, i = tid + kThreads * p, r = i / kChunks, c = i % kChunks;
-        if (p >= kPasses || !live(p)) continue;
-        float h[8], u[8];
-        ddtree::unpack8(xv[q], h);
-        if (with_x2) ddtree::unpack8(uv[q], u);
-        if constexpr (XMODE == kXSwiGLU) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) h[j] = ddtree::silu(h[j]) * u[j];  // as swiglu_kernel
-        } else {
-          const int k = s * kStageK + 8 * c;
-          if (with_x2) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) h[j] += u[j];
-            const uint4 hv = ddtree::pack8(h);
-            ddtree::unpack8(hv, h);  // the rounded residual sum, as stored
-            if (write_sum && k < K) *reinterpret_cast<uint4*>(sum_out + (size_t)(m0 + r) * ldsum + k) = hv;
-          }
-          float g[8];
-          ddtree::unpack8(gv[q], g);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            ss_slot[p] += h[j] * h[j];
-            h[j] *= g[j];
-          }
+          for (int j = 0; j < 8; ++j) h[j] += u[j];
+          const uint4 hv = ddtree::pack8(h);
+          ddtree::unpack8(hv, h);  // the rounded residual sum, as stored
+          if (write_sum && k < K) *reinterpret_cast<uint4*>(sum_out + (size_t)(m0 + r) * ldsum + k) = hv;
         }
-        *reinterpret_cast<uint4*>(stage + x_off(0, r, c)) = ddtree::pack8(h);
+        float g[8];
+        ddtree::unpack8(*reinterpret_cast<const uint4*>(stage + kStageG + a * 128 + 16 * cc), g);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          ss_slot[p] += h[j] * h[j];
+          h[j] *= g[j];
+        }
       }
+      *px = ddtree::pack8(h);
     }
   };
   auto block_sync = [] { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); };
