@@ -319,10 +319,10 @@ NARROW_X_PER_W = 0.6
 NARROW_GMMA_IDLE = 0.9
 # Past that limit, clusters of NARROW_MC_CS row blocks that read x once per cluster (linear_gmma_narrow_mc_kernel,
 # multicast bulk copies), while M * tiles <= NARROW_X_PER_W * NW * NARROW_MC_CS. Off (DDTREE_NARROW_MC=1: on): H100,
-# 2026-12-05 (25), it ran 2-2.5x slower than the one-block kernel at every size (qkv M = 1 44.8 vs 17.8 us, o M = 33
-# 63.7 vs 19.4), ~1.4 us per stage, as if one stage were in flight. Its per-warp arrivals on the other block's
-# barriers released at cluster scope, which compiles to MEMBAR.ALL.GPU and waits for the thread's loads in flight;
-# now they release at CTA scope (as CUTLASS's cluster pipelines do). Not timed since.
+# 2026-12-05 (25), slower than the one-block kernel and than linear_gmma_kernel: qkv M = 1 19.5 vs 17.9 us, M = 33
+# 31.4 vs 22.8 (linear_gmma_kernel 21.3); o M = 33 39.4 vs 19.3 (14.8); verify b32 of the 12-layer step 2660 vs
+# 2539 us. (Its first version, whose cross-block arrivals released at cluster scope = MEMBAR.ALL.GPU, was 2-2.5x
+# slower still.)
 NARROW_MC = os.environ.get("DDTREE_NARROW_MC", "0") == "1"
 # DDTREE_NARROW_FUSE=1: the narrow kernel also takes rmsnorm / SwiGLU into its x load wherever it takes the linear.
 # Off: H100, 2026-12-05 (25), fused against the two launches, qkv (rmsnorm + residual) M = 1 24.5 vs 20.8 us, M = 17
@@ -455,6 +455,14 @@ def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
                        stages=stages, rw=rw, cs=cs, nwg=nwg, stream=stream)
 
 
+def narrow_instead(M: int, N: int, K: int, sm_count: int, gmma_grid: tuple):
+    """The narrow_plan an unforced linear_gmma runs instead of linear_gmma_kernel's plan (whose grid is gmma_grid):
+    with GMMA_NARROW, where that plan leaves SMs idle (NARROW_GMMA_IDLE) and narrow_plan has one; else None."""
+    if not GMMA_NARROW or gmma_grid[0] * gmma_grid[1] * gmma_grid[2] >= NARROW_GMMA_IDLE * sm_count:
+        return None
+    return narrow_plan(M, N, K, sm_count)
+
+
 def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None, M: int, N: int,
                 K: int, ldx: int, ldo: int, ldr: int | None, *, ws: Workspace | None = None,
                 splits: int | None = None, tn: int | None = None, ka: int | None = None,
@@ -466,9 +474,8 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
     dev = _need_gmma_device("linear_gmma")
     entry, grid, k_per_split, smem = gmma_plan(M, N, K, dev.sm_count, splits, tn, ka, stages, rw, cs,
                                                cluster_slots=device_cluster_slots, nwg=nwg)
-    if (GMMA_NARROW and (splits, tn, ka, stages, rw, cs, nwg) == (None,) * 7
-            and grid[0] * grid[1] * grid[2] < NARROW_GMMA_IDLE * dev.sm_count):
-        plan = narrow_plan(M, N, K, dev.sm_count)
+    if (splits, tn, ka, stages, rw, cs, nwg) == (None,) * 7:
+        plan = narrow_instead(M, N, K, dev.sm_count, grid)
         if plan is not None:
             return launch_narrow(x, w, out, residual, M, N, K, ldx, ldo, ldr, plan, stream=stream)
     cfg = gmma_config(entry)

@@ -230,22 +230,27 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                 except ValueError as e:
                     print(f"| {model} | {name} | {N}x{K} | {M} | {vname} | n/a: {e} |||||")
                     continue
-                if not kw.get("gmma") and kw.get("kernel", "auto") == "auto" and M >= 9:
+                if not kw.get("gmma") and kw.get("kernel", "auto") == "auto" and not kw.get("splits"):
                     from runtime import dense_gmma as dg
-                    if dg.gmma_wanted(M, N, K):  # linear() hands this shape to the GMMA kernel: show its plan
-                        plan = dg.gmma_plan(M, N, K, get_device().sm_count, kw.get("splits"),
-                                            cluster_slots=dg.device_cluster_slots)
-                        kw = {**kw, "gmma": True}
-                        gkw = {k: v for k, v in kw.items() if k not in ("gmma", "kernel")}
+                    if dg.gmma_wanted(M, N, K):  # linear() hands this shape to a GMMA kernel: show its plan
+                        plan = dg.gmma_plan(M, N, K, get_device().sm_count, cluster_slots=dg.device_cluster_slots)
+                        plan = dg.narrow_instead(M, N, K, get_device().sm_count, plan[1]) or plan
                 if kw.get("gmma"):
-                    us = graph_time_us(lambda i, s: dg.linear_gmma(x, weights[i % copies], out, stream=s, **gkw),
-                                       reps=max(copies, 8), stream=stream)
+                    # "gmma" rows: linear_gmma_kernel's plan, not the narrow kernel that an unforced call may take
+                    narrow_default, dg.GMMA_NARROW = dg.GMMA_NARROW, False
+                    try:
+                        us = graph_time_us(lambda i, s: dg.linear_gmma(x, weights[i % copies], out, stream=s, **gkw),
+                                           reps=max(copies, 8), stream=stream)
+                    finally:
+                        dg.GMMA_NARROW = narrow_default
                     kind = plan[0].replace("linear_gmma_narrow_mc_kernel", "narrow_mc").replace(
                         "linear_gmma_narrow_kernel", "narrow").replace("linear_gmma_kernel", "gmma")
                 else:
                     us = graph_time_us(lambda i, s: dk.linear(x, weights[i % copies], out, stream=s, **kw),
                                        reps=max(copies, 8), stream=stream)
-                    kind = next(k for k in ("gemv", "xres", "chunked") if k in plan[0] or k == "chunked")
+                    kind = next(k for k in ("linear_gmma_narrow_kernel", "linear_gmma_kernel", "gemv", "xres",
+                                            "chunked") if k in plan[0] or k == "chunked")
+                    kind = {"linear_gmma_narrow_kernel": "narrow", "linear_gmma_kernel": "gmma"}.get(kind, kind)
                 base_us = base_us or us  # the first variant: "auto", or with --gmma the mma.sync kernel
                 bw = w_bytes / (us * 1e-6)
                 tflops = 2 * M * N * K / (us * 1e-6) / 1e12
