@@ -343,9 +343,11 @@ def test_dense_linear_fuses_prologues_into_narrow(dg, ref, monkeypatch, cuda_dev
 
 
 @pytest.mark.gpu
-def test_linear_gmma_narrow_chain_and_graph(dg, ref):
+@pytest.mark.parametrize("cs", [1, 2], ids=["one_block", "cluster"])
+def test_linear_gmma_narrow_chain_and_graph(dg, ref, cs):
     """Back-to-back narrow launches with PDL (the second reads what the first writes and overwrites the first's
-    input; the first in clusters that multicast x), eagerly and captured in a graph replayed with new inputs."""
+    input; the first, with cs = 2, in clusters that multicast x), eagerly and captured in a graph replayed with new
+    inputs."""
     from runtime.cuda import Stream, capture
     rng = np.random.default_rng(23)
     M, N, K = 17, 1536, 2048
@@ -353,7 +355,7 @@ def test_linear_gmma_narrow_chain_and_graph(dg, ref):
     xd, w1d, w2d, y = poisoned((M, K)), poisoned((N, K)), poisoned((K, N)), poisoned((M, N))
 
     def record():
-        dg.linear_gmma(xd, w1d, y, nw=48, cs=2, stream=stream)  # y = x @ w1^T
+        dg.linear_gmma(xd, w1d, y, nw=48, cs=cs, stream=stream)  # y = x @ w1^T
         dg.linear_gmma(y, w2d, xd, nw=32, stream=stream)  # x <- y @ w2^T (overwrites the input)
 
     def check(run):
