@@ -9,8 +9,8 @@
 // multiple of 8 rows): NW rows per block, NW picked so that ceil(N / NW) blocks fill one wave (6144 / 48 = 128,
 // 4096 / 32 = 128), each streaming the whole K of its rows. x is the A side (the wgmma M of 64 rows per
 // warpgroup): the token rows, from registers (wgmma RS), read by ldmatrix from a TX-row tile staged with W's;
-// warps whose 16 rows hold no token feed zeros, and their output rows are not stored. Not measured yet (no GPU in
-// the session that wrote it): runtime/dense_gmma.py keeps it off unless DDTREE_GMMA_NARROW=1.
+// warps whose 16 rows hold no token feed zeros, and their output rows are not stored. runtime/dense_gmma.py takes it
+// where it measured faster (H100, session 25: qkv / o / down of Qwen3-8B up to ~0.6 token rows per W row).
 //
 // Block: one warpgroup (128 threads) for up to 64 token rows, two (256 threads, token rows 64 wg ..) for TX = 80
 // (the verify bucket 64: 65 rows), over NW W rows and TX token rows (blockIdx.z walks token tiles if M > TX;
@@ -27,9 +27,10 @@
 // ddtree::grid_dependency_wait(); x, the residual and the output are touched only after it; the next kernel may
 // launch right after that wait (GMMA_EARLY_TRIGGER, as linear_gmma_kernel).
 //
-// XMODE fuses the op that makes x into the x tile (one launch instead of two): after a stage lands, the block
+// XMODE fuses the op that makes x into the x tile (one launch instead of two): once a stage lands, the block
 // rewrites its x tile in place, live rows only (16-byte chunks dealt over all threads), then a block barrier, then
-// the ldmatrix as usual. The cost follows M, not the 16 rows a warp's fragments span.
+// the ldmatrix as usual; NARROW_REWRITE_AHEAD rewrites stage s + 1 while stage s's MMAs run. The cost follows M,
+// not the 16 rows a warp's fragments span (measured slower than two launches from 17 rows: off by default).
 //   kXSwiGLU: x <- silu(x) * x2 (gate, up), bit for bit swiglu_kernel's bf16 result;
 //   kXRmsNorm: y <- rmsnorm(x (+ x2)) @ W^T as (h * norm_w) @ W^T * inv: h = x, or bf16(x + x2) (block 0 writes it to
 //   sum_out, the residual stream); the tile becomes bf16(h * norm_w), h^2 is summed as the stages stream, and the
@@ -83,7 +84,8 @@ __device__ __forceinline__ void ldmatrix_x4_s(uint32_t (&r)[4], uint32_t addr) {
 // warps 0 .. TX/16 - 1 hold them; above 64, two warpgroups). KA: 64-k atoms per stage. STAGES: shared-memory stages.
 // XMODE: kXPlain, kXRmsNorm or kXSwiGLU (x2, norm_w, eps, sum_out unused where XMODE does not say).
 // Dynamic smem (registry.narrow_stage_bytes): 1024 (alignment) + STAGES * stage, stage = KA * (XT * TX + NW) * 128
-// (XT = 2 x tiles (x, x2) with a prologue, else 1), + KA * 128 for the RMSNorm weight, rounded up to 1024.
+// (XT = 2 x tiles (x, x2) with a prologue, else 1; CS > 1: the x tiles are XT * TX * kPitch bytes rounded up to
+// 1024), + KA * 128 for the RMSNorm weight, rounded up to 1024.
 // CS: with CS > 1 (linear_gmma_narrow_mc_kernel, a (CS, 1, 1) cluster of neighbouring row blocks) x is read once per
 // cluster: each block bulk-copies every CS-th token row and multicasts it to all CS blocks (see the file comment).
 template <int NW, int TX, int KA, int STAGES, int XMODE, int CS>
@@ -233,8 +235,6 @@ __device__ __forceinline__ void narrow_linear(const __nv_bfloat16* __restrict__ 
   const bool warp_has_rows = 16 * warp < TX && m0 + 16 * warp < M;
   const int lm_row = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
   const int lm_half = lane >> 4;
-  const uint32_t lm_off = lm_row * 128;
-  const int lm_swz = lm_row & 7;
 
   auto wait_full = [&](int s, int b) { ddtree::mbar_wait(ring.full(b), (s / STAGES) & 1); };  // stage s landed
   // Fused prologue: each stage's x tile is rewritten in place, rows below M only, by the whole block (16-byte
@@ -320,11 +320,7 @@ __device__ __forceinline__ void narrow_linear(const __nv_bfloat16* __restrict__ 
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (warp_has_rows) {
-          if constexpr (kMc) {
-            ldmatrix_x4_s(afrag[a][j], xbase + x_off(0, lm_row, 8 * a + 2 * j + lm_half));
-          } else {
-            ldmatrix_x4_s(afrag[a][j], xbase + a * kAtomX + lm_off + (((2 * j + lm_half) ^ lm_swz) << 4));
-          }
+          ldmatrix_x4_s(afrag[a][j], xbase + x_off(0, lm_row, 8 * a + 2 * j + lm_half));
         } else {
 #pragma unroll
           for (int e = 0; e < 4; ++e) afrag[a][j][e] = 0u;

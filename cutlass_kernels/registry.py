@@ -238,6 +238,9 @@ def narrow_entry(cfg: tuple) -> str:
         "linear_gmma_narrow_kernel<%d, %d, %d, %d, %d>" % cfg
 
 
+# the compile options of every narrow family (one source): where it lets the next kernel in, where a fused prologue
+# rewrites the x tile
+_NARROW_OPTIONS = (f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}", f"-DNARROW_REWRITE_AHEAD={_narrow_rewrite()}")
 # one family per XMODE (the same source): each compiles on its own (~17 s for 32 instances; all in one took 52 s)
 NARROW_FAMILIES = {xm: "dense_linear_narrow_sm90" + ("" if xm == "none" else "_" + xm) for xm in NARROW_XMODES}
 for _prologue, _family in NARROW_FAMILIES.items():
@@ -246,7 +249,7 @@ for _prologue, _family in NARROW_FAMILIES.items():
         source="dense_linear_narrow_sm90.cu",
         entries=tuple(narrow_entry(c) for c in NARROW_GMMA_INSTANCES if c[4] == NARROW_XMODES[_prologue]),
         archs=("90a",),
-        options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}", f"-DNARROW_REWRITE_AHEAD={_narrow_rewrite()}"),
+        options=_NARROW_OPTIONS,
         pdl=True,
         required_sass={"90a": r"HGMMA"},
         required_ptx={"90a": r"wgmma\.mma_async"},
@@ -257,7 +260,7 @@ register(KernelFamily(
     source="dense_linear_narrow_sm90.cu",
     entries=tuple(narrow_entry(c) for c in NARROW_MC_INSTANCES),
     archs=("90a",),
-    options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}", f"-DNARROW_REWRITE_AHEAD={_narrow_rewrite()}"),
+    options=_NARROW_OPTIONS,
     pdl=True,
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes\.multicast"},

@@ -405,10 +405,10 @@ def bench_fused(stream, read_bw, ms_list, ops=None):
                     (f"separate: narrow nw={nw}", lambda i, s: (pre(s), dg.linear_gmma(mid, weights[i % copies],
                                                                                         out, nw=nw, stream=s))),
                     (f"fused: narrow nw={nw}", lambda i, s: dg.linear_gmma(x, weights[i % copies], out, nw=nw,
-                                                                            stream=s, **fused_kw)),
-                    (f"fused: narrow nw={nw} cs=2", lambda i, s: dg.linear_gmma(x, weights[i % copies], out, nw=nw,
-                                                                                 cs=2, stream=s, **fused_kw))]
-                variants = variants[:3] if nw not in NARROW_MC_ROWS else variants
+                                                                            stream=s, **fused_kw))]
+                if nw in NARROW_MC_ROWS:  # the cluster kernel is built for these row blocks only
+                    variants.append((f"fused: narrow nw={nw} cs=2", lambda i, s: dg.linear_gmma(
+                        x, weights[i % copies], out, nw=nw, cs=2, stream=s, **fused_kw)))
             if dk.fused_prologue_ok(M, K, prologue):
                 variants.append(("fused: gemv", lambda i, s: dk.linear(x, weights[i % copies], out, kernel="gemv",
                                                                         stream=s, **fused_kw)))
