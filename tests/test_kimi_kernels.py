@@ -596,7 +596,8 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
     sh_dev = cuda.to_device(to_bf16(sh)) if shared else None
     plans = [dict(), dict(fused_routing=False, fuse_combine=False, early=False, pdl=False),
              dict(fuse_combine=True), dict(fuse_combine=False), dict(early=False), dict(pdl=False, fuse_combine=True),
-             dict(fused_routing=True, fuse_combine=True, early=True, pdl=True)]
+             dict(fused_routing=True, fuse_combine=True, early=True, pdl=True), dict(pdl=True),
+             dict(pdl=True, early=True)]
     outs = []
     for plan in plans:
         layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, **plan)
