@@ -366,6 +366,7 @@ def launch_plans(default_fused_combine: bool):
         ("dn-xs", dict(down="1, 2, 4, 1, 1, 1, 1")),
         ("dn-xs2", dict(down="1, 2, 4, 1, 2, 1, 1")),
         ("dn-xs-rg4", dict(down="1, 2, 4, 1, 1, 1, 1, 4")),
+        ("dn-x3-rg2", dict(down="1, 2, 4, 1, 1, -3, 1, 2")),
         ("dn-xs2-rg2", dict(down="1, 2, 4, 1, 2, 1, 1, 2")),
         ("dn-xs2-rg4", dict(down="1, 2, 4, 1, 2, 1, 1, 4")),
         ("dn-rg4", dict(down="1, 2, 4, 1, 2, 1, 0, 4")),
