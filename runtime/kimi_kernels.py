@@ -247,6 +247,10 @@ def moe_smem_bytes(entry: str, k: int) -> int:
 # The defaults of MoeLayer are the plan measured fastest on the H200 (docs/PERF.md, run 6: the two-kernel
 # routing, separate combine, no PDL); the fused variants stay selectable for A/B timing.
 FUSE_COMBINE_MAX_TOKENS = 0
+# Programmatic dependent launch between the layer's kernels up to PDL_MAX_TOKENS tokens, and with it the down GEMM's
+# early weight start up to EARLY_MAX_TOKENS (below GMMA_AUTO_TOKENS: the hot path does not take it). 0: never.
+PDL_MAX_TOKENS = 0
+EARLY_MAX_TOKENS = 0
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
 # >= min tokens, tile-token passes, pipeline PIPE, tiers of (min, tile, pipe) from GMMA_AUTO by T. Measured on the H200
 # (docs/PERF.md, sessions 2026-12-03 (4) to 2026-12-04 (13), whole layer, same-run A/B):
@@ -342,8 +346,9 @@ class MoeLayer:
     bits): fused_routing: one moe_route_kernel instead of moe_topk + moe_group; route_one (default T == 1):
     moe_route_one_kernel, one warp, instead of either; fuse_combine (default
     T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
-    moe_combine_kernel; early: the down GEMM starts its weight stream before its dependency wait (PDL);
-    pdl=False launches everything plainly (only with programmatic dependent launch enabled does it matter);
+    moe_combine_kernel; early (default: with PDL, T <= EARLY_MAX_TOKENS): the down GEMM starts its weight stream
+    before its dependency wait; pdl (default T <= PDL_MAX_TOKENS): programmatic dependent launch between the
+    layer's kernels (each one's launch and ramp under the previous one's tail), else plain launches;
     gmma_min_tokens (sm_90a): experts with at least that many tokens go through moe_gmma_kernel (weights
     dequantized once per stage into shared memory, wgmma over up to gmma_tile = 32 (PIPE 6-8) / 64 / 128 / 256
     tokens per pass), the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the
@@ -368,13 +373,15 @@ class MoeLayer:
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, route_one: bool | None = None, fuse_combine: bool | None = None,
-                 early: bool = False,
-                 pdl: bool = False, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
+                 early: bool | None = None,
+                 pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
                  gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
+        pdl = T <= PDL_MAX_TOKENS if pdl is None else bool(pdl)
+        early = (pdl and T <= EARLY_MAX_TOKENS) if early is None else bool(early)
         if (not 1 <= topk <= min(16, E) or E > 512 or T < 1 or n_group < 1
                 or (n_group > 1 and (E % n_group or n_group > 32)) or not 1 <= topk_group <= n_group):
             raise ValueError(f"unsupported routing: T={T}, E={E}, topk={topk} (1..min(16, E)), n_group={n_group} "

@@ -14,8 +14,8 @@ INT4 codes); scales are random positive bf16 of the checkpoint's magnitude.
 Launch plans (unless --no-plans): the whole layer graph-replayed with each MoeLayer plan, in the same run:
 "before" (moe_topk + moe_group, gate_up, down, moe_combine; no PDL), then one change at a time: fused
 routing, combine folded into down, PDL, early weight start in down (= the default plan at small T), and the
-default plan with the combine choice flipped (to place FUSE_COMBINE_MAX_TOKENS), the default plan with PDL and with
-PDL + early start ("pdl", "pdl+early"); then the wgmma hot-expert
+default plan with the combine choice flipped (to place FUSE_COMBINE_MAX_TOKENS), the default plan with plain launches,
+with PDL, with PDL + early start ("nopdl", "pdl", "pdl+early"); then the wgmma hot-expert
 plans (gmma>=N: experts with >= N tokens on moe_int4_sm90.cu; /128, /256 token tiles; /ra, /ra2, /ws, /shallow
 the pipeline; /ov the hot chain on a second stream; tiers...: pipelines split by token count).
 
@@ -306,9 +306,10 @@ def launch_plans(default_fused_combine: bool):
         ("+early", dict(fused_routing=True, fuse_combine=True, early=True, pdl=True, gmma_min_tokens=None)),
         ("flip-comb",
          dict(fuse_combine=not default_fused_combine)),
-        # today's default plan with programmatic dependent launch, then also down's weights started before its
-        # wait (each kernel's ramp under the previous one's tail)
-        ("pdl", dict(pdl=True)),
+        # today's default plan with plain launches, with programmatic dependent launch, then also with down's
+        # weights started before its wait (each kernel's ramp under the previous one's tail)
+        ("nopdl", dict(pdl=False, early=False)),
+        ("pdl", dict(pdl=True, early=False)),
         ("pdl+early", dict(pdl=True, early=True)),
         ("no-gmma", dict(gmma_min_tokens=None)),   # the default plan without its wgmma hot-expert path
         # experts with >= 16 / 32 / 64 tokens on the wgmma kernel (sm_90a; elsewhere the row reads "failed")
