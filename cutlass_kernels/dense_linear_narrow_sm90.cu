@@ -48,6 +48,9 @@
 // released it (one remote arrival per warp on each block's empty barrier). The rows land unswizzled, kPitch =
 // KA * 128 + 16 bytes apart (so an ldmatrix's 8 rows fall in distinct banks); the k past K in the last stage is
 // never written and is zeroed in the A fragments instead; rows past M stay stale and only feed rows not stored.
+// Every block of a cluster must have a row to copy in every token tile (>= CS live rows; narrow_plan checks): a
+// block's empty barrier also gates its own W refills, and only the copies it waits for keep one warp's arrival for
+// stage s + STAGES from landing there before another warp's for stage s.
 //
 // Epilogue: straight from the accumulators (a thread holds token rows 16 warp + lane / 4 (+ 8), W rows
 // 8 j + 2 (lane % 4) (+ 1)): bf16 pairs along n, with the residual. No workspace, no tickets, one writer per

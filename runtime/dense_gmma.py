@@ -381,6 +381,12 @@ def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None, pr
     key = (nw, tx, NARROW_XMODES[prologue], cs)
     _need(key in _NARROW_CONFIG, op, f"no instance with NW = {nw} W rows per block" + (
         f" in clusters of {cs}" if cs > 1 else "") + f"; built: {sorted({k[0] for k in _NARROW_CONFIG if k[3] == cs})}")
+    # Each block of a cluster copies every cs-th x row of a token tile, so each must have a row to copy: a block
+    # without one never writes into the others' tiles, and its empty barrier (which also gates its own W refills)
+    # could then take a warp's arrival for stage s + STAGES before another warp's for stage s.
+    tail = M - (-(-M // tx) - 1) * tx
+    _need(cs == 1 or tail >= cs, op, f"M = {M} leaves {tail} token row(s) in the last tile of {tx}: clusters of {cs} "
+          f"need >= {cs} (every block copies x rows)")
     cfg = _NARROW_CONFIG[key]
     blocks = -(-N // nw)
     return narrow_entry(cfg), (-(-blocks // cs) * cs, 1, -(-M // tx)), narrow_smem_bytes(*cfg)

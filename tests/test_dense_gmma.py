@@ -616,6 +616,11 @@ def test_narrow_plan(monkeypatch):
         narrow_plan(1, 4096, 4096, 132, nw=32, cs=3)
     with pytest.raises(ValueError, match="in clusters of 2"):
         narrow_plan(1, 24576, 4096, 132, nw=192, cs=2)
+    # every block of a cluster copies x rows: M = 1, or a last token tile of one row, has none for the second
+    for M in (1, 81):
+        with pytest.raises(ValueError, match="clusters of 2 need >= 2"):
+            narrow_plan(M, 4096, 4096, 132, nw=32, cs=2)
+    assert narrow_plan(82, 4096, 4096, 132, nw=32, cs=2)[1] == (128, 1, 2)
 
 
 def test_narrow_launch_arguments_match_the_kernel(monkeypatch):

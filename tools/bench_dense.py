@@ -83,7 +83,7 @@ def narrow_variants(dg, M, N, K):
     out = [("narrow" if planned else f"narrow nw={nw}", {"gmma": True, "nw": "auto" if planned else nw})] + [
         (f"narrow nw={r}", {"gmma": True, "nw": r}) for r in rows[max(0, i - 1):i + 2] if r != nw]
     for c in (1, dg.NARROW_MC_CS):  # the cluster size the plan did not pick, where built
-        if c != cs and (c == 1 or nw in NARROW_MC_ROWS):
+        if c != cs and (c == 1 or (nw in NARROW_MC_ROWS and M >= c)):   # a cluster: >= 1 x row per block
             out.append((f"narrow nw={nw} cs={c}", {"gmma": True, "nw": nw, "cs": c}))
     return out
 
@@ -406,7 +406,7 @@ def bench_fused(stream, read_bw, ms_list, ops=None):
                                                                                         out, nw=nw, stream=s))),
                     (f"fused: narrow nw={nw}", lambda i, s: dg.linear_gmma(x, weights[i % copies], out, nw=nw,
                                                                             stream=s, **fused_kw))]
-                if nw in NARROW_MC_ROWS:  # the cluster kernel is built for these row blocks only
+                if nw in NARROW_MC_ROWS and M >= dg.NARROW_MC_CS:  # built for these row blocks; >= 1 row per block
                     variants.append((f"fused: narrow nw={nw} cs=2", lambda i, s: dg.linear_gmma(
                         x, weights[i % copies], out, nw=nw, cs=2, stream=s, **fused_kw)))
             if dk.fused_prologue_ok(M, K, prologue):
