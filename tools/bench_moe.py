@@ -311,6 +311,9 @@ def launch_plans(default_fused_combine: bool):
         ("nopdl", dict(pdl=False, early=False)),
         ("pdl", dict(pdl=True, early=False)),
         ("pdl+early", dict(pdl=True, early=True)),
+        # the default tiers with each tile-token chunk of a hot expert on its own blocks (a skewed T = 1024's busiest
+        # expert has ~4 chunks of 256 tokens that one block row would run in turn)
+        ("par", dict(gmma_parallel_chunks=True)),
         ("no-gmma", dict(gmma_min_tokens=None)),   # the default plan without its wgmma hot-expert path
         # experts with >= 16 / 32 / 64 tokens on the wgmma kernel (sm_90a; elsewhere the row reads "failed")
         ("gmma>=16", dict(gmma_min_tokens=16, gmma_tile=64)),
