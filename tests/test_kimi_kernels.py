@@ -637,6 +637,19 @@ def test_moe_graph_replay(cuda_device):
     _check_graph_replay(layer, dense, rng, T=6, E=8, hidden=512, topk=4, trials=2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,early", [(1, 16, True), (5, 16, True), (40, 8, False)])
+def test_moe_graph_replay_pdl(cuda_device, T, E, early):
+    """Programmatic dependent launch between the layer's kernels, captured in a graph (programmatic edges, not
+    the eager launches of test_moe_launch_plans_same_bits): with down's early weight start at small T, and at
+    T = 40 with the hot chain (sm_90a) on its own stream beside the cold one."""
+    from runtime.kimi_kernels import MoeLayer
+    rng = np.random.default_rng(13 + T)
+    dense, w = make_moe(rng, E, 1024, 512)
+    layer = MoeLayer(w, T, np.zeros(E, np.float32), topk=4, pdl=True, early=early)
+    _check_graph_replay(layer, dense, rng, T=T, E=E, hidden=1024, topk=4, trials=3)
+
+
 def _check_graph_replay(layer, dense, rng, *, T, E, hidden, topk, trials):
     """Capture layer.forward once, replay it with new inputs each time (the graph reads the buffers'
     contents), output poisoned before each replay and compared with the float32 reference."""
