@@ -3,6 +3,7 @@ needs, and the on-disk kernel cache hits, invalidates and repairs itself as it s
 import hashlib
 import json
 import os
+import shutil
 import re
 import textwrap
 
@@ -104,6 +105,26 @@ def test_header_change_invalidates(tiny):
     second = compile_family(fam, "90a")
     assert not second.from_cache and second.key != first.key
     assert "0f40400000" in second.ptx.lower() or "3.0" in second.ptx  # the new constant is in the code
+
+
+def test_cache_key_is_relocatable(tiny, tmp_path, monkeypatch):
+    """The same sources and headers at other paths (another venv, a moved ddtree-run folder) give the same key, so
+    a cache built in one place hits in the other; a changed header still changes it."""
+    fam, src = tiny
+    first = compile_family(fam, "90a")
+    moved = tmp_path / "elsewhere" / "src"
+    shutil.copytree(src, moved)
+    linked = []   # the include directories through links: the same files under other paths
+    for i, d in enumerate(nvrtc.include_dirs()):
+        (tmp_path / f"site{i}").symlink_to(d)
+        linked.append(str(tmp_path / f"site{i}"))
+    monkeypatch.setattr(nvrtc, "include_dirs", lambda: tuple(linked))
+    fam_moved = KernelFamily("probe", str(moved / "probe.cu"), fam.entries)
+    again = compile_family(fam_moved, "90a")
+    assert again.key == first.key and again.from_cache and again.cubin == first.cubin
+    (moved / "probe_header.cuh").write_text("#define PROBE_FACTOR 4.0f\n")
+    os.utime(moved / "probe_header.cuh", ns=(1, 1))  # a new mtime even on coarse clocks: the memo re-reads
+    assert nvrtc.cache_key(fam_moved, "90a") != first.key
 
 
 def test_option_change_invalidates(tiny):

@@ -27,7 +27,7 @@ from pathlib import Path
 from .errors import CompileError, CudaError, check
 
 ARCHS = ("90a", "100a", "103a", "120a")
-CACHE_FORMAT = "1"  # bump when the cache layout or key recipe changes
+CACHE_FORMAT = "2"  # bump when the cache layout or key recipe changes (2: relocatable paths)
 _BASE_OPTIONS = ("-default-device", "-DNDEBUG", "-std=c++17")  # both first two are required by CuTe
 
 
@@ -136,8 +136,19 @@ def _scan(path: str):
     return digest, incs
 
 
+def _relocatable(path: str, roots: tuple[str, ...]) -> str:
+    """path as "<i>/relative" under the first of roots that holds it (else as it is): the key then names where a
+    file sits among the roots, not on this disk, so the same files in another venv or a moved install keep it."""
+    for i, root in enumerate(roots):
+        rel = os.path.relpath(path, root)
+        if rel != ".." and not rel.startswith(".." + os.sep):
+            return f"<{i}>/{rel}"
+    return path
+
+
 def dependency_digest(source: Path, dirs: tuple[str, ...]) -> tuple[str, int]:
-    """sha256 over the source and every header reachable from it; returns (hex, number of files)."""
+    """sha256 over the source and every header reachable from it, each named relative to the source's directory
+    or the include directory that holds it (not by its absolute path); returns (hex, number of files)."""
     seen: dict[str, bytes] = {}
     missing: set[str] = set()
     stack = [str(source)]
@@ -156,9 +167,10 @@ def dependency_digest(source: Path, dirs: tuple[str, ...]) -> tuple[str, int]:
                     break
             else:
                 missing.add(name)  # NVRTC builtins (<cstdint> ...): the NVRTC version covers them
+    roots = tuple(os.path.normpath(r) for r in (os.path.dirname(str(source)), *dirs))
     h = hashlib.sha256()
-    for path in sorted(seen):
-        h.update(path.encode() + b"\0" + seen[path])
+    for name, digest in sorted((_relocatable(path, roots), d) for path, d in seen.items()):
+        h.update(name.encode() + b"\0" + digest)
     for name in sorted(missing):
         h.update(b"missing\0" + name.encode())
     return h.hexdigest(), len(seen)
@@ -293,11 +305,16 @@ def build_options(family, arch: str) -> list[str]:
 
 
 def cache_key(family, arch: str) -> str:
+    """The family's cache entry name: NVRTC's build, the arch, the sources' contents, the entries and the options,
+    with each include directory by its place in the search order (its files' contents are in the digest), so a
+    cache stays valid for the same files elsewhere (another venv, a moved ddtree-run folder)."""
     family = _family(family)
-    deps, _ = dependency_digest(family.source_path, include_dirs())
+    dirs = include_dirs()
+    deps, _ = dependency_digest(family.source_path, dirs)
+    where = {f"-I{d}": f"-I<{i + 1}>" for i, d in enumerate(dirs)}   # <0> is the source's own directory
     h = hashlib.sha256()
     for part in (CACHE_FORMAT, nvrtc_build_id(), arch, deps, *family.entries, "\0",
-                 *build_options(family, arch)):
+                 *(where.get(o, o) for o in build_options(family, arch))):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
 
