@@ -384,7 +384,7 @@ def narrow_plan(M: int, N: int, K: int, sm_count: int, nw: int | None = None, pr
     # Each block of a cluster copies every cs-th x row of a token tile, so each must have a row to copy: a block
     # without one never writes into the others' tiles, and its empty barrier (which also gates its own W refills)
     # could then take a warp's arrival for stage s + STAGES before another warp's for stage s.
-    tail = M - (-(-M // tx) - 1) * tx
+    tail = (M - 1) % tx + 1   # rows in the last token tile
     _need(cs == 1 or tail >= cs, op, f"M = {M} leaves {tail} token row(s) in the last tile of {tx}: clusters of {cs} "
           f"need >= {cs} (every block copies x rows)")
     cfg = _NARROW_CONFIG[key]

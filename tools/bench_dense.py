@@ -18,7 +18,6 @@ import math
 
 import numpy as np
 
-from cutlass_kernels.registry import NARROW_MC_ROWS
 from runtime import dense_kernels as dk
 from runtime.bf16 import to_bf16
 from runtime.cuda import Stream, bench, capture, empty, get_device, get_kernel, to_device
@@ -66,11 +65,19 @@ GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3,
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}
 
 
+def narrow_plan_ok(dg, *args, **kwargs) -> bool:
+    """Whether narrow_plan takes these arguments (an instance is built, a cluster has a row per block...)."""
+    try:
+        return dg.narrow_plan(*args, **kwargs) is not None
+    except ValueError:
+        return False
+
+
 def narrow_variants(dg, M, N, K):
     """The narrow-row GMMA kernel (runtime/dense_gmma.py) at every M up to its largest token tile where it has a row
     block for this N (narrow_plan at one row): that NW ("narrow": planned at this M too, "narrow nw=..": not), and
     its neighbours, the next larger row block (fewer blocks) and the next smaller (more than one wave), and that NW
-    in clusters of two blocks that read x once (cs=2) where it is built."""
+    in clusters of two blocks that read x once (cs=2) where narrow_plan takes it."""
     sms = get_device().sm_count
     plan = dg.narrow_plan(1, N, K, sms)
     if plan is None or M > dg.NARROW_GMMA_TOKEN_TILES[-1]:
@@ -82,8 +89,8 @@ def narrow_variants(dg, M, N, K):
     cs = dg.gmma_narrow_config(planned[0])[5] if planned and planned[0].startswith("linear_gmma_narrow_mc") else 1
     out = [("narrow" if planned else f"narrow nw={nw}", {"gmma": True, "nw": "auto" if planned else nw})] + [
         (f"narrow nw={r}", {"gmma": True, "nw": r}) for r in rows[max(0, i - 1):i + 2] if r != nw]
-    for c in (1, dg.NARROW_MC_CS):  # the cluster size the plan did not pick, where built
-        if c != cs and (c == 1 or (nw in NARROW_MC_ROWS and M >= c)):   # a cluster: >= 1 x row per block
+    for c in (1, dg.NARROW_MC_CS):  # the cluster size the plan did not pick, where narrow_plan takes it
+        if c != cs and (c == 1 or narrow_plan_ok(dg, M, N, K, sms, nw=nw, cs=c)):
             out.append((f"narrow nw={nw} cs={c}", {"gmma": True, "nw": nw, "cs": c}))
     return out
 
@@ -406,7 +413,7 @@ def bench_fused(stream, read_bw, ms_list, ops=None):
                                                                                         out, nw=nw, stream=s))),
                     (f"fused: narrow nw={nw}", lambda i, s: dg.linear_gmma(x, weights[i % copies], out, nw=nw,
                                                                             stream=s, **fused_kw))]
-                if nw in NARROW_MC_ROWS and M >= dg.NARROW_MC_CS:  # built for these row blocks; >= 1 row per block
+                if narrow_plan_ok(dg, M, N, K, sms, nw=nw, prologue=prologue, cs=dg.NARROW_MC_CS):
                     variants.append((f"fused: narrow nw={nw} cs=2", lambda i, s: dg.linear_gmma(
                         x, weights[i % copies], out, nw=nw, cs=2, stream=s, **fused_kw)))
             if dk.fused_prologue_ok(M, K, prologue):
