@@ -249,8 +249,11 @@ def moe_smem_bytes(entry: str, k: int) -> int:
 FUSE_COMBINE_MAX_TOKENS = 0
 # Programmatic dependent launch between the layer's kernels up to PDL_MAX_TOKENS tokens, and with it the down GEMM's
 # early weight start up to EARLY_MAX_TOKENS (below GMMA_AUTO_TOKENS: the hot path does not take it). 0: never.
-PDL_MAX_TOKENS = 0
-EARLY_MAX_TOKENS = 0
+# Measured on the H100 (docs/PERF.md, session 2026-12-05 (27), whole layer, same-run graph replay): PDL + early
+# start vs plain launches: uniform T = 1 / 2 / 4 / 8 84.2 -> 80.2, 153.1 -> 149.2, 292.1 -> 286.8, 512.9 -> 513.4 us;
+# skewed 84.5 -> 79.6 ... 226.0 -> 222.9 us. From T = 16 PDL alone loses 0-27 us and early start up to 2x (skewed).
+PDL_MAX_TOKENS = 8
+EARLY_MAX_TOKENS = 8
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
 # >= min tokens, tile-token passes, pipeline PIPE, tiers of (min, tile, pipe) from GMMA_AUTO by T. Measured on the H200
 # (docs/PERF.md, sessions 2026-12-03 (4) to 2026-12-04 (13), whole layer, same-run A/B):

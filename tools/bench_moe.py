@@ -371,6 +371,10 @@ def launch_plans(default_fused_combine: bool):
         ("dn-xs2", dict(down="1, 2, 4, 1, 2, 1, 1")),
         ("dn-xs-rg4", dict(down="1, 2, 4, 1, 1, 1, 1, 4")),
         ("dn-x3-rg2", dict(down="1, 2, 4, 1, 1, -3, 1, 2")),
+        # T = 1 with down's early start: a down block beside two gate_up blocks on one SM (registers: 2 x 155 + 148,
+        # 2 x 141 + 200; today's 2 x 155 + 225 does not fit, so its early blocks wait for gate_up blocks to leave)
+        ("gu-r2+dn-x3-rg2", dict(gate_up="0, 2, 4, 1, 1, 1, 1", down="1, 2, 4, 1, 1, -3, 1, 2")),
+        ("gu-r2+dn-xs", dict(gate_up="0, 2, 4, 1, 1, 1, 1", down="1, 2, 4, 1, 1, 1, 1")),
         ("dn-xs2-rg2", dict(down="1, 2, 4, 1, 2, 1, 1, 2")),
         ("dn-xs2-rg4", dict(down="1, 2, 4, 1, 2, 1, 1, 4")),
         ("dn-rg4", dict(down="1, 2, 4, 1, 2, 1, 0, 4")),
