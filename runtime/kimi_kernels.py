@@ -244,8 +244,8 @@ def moe_smem_bytes(entry: str, k: int) -> int:
 
 # The combine is folded into the down GEMM (last block per column tile sums the tokens' expert outputs) up
 # to this many tokens; above it the separate moe_combine_kernel runs (more parallel for large T). 0: never.
-# The defaults of MoeLayer are the plan measured fastest on the H200 (docs/PERF.md, run 6: the two-kernel
-# routing, separate combine, no PDL); the fused variants stay selectable for A/B timing.
+# The defaults of MoeLayer are the plan measured fastest (docs/PERF.md: separate combine since run 6 on the H200;
+# PDL with the early down start at T <= 8 since session 27 on the H100); the others stay selectable for A/B timing.
 FUSE_COMBINE_MAX_TOKENS = 0
 # Programmatic dependent launch between the layer's kernels up to PDL_MAX_TOKENS tokens, and with it the down GEMM's
 # early weight start up to EARLY_MAX_TOKENS (below GMMA_AUTO_TOKENS: the hot path does not take it). 0: never.
@@ -254,6 +254,16 @@ FUSE_COMBINE_MAX_TOKENS = 0
 # skewed 84.5 -> 79.6 ... 226.0 -> 222.9 us. From T = 16 PDL alone loses 0-27 us and early start up to 2x (skewed).
 PDL_MAX_TOKENS = 8
 EARLY_MAX_TOKENS = 8
+
+
+def launch_defaults(T: int, pdl: bool | None, early: bool | None, hot_asked: bool) -> tuple[bool, bool]:
+    """MoeLayer's (pdl, early) where left None: PDL up to PDL_MAX_TOKENS; the early down start with PDL up to
+    EARLY_MAX_TOKENS, but not where a hot-expert tier was asked for by name (the wgmma path takes no early start)."""
+    pdl = T <= PDL_MAX_TOKENS if pdl is None else bool(pdl)
+    early = pdl and T <= EARLY_MAX_TOKENS and not hot_asked if early is None else bool(early)
+    return pdl, early
+
+
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
 # >= min tokens, tile-token passes, pipeline PIPE, tiers of (min, tile, pipe) from GMMA_AUTO by T. Measured on the H200
 # (docs/PERF.md, sessions 2026-12-03 (4) to 2026-12-04 (13), whole layer, same-run A/B):
@@ -349,8 +359,8 @@ class MoeLayer:
     bits): fused_routing: one moe_route_kernel instead of moe_topk + moe_group; route_one (default T == 1):
     moe_route_one_kernel, one warp, instead of either; fuse_combine (default
     T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
-    moe_combine_kernel; early (default: with PDL, T <= EARLY_MAX_TOKENS): the down GEMM starts its weight stream
-    before its dependency wait; pdl (default T <= PDL_MAX_TOKENS): programmatic dependent launch between the
+    moe_combine_kernel; early (default: with PDL, T <= EARLY_MAX_TOKENS and no hot tier asked for): the down
+    GEMM starts its weight stream before its dependency wait; pdl (default T <= PDL_MAX_TOKENS): programmatic dependent launch between the
     layer's kernels (each one's launch and ramp under the previous one's tail), else plain launches;
     gmma_min_tokens (sm_90a): experts with at least that many tokens go through moe_gmma_kernel (weights
     dequantized once per stage into shared memory, wgmma over up to gmma_tile = 32 (PIPE 6-8) / 64 / 128 / 256
@@ -383,8 +393,8 @@ class MoeLayer:
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
-        pdl = T <= PDL_MAX_TOKENS if pdl is None else bool(pdl)
-        early = (pdl and T <= EARLY_MAX_TOKENS) if early is None else bool(early)
+        pdl, early = launch_defaults(T, pdl, early,
+                                     hot_asked=gmma_tiers is not None or gmma_min_tokens not in ("auto", None))
         if (not 1 <= topk <= min(16, E) or E > 512 or T < 1 or n_group < 1
                 or (n_group > 1 and (E % n_group or n_group > 32)) or not 1 <= topk_group <= n_group):
             raise ValueError(f"unsupported routing: T={T}, E={E}, topk={topk} (1..min(16, E)), n_group={n_group} "

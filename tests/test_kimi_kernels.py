@@ -292,6 +292,19 @@ def test_slot_order_is_the_repacked_fragment_order():
     np.testing.assert_array_equal(slots, codes[:, src])
 
 
+def test_moe_launch_defaults():
+    """PDL and the early down start default on up to their token bounds only; the early start never without PDL,
+    nor where a hot-expert tier is asked for (that combination is refused); explicit values pass through."""
+    from runtime.kimi_kernels import EARLY_MAX_TOKENS, PDL_MAX_TOKENS, launch_defaults
+    for T in (1, 2, EARLY_MAX_TOKENS, EARLY_MAX_TOKENS + 1, PDL_MAX_TOKENS, PDL_MAX_TOKENS + 1, 1025):
+        pdl, early = launch_defaults(T, None, None, hot_asked=False)
+        assert pdl == (T <= PDL_MAX_TOKENS) and early == (pdl and T <= EARLY_MAX_TOKENS), T
+        assert launch_defaults(T, None, None, hot_asked=True) == (pdl, False), T
+        assert launch_defaults(T, False, None, hot_asked=False) == (False, False), T
+        assert launch_defaults(T, True, True, hot_asked=True) == (True, True), T
+    assert launch_defaults(1, None, None, hot_asked=False) == (PDL_MAX_TOKENS >= 1, EARLY_MAX_TOKENS >= 1)
+
+
 def test_route_reference_matches_plain_topk_and_groups():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 64)).astype(np.float32)
