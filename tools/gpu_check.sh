@@ -46,11 +46,11 @@ step bench_dense python3 tools/bench_dense.py --quick --peer --attn-kernels deco
 # tokens, and every expert on PIPE 8's 32-token tiles (PERF.md session 13) (all plans: `--plans ''`, ~1 hour);
 # --torch: the torch bf16 per-expert loop first, in its own process, for the speedup column
 step bench_moe python3 tools/bench_moe.py --torch --no-variants --plans 'no-gmma,gmma>=16/ra7,gmma>=64/256/wsn,tiers64wsn/16ra8,gmma>=1/32/ra8'
-# small T (PERF.md session 26): today's plan with plain launches, PDL, PDL + down's early weight start, down in one
-# wave at T = 1 (three buffers, two row groups), gate_up with three buffers and x staged in 7 pieces
-step bench_moe_small python3 tools/bench_moe.py --no-variants --tokens 1,2,4,8,16 --plans 'nopdl,pdl,pdl+early,dn-x3-rg2,gu-xs7,gu-x3-xs7'
-# large T: PDL, and each hot expert's tile-token chunks on their own blocks (skewed T = 1024's busiest expert: ~4)
-step bench_moe_large python3 tools/bench_moe.py --no-variants --tokens 32,128,256,512,1024 --plans 'nopdl,pdl,par'
+# small T (PERF.md sessions 26-27; the default is PDL + down's early weight start up to T = 8): plain launches,
+# PDL without the early start, down in one wave at T = 1 (three buffers, two row groups), the combine folded into down
+step bench_moe_small python3 tools/bench_moe.py --no-variants --tokens 1,2,4,8,16 --plans 'nopdl,pdl,dn-x3-rg2,flip-comb'
+# large T: PDL (off by default from T = 16), and each hot expert's tile-token chunks on their own blocks
+step bench_moe_large python3 tools/bench_moe.py --no-variants --tokens 32,128,256,512,1024 --plans 'pdl,par'
 step bench_stream_rows python3 -m tools.bench_stream_rows
 step bench_mla python3 tools/bench_mla.py --kernel mma,gmma,gmma-split
 step bench_load python3 tools/bench_load.py --size-gb 4
