@@ -59,3 +59,85 @@ __device__ __forceinline__ void splitk_finish(__nv_bfloat16* __restrict__ out, i
 }
 
 }  // namespace ddtree
+
+namespace ddtree {
+
+// Stream-K partition of a linear's (row tile, K stage) units over the grid: `units_per_tile` K stages per row
+// tile, `tiles` row tiles, U = tiles * units_per_tile units in tile-major order; block b of G takes units
+// [b U / G, (b + 1) U / G). The host (runtime/dense_gmma.py gmma_sk_plan) launches it only where every block
+// has at most units_per_tile units, so a block touches at most two tiles and the segment that starts a tile
+// (the tile's head, which sums the others' partials and writes the output) is always the block's last.
+// The other contributors of a tile start inside it; contributor c >= 1 (blocks after the head's) writes its
+// fp32 partial to slot c - 1 of the tile, then counts itself on the tile's ticket. `slots` bounds the
+// contributors after the head (their starts lie >= floor(U / G) apart inside the tile); the host sizes the
+// workspace with the same expression.
+struct StreamK {
+  long long U;
+  int G, units_per_tile;
+  __device__ __forceinline__ StreamK(int tiles, int units_per_tile_, int grid)
+      : U((long long)tiles * units_per_tile_), G(grid), units_per_tile(units_per_tile_) {}
+  __device__ __forceinline__ long long start(int b) const { return (long long)b * U / G; }
+  __device__ __forceinline__ int block_of(long long u) const {  // the block whose range holds unit u
+    int b = (int)(u * G / U);
+    while (b + 1 < G && start(b + 1) <= u) ++b;
+    while (b > 0 && start(b) > u) --b;
+    return b;
+  }
+  __device__ __forceinline__ int head_of(int tile) const { return block_of((long long)tile * units_per_tile); }
+  __device__ __forceinline__ int contributors(int tile) const {
+    return block_of((long long)(tile + 1) * units_per_tile - 1) - head_of(tile) + 1;
+  }
+  __device__ __forceinline__ int slots() const { return (units_per_tile - 1) / (int)(U / G) + 1; }
+};
+
+// A thread's kAcc fp32 accumulators as float4s at slot `slot` of the tile's partials: [slot][kAcc / 4][threads]
+// float4 (coalesced per float4 index), through L2.
+template <int kAcc, int kThreads>
+__device__ __forceinline__ float4* streamk_partial(float* ws, int tile_index, int slots, int slot) {
+  return reinterpret_cast<float4*>(ws) + ((size_t)tile_index * slots + slot) * (kAcc / 4) * kThreads + threadIdx.x;
+}
+
+// A non-head contributor: its partial into the workspace, then one count on the tile's ticket (every thread).
+template <int kAcc, int kThreads>
+__device__ __forceinline__ void streamk_publish(const float (&acc)[kAcc], float* ws, int* ticket, int tile_index,
+                                                int slots, int contributor) {
+  float4* dst = streamk_partial<kAcc, kThreads>(ws, tile_index, slots, contributor - 1);
+#pragma unroll
+  for (int v = 0; v < kAcc / 4; ++v)
+    __stcg(dst + v * kThreads, make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]));
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(ticket, 1);
+}
+
+// The head: waits for the tile's other contributors, adds their partials to its own in contributor order (the
+// same sum whichever block finished last), leaves the ticket at zero for the next launch (every thread).
+template <int kAcc, int kThreads>
+__device__ __forceinline__ void streamk_gather(float (&acc)[kAcc], const float* ws, int* ticket, int tile_index,
+                                               int slots, int contributors) {
+  if (contributors <= 1) return;
+  if (threadIdx.x == 0) {
+    int seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(ticket) : "memory");
+    } while (seen < contributors - 1);
+    *ticket = 0;  // every other contributor has counted itself: none touches it again this launch
+  }
+  __syncthreads();
+  __threadfence();
+  for (int c = 1; c < contributors; ++c) {
+    const float4* src = streamk_partial<kAcc, kThreads>(const_cast<float*>(ws), tile_index, slots, c - 1);
+    float4 p[kAcc / 4];
+#pragma unroll
+    for (int v = 0; v < kAcc / 4; ++v) p[v] = __ldcg(src + v * kThreads);
+#pragma unroll
+    for (int v = 0; v < kAcc / 4; ++v) {
+      acc[4 * v] += p[v].x;
+      acc[4 * v + 1] += p[v].y;
+      acc[4 * v + 2] += p[v].z;
+      acc[4 * v + 3] += p[v].w;
+    }
+  }
+}
+
+}  // namespace ddtree

@@ -169,6 +169,17 @@ def _narrow_rewrite() -> int:
     return int(v == "ahead")
 
 
+# Stream-K (SK = 1, the 7th template argument; two warpgroups, RW 1, no cluster): one wave of blocks splits the
+# (128-row tile, K stage) units evenly, a tile's head block sums the others' fp32 partials (runtime/dense_gmma.py
+# gmma_sk_plan); (TN, KA, STAGES) as the default configs of the token tiles up to 72.
+DENSE_GMMA_SK_INSTANCES = ((16, 2, 4), (32, 2, 4), (48, 2, 4), (64, 2, 4), (72, 2, 4))
+
+
+def gmma_sk_entry(cfg: tuple) -> str:
+    """The kernel name expression of stream-K instance (TN, KA, STAGES)."""
+    return "linear_gmma_kernel<%d, %d, %d, 1, 1, 2, 1>" % cfg
+
+
 def gmma_entry(cfg: tuple) -> str:
     """The kernel name expression of instance (TN, KA, STAGES, RW, CS, NWG); NWG = 2 is the default argument."""
     if cfg[5] == 2:
@@ -179,7 +190,7 @@ def gmma_entry(cfg: tuple) -> str:
 register(KernelFamily(
     name="dense_linear_sm90",
     source="dense_linear_sm90.cu",
-    entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES),
+    entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES) + tuple(map(gmma_sk_entry, DENSE_GMMA_SK_INSTANCES)),
     archs=("90a",),
     options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}",),
     pdl=True,

@@ -431,7 +431,171 @@ def test_linear_gmma_narrow_rejects(dg):
         dg.linear_gmma(x, w, out, nw="auto")  # 8 rows of W: no full wave
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [
+    (9, 333, 1000),     # 3 row tiles x 8 K stages: 24 blocks of one unit, 8 contributors a tile
+    (17, 989, 1000),    # the last row tile partial, the K tail masked
+    (33, 6144, 4096),   # Qwen3-8B qkv at the verify bucket 32: 48 tiles x 32 stages over a wave
+    (45, 4096, 12288),  # down: 32 tiles x 96 stages
+    (64, 4096, 4096),   # o at the verify bucket 64 (the TN = 64 instance)
+    (72, 1536, 136),    # K of two stages: most blocks hold one unit
+])
+def test_linear_gmma_stream_k(dg, ref, M, N, K):
+    """The stream-K plan against the numpy reference, with and without a residual, twice (the tickets reset
+    themselves); the second launch gives the same bits (the partials are summed in contributor order)."""
+    from runtime.cuda import get_device
+    plan = dg.gmma_sk_plan(M, N, K, get_device().sm_count)
+    assert plan is not None, (M, N, K)
+    rng, x, w = _data(M, N, K, M * 131 + N + K)
+    r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
+    want = ref.linear(x, w)
+    xd, wd, rd = dev_bf16(x), dev_bf16(w), dev_bf16(r)
+    for res in (None, rd):
+        first = None
+        for launch in range(2):
+            out = poisoned((M, N))
+            dg.linear_gmma(xd, wd, out, res, sk=True)
+            got = out.download()
+            assert_close(got, want + (r if res is not None else 0),
+                         f"stream-K {plan[0]} M={M} N={N} K={K} residual={res is not None} launch {launch}",
+                         dtype="bf16", atol=ATOL)
+            if first is None:
+                first = got
+            else:
+                assert np.array_equal(got, first), "stream-K: two launches gave different bits"
+
+
+@pytest.mark.gpu
+def test_linear_gmma_stream_k_chain_and_graph(dg, ref):
+    """Stream-K launches back to back with PDL (the second reads what the first wrote, then overwrites its
+    input), then captured in a graph with a split-K and a cluster linear and replayed with new inputs."""
+    from runtime.cuda import Stream, capture
+    rng = np.random.default_rng(23)
+    M, N, K = 40, 2048, 2048
+    stream = Stream()
+    x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
+    w1 = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
+    w2 = round_bf16(rng.standard_normal((K, N), dtype=np.float32) / np.sqrt(N))
+    xd, w1d, w2d, y = dev_bf16(x), dev_bf16(w1), dev_bf16(w2), poisoned((M, N))
+    stream.synchronize()
+    dg.linear_gmma(xd, w1d, y, sk=True, stream=stream)
+    dg.linear_gmma(y, w2d, xd, sk=True, stream=stream)
+    stream.synchronize()
+    y_got = y.download()
+    assert_close(y_got, ref.linear(x, w1), "stream-K chain step 1", dtype="bf16", atol=ATOL)
+    assert_close(xd.download(), ref.linear(from_bf16(y_got), w2), "stream-K chain step 2", dtype="bf16", atol=ATOL)
+
+    y2, y3 = poisoned((M, N)), poisoned((M, N))
+
+    def record():
+        dg.linear_gmma(xd, w1d, y, sk=True, stream=stream)
+        dg.linear_gmma(xd, w1d, y2, splits=3, stream=stream)
+        dg.linear_gmma(y, w2d, xd, sk=True, stream=stream)
+        dg.linear_gmma(xd, w1d, y3, cs=2, stream=stream)
+
+    record()
+    stream.synchronize()
+    with capture(stream) as g:
+        record()
+    graph = g.instantiate()
+    for rep in range(3):
+        x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
+        xd.upload(to_bf16(x))
+        for a in (y, y2, y3):
+            a.fill_bytes(0xFF, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+        y_got = y.download()
+        assert_close(y_got, ref.linear(x, w1), f"graph replay {rep}: stream-K", dtype="bf16", atol=ATOL)
+        assert_close(y2.download(), ref.linear(x, w1), f"graph replay {rep}: split-K", dtype="bf16", atol=ATOL)
+        x2 = ref.linear(from_bf16(y_got), w2)
+        assert_close(xd.download(), x2, f"graph replay {rep}: stream-K chained", dtype="bf16", atol=ATOL)
+        assert_close(y3.download(), ref.linear(from_bf16(xd.download()), w1), f"graph replay {rep}: cluster",
+                     dtype="bf16", atol=ATOL)
+
+
+@pytest.mark.gpu
+def test_linear_gmma_stream_k_rejects(dg):
+    from runtime.cuda import empty
+    x, w, out = empty((100, 64), np.uint16), empty((256, 64), np.uint16), empty((100, 256), np.uint16)
+    with pytest.raises(ValueError, match="no stream-K plan"):
+        dg.linear_gmma(x, w, out, sk=True)  # 100 rows: more than one token tile of <= 72
+    with pytest.raises(ValueError, match="takes none of"):
+        dg.linear_gmma(x[:16], w, out[:16], sk=True, splits=2)
+
+
 # ---------------------------------------------------------------- CPU
+class _StreamK:
+    """ddtree::StreamK (cutlass_kernels/linear_splitk.cuh), expression for expression."""
+
+    def __init__(self, tiles, units_per_tile, grid):
+        self.U, self.G, self.ks = tiles * units_per_tile, grid, units_per_tile
+
+    def start(self, b):
+        return b * self.U // self.G
+
+    def block_of(self, u):
+        b = u * self.G // self.U
+        while b + 1 < self.G and self.start(b + 1) <= u:
+            b += 1
+        while b > 0 and self.start(b) > u:
+            b -= 1
+        return b
+
+    def head_of(self, tile):
+        return self.block_of(tile * self.ks)
+
+    def contributors(self, tile):
+        return self.block_of((tile + 1) * self.ks - 1) - self.head_of(tile) + 1
+
+    def slots(self):
+        return (self.ks - 1) // (self.U // self.G) + 1
+
+
+def test_stream_k_partition():
+    """What the stream-K kernel relies on, for every partition gmma_sk_plan can launch (tiles <= blocks <= units):
+    the blocks cover every unit once with at most units_per_tile each; a tile's head is the block holding its
+    first unit, and that segment is the head's last; every other contributor of a tile starts inside it, its
+    contributor index fits the partial slots (the workspace the host sizes), and block_of finds every unit's block."""
+    from runtime.dense_gmma import gmma_sk_slots
+    for tiles, ks, sms in itertools.product((1, 2, 3, 8, 32, 48, 96, 132), (1, 2, 3, 8, 31, 32, 96), (132, 114, 78)):
+        if tiles > sms:
+            continue
+        G = min(sms, tiles * ks)
+        sk = _StreamK(tiles, ks, G)
+        assert sk.slots() == gmma_sk_slots(tiles, ks, G)
+        covered = []
+        for b in range(G):
+            u0, u1 = sk.start(b), sk.start(b + 1)
+            assert 1 <= u1 - u0 <= ks, (tiles, ks, G, b)
+            covered += range(u0, u1)
+            assert all(sk.block_of(u) == b for u in range(u0, u1))
+            last_tile = (u1 - 1) // ks
+            if sk.head_of(last_tile) != b:  # not a head: its whole range lies inside one tile, after its start
+                assert u0 // ks == last_tile and u0 % ks != 0
+        assert covered == list(range(tiles * ks))
+        for t in range(tiles):
+            head, n = sk.head_of(t), sk.contributors(t)
+            assert sk.start(head) <= t * ks and (sk.start(head + 1) - 1) // ks == t  # the head's last segment
+            for c in range(1, n):
+                assert sk.start(head + c) % ks != 0 and sk.start(head + c) // ks == t
+                assert c - 1 < sk.slots(), (tiles, ks, G, t, c)
+
+
+def test_stream_k_plan():
+    """gmma_sk_plan: one wave of min(SMs, units) blocks where one token tile covers M and the 128-row tiles do not
+    outnumber the SMs; None elsewhere; the automatic choice only with GMMA_SK and where the plan leaves SMs idle."""
+    import runtime.dense_gmma as dg
+    entry, grid, slots, smem = dg.gmma_sk_plan(33, 6144, 4096, 132)
+    assert entry == "linear_gmma_kernel<48, 2, 4, 1, 1, 2, 1>" and grid == (132, 1, 1)
+    assert slots == dg.gmma_sk_slots(48, 32, 132) == 3 and smem <= dg.SMEM_PER_BLOCK_MAX
+    assert dg.gmma_sk_plan(1, 1000, 64, 132)[1] == (8, 1, 1)  # 8 tiles x 1 unit
+    assert dg.gmma_sk_plan(73, 6144, 4096, 132) is None       # two token tiles
+    assert dg.gmma_sk_plan(33, 24576, 4096, 132) is None      # 192 tiles > 132 SMs
+    grid = dg.gmma_plan(33, 6144, 4096, 132)[1]
+    assert dg.sk_instead(33, 6144, 4096, 132, grid) == (dg.gmma_sk_plan(33, 6144, 4096, 132) if dg.GMMA_SK else None)
+
+
 def test_plan_covers_every_shape():
     from runtime.dense_gmma import (GMMA_INSTANCES, SMEM_PER_BLOCK_MAX, gmma_config, gmma_plan, gmma_smem_bytes,
                                     token_tile)

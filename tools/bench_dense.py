@@ -217,6 +217,8 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                 variants = [base, ("gmma", {"gmma": True})] + [
                     (f"gmma {c}", {"gmma": True, **c}) for c in GMMA_ALTERNATIVES.get(tn, ())
                     if "splits" not in c or unsplit_blocks < get_device().sm_count] + narrow_variants(dg, M, N, K)
+                if dg.gmma_sk_plan(M, N, K, get_device().sm_count) is not None:  # stream-K over one wave
+                    variants.append(("gmma sk", {"gmma": True, "sk": True}))
             base_us = None
             timed = {}  # variant name -> us, for the peer's ratio
             for vname, kw in variants:
@@ -225,6 +227,9 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                         gkw = {"nw": kw["nw"], "cs": kw.get("cs")}
                         plan = dg.narrow_plan(M, N, K, get_device().sm_count,
                                               None if kw["nw"] == "auto" else kw["nw"], cs=kw.get("cs"))
+                    elif kw.get("sk"):
+                        gkw = {"sk": True}
+                        plan = dg.gmma_sk_plan(M, N, K, get_device().sm_count)
                     elif kw.get("gmma"):
                         gkw = {k: v for k, v in kw.items() if k != "gmma"}
                         plan = dg.gmma_plan(M, N, K, get_device().sm_count, gkw.get("splits"), gkw.get("tn"),
@@ -241,15 +246,17 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                     from runtime import dense_gmma as dg
                     if dg.gmma_wanted(M, N, K):  # linear() hands this shape to a GMMA kernel: show its plan
                         plan = dg.gmma_plan(M, N, K, get_device().sm_count, cluster_slots=dg.device_cluster_slots)
-                        plan = dg.narrow_instead(M, N, K, get_device().sm_count, plan[1]) or plan
+                        plan = (dg.narrow_instead(M, N, K, get_device().sm_count, plan[1])
+                                or dg.sk_instead(M, N, K, get_device().sm_count, plan[1]) or plan)
                 if kw.get("gmma"):
-                    # "gmma" rows: linear_gmma_kernel's plan, not the narrow kernel that an unforced call may take
-                    narrow_default, dg.GMMA_NARROW = dg.GMMA_NARROW, False
+                    # "gmma" rows: linear_gmma_kernel's plan, not the narrow or stream-K kernel that an unforced
+                    # call may take
+                    defaults, dg.GMMA_NARROW, dg.GMMA_SK = (dg.GMMA_NARROW, dg.GMMA_SK), False, False
                     try:
                         us = graph_time_us(lambda i, s: dg.linear_gmma(x, weights[i % copies], out, stream=s, **gkw),
                                            reps=max(copies, 8), stream=stream)
                     finally:
-                        dg.GMMA_NARROW = narrow_default
+                        dg.GMMA_NARROW, dg.GMMA_SK = defaults
                     kind = plan[0].replace("linear_gmma_narrow_mc_kernel", "narrow_mc").replace(
                         "linear_gmma_narrow_kernel", "narrow").replace("linear_gmma_kernel", "gmma")
                 else:
