@@ -582,6 +582,45 @@ def test_stream_k_partition():
                 assert c - 1 < sk.slots(), (tiles, ks, G, t, c)
 
 
+def test_stream_k_kernel_control_flow():
+    """linear_gmma_kernel's SK branches replayed block by block with the kernel's expressions (first_len, the
+    publish at the end of a first segment that started inside its tile, the last segment's head test): every
+    tile is gathered once, by the block holding its first unit, after exactly contributors - 1 publishes into
+    distinct slots 0..contributors - 2 (so the ticket count the head waits for is reached, and no slot is read
+    unwritten); the segments of a tile, in contributor order, cover its units once in K order."""
+    for tiles, ks, sms in itertools.product((1, 3, 8, 48, 132), (1, 2, 8, 32, 96), (132, 78)):
+        if tiles > sms:
+            continue
+        G = min(sms, tiles * ks)
+        sk = _StreamK(tiles, ks, G)
+        published = {t: [] for t in range(tiles)}
+        gathered, segments = {}, {t: {} for t in range(tiles)}
+        for b in range(G):
+            u0 = sk.start(b)
+            n_stages = sk.start(b + 1) - u0
+            first_len = min(n_stages, ks - u0 % ks)
+            if first_len < n_stages:
+                t = u0 // ks
+                published[t].append(b - sk.head_of(t))
+                segments[t][b - sk.head_of(t)] = range(u0, u0 + first_len)
+            t = (u0 + n_stages - 1) // ks
+            head = sk.head_of(t)
+            seg_start = max(u0, t * ks)
+            segments[t][b - head] = range(seg_start, u0 + n_stages)
+            if b != head:
+                published[t].append(b - head)
+            else:
+                assert t not in gathered
+                gathered[t] = sk.contributors(t)
+        assert sorted(gathered) == list(range(tiles))
+        for t in range(tiles):
+            n = gathered[t]
+            assert sorted(published[t]) == list(range(1, n)), (tiles, ks, G, t)
+            assert all(c - 1 < sk.slots() for c in published[t])
+            units = [u for c in range(n) for u in segments[t][c]]
+            assert units == list(range(t * ks, (t + 1) * ks)), (tiles, ks, G, t)
+
+
 def test_stream_k_plan():
     """gmma_sk_plan: one wave of min(SMs, units) blocks where one token tile covers M and the 128-row tiles do not
     outnumber the SMs; None elsewhere; the automatic choice only with GMMA_SK and where the plan leaves SMs idle."""
