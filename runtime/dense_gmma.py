@@ -11,7 +11,9 @@ shared-memory pipeline of KA 64-k atoms per stage. TN is the smallest instance >
 model): either inside a (1, CS, 1) thread-block cluster whose blocks sum their partial tiles through
 distributed shared memory (CS = 2; 4 when forced: no workspace traffic, no tickets), or through
 fp32 partials in a runtime.dense_kernels.Workspace reduced by the last block of each tile
-(ddtree::splitk_finish: one int32 ticket per (token tile, row block), left at zero).
+(ddtree::splitk_finish: one int32 ticket per (token tile, row block), left at zero). Or (gmma_sk_plan, opt-in)
+stream-K: one wave of blocks shares the (row tile, K stage) units evenly and each tile's first block sums the
+others' partials (ddtree::StreamK).
 
 The narrow-row kernel (narrow_plan, launch_narrow; cutlass_kernels/dense_linear_narrow_sm90.cu) is the other
 orientation for up to 80 rows: W on wgmma's N side in blocks of any multiple of 16 rows, so that one wave of unsplit
