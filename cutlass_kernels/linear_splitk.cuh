@@ -117,10 +117,15 @@ __device__ __forceinline__ void streamk_gather(float (&acc)[kAcc], const float* 
                                                int slots, int contributors) {
   if (contributors <= 1) return;
   if (threadIdx.x == 0) {
+    // The contributors are resident (the plan's condition) and take microseconds; a wait of seconds means a
+    // broken plan or a block that cannot run, and a trap (a launch error) says so where a spin would hang.
     int seen;
-    do {
+    for (unsigned spins = 0;; ++spins) {
       asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(ticket) : "memory");
-    } while (seen < contributors - 1);
+      if (seen >= contributors - 1) break;
+      if (spins > (1u << 26)) __trap();
+      if (spins > 64) __nanosleep(128);
+    }
     *ticket = 0;  // every other contributor has counted itself: none touches it again this launch
   }
   __syncthreads();
