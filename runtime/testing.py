@@ -114,6 +114,17 @@ def poisoned(shape, dtype=np.uint16):
     return empty(shape, dtype).fill_bytes(0xFF)
 
 
+def recorded_graph(stream, record):
+    """record(): launches on `stream`. Runs it once eagerly (modules loaded, workspaces sized outside the
+    capture), then captures it: the instantiated graph."""
+    from runtime.cuda import capture
+    record()
+    stream.synchronize()
+    with capture(stream) as g:
+        record()
+    return g.instantiate()
+
+
 # ---------------------------------------------------------------- greedy splits (lossless checks)
 # The engine's AR step and its tree verify run different kernels (one-row gemv and decode attention vs many-row
 # GEMMs), which round differently in bf16, so greedy AR and DDTree outputs may split where the target's two best

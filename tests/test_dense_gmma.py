@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from runtime.bf16 import from_bf16, round_bf16, to_bf16
-from runtime.testing import assert_close, dev_bf16, poisoned
+from runtime.testing import assert_close, dev_bf16, poisoned, recorded_graph
 
 ATOL = 1e-2  # plus the bf16 rtol: as tests/test_dense_kernels.py
 
@@ -147,7 +147,7 @@ def test_linear_gmma_chain_read_after_write(dg, ref):
 @pytest.mark.gpu
 def test_linear_gmma_graph_replay(dg, ref):
     """Captured once, replayed with new inputs: the split-K tickets reset, so every replay is right."""
-    from runtime.cuda import Stream, capture
+    from runtime.cuda import Stream
     rng = np.random.default_rng(17)
     M, N, K = 72, 1000, 2048
     xd, wd, yd, rd = poisoned((M, K)), poisoned((N, K)), poisoned((M, N)), poisoned((M, N))
@@ -163,11 +163,7 @@ def test_linear_gmma_graph_replay(dg, ref):
 
     for a in (xd, wd, rd):
         a.fill_bytes(0, stream=stream)
-    record()  # eager: modules loaded and workspace sized outside the capture
-    stream.synchronize()
-    with capture(stream) as g:
-        record()
-    graph = g.instantiate()
+    graph = recorded_graph(stream, record)
     for rep in range(3):
         x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
         w = round_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K))
@@ -469,7 +465,7 @@ def test_linear_gmma_stream_k(dg, ref, M, N, K):
 def test_linear_gmma_stream_k_chain_and_graph(dg, ref):
     """Stream-K launches back to back with PDL (the second reads what the first wrote, then overwrites its
     input), then captured in a graph with a split-K and a cluster linear and replayed with new inputs."""
-    from runtime.cuda import Stream, capture
+    from runtime.cuda import Stream
     rng = np.random.default_rng(23)
     M, N, K = 40, 2048, 2048
     stream = Stream()
@@ -493,11 +489,7 @@ def test_linear_gmma_stream_k_chain_and_graph(dg, ref):
         dg.linear_gmma(y, w2d, xd, sk=True, stream=stream)
         dg.linear_gmma(xd, w1d, y3, cs=2, stream=stream)
 
-    record()
-    stream.synchronize()
-    with capture(stream) as g:
-        record()
-    graph = g.instantiate()
+    graph = recorded_graph(stream, record)
     for rep in range(3):
         x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
         xd.upload(to_bf16(x))

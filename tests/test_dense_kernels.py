@@ -7,7 +7,7 @@ import pytest
 from cutlass_kernels.registry import DECODE_ATTN_VARIANTS
 from runtime.backends.base import causal_visibility, full_visibility
 from runtime.bf16 import from_bf16, round_bf16, to_bf16
-from runtime.testing import RTOL, assert_close, dev_bf16, poisoned, random_tree_visibility
+from runtime.testing import RTOL, assert_close, dev_bf16, poisoned, random_tree_visibility, recorded_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -439,7 +439,7 @@ def test_attention_split_plan_model():
 def test_graph_replay_with_new_prefix_and_inputs(dk, ref):
     """Captured once, replayed with new buffer contents: attention reads n_prefix from the device and the
     split-K linear's tickets reset themselves, so every replay is right."""
-    from runtime.cuda import Stream, capture, to_device
+    from runtime.cuda import Stream, to_device
     rng = np.random.default_rng(17)
     T, Hq, Hkv, D, cap = 9, 8, 2, 128, 3000
     k = round_bf16(rng.standard_normal((cap, Hkv, D), dtype=np.float32))
@@ -458,11 +458,7 @@ def test_graph_replay_with_new_prefix_and_inputs(dk, ref):
 
     for a in (qd, xd, wd):
         a.fill_bytes(0, stream=stream)
-    record()  # eager: load modules and size the workspace outside the capture
-    stream.synchronize()
-    with capture(stream) as g:
-        record()
-    graph = g.instantiate()
+    graph = recorded_graph(stream, record)
     for prefix in (1500, 37, 2900):
         q = round_bf16(rng.standard_normal((T, Hq, D), dtype=np.float32))
         x = round_bf16(rng.standard_normal((M, K), dtype=np.float32))
