@@ -28,8 +28,8 @@ import numpy as np
 from runtime.cuda import DeviceArray, get_device, get_kernel
 from runtime.dense_kernels import Workspace, _i32, _need, default_workspace, linear_checks
 
-from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, DENSE_GMMA_SK_INSTANCES, FAMILIES, NARROW_GMMA_INSTANCES, NARROW_GMMA_ROWS,
-                                      NARROW_FAMILIES, NARROW_GMMA_TOKEN_TILES, NARROW_MC_CS, NARROW_MC_FAMILY,
+from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, DENSE_GMMA_SK_INSTANCES, FAMILIES,
+                                      NARROW_GMMA_INSTANCES, NARROW_GMMA_ROWS, NARROW_FAMILIES, NARROW_GMMA_TOKEN_TILES, NARROW_MC_CS, NARROW_MC_FAMILY,
                                       NARROW_MC_INSTANCES, NARROW_XMODES, gmma_entry, gmma_sk_entry, narrow_entry,
                                       narrow_stage_bytes)
 
@@ -300,7 +300,9 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
 # the SMs (Qwen3-8B qkv: 48 tiles, planned as 96 blocks in clusters of 2), one wave of sm_count blocks shares the
 # tiles' (tile, K stage) units evenly; each tile's first block waits for the others' fp32 partials and writes it.
 # The head waits on blocks of the same wave, so every block must be resident at once: one token tile, at most
-# one block per SM. Opt-in (sk=True, DDTREE_GMMA_SK=1 for the automatic plan) until timed.
+# one block per SM, and no other waiting kernel beside it on a parallel stream (two stream-K grids sharing the SMs
+# could each hold SMs the other's blocks need; the head's bounded wait then traps instead of hanging).
+# Opt-in (sk=True, DDTREE_GMMA_SK=1 for the automatic plan) until timed.
 GMMA_SK = os.environ.get("DDTREE_GMMA_SK", "0") == "1"
 GMMA_SK_INSTANCES = {c[0]: c for c in DENSE_GMMA_SK_INSTANCES}   # TN -> (TN, KA, STAGES)
 
