@@ -29,9 +29,9 @@ from runtime.cuda import DeviceArray, get_device, get_kernel
 from runtime.dense_kernels import Workspace, _i32, _need, default_workspace, linear_checks
 
 from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, DENSE_GMMA_SK_INSTANCES, FAMILIES,
-                                      NARROW_GMMA_INSTANCES, NARROW_GMMA_ROWS, NARROW_FAMILIES, NARROW_GMMA_TOKEN_TILES, NARROW_MC_CS, NARROW_MC_FAMILY,
-                                      NARROW_MC_INSTANCES, NARROW_XMODES, gmma_entry, gmma_sk_entry, narrow_entry,
-                                      narrow_stage_bytes)
+                                      NARROW_GMMA_INSTANCES, NARROW_GMMA_ROWS, NARROW_FAMILIES,
+                                      NARROW_GMMA_TOKEN_TILES, NARROW_MC_CS, NARROW_MC_FAMILY, NARROW_MC_INSTANCES,
+                                      NARROW_XMODES, gmma_entry, gmma_sk_entry, narrow_entry, narrow_stage_bytes)
 
 FAMILY = "dense_linear_sm90"
 GMMA_ARCHS = FAMILIES[FAMILY].archs
