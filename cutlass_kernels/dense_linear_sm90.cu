@@ -252,8 +252,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[0][i]);
         const int tile = (int)(u0 / sk_units);
-        ddtree::streamk_publish<kAcc, kThreads>(acc[0], ws, tickets + blockIdx.z * sk_tiles + tile,
-                                                blockIdx.z * sk_tiles + tile, sk.slots(),
+        ddtree::streamk_publish<kAcc, kThreads>(acc[0], ws, tickets, blockIdx.z * sk_tiles + tile, sk.slots(),
                                                 (int)blockIdx.x - sk.head_of(tile));
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) {
@@ -274,13 +273,12 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     // range lies inside one tile after its start publishes its partial and is done
     const int tile = (int)((u0 + n_stages - 1) / sk_units);
     const int head = sk.head_of(tile);
+    const int tile_index = blockIdx.z * sk_tiles + tile;
     if ((int)blockIdx.x != head) {
-      ddtree::streamk_publish<kAcc, kThreads>(acc[0], ws, tickets + blockIdx.z * sk_tiles + tile,
-                                              blockIdx.z * sk_tiles + tile, sk.slots(), (int)blockIdx.x - head);
+      ddtree::streamk_publish<kAcc, kThreads>(acc[0], ws, tickets, tile_index, sk.slots(), (int)blockIdx.x - head);
       return;
     }
-    ddtree::streamk_gather<kAcc, kThreads>(acc[0], ws, tickets + blockIdx.z * sk_tiles + tile,
-                                           blockIdx.z * sk_tiles + tile, sk.slots(), sk.contributors(tile));
+    ddtree::streamk_gather<kAcc, kThreads>(acc[0], ws, tickets, tile_index, sk.slots(), sk.contributors(tile));
     n0 = tile * kRows;
   }
 

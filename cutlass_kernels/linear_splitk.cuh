@@ -97,9 +97,10 @@ __device__ __forceinline__ float4* streamk_partial(float* ws, int tile_index, in
   return reinterpret_cast<float4*>(ws) + ((size_t)tile_index * slots + slot) * (kAcc / 4) * kThreads + threadIdx.x;
 }
 
-// A non-head contributor: its partial into the workspace, then one count on the tile's ticket (every thread).
+// A non-head contributor: its partial into the workspace, then one count on the tile's ticket
+// tickets[tile_index] (every thread).
 template <int kAcc, int kThreads>
-__device__ __forceinline__ void streamk_publish(const float (&acc)[kAcc], float* ws, int* ticket, int tile_index,
+__device__ __forceinline__ void streamk_publish(const float (&acc)[kAcc], float* ws, int* tickets, int tile_index,
                                                 int slots, int contributor) {
   float4* dst = streamk_partial<kAcc, kThreads>(ws, tile_index, slots, contributor - 1);
 #pragma unroll
@@ -107,15 +108,16 @@ __device__ __forceinline__ void streamk_publish(const float (&acc)[kAcc], float*
     __stcg(dst + v * kThreads, make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]));
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) atomicAdd(ticket, 1);
+  if (threadIdx.x == 0) atomicAdd(tickets + tile_index, 1);
 }
 
 // The head: waits for the tile's other contributors, adds their partials to its own in contributor order (the
 // same sum whichever block finished last), leaves the ticket at zero for the next launch (every thread).
 template <int kAcc, int kThreads>
-__device__ __forceinline__ void streamk_gather(float (&acc)[kAcc], const float* ws, int* ticket, int tile_index,
+__device__ __forceinline__ void streamk_gather(float (&acc)[kAcc], const float* ws, int* tickets, int tile_index,
                                                int slots, int contributors) {
   if (contributors <= 1) return;
+  int* ticket = tickets + tile_index;
   if (threadIdx.x == 0) {
     // The contributors are resident (the plan's condition) and take microseconds; a wait of seconds means a
     // broken plan or a block that cannot run, and a trap (a launch error) says so where a spin would hang.

@@ -313,7 +313,8 @@ def gmma_sk_slots(tiles: int, units_per_tile: int, blocks: int) -> int:
 
 
 def gmma_sk_plan(M: int, N: int, K: int, sm_count: int):
-    """(entry, grid, partial slots per tile, dynamic smem) of the stream-K linear, or None where it does not apply:
+    """(entry, grid, (row tiles, partial slots per tile), dynamic smem) of the stream-K linear (the pair sizes its
+    workspace and tickets), or None where it does not apply:
     more than one token tile, no instance for the tile, more 128-row tiles than SMs (a block would span more than
     two tiles), or a block per SM that does not fit."""
     tn = token_tile(M)
@@ -328,15 +329,14 @@ def gmma_sk_plan(M: int, N: int, K: int, sm_count: int):
         return None
     units_per_tile = -(-K // (64 * ka))
     blocks = min(sm_count, tiles * units_per_tile)
-    return gmma_sk_entry(cfg), (blocks, 1, 1), gmma_sk_slots(tiles, units_per_tile, blocks), smem
+    return gmma_sk_entry(cfg), (blocks, 1, 1), (tiles, gmma_sk_slots(tiles, units_per_tile, blocks)), smem
 
 
 def launch_gmma_sk(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None, M: int, N: int,
                    K: int, ldx: int, ldo: int, ldr: int | None, plan, *, ws: Workspace | None = None, stream=None):
     """The stream-K linear after linear_checks, with gmma_sk_plan's plan."""
-    entry, grid, slots, smem = plan
+    entry, grid, (tiles, slots), smem = plan
     tn = gmma_sk_config(entry)[0]
-    tiles = -(-N // (GMMA_ROWS_PER_WARPGROUP * GMMA_NWG))
     ws = ws or default_workspace()
     scratch = ws.scratch(tiles * slots * (tn // 2) * gmma_threads() * 4)
     tickets = ws.tickets(tiles)
@@ -532,10 +532,15 @@ def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
                        stages=stages, rw=rw, cs=cs, nwg=nwg, stream=stream)
 
 
+def _leaves_sms_idle(gmma_grid: tuple, sm_count: int) -> bool:
+    """Whether linear_gmma_kernel's grid runs fewer blocks than NARROW_GMMA_IDLE of the SMs."""
+    return gmma_grid[0] * gmma_grid[1] * gmma_grid[2] < NARROW_GMMA_IDLE * sm_count
+
+
 def narrow_instead(M: int, N: int, K: int, sm_count: int, gmma_grid: tuple):
     """The narrow_plan an unforced linear_gmma runs instead of linear_gmma_kernel's plan (whose grid is gmma_grid):
     with GMMA_NARROW, where that plan leaves SMs idle (NARROW_GMMA_IDLE) and narrow_plan has one; else None."""
-    if not GMMA_NARROW or gmma_grid[0] * gmma_grid[1] * gmma_grid[2] >= NARROW_GMMA_IDLE * sm_count:
+    if not GMMA_NARROW or not _leaves_sms_idle(gmma_grid, sm_count):
         return None
     return narrow_plan(M, N, K, sm_count)
 
@@ -543,7 +548,7 @@ def narrow_instead(M: int, N: int, K: int, sm_count: int, gmma_grid: tuple):
 def sk_instead(M: int, N: int, K: int, sm_count: int, gmma_grid: tuple):
     """The stream-K plan an unforced linear_gmma runs instead of linear_gmma_kernel's (grid gmma_grid): with
     GMMA_SK, where that plan leaves SMs idle (NARROW_GMMA_IDLE) and gmma_sk_plan applies; else None."""
-    if not GMMA_SK or gmma_grid[0] * gmma_grid[1] * gmma_grid[2] >= NARROW_GMMA_IDLE * sm_count:
+    if not GMMA_SK or not _leaves_sms_idle(gmma_grid, sm_count):
         return None
     return gmma_sk_plan(M, N, K, sm_count)
 

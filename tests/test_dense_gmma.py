@@ -617,8 +617,8 @@ def test_stream_k_plan():
     """gmma_sk_plan: one wave of min(SMs, units) blocks where one token tile covers M and the 128-row tiles do not
     outnumber the SMs; None elsewhere; the automatic choice only with GMMA_SK and where the plan leaves SMs idle."""
     import runtime.dense_gmma as dg
-    entry, grid, slots, smem = dg.gmma_sk_plan(33, 6144, 4096, 132)
-    assert entry == "linear_gmma_kernel<48, 2, 4, 1, 1, 2, 1>" and grid == (132, 1, 1)
+    entry, grid, (tiles, slots), smem = dg.gmma_sk_plan(33, 6144, 4096, 132)
+    assert entry == "linear_gmma_kernel<48, 2, 4, 1, 1, 2, 1>" and grid == (132, 1, 1) and tiles == 48
     assert slots == dg.gmma_sk_slots(48, 32, 132) == 3 and smem <= dg.SMEM_PER_BLOCK_MAX
     assert dg.gmma_sk_plan(1, 1000, 64, 132)[1] == (8, 1, 1)  # 8 tiles x 1 unit
     assert dg.gmma_sk_plan(73, 6144, 4096, 132) is None       # two token tiles
