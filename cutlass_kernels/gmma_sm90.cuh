@@ -123,6 +123,14 @@ __device__ __forceinline__ void bulk_copy_multicast(cuda::std::uint32_t dst, con
       ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(cta_mask) : "memory");
 }
 
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to shared offset `dst` of this CTA,
+// completing the transfer on the mbarrier at offset `bar` (the TMA engine: no per-thread load slots).
+__device__ __forceinline__ void bulk_copy(cuda::std::uint32_t dst, const void* src, cuda::std::uint32_t bytes,
+                                          cuda::std::uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
 // The full / empty mbarrier pair of each of STAGES pipeline stages (full[s]: the stage's copies have landed;
 // empty[s]: every reader is done with it), declared __shared__ by the kernel.
 template <int STAGES>

@@ -69,6 +69,22 @@ register(KernelFamily(
     entries=("read_sum_pdl_kernel",),
     pdl=True,
 ))
+# The GMMA linear's weight loads without its MMAs, by three load paths (tools/bench_w_tiles.py).
+register(KernelFamily(
+    name="runtime_probe_sm90",
+    source="runtime_probe_sm90.cu",
+    entries=tuple(f"read_w_tiles_kernel<{load}, {stages}, {piece}>" for load in (0, 1, 2) for stages in (4, 6)
+                  for piece in (256, 1024)),
+    archs=("90a",),
+))
+# The same as links of a programmatic-dependent-launch chain.
+register(KernelFamily(
+    name="runtime_probe_sm90_pdl",
+    source="runtime_probe_sm90.cu",
+    entries=tuple(f"read_w_tiles_kernel<{load}, 4, 256, 1>" for load in (0, 2)),
+    archs=("90a",),
+    pdl=True,
+))
 # One MMA atom per arch family, never run: proves the SASS check catches the tensor-core instruction.
 register(KernelFamily(
     name="mma_smoke",
@@ -146,7 +162,12 @@ DENSE_GMMA_INSTANCES = tuple((*c, cs, 2) for c in _GMMA_BASE for cs in (1, 2)) +
     (136, 1, 5, 1, 1, 3), (192, 1, 4, 1, 1, 3)) + (
     # one warpgroup, 64 rows, clusters of 2: a 4096-row W is 128 blocks, where 128-row blocks fill 64 or 96 SMs
     # (runtime/dense_gmma.py _one_full_wave_of_1wg_pairs)
-    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1))
+    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1)) + (
+    # deeper rings for 17..72 rows (session 28: a PDL chain of the loads alone reads qkv's W 4 us faster than the
+    # kernel; its loop keeps STAGES - 1 stages in flight): 5 stages of 2 atoms, 8 of 1
+    (16, 2, 5, 1, 2, 2), (32, 2, 5, 1, 2, 2), (48, 2, 5, 1, 2, 2), (48, 2, 7, 1, 2, 1), (72, 2, 6, 1, 2, 1),
+    (16, 1, 8, 1, 2, 2), (32, 1, 8, 1, 2, 2), (48, 1, 8, 1, 2, 2), (64, 1, 8, 1, 2, 2), (72, 1, 8, 1, 2, 2),
+    (48, 1, 10, 1, 2, 1), (72, 1, 10, 1, 2, 1))
 
 
 def _gmma_trigger() -> int:

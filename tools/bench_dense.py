@@ -53,13 +53,18 @@ def graph_time_us(launch_one, reps: int, stream, iters: int = 10) -> float:
 # fills one wave; nwg 1: 64-row blocks of one warpgroup; splits s: K split s ways through the fp32 workspace, which
 # can fill one wave where the cluster splits fill 96 SMs, e.g. qkv / o / down at M = 17..72)
 _WS = tuple({"splits": s} for s in (2, 3, 4, 8))
-GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
-                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_WS),
-                     48: ({"cs": 1}, {"cs": 2}, {"nwg": 1, "cs": 2}, *_WS),
+# deeper rings in the clusters of 2 (session 28): one more stage of two atoms, or 8 (10 for one warpgroup) of one
+_DEEP = ({"stages": 5, "cs": 2}, {"ka": 1, "stages": 8, "cs": 2})
+_DEEP_1WG = ({"nwg": 1, "ka": 1, "stages": 10, "cs": 2},)
+GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_DEEP),
+                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_WS, *_DEEP),
+                     48: ({"cs": 1}, {"cs": 2}, {"nwg": 1, "cs": 2}, *_WS, *_DEEP, {"nwg": 1, "stages": 7, "cs": 2},
+                          *_DEEP_1WG),
                      64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}, {"nwg": 3, "cs": 1},
-                          *_WS),
+                          *_WS, {"ka": 1, "stages": 8, "cs": 2}),
                      72: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, {"nwg": 3, "cs": 2},
-                          {"nwg": 1, "cs": 2}, *_WS),
+                          {"nwg": 1, "cs": 2}, *_WS, {"ka": 1, "stages": 8, "cs": 2}, {"nwg": 1, "stages": 6, "cs": 2},
+                          *_DEEP_1WG),
                      128: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "stages": 4, "cs": 1}),
                      136: ({"cs": 1}, {"cs": 2}, {"nwg": 3, "cs": 1}, {"tn": 192}),
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}

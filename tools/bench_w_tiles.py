@@ -1,0 +1,121 @@
+"""The GMMA linear's weight loads without its MMAs (issue 6): can fewer SMs stream W's 128-row tiles at the
+device's read rate when the TMA engine carries the loads instead of per-thread cp.async?
+
+linear_gmma_kernel leaves SMs idle at Qwen3-8B's qkv / o / down for 17..72 rows (96 of 132 blocks at qkv), and a
+stream-K plan over all SMs lost (session 28). runtime_probe_sm90's read_w_tiles_kernel<LOAD, STAGES, PIECE> reads
+what the linear's blocks read (32 KB stages of 32 KB / PIECE rows x PIECE bytes: the linear's are 128 x 256;
+STAGES in flight, one block per SM), by LOAD 0 = per-thread 16-byte cp.async (today's kernels), 1 = one bulk copy
+per row piece, 2 = one bulk copy per stage (a W repacked so that every stage's tile is contiguous).
+
+Prints, per shape: the streaming read of the same bytes (read_sum_kernel, best grid) and of the same bytes by G
+one-block SMs (read_sum_deep_kernel<8>), then (LOAD, STAGES, PIECE, G) as us of one launch, then PDL chains in a
+graph (us per link, each link the next region: read_sum_pdl_kernel and read_w_tiles_kernel<LOAD, 4, 256, 1>), all
+as % of the streaming read of the whole buffer (>= 2 GiB) in the same run. Each launch reads a different region of a buffer far above L2, as a model's layers do.
+
+    python -m tools.bench_w_tiles [--iters 20] [--ops qkv o down]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import numpy as np
+
+from tools.bench_dense import graph_time_us
+from tools.read_bandwidth import read_time_by_blocks, read_time_us
+
+# Qwen3-8B (name, N rows, K): W is [N, K] bf16
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 12288), "gate_up": (24576, 4096)}
+LOADS = {0: "cp.async 16 B / thread", 1: "bulk copy / row piece", 2: "bulk copy / stage"}
+STAGES = (4, 6)
+PIECES = (256, 1024)
+# the single-launch rows timed: session 28's first runs had every (load, stages, piece); pieces of 512 / 1024 bytes
+# changed nothing for cp.async or a bulk copy per stage, so only the bulk copy per row piece keeps both
+PLAIN = {(0, 4, 256), (0, 6, 256), (1, 4, 256), (1, 4, 1024), (2, 4, 256), (2, 6, 256)}
+STAGE_BYTES, TILE_ROWS = 32768, 128  # the G columns follow linear_gmma_kernel's 128-row tiles
+
+
+def block_counts(tiles: int, sm_count: int) -> list[int]:
+    """One block per tile up to one per SM: the plain partition (tiles), the cluster-of-2 K split (2 x tiles),
+    more K splits while they fit, and every SM (stream-K)."""
+    gs = [tiles * s for s in (1, 2, 3, 4) if tiles * s <= sm_count]
+    return gs + ([sm_count] if sm_count not in gs else [])
+
+
+def main(argv=None):
+    from runtime import cuda
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--ops", nargs="+", choices=sorted(SHAPES), default=["qkv", "o", "down"])
+    args = ap.parse_args(argv)
+    dev = cuda.get_device()
+    if dev.arch != "90a":
+        raise SystemExit(f"bench_w_tiles needs sm_90a (bulk copies into the GMMA ring layout); this is sm_{dev.arch}")
+    print(f"# {dev.name}, sm_{dev.arch}, {dev.sm_count} SMs")
+    region_max = max(n * k * 2 for n, k in (SHAPES[o] for o in args.ops))
+    regions = max(2, -(-(2 << 30) // region_max))  # >= 2 GiB cycled: no L2 reuse between timed launches
+    buf = cuda.empty((regions * region_max // 4,), np.uint32).fill_bytes(0x5A)
+    sink = cuda.empty((4,), np.uint32)
+    stream = cuda.Stream()
+
+    def region(r: int, nbytes: int):
+        return buf.view(r * region_max // 4, (nbytes // 4,))
+
+    read_bw = buf.nbytes / (read_time_us([buf], iters=args.iters)[0] * 1e-6)
+    print(f"streaming read of {buf.nbytes / 2**30:.2f} GiB: {read_bw / 1e12:.3f} TB/s (the 100% below)")
+
+    def pct(nbytes: int, us: float) -> float:
+        return 100 * nbytes / (us * 1e-6) / read_bw
+
+    def single_us(kern, stages: int, g: int, rs, n: int, k: int) -> float:
+        """Median us of one launch on G blocks, each launch reading the next region."""
+        smem = stages * STAGE_BYTES + 1024
+        kern.set_max_dynamic_smem(smem)
+        launches = itertools.cycle([kern.prepare((g,), (256,), [r, np.int32(n), np.int32(2 * k), sink], smem)
+                                    for r in rs])
+        return cuda.bench(lambda: next(launches)(stream), warmup=3, iters=args.iters, stream=stream) * 1e3
+
+    for op in args.ops:
+        n, k = SHAPES[op]
+        nbytes = n * k * 2
+        rs = [region(r, nbytes) for r in range(regions)]
+        tiles = n // TILE_ROWS
+        gs = block_counts(tiles, dev.sm_count)
+        same = read_time_us(rs, iters=args.iters)[0]
+        print(f"\n## {op}: W {n} x {k} bf16, {nbytes / 1e6:.1f} MB, {tiles} tiles of {TILE_ROWS} rows")
+        print(f"streaming read of the same bytes: {same:.2f} us ({pct(nbytes, same):.1f}%)")
+        by_sms = read_time_by_blocks(rs, gs, iters=args.iters)
+        print("| load | stages | rows x piece | " + " | ".join(f"G = {g}" for g in gs) + " |")
+        print("|---|---|---|" + "---|" * len(gs))
+        print("| read_sum_deep<8>, 1024 threads | - | - | " + " | ".join(
+            f"{us:.2f} ({pct(nbytes, us):.1f}%)" for us in by_sms) + " |")
+        for load, stages, piece in itertools.product(LOADS, STAGES, PIECES):
+            if (load, stages, piece) not in PLAIN:
+                continue
+            kern = cuda.get_kernel("runtime_probe_sm90", f"read_w_tiles_kernel<{load}, {stages}, {piece}>")
+            cells = [f"{us:.2f} ({pct(nbytes, us):.1f}%)" for us in
+                     (single_us(kern, stages, g, rs, n, k) for g in gs)]
+            print(f"| {LOADS[load]} | {stages} | {STAGE_BYTES // piece} x {piece} | " + " | ".join(cells) + " |",
+                  flush=True)
+        # chains: what a launch costs when each starts under the previous one's tail (a model's step)
+        reps = max(8, len(rs))
+        probe = cuda.get_kernel("runtime_probe_pdl", "read_sum_pdl_kernel")
+        us = graph_time_us(lambda i, st: probe.launch(4 * dev.sm_count, 512, [rs[i % len(rs)],
+                                                                                np.int64(nbytes // 16), sink],
+                                                      stream=st), reps=reps, stream=stream)
+        cells = [f"{us:.2f} ({pct(nbytes, us):.1f}%)"] * len(gs)
+        print("| PDL chain (graph): read_sum_pdl, best grid | - | - | " + " | ".join(cells) + " |")
+        for load in (0, 2):
+            kern = cuda.get_kernel("runtime_probe_sm90_pdl", f"read_w_tiles_kernel<{load}, 4, 256, 1>")
+            kern.set_max_dynamic_smem(4 * STAGE_BYTES + 1024)
+            cells = []
+            for g in gs:
+                us = graph_time_us(lambda i, st: kern.launch((g,), (256,), [rs[i % len(rs)], np.int32(n),
+                                                                            np.int32(2 * k), sink],
+                                                             smem=4 * STAGE_BYTES + 1024, stream=st),
+                                   reps=reps, stream=stream)
+                cells.append(f"{us:.2f} ({pct(nbytes, us):.1f}%)")
+            print(f"| PDL chain (graph): {LOADS[load]} | 4 | 128 x 256 | " + " | ".join(cells) + " |", flush=True)
+
+if __name__ == "__main__":
+    main()
