@@ -84,7 +84,7 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
 #define GMMA_EARLY_TRIGGER 1
 #endif
 
-template <int TN, int KA, int STAGES, int RW, int CS, int NWG = 2, int SK = 0>
+template <int TN, int KA, int STAGES, int RW, int CS, int NWG = 2>
 __global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(128 * NWG, 1)
 linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                    const __nv_bfloat16* __restrict__ w,  // [N, K] row-major, K % 8 == 0
@@ -96,7 +96,6 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   static_assert(KA == 1 || KA == 2, "k atoms per stage");
   static_assert(RW == 1 || RW == 2, "W tiles per warpgroup");
   static_assert(NWG >= 1 && NWG <= 3, "warpgroups per block");
-  static_assert(!SK || (RW == 1 && CS == 1), "stream-K: one 64-row tile per warpgroup, no cluster");
   constexpr int kThreads = 128 * NWG;
   constexpr int kRowsW = 64 * NWG;               // W rows per block and 64-row tile index t
   constexpr int kAtomBytesW = kRowsW * 128;      // one 64-k atom of those rows: 8 KB per warpgroup
@@ -118,29 +117,11 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;  // warpgroup: W rows [64 RW wg, 64 RW (wg + 1)) of the block
-  int n0 = blockIdx.x * kRows;  // SK: the row tile of the segment being written out
+  const int n0 = blockIdx.x * kRows;
   const int m0 = blockIdx.z * TN;
-  const int k_begin = SK ? 0 : blockIdx.y * k_per_split;
-  const int k_end = SK ? K : min(K, k_begin + k_per_split);
-  // SK (ddtree::StreamK): this block's units [u0, u1) of the (row tile, K stage) units of its token tile; its
-  // first segment runs to the end of the tile it starts in (first_len stages), the rest is the next tile's head
-  const int sk_tiles = (N + kRows - 1) / kRows, sk_units = (K + kStageK - 1) / kStageK;
-  const ddtree::StreamK sk(sk_tiles, sk_units, gridDim.x);
-  const long long u0 = SK ? sk.start(blockIdx.x) : 0;
-  const int n_stages = SK ? (int)(sk.start(blockIdx.x + 1) - u0) : (k_end - k_begin + kStageK - 1) / kStageK;
-  const int first_len = SK ? min(n_stages, sk_units - (int)(u0 % sk_units)) : n_stages;
-  // W rows n_base + r and k offset k0 of local stage `stage`
-  auto stage_at = [&](int stage, int& n_base, int& k0) {
-    if constexpr (SK) {
-      const long long u = u0 + stage;
-      const int tile = (int)(u / sk_units);
-      n_base = tile * kRows;
-      k0 = (int)(u - (long long)tile * sk_units) * kStageK;
-    } else {
-      n_base = n0;
-      k0 = k_begin + stage * kStageK;
-    }
-  };
+  const int k_begin = blockIdx.y * k_per_split;
+  const int k_end = min(K, k_begin + k_per_split);
+  const int n_stages = (k_end - k_begin + kStageK - 1) / kStageK;
 
   if (tid == 0) ring.init(kThreads);
   __syncthreads();
@@ -148,40 +129,31 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   // This thread's W chunks: rows tid/8 + (threads/8) q, 16-byte chunk c = tid % 8 of each 128-byte row of
   // every atom; the swizzle puts chunk c of row r at chunk c ^ (r % 8).
   const int wc = tid & 7;
-  const __nv_bfloat16* w_row[kWq];  // SK: rows of tile 0 (a stage adds its tile's offset)
+  const __nv_bfloat16* w_row[kWq];
   uint32_t w_dst[kWq];
 #pragma unroll
   for (int q = 0; q < kWq; ++q) {
     const int r = (tid >> 3) + (kThreads / 8) * q;
-    const int n = SK ? r : n0 + r;
-    w_row[q] = SK || n < N ? w + (size_t)n * K + 8 * wc : nullptr;
+    const int n = n0 + r;
+    w_row[q] = n < N ? w + (size_t)n * K + 8 * wc : nullptr;
     w_dst[q] = r * 128 + ((wc ^ (r & 7)) << 4);
   }
   auto load_w = [&](int stage) {
     const uint32_t buf = smem_base + (stage % STAGES) * kStageBytes;
-    int n_base, k0;
-    stage_at(stage, n_base, k0);
+    const int k0 = k_begin + stage * kStageK;
 #pragma unroll
     for (int a = 0; a < KA; ++a) {
       const bool k_ok = k0 + 64 * a + 8 * wc < k_end;
 #pragma unroll
       for (int q = 0; q < kWq; ++q) {
-        if constexpr (SK) {
-          const bool ok = k_ok && n_base + (tid >> 3) + (kThreads / 8) * q < N;
-          cp_async16_s(buf + a * kAtomW + w_dst[q],
-                       ok ? (const void*)(w_row[q] + (size_t)n_base * K + k0 + 64 * a) : (const void*)w, ok);
-        } else {
-          const bool ok = k_ok && w_row[q] != nullptr;
-          cp_async16_s(buf + a * kAtomW + w_dst[q], ok ? (const void*)(w_row[q] + k0 + 64 * a) : (const void*)w,
-                       ok);
-        }
+        const bool ok = k_ok && w_row[q] != nullptr;
+        cp_async16_s(buf + a * kAtomW + w_dst[q], ok ? (const void*)(w_row[q] + k0 + 64 * a) : (const void*)w, ok);
       }
     }
   };
   auto load_x = [&](int stage) {
     const uint32_t buf = smem_base + (stage % STAGES) * kStageBytes + kStageW;
-    int n_base, k0;
-    stage_at(stage, n_base, k0);
+    const int k0 = k_begin + stage * kStageK;
     constexpr int kChunks = KA * TN * 8;
 #pragma unroll
     for (int i0 = 0; i0 < kChunks; i0 += kThreads) {
@@ -245,22 +217,6 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       load_x(t);
       mbar_arrive_cp_async(ring.full(t % STAGES));
     }
-    if constexpr (SK) {
-      if (s == first_len - 1 && first_len < n_stages) {
-        // the end of a first segment that started inside its tile: publish the partial, start the next tile
-        cute::warpgroup_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[0][i]);
-        const int tile = (int)(u0 / sk_units);
-        ddtree::streamk_publish<kAcc, kThreads>(acc[0], ws, tickets, blockIdx.z * sk_tiles + tile, sk.slots(),
-                                                (int)blockIdx.x - sk.head_of(tile));
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) {
-          acc[0][i] = 0.f;
-          cute::warpgroup_fence_operand(acc[0][i]);
-        }
-      }
-    }
   }
   cute::warpgroup_wait<0>();
 #pragma unroll
@@ -268,19 +224,6 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[t][i]);
   if (!GMMA_EARLY_TRIGGER) ddtree::launch_dependents();  // the next kernel may start its weight prefetch now
-  if constexpr (SK) {
-    // the last segment: the head of its tile sums the tile's partials and writes it out below; a block whose
-    // range lies inside one tile after its start publishes its partial and is done
-    const int tile = (int)((u0 + n_stages - 1) / sk_units);
-    const int head = sk.head_of(tile);
-    const int tile_index = blockIdx.z * sk_tiles + tile;
-    if ((int)blockIdx.x != head) {
-      ddtree::streamk_publish<kAcc, kThreads>(acc[0], ws, tickets, tile_index, sk.slots(), (int)blockIdx.x - head);
-      return;
-    }
-    ddtree::streamk_gather<kAcc, kThreads>(acc[0], ws, tickets, tile_index, sk.slots(), sk.contributors(tile));
-    n0 = tile * kRows;
-  }
 
   // Epilogue, one pass per 64-row tile t of each warpgroup (so staging is [TN][128 + 4] fp32 whatever RW):
   // acc[t][4j + 2i + b] is W row 16*warp + lane/4 + 8i of the tile, token 8j + 2*(lane%4) + b; staged at

@@ -161,13 +161,8 @@ DENSE_GMMA_INSTANCES = tuple((*c, cs, 2) for c in _GMMA_BASE for cs in (1, 2)) +
     # and the many-token tiles (the verify buckets 128..512), planned where unsplit blocks fill their waves
     (136, 1, 5, 1, 1, 3), (192, 1, 4, 1, 1, 3)) + (
     # one warpgroup, 64 rows, clusters of 2: a 4096-row W is 128 blocks, where 128-row blocks fill 64 or 96 SMs
-    # (runtime/dense_gmma.py _one_full_wave_of_1wg_pairs)
-    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1)) + (
-    # deeper rings for 17..72 rows (session 28: a PDL chain of the loads alone reads qkv's W 4 us faster than the
-    # kernel; its loop keeps STAGES - 1 stages in flight): 5 stages of 2 atoms, 8 of 1
-    (16, 2, 5, 1, 2, 2), (32, 2, 5, 1, 2, 2), (48, 2, 5, 1, 2, 2), (48, 2, 7, 1, 2, 1), (72, 2, 6, 1, 2, 1),
-    (16, 1, 8, 1, 2, 2), (32, 1, 8, 1, 2, 2), (48, 1, 8, 1, 2, 2), (64, 1, 8, 1, 2, 2), (72, 1, 8, 1, 2, 2),
-    (48, 1, 10, 1, 2, 1), (72, 1, 10, 1, 2, 1))
+    # (runtime/dense_gmma.py _one_full_wave_of_1wg_pairs); 7 / 6 stages the default since session 28, 4 for A/B
+    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1), (48, 2, 7, 1, 2, 1), (72, 2, 6, 1, 2, 1))
 
 
 def _gmma_trigger() -> int:
@@ -190,17 +185,6 @@ def _narrow_rewrite() -> int:
     return int(v == "ahead")
 
 
-# Stream-K (SK = 1, the 7th template argument; two warpgroups, RW 1, no cluster): one wave of blocks splits the
-# (128-row tile, K stage) units evenly, a tile's head block sums the others' fp32 partials (runtime/dense_gmma.py
-# gmma_sk_plan); (TN, KA, STAGES) as the default configs of the token tiles up to 72.
-DENSE_GMMA_SK_INSTANCES = ((16, 2, 4), (32, 2, 4), (48, 2, 4), (64, 2, 4), (72, 2, 4))
-
-
-def gmma_sk_entry(cfg: tuple) -> str:
-    """The kernel name expression of stream-K instance (TN, KA, STAGES)."""
-    return "linear_gmma_kernel<%d, %d, %d, 1, 1, 2, 1>" % cfg
-
-
 def gmma_entry(cfg: tuple) -> str:
     """The kernel name expression of instance (TN, KA, STAGES, RW, CS, NWG); NWG = 2 is the default argument."""
     if cfg[5] == 2:
@@ -211,7 +195,7 @@ def gmma_entry(cfg: tuple) -> str:
 register(KernelFamily(
     name="dense_linear_sm90",
     source="dense_linear_sm90.cu",
-    entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES) + tuple(map(gmma_sk_entry, DENSE_GMMA_SK_INSTANCES)),
+    entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES),
     archs=("90a",),
     options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}",),
     pdl=True,

@@ -11,9 +11,8 @@ shared-memory pipeline of KA 64-k atoms per stage. TN is the smallest instance >
 model): either inside a (1, CS, 1) thread-block cluster whose blocks sum their partial tiles through
 distributed shared memory (CS = 2; 4 when forced: no workspace traffic, no tickets), or through
 fp32 partials in a runtime.dense_kernels.Workspace reduced by the last block of each tile
-(ddtree::splitk_finish: one int32 ticket per (token tile, row block), left at zero). Or (gmma_sk_plan, opt-in)
-stream-K: one wave of blocks shares the (row tile, K stage) units evenly and each tile's first block sums the
-others' partials (ddtree::StreamK).
+(ddtree::splitk_finish: one int32 ticket per (token tile, row block), left at zero). A stream-K schedule over all
+SMs was built and measured slower at every shape (docs/PERF.md, sessions 27-28), and removed.
 
 The narrow-row kernel (narrow_plan, launch_narrow; cutlass_kernels/dense_linear_narrow_sm90.cu) is the other
 orientation for up to 80 rows: W on wgmma's N side in blocks of any multiple of 16 rows, so that one wave of unsplit
@@ -28,10 +27,10 @@ import numpy as np
 from runtime.cuda import DeviceArray, get_device, get_kernel
 from runtime.dense_kernels import Workspace, _i32, _need, default_workspace, linear_checks
 
-from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, DENSE_GMMA_SK_INSTANCES, FAMILIES,
+from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, FAMILIES,
                                       NARROW_GMMA_INSTANCES, NARROW_GMMA_ROWS, NARROW_FAMILIES,
                                       NARROW_GMMA_TOKEN_TILES, NARROW_MC_CS, NARROW_MC_FAMILY, NARROW_MC_INSTANCES,
-                                      NARROW_XMODES, gmma_entry, gmma_sk_entry, narrow_entry, narrow_stage_bytes)
+                                      NARROW_XMODES, gmma_entry, narrow_entry, narrow_stage_bytes)
 
 FAMILY = "dense_linear_sm90"
 GMMA_ARCHS = FAMILIES[FAMILY].archs
@@ -75,8 +74,9 @@ _DEFAULT_CONFIG = {16: (2, 4, 1), 32: (2, 4, 1), 48: (2, 4, 1), 64: (2, 4, 1), 7
                    96: (1, 6, 1), 128: (1, 6, 1), 136: (1, 6, 1), 192: (1, 4, 1), 256: (1, 4, 1)}
 # three warpgroups (192 rows): one 64-k atom per stage, as deep as ~200 KB allows
 _DEFAULT_CONFIG_3WG = {16: (1, 8, 1), 32: (1, 7, 1), 64: (1, 6, 1), 72: (1, 6, 1), 136: (1, 5, 1), 192: (1, 4, 1)}
-# one warpgroup (64 rows)
-_DEFAULT_CONFIG_1WG = {48: (2, 4, 1), 72: (2, 4, 1)}
+# one warpgroup (64 rows): as deep as ~200 KB allows. H100, session 28 (graph of rotating weights), against 4
+# stages: o 14.26 vs 14.73 us at M = 33, 15.06 vs 15.48 at M = 65; down 37.41 vs 38.41, 39.01 vs 39.58
+GMMA_ONE_WG_CONFIG = {48: (2, 7, 1), 72: (2, 6, 1)}
 
 
 def gmma_smem_bytes(tn: int, ka: int, stages: int, rw: int = 1, nwg: int = GMMA_NWG) -> int:
@@ -202,7 +202,7 @@ GMMA_ONE_WG = os.environ.get("DDTREE_GMMA_ONE_WG", "1") != "0"
 
 def _one_full_wave_of_1wg_pairs(M: int, N: int, tn: int, sm_count: int) -> bool:
     """Whether one-warpgroup blocks in clusters of 2 (an instance for token tile tn) fill one wave to >= 90%."""
-    cfg = (tn, *_DEFAULT_CONFIG_1WG.get(tn, (0, 0, 0)), 2, 1)
+    cfg = (tn, *GMMA_ONE_WG_CONFIG.get(tn, (0, 0, 0)), 2, 1)
     blocks = 2 * -(-N // GMMA_ROWS_PER_WARPGROUP) * -(-M // tn)
     return GMMA_ONE_WG and cfg in GMMA_INSTANCES and 0.9 * sm_count <= blocks <= sm_count
 
@@ -229,7 +229,7 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
         elif _one_full_wave_of_1wg_pairs(M, N, tn, sm_count):
             nwg, cs = 1, 2
     nwg = nwg or GMMA_NWG
-    d_ka, d_st, d_rw = {3: _DEFAULT_CONFIG_3WG, 1: _DEFAULT_CONFIG_1WG}.get(nwg, _DEFAULT_CONFIG).get(tn, (1, 4, 1))
+    d_ka, d_st, d_rw = {3: _DEFAULT_CONFIG_3WG, 1: GMMA_ONE_WG_CONFIG}.get(nwg, _DEFAULT_CONFIG).get(tn, (1, 4, 1))
     ka, stages, rw = ka or d_ka, stages or d_st, rw or d_rw
     _need(splits is None or cs is None or cs == 1 or splits == cs, op,
           f"splits={splits} with cs={cs}: a cluster split has exactly cs splits")
@@ -294,67 +294,6 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
     smem = gmma_smem_bytes(tn, ka, stages, rw, nwg)
     _need(smem <= SMEM_PER_BLOCK_MAX, op, f"{cfg} needs {smem} bytes of shared memory")
     return gmma_entry(cfg), (row_blocks, splits, z), per * atom_k, smem
-
-
-# Stream-K (linear_gmma_kernel<TN, KA, STAGES, 1, 1, 2, 1>): where the 128-row tiles of one token tile are fewer than
-# the SMs (Qwen3-8B qkv: 48 tiles, planned as 96 blocks in clusters of 2), one wave of sm_count blocks shares the
-# tiles' (tile, K stage) units evenly; each tile's first block waits for the others' fp32 partials and writes it.
-# The head waits on blocks of the same wave, so every block must be resident at once: one token tile, at most
-# one block per SM, and no other waiting kernel beside it on a parallel stream (two stream-K grids sharing the SMs
-# could each hold SMs the other's blocks need; the head's bounded wait then traps instead of hanging).
-# Opt-in (sk=True, DDTREE_GMMA_SK=1 for the automatic plan) until timed.
-GMMA_SK = os.environ.get("DDTREE_GMMA_SK", "0") == "1"
-GMMA_SK_INSTANCES = {c[0]: c for c in DENSE_GMMA_SK_INSTANCES}   # TN -> (TN, KA, STAGES)
-
-
-def gmma_sk_slots(tiles: int, units_per_tile: int, blocks: int) -> int:
-    """Partial slots per tile (contributors after the head), as ddtree::StreamK::slots computes them."""
-    return (units_per_tile - 1) // (tiles * units_per_tile // blocks) + 1
-
-
-def gmma_sk_plan(M: int, N: int, K: int, sm_count: int):
-    """(entry, grid, (row tiles, partial slots per tile), dynamic smem) of the stream-K linear (the pair sizes its
-    workspace and tickets), or None where it does not apply:
-    more than one token tile, no instance for the tile, more 128-row tiles than SMs (a block would span more than
-    two tiles), or a block per SM that does not fit."""
-    tn = token_tile(M)
-    cfg = GMMA_SK_INSTANCES.get(tn)
-    rows = GMMA_ROWS_PER_WARPGROUP * GMMA_NWG
-    tiles = -(-N // rows)
-    if cfg is None or M > tn or tiles > sm_count:
-        return None
-    _, ka, stages = cfg
-    smem = gmma_smem_bytes(tn, ka, stages)
-    if smem > SMEM_PER_BLOCK_MAX:
-        return None
-    units_per_tile = -(-K // (64 * ka))
-    blocks = min(sm_count, tiles * units_per_tile)
-    return gmma_sk_entry(cfg), (blocks, 1, 1), (tiles, gmma_sk_slots(tiles, units_per_tile, blocks)), smem
-
-
-def launch_gmma_sk(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None, M: int, N: int,
-                   K: int, ldx: int, ldo: int, ldr: int | None, plan, *, ws: Workspace | None = None, stream=None):
-    """The stream-K linear after linear_checks, with gmma_sk_plan's plan."""
-    entry, grid, (tiles, slots), smem = plan
-    tn = gmma_sk_config(entry)[0]
-    ws = ws or default_workspace()
-    scratch = ws.scratch(tiles * slots * (tn // 2) * gmma_threads() * 4)
-    tickets = ws.tickets(tiles)
-    kern = get_kernel(FAMILY, entry)
-    kern.set_max_dynamic_smem(smem)
-    kern.launch(grid, gmma_threads(),
-                [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),
-                 _i32(ldr or 0), scratch, tickets, _i32(M), _i32(N), _i32(K), _i32(0)],
-                smem=smem, stream=stream)
-    return out
-
-
-_SK_CONFIG_OF_ENTRY = {gmma_sk_entry(c): c for c in DENSE_GMMA_SK_INSTANCES}
-
-
-def gmma_sk_config(entry: str) -> tuple:
-    """(TN, KA, STAGES) of a stream-K instance name."""
-    return _SK_CONFIG_OF_ENTRY[entry]
 
 
 # Narrow row blocks (cutlass_kernels/dense_linear_narrow_sm90.cu, families NARROW_FAMILIES): W as wgmma's B
@@ -502,22 +441,14 @@ def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
                 cs: int | None = None, nwg: int | None = None, nw: int | str | None = None,
                 prologue: str = "none", x2: DeviceArray | None = None, ldx2: int | None = None,
                 norm_weight: DeviceArray | None = None, eps: float = 1e-6, sum_out: DeviceArray | None = None,
-                ldsum: int | None = None, sk: bool = False, stream=None) -> DeviceArray:
+                ldsum: int | None = None, stream=None) -> DeviceArray:
     """out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]), bf16, fp32 accumulation, on sm_90a GMMA.
     Same contract as runtime.dense_kernels.linear; splits/tn/ka/stages/rw/cs/nwg override the plan; nw runs the
     narrow-row kernel instead (an int: that many W rows per block; "auto": narrow_plan's; with it cs is the cluster
     of row blocks sharing x), which also takes prologue / x2 / norm_weight / eps / sum_out as dense_kernels.linear
-    does; sk runs the stream-K plan (gmma_sk_plan) instead."""
+    does."""
     from runtime.dense_kernels import prologue_checks
     M, N, K, ldx, ldo, ldr = linear_checks("linear_gmma", x, w, out, residual, ldx, ldo, ldr)
-    if sk:
-        _need_gmma_device("linear_gmma")
-        _need((splits, tn, ka, stages, rw, cs, nwg, nw) == (None,) * 8 and prologue == "none", "linear_gmma",
-              "sk (stream-K) takes none of splits/tn/ka/stages/rw/cs/nwg/nw and no prologue")
-        plan = gmma_sk_plan(M, N, K, get_device().sm_count)
-        _need(plan is not None, "linear_gmma", f"no stream-K plan for M={M} N={N} K={K} on {get_device().sm_count} "
-              "SMs (one token tile of <= 72 rows, at most one 128-row tile per SM)")
-        return launch_gmma_sk(x, w, out, residual, M, N, K, ldx, ldo, ldr, plan, ws=ws, stream=stream)
     ldx2, ldsum = prologue_checks("linear_gmma", prologue, M, K, x2, ldx2, norm_weight, sum_out, ldsum)
     if prologue != "none" or nw is not None:
         _need_gmma_device("linear_gmma")
@@ -545,14 +476,6 @@ def narrow_instead(M: int, N: int, K: int, sm_count: int, gmma_grid: tuple):
     return narrow_plan(M, N, K, sm_count)
 
 
-def sk_instead(M: int, N: int, K: int, sm_count: int, gmma_grid: tuple):
-    """The stream-K plan an unforced linear_gmma runs instead of linear_gmma_kernel's (grid gmma_grid): with
-    GMMA_SK, where that plan leaves SMs idle (NARROW_GMMA_IDLE) and gmma_sk_plan applies; else None."""
-    if not GMMA_SK or not _leaves_sms_idle(gmma_grid, sm_count):
-        return None
-    return gmma_sk_plan(M, N, K, sm_count)
-
-
 def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: DeviceArray | None, M: int, N: int,
                 K: int, ldx: int, ldo: int, ldr: int | None, *, ws: Workspace | None = None,
                 splits: int | None = None, tn: int | None = None, ka: int | None = None,
@@ -568,9 +491,6 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
         plan = narrow_instead(M, N, K, dev.sm_count, grid)
         if plan is not None:
             return launch_narrow(x, w, out, residual, M, N, K, ldx, ldo, ldr, plan, stream=stream)
-        plan = sk_instead(M, N, K, dev.sm_count, grid)
-        if plan is not None:
-            return launch_gmma_sk(x, w, out, residual, M, N, K, ldx, ldo, ldr, plan, ws=ws, stream=stream)
     cfg = gmma_config(entry)
     ws = ws or default_workspace()
     if grid[1] > 1 and cfg[4] == 1:  # workspace split-K (cluster splits reduce in smem)

@@ -53,18 +53,15 @@ def graph_time_us(launch_one, reps: int, stream, iters: int = 10) -> float:
 # fills one wave; nwg 1: 64-row blocks of one warpgroup; splits s: K split s ways through the fp32 workspace, which
 # can fill one wave where the cluster splits fill 96 SMs, e.g. qkv / o / down at M = 17..72)
 _WS = tuple({"splits": s} for s in (2, 3, 4, 8))
-# deeper rings in the clusters of 2 (session 28): one more stage of two atoms, or 8 (10 for one warpgroup) of one
-_DEEP = ({"stages": 5, "cs": 2}, {"ka": 1, "stages": 8, "cs": 2})
-_DEEP_1WG = ({"nwg": 1, "ka": 1, "stages": 10, "cs": 2},)
-GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_DEEP),
-                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_WS, *_DEEP),
-                     48: ({"cs": 1}, {"cs": 2}, {"nwg": 1, "cs": 2}, *_WS, *_DEEP, {"nwg": 1, "stages": 7, "cs": 2},
-                          *_DEEP_1WG),
+# one warpgroup with the 4-stage ring it had before session 28 (the default is now 7 / 6 stages)
+_SHALLOW_1WG = {"nwg": 1, "stages": 4, "cs": 2}
+GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
+                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_WS),
+                     48: ({"cs": 1}, {"cs": 2}, {"nwg": 1, "cs": 2}, _SHALLOW_1WG, *_WS),
                      64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}, {"nwg": 3, "cs": 1},
-                          *_WS, {"ka": 1, "stages": 8, "cs": 2}),
+                          *_WS),
                      72: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, {"nwg": 3, "cs": 2},
-                          {"nwg": 1, "cs": 2}, *_WS, {"ka": 1, "stages": 8, "cs": 2}, {"nwg": 1, "stages": 6, "cs": 2},
-                          *_DEEP_1WG),
+                          {"nwg": 1, "cs": 2}, _SHALLOW_1WG, *_WS),
                      128: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "stages": 4, "cs": 1}),
                      136: ({"cs": 1}, {"cs": 2}, {"nwg": 3, "cs": 1}, {"tn": 192}),
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}
@@ -222,8 +219,6 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                 variants = [base, ("gmma", {"gmma": True})] + [
                     (f"gmma {c}", {"gmma": True, **c}) for c in GMMA_ALTERNATIVES.get(tn, ())
                     if "splits" not in c or unsplit_blocks < get_device().sm_count] + narrow_variants(dg, M, N, K)
-                if dg.gmma_sk_plan(M, N, K, get_device().sm_count) is not None:  # stream-K over one wave
-                    variants.append(("gmma sk", {"gmma": True, "sk": True}))
             base_us = None
             timed = {}  # variant name -> us, for the peer's ratio
             for vname, kw in variants:
@@ -232,9 +227,6 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                         gkw = {"nw": kw["nw"], "cs": kw.get("cs")}
                         plan = dg.narrow_plan(M, N, K, get_device().sm_count,
                                               None if kw["nw"] == "auto" else kw["nw"], cs=kw.get("cs"))
-                    elif kw.get("sk"):
-                        gkw = {"sk": True}
-                        plan = dg.gmma_sk_plan(M, N, K, get_device().sm_count)
                     elif kw.get("gmma"):
                         gkw = {k: v for k, v in kw.items() if k != "gmma"}
                         plan = dg.gmma_plan(M, N, K, get_device().sm_count, gkw.get("splits"), gkw.get("tn"),
@@ -251,17 +243,15 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                     from runtime import dense_gmma as dg
                     if dg.gmma_wanted(M, N, K):  # linear() hands this shape to a GMMA kernel: show its plan
                         plan = dg.gmma_plan(M, N, K, get_device().sm_count, cluster_slots=dg.device_cluster_slots)
-                        plan = (dg.narrow_instead(M, N, K, get_device().sm_count, plan[1])
-                                or dg.sk_instead(M, N, K, get_device().sm_count, plan[1]) or plan)
+                        plan = dg.narrow_instead(M, N, K, get_device().sm_count, plan[1]) or plan
                 if kw.get("gmma"):
-                    # "gmma" rows: linear_gmma_kernel's plan, not the narrow or stream-K kernel that an unforced
-                    # call may take
-                    defaults, dg.GMMA_NARROW, dg.GMMA_SK = (dg.GMMA_NARROW, dg.GMMA_SK), False, False
+                    # "gmma" rows: linear_gmma_kernel's plan, not the narrow kernel that an unforced call may take
+                    default, dg.GMMA_NARROW = dg.GMMA_NARROW, False
                     try:
                         us = graph_time_us(lambda i, s: dg.linear_gmma(x, weights[i % copies], out, stream=s, **gkw),
                                            reps=max(copies, 8), stream=stream)
                     finally:
-                        dg.GMMA_NARROW, dg.GMMA_SK = defaults
+                        dg.GMMA_NARROW = default
                     kind = plan[0].replace("linear_gmma_narrow_mc_kernel", "narrow_mc").replace(
                         "linear_gmma_narrow_kernel", "narrow").replace("linear_gmma_kernel", "gmma")
                 else:
