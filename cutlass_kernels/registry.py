@@ -202,6 +202,18 @@ register(KernelFamily(
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},
 ))
+# linear_gmma_kernel bisected (GMMA_BISECT: 1 no MMAs, 2 no epilogue, 3 neither) at the plans of Qwen3-8B's qkv and
+# o / down at 33 rows, for tools/bench_w_tiles.py: where the kernel's time goes beside its loads alone. Wrong
+# outputs by design; nothing in the runtime launches them.
+for _bisect in (1, 2, 3):
+    register(KernelFamily(
+        name=f"dense_linear_sm90_bisect{_bisect}",
+        source="dense_linear_sm90.cu",
+        entries=(gmma_entry((48, 2, 4, 1, 2, 2)), gmma_entry((48, 2, 7, 1, 2, 1))),
+        archs=("90a",),
+        options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}", f"-DGMMA_BISECT={_bisect}"),
+        pdl=True,
+    ))
 # Hopper GMMA bf16 linear in narrow row blocks for up to 80 token rows (W as wgmma's B operand, so a block is any
 # multiple of 16 W rows and one wave of unsplit blocks can cover every SM): linear_gmma_narrow_kernel<NW, TX, KA,
 # STAGES> (NW W rows per block, TX token rows per tile: one warpgroup up to 64, two for 80 = the verify bucket 64's

@@ -9,10 +9,11 @@ per row piece, 2 = one bulk copy per stage (a W repacked so that every stage's t
 
 Prints, per shape: the streaming read of the same bytes (read_sum_kernel, best grid) and of the same bytes by G
 one-block SMs (read_sum_deep_kernel<8>), then (LOAD, STAGES, PIECE, G) as us of one launch, then PDL chains in a
-graph (us per link, each link the next region: read_sum_pdl_kernel and read_w_tiles_kernel<LOAD, 4, 256, 1>), all
-as % of the streaming read of the whole buffer (>= 2 GiB) in the same run. Each launch reads a different region of a buffer far above L2, as a model's layers do.
+graph (us per link, each link the next region: read_sum_pdl_kernel and read_w_tiles_kernel<LOAD, 4, 256, 1>), and
+linear_gmma_kernel at --bisect-m rows in the same chain, whole and without its MMAs and / or epilogue (GMMA_BISECT),
+all as % of the streaming read of the whole buffer (>= 2 GiB) in the same run. Each launch reads a different region of a buffer far above L2, as a model's layers do.
 
-    python -m tools.bench_w_tiles [--iters 20] [--ops qkv o down]
+    python -m tools.bench_w_tiles [--iters 20] [--ops qkv o down] [--bisect-m 33]
 """
 from __future__ import annotations
 
@@ -42,11 +43,46 @@ def block_counts(tiles: int, sm_count: int) -> list[int]:
     return gs + ([sm_count] if sm_count not in gs else [])
 
 
+def bisect_rows(op: str, n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, stream):
+    """linear_gmma_kernel at M = m as the runtime plans it, in the same PDL chain: whole, then without its MMAs, its
+    epilogue, or both (families dense_linear_sm90_bisect1..3), each in the G column of its grid."""
+    from runtime import cuda
+    from runtime import dense_gmma as dg
+    dev = cuda.get_device()
+    entry, grid, k_per_split, smem = dg.gmma_plan(m, n, k, dev.sm_count, cluster_slots=dg.device_cluster_slots)
+    if dg.gmma_config(entry)[4] == 1 and grid[1] > 1:
+        print(f"| PDL chain (graph): {entry} M = {m} | n/a: a workspace split (the bisect is for cluster plans) |")
+        return
+    x = cuda.to_device(np.full((m, k), 0x3F80, np.uint16))  # bf16 1.0: MMAs on real numbers
+    out = cuda.empty((m, n), np.uint16)
+    blocks = grid[0] * grid[1] * grid[2]
+    labels = {"dense_linear_sm90": "whole", "dense_linear_sm90_bisect1": "no MMAs",
+              "dense_linear_sm90_bisect2": "no epilogue", "dense_linear_sm90_bisect3": "no MMAs, no epilogue"}
+    for family, label in labels.items():
+        try:
+            kern = cuda.get_kernel(family, entry)
+        except KeyError:
+            print(f"| PDL chain (graph): {entry} M = {m}, {label} | n/a: no such entry in {family} |")
+            continue
+        kern.set_max_dynamic_smem(smem)
+        null = np.uint64(0)
+        us = graph_time_us(lambda i, st: kern.launch(grid, dg.gmma_threads(dg.gmma_config(entry)[5]), [
+            x, np.int32(k), rs[i % len(rs)], out, np.int32(n), null, np.int32(0), out, out, np.int32(m), np.int32(n),
+            np.int32(k), np.int32(k_per_split)], smem=smem, stream=st), reps=reps, stream=stream)
+        cells = [f"{us:.2f} ({pct(n * k * 2, us):.1f}%)" if g == blocks else "" for g in gs]
+        if blocks not in gs:
+            cells[-1] = f"G = {blocks}: {us:.2f} ({pct(n * k * 2, us):.1f}%)"
+        print(f"| PDL chain (graph): {entry.replace('linear_gmma_kernel', 'gmma')} M = {m}, {label} | - | - | "
+              + " | ".join(cells) + " |", flush=True)
+
+
 def main(argv=None):
     from runtime import cuda
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--ops", nargs="+", choices=sorted(SHAPES), default=["qkv", "o", "down"])
+    ap.add_argument("--bisect-m", type=int, default=33, help="also time linear_gmma_kernel at this M in the PDL chain, "
+                    "whole and bisected (no MMAs / no epilogue; 0: not)")
     args = ap.parse_args(argv)
     dev = cuda.get_device()
     if dev.arch != "90a":
@@ -116,6 +152,8 @@ def main(argv=None):
                                    reps=reps, stream=stream)
                 cells.append(f"{us:.2f} ({pct(nbytes, us):.1f}%)")
             print(f"| PDL chain (graph): {LOADS[load]} | 4 | 128 x 256 | " + " | ".join(cells) + " |", flush=True)
+        if args.bisect_m:
+            bisect_rows(op, n, k, args.bisect_m, rs, reps, gs, pct, stream)
 
 if __name__ == "__main__":
     main()
