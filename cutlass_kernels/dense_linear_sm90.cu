@@ -59,6 +59,9 @@ using ddtree::mbar_wait;
 using ddtree::cluster_ctarank;
 using ddtree::cluster_sync;
 using ddtree::dsmem_map;
+using ddtree::mbar_arrive_cluster;
+using ddtree::mbar_init;
+using ddtree::mbar_wait_cluster;
 // 4 fp32 at a shared::cluster address. No "memory" clobber: the caller orders the loads after a cluster
 // barrier (an asm with a clobber) and issues a batch of them before using any result, so their latencies
 // overlap (with a clobber each load waited for the previous one's add: ~5 us per tile at CS = 2, TN = 72).
@@ -88,6 +91,15 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
 // a measurement of where the kernel's time goes, never a kernel to run for results.
 #ifndef GMMA_BISECT
 #define GMMA_BISECT 0
+#endif
+// GMMA_PUSH (NVRTC option; family dense_linear_sm90_push): the cluster K split's partial sums go to rank 0 by
+// st.async into its freed stage buffers, counted on an mbarrier; rank 0 adds them in rank order and writes the
+// tile as an unsplit block does. No cluster-wide barrier after the loop: cluster_sync's release compiles to
+// MEMBAR.ALL.GPU + ERRBAR + an L1 invalidate, and the DSMEM epilogue ran it twice per block (session 28: that
+// epilogue was 2.0-2.6 us of a 33-row linear in a PDL chain). Where the CS - 1 partials do not fit the stage
+// buffers, the DSMEM epilogue stays.
+#ifndef GMMA_PUSH
+#define GMMA_PUSH 0
 #endif
 
 template <int TN, int KA, int STAGES, int RW, int CS, int NWG = 2>
@@ -120,6 +132,14 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const ddtree::AlignedSmem smem = ddtree::align_smem_1024(smem_raw);
   const uint32_t smem_base = smem.addr;
   unsigned char* smem_gen = smem.ptr;
+  // GMMA_PUSH: rank q's partial (kAcc floats a thread, float4 v of thread i at (v * kThreads + i) * 16) lands at
+  // rank 0's stage-buffer offset (q - 1) * kPartBytes
+  constexpr int kPartBytes = kThreads * kAcc * 4;
+  constexpr bool kPush = GMMA_PUSH && CS > 1 && RW == 1 && (CS - 1) * kPartBytes <= STAGES * kStageBytes;
+  // single-use, GMMA_PUSH only: [0] ready (rank q: rank 0's stage buffers are free), [1] gather (rank 0: every
+  // partial has landed), [2] done (rank q: rank 0 has read its partial)
+  __shared__ uint64_t push_bar[3];
+  const uint32_t push_base = static_cast<uint32_t>(__cvta_generic_to_shared(push_bar));
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;  // warpgroup: W rows [64 RW wg, 64 RW (wg + 1)) of the block
@@ -129,8 +149,13 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const int k_end = min(K, k_begin + k_per_split);
   const int n_stages = (k_end - k_begin + kStageK - 1) / kStageK;
 
-  if (tid == 0) ring.init(kThreads);
+  if (tid == 0) {
+    if constexpr (kPush)
+      for (int i = 0; i < 3; ++i) mbar_init(push_base + 8 * i, 1);
+    ring.init(kThreads);  // its fence.mbarrier_init covers the three above
+  }
   __syncthreads();
+  if constexpr (kPush) ddtree::cluster_arrive_relaxed();  // waited for after the loop, before any remote arrival
 
   // This thread's W chunks: rows tid/8 + (threads/8) q, 16-byte chunk c = tid % 8 of each 128-byte row of
   // every atom; the swizzle puts chunk c of row r at chunk c ^ (r % 8).
@@ -235,6 +260,42 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     if (acc[0][0] == 1.2345e-30f) out[0] = __float2bfloat16(acc[0][0]);  // keeps the MMAs (never true for x != 0)
     return;
   }
+  if constexpr (kPush) {
+    ddtree::cluster_wait();  // every block of the cluster has initialized its barriers
+    __syncthreads();         // and this block's MMAs have all retired: its stage buffers are free
+    const uint32_t rank = cluster_ctarank();
+    if (rank == 0) {
+      if (tid == 0) {
+        ddtree::mbar_arrive_expect_tx(push_base + 8, (CS - 1) * kPartBytes);
+        for (int q = 1; q < CS; ++q) mbar_arrive_cluster(dsmem_map(push_base, q));
+      }
+      mbar_wait_cluster(push_base + 8, 0);
+      const float4* part = reinterpret_cast<const float4*>(smem_gen);
+      for (int q = 1; q < CS; ++q)  // rank (split) order: the sum the DSMEM epilogue forms
+#pragma unroll
+        for (int v = 0; v < kAcc / 4; ++v) {
+          const float4 p = part[((q - 1) * (kAcc / 4) + v) * kThreads + tid];
+          acc[0][4 * v] += p.x;
+          acc[0][4 * v + 1] += p.y;
+          acc[0][4 * v + 2] += p.z;
+          acc[0][4 * v + 3] += p.w;
+        }
+      if (tid == 0)
+        for (int q = 1; q < CS; ++q) mbar_arrive_cluster(dsmem_map(push_base + 16, q));
+      // on to the unsplit epilogue below, whose first block barrier comes before the staging reuses the buffers
+    } else {
+      mbar_wait_cluster(push_base, 0);
+      const uint32_t dst = dsmem_map(smem_base, 0) + (rank - 1) * kPartBytes;
+      const uint32_t gather = dsmem_map(push_base + 8, 0);
+#pragma unroll
+      for (int v = 0; v < kAcc / 4; ++v)
+        ddtree::st_async_f4(dst + (v * kThreads + tid) * 16,
+                            make_float4(acc[0][4 * v], acc[0][4 * v + 1], acc[0][4 * v + 2], acc[0][4 * v + 3]),
+                            gather);
+      if (tid == 0) mbar_wait_cluster(push_base + 16, 0);  // the block stays until rank 0 has read the partial
+      return;
+    }
+  }
 
   // Epilogue, one pass per 64-row tile t of each warpgroup (so staging is [TN][128 + 4] fp32 whatever RW):
   // acc[t][4j + 2i + b] is W row 16*warp + lane/4 + 8i of the tile, token 8j + 2*(lane%4) + b; staged at
@@ -244,7 +305,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const int warp = (tid >> 5) & 3, lane = tid & 31;
   const int r0 = 64 * wg + 16 * warp + (lane >> 2);
   const int c0 = 2 * (lane & 3);
-  const bool single = gridDim.y == 1;
+  const bool single = gridDim.y == 1 || kPush;  // rank 0 of a GMMA_PUSH cluster holds the whole sum
 #pragma unroll
   for (int t = 0; t < RW; ++t) {
     __syncthreads();  // t = 0: all warpgroups done with the stage buffers; t > 0: previous pass written out
@@ -254,7 +315,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int b = 0; b < 2; ++b) stg[(8 * j + c0 + b) * kLd + r0 + 8 * i] = acc[t][4 * j + 2 * i + b];
-    if (CS > 1) {
+    if (CS > 1 && !kPush) {
       // Every block of the cluster holds its partial tile in stg; block `rank` sums rows slice `rank` of all
       // CS tiles (remote reads through DSMEM, in split order) and writes bf16 (+ residual).
       // Four consecutive columns per thread per item; a batch of kBatch items' CS remote loads is issued

@@ -103,6 +103,26 @@ __device__ __forceinline__ cuda::std::uint32_t dsmem_map(cuda::std::uint32_t add
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
   return remote;
 }
+// The split cluster barrier without its memory ordering (barrier.cluster.arrive.release compiles to MEMBAR.ALL.GPU
+// + ERRBAR): arrive early, wait later, e.g. so that every block's mbarriers are initialized (fence.mbarrier_init)
+// before another block's remote arrival. Every thread of the block, once each.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+// mbar_wait with cluster-scope acquire: for a phase completed by another block (remote arrivals, st.async bytes).
+__device__ __forceinline__ void mbar_wait_cluster(cuda::std::uint32_t bar, cuda::std::uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+// 16 bytes from registers into another block's shared memory (a dsmem_map address), counted as complete_tx bytes
+// on that block's mbarrier `remote_bar` (a dsmem_map address too).
+__device__ __forceinline__ void st_async_f4(cuda::std::uint32_t remote, float4 v, cuda::std::uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+               ::"r"(remote), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_bar) : "memory");
+}
 // One arrival on an mbarrier of any CTA of the cluster (a dsmem_map address). Release at CTA scope, as CUTLASS's
 // cluster pipelines do: .release.cluster compiles to MEMBAR.ALL.GPU + ERRBAR before the arrival, which waits for
 // every load the thread has in flight (its cp.async of later stages) and put one stage in flight at a time.

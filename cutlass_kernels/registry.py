@@ -202,6 +202,18 @@ register(KernelFamily(
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},
 ))
+# linear_gmma_kernel's cluster K splits with GMMA_PUSH (partials sent to rank 0 by st.async, no cluster barrier
+# after the loop); runtime/dense_gmma.py takes these for CS > 1 plans where GMMA_PUSH is on.
+register(KernelFamily(
+    name="dense_linear_sm90_push",
+    source="dense_linear_sm90.cu",
+    entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES if c[4] > 1),
+    archs=("90a",),
+    options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}", "-DGMMA_PUSH=1"),
+    pdl=True,
+    required_sass={"90a": r"HGMMA"},
+    required_ptx={"90a": r"wgmma\.mma_async"},
+))
 # linear_gmma_kernel bisected (GMMA_BISECT: 1 no MMAs, 2 no epilogue, 3 neither) at the plans of Qwen3-8B's qkv and
 # o / down at 33 rows, for tools/bench_w_tiles.py: where the kernel's time goes beside its loads alone. Wrong
 # outputs by design; nothing in the runtime launches them.

@@ -119,10 +119,38 @@ def test_linear_gmma_residual_and_strides(dg, ref, kw, ldr):
 
 
 @pytest.mark.gpu
-def test_linear_gmma_chain_read_after_write(dg, ref):
+@pytest.mark.parametrize("cfg", [c for c in _instances() if c[4] > 1],
+                         ids=lambda c: "<%d,%d,%d,%d,%d>" % c[:5] + ("" if c[5] == 2 else "x%dwg" % c[5]))
+def test_linear_gmma_push_every_cluster_instance(dg, ref, cfg, monkeypatch):
+    """The cluster K split with its partials pushed to rank 0 (GMMA_PUSH, family dense_linear_sm90_push): against
+    the reference, with and without a residual, and the same bits as the DSMEM epilogue (both add the partials in
+    rank order). Instances whose partials do not fit the stage buffers keep the DSMEM epilogue in that family."""
+    tn, cs, nwg = cfg[0], cfg[4], cfg[5]
+    M = max(9, tn - 7)
+    N, K = 333 + 64 * nwg, 1000 + 512 * cs
+    rng, x, w = _data(M, N, K, sum(cfg) * 37 + cs)
+    r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
+    xd, wd, rd = dev_bf16(x), dev_bf16(w), dev_bf16(r)
+    kw = dict(zip(("tn", "ka", "stages", "rw", "cs", "nwg"), cfg))
+    for res in (None, rd):
+        got = {}
+        for push in (False, True):
+            monkeypatch.setattr(dg, "GMMA_PUSH", push)
+            out = poisoned((M, N))
+            dg.linear_gmma(xd, wd, out, res, **kw)
+            got[push] = out.download()
+        assert_close(got[True], ref.linear(x, w) + (r if res is not None else 0),
+                     f"push {cfg} M={M} N={N} K={K} residual={res is not None}", dtype="bf16", atol=ATOL)
+        assert np.array_equal(got[True], got[False]), f"push {cfg}: other bits than the DSMEM epilogue"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("push", [False, True], ids=["dsmem", "push"])
+def test_linear_gmma_chain_read_after_write(dg, ref, push, monkeypatch):
     """Back-to-back launches on one stream without a sync (launched with PDL): the second reads what the
     first writes (y), and writes the buffer the first reads (x): both need the dependency wait."""
     from runtime.cuda import Stream
+    monkeypatch.setattr(dg, "GMMA_PUSH", push)
     rng = np.random.default_rng(11)
     M, N, K = 65, 1536, 2048
     stream = Stream()
@@ -145,9 +173,11 @@ def test_linear_gmma_chain_read_after_write(dg, ref):
 
 
 @pytest.mark.gpu
-def test_linear_gmma_graph_replay(dg, ref):
+@pytest.mark.parametrize("push", [False, True], ids=["dsmem", "push"])
+def test_linear_gmma_graph_replay(dg, ref, push, monkeypatch):
     """Captured once, replayed with new inputs: the split-K tickets reset, so every replay is right."""
     from runtime.cuda import Stream
+    monkeypatch.setattr(dg, "GMMA_PUSH", push)
     rng = np.random.default_rng(17)
     M, N, K = 72, 1000, 2048
     xd, wd, yd, rd = poisoned((M, K)), poisoned((N, K)), poisoned((M, N)), poisoned((M, N))
@@ -428,6 +458,14 @@ def test_linear_gmma_narrow_rejects(dg):
 
 
 # ---------------------------------------------------------------- CPU
+
+
+def test_push_family_covers_the_cluster_instances():
+    """dense_gmma launches every CS > 1 plan from the push family when GMMA_PUSH is on: it must hold them all."""
+    from cutlass_kernels.registry import DENSE_GMMA_INSTANCES, FAMILIES, gmma_entry
+    from runtime.dense_gmma import FAMILY_PUSH
+    assert set(FAMILIES[FAMILY_PUSH].entries) == {gmma_entry(c) for c in DENSE_GMMA_INSTANCES if c[4] > 1}
+    assert "-DGMMA_PUSH=1" in FAMILIES[FAMILY_PUSH].options
 
 
 def test_plan_covers_every_shape():

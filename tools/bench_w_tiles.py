@@ -1,5 +1,5 @@
-"""The GMMA linear's weight loads without its MMAs (issue 6): can fewer SMs stream W's 128-row tiles at the
-device's read rate when the TMA engine carries the loads instead of per-thread cp.async?
+"""The GMMA linear's weight loads without its MMAs (issue 6): what its load pattern reaches alone, by grid size and
+load path, in single launches and in PDL chains, and where the kernel's own time goes beside it.
 
 linear_gmma_kernel leaves SMs idle at Qwen3-8B's qkv / o / down for 17..72 rows (96 of 132 blocks at qkv), and a
 stream-K plan over all SMs lost (session 28). runtime_probe_sm90's read_w_tiles_kernel<LOAD, STAGES, PIECE> reads
@@ -10,8 +10,10 @@ per row piece, 2 = one bulk copy per stage (a W repacked so that every stage's t
 Prints, per shape: the streaming read of the same bytes (read_sum_kernel, best grid) and of the same bytes by G
 one-block SMs (read_sum_deep_kernel<8>), then (LOAD, STAGES, PIECE, G) as us of one launch, then PDL chains in a
 graph (us per link, each link the next region: read_sum_pdl_kernel and read_w_tiles_kernel<LOAD, 4, 256, 1>), and
-linear_gmma_kernel at --bisect-m rows in the same chain, whole and without its MMAs and / or epilogue (GMMA_BISECT),
-all as % of the streaming read of the whole buffer (>= 2 GiB) in the same run. Each launch reads a different region of a buffer far above L2, as a model's layers do.
+linear_gmma_kernel at --bisect-m rows in the same chain, whole (also with GMMA_PUSH's epilogue) and without its MMAs
+and / or epilogue (GMMA_BISECT),
+all as % of the streaming read of the whole buffer (>= 2 GiB) in the same run. Each launch reads a different region
+of a buffer far above L2, as a model's layers do.
 
     python -m tools.bench_w_tiles [--iters 20] [--ops qkv o down] [--bisect-m 33]
 """
@@ -56,7 +58,8 @@ def bisect_rows(op: str, n: int, k: int, m: int, rs, reps: int, gs: list[int], p
     x = cuda.to_device(np.full((m, k), 0x3F80, np.uint16))  # bf16 1.0: MMAs on real numbers
     out = cuda.empty((m, n), np.uint16)
     blocks = grid[0] * grid[1] * grid[2]
-    labels = {"dense_linear_sm90": "whole", "dense_linear_sm90_bisect1": "no MMAs",
+    labels = {"dense_linear_sm90": "whole", "dense_linear_sm90_push": "whole, partials pushed to rank 0 (GMMA_PUSH)",
+              "dense_linear_sm90_bisect1": "no MMAs",
               "dense_linear_sm90_bisect2": "no epilogue", "dense_linear_sm90_bisect3": "no MMAs, no epilogue"}
     for family, label in labels.items():
         try:
