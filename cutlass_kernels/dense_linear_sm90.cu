@@ -28,6 +28,7 @@
 //   tile in its own shared memory and, after a cluster barrier, block `rank` sums slice `rank` of the tile
 //   over all CS blocks through distributed shared memory (in split order: deterministic) and writes bf16.
 //   No workspace, no tickets. Measured faster than the workspace split on every Qwen3-8B shape (H200).
+//   With GMMA_PUSH (below) the other blocks send their partials to rank 0 instead, which sums and writes alone.
 // - CS = 1 with gridDim.y > 1: fp32 partials ws[split][m][n], then ddtree::splitk_finish (last block of
 //   the tile reduces; one int32 ticket per (token tile, row block), left at zero). Any split count.
 //
@@ -86,7 +87,7 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
 #ifndef GMMA_EARLY_TRIGGER
 #define GMMA_EARLY_TRIGGER 1
 #endif
-// GMMA_BISECT (NVRTC option; only the family dense_linear_sm90_bisect sets it, for tools/bench_w_tiles.py): bit 0
+// GMMA_BISECT (NVRTC option; only the families dense_linear_sm90_bisect1..3 set it, tools/bench_w_tiles.py): bit 0
 // skips the MMAs (the loads and barriers stay), bit 1 the epilogue (nothing is written). The output is then wrong:
 // a measurement of where the kernel's time goes, never a kernel to run for results.
 #ifndef GMMA_BISECT
