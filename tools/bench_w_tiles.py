@@ -40,14 +40,15 @@ STAGE_BYTES, TILE_ROWS = 32768, 128  # the G columns follow linear_gmma_kernel's
 
 def block_counts(tiles: int, sm_count: int) -> list[int]:
     """One block per tile up to one per SM: the plain partition (tiles), the cluster-of-2 K split (2 x tiles),
-    more K splits while they fit, and every SM (stream-K)."""
+    more K splits while they fit, and every SM."""
     gs = [tiles * s for s in (1, 2, 3, 4) if tiles * s <= sm_count]
     return gs + ([sm_count] if sm_count not in gs else [])
 
 
-def bisect_rows(op: str, n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, stream):
+def bisect_rows(n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, stream):
     """linear_gmma_kernel at M = m as the runtime plans it, in the same PDL chain: whole, then without its MMAs, its
-    epilogue, or both (families dense_linear_sm90_bisect1..3), each in the G column of its grid."""
+    epilogue, or both (families dense_linear_sm90_bisect1..3), and with the push epilogue (dense_linear_sm90_push),
+    each in the G column of its grid."""
     from runtime import cuda
     from runtime import dense_gmma as dg
     dev = cuda.get_device()
@@ -156,7 +157,7 @@ def main(argv=None):
                 cells.append(f"{us:.2f} ({pct(nbytes, us):.1f}%)")
             print(f"| PDL chain (graph): {LOADS[load]} | 4 | 128 x 256 | " + " | ".join(cells) + " |", flush=True)
         if args.bisect_m:
-            bisect_rows(op, n, k, args.bisect_m, rs, reps, gs, pct, stream)
+            bisect_rows(n, k, args.bisect_m, rs, reps, gs, pct, stream)
 
 if __name__ == "__main__":
     main()
