@@ -214,14 +214,17 @@ register(KernelFamily(
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},
 ))
-# linear_gmma_kernel bisected (GMMA_BISECT: 1 no MMAs, 2 no epilogue, 3 neither) at the plans of Qwen3-8B's qkv and
-# o / down at 33 rows, for tools/bench_w_tiles.py: where the kernel's time goes beside its loads alone. Wrong
-# outputs by design; nothing in the runtime launches them.
+# linear_gmma_kernel bisected (GMMA_BISECT: 1 no MMAs, 2 no epilogue, 3 neither) at the plans of Qwen3-8B's qkv, o,
+# down and gate_up at 17 / 33 / 64 / 65 rows (132 SMs), for tools/bench_w_tiles.py: where the kernel's time goes
+# beside its loads alone. Wrong outputs by design; nothing in the runtime launches them.
+_BISECT_CONFIGS = ((32, 2, 4, 1, 2, 2), (32, 2, 4, 1, 3, 2), (32, 1, 7, 1, 1, 3), (48, 2, 4, 1, 2, 2),
+                   (48, 2, 7, 1, 2, 1), (64, 2, 4, 1, 2, 2), (64, 2, 4, 1, 3, 2), (64, 1, 6, 1, 1, 3),
+                   (72, 2, 4, 1, 2, 2), (72, 2, 6, 1, 2, 1), (72, 1, 6, 1, 1, 3))
 for _bisect in (1, 2, 3):
     register(KernelFamily(
         name=f"dense_linear_sm90_bisect{_bisect}",
         source="dense_linear_sm90.cu",
-        entries=(gmma_entry((48, 2, 4, 1, 2, 2)), gmma_entry((48, 2, 7, 1, 2, 1))),
+        entries=tuple(map(gmma_entry, _BISECT_CONFIGS)),
         archs=("90a",),
         options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}", f"-DGMMA_BISECT={_bisect}"),
         pdl=True,

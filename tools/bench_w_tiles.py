@@ -15,7 +15,7 @@ and / or epilogue (GMMA_BISECT),
 all as % of the streaming read of the whole buffer (>= 2 GiB) in the same run. Each launch reads a different region
 of a buffer far above L2, as a model's layers do.
 
-    python -m tools.bench_w_tiles [--iters 20] [--ops qkv o down] [--bisect-m 33]
+    python -m tools.bench_w_tiles [--iters 20] [--ops qkv o down] [--bisect-m 17 33 65]
 """
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--ops", nargs="+", choices=sorted(SHAPES), default=["qkv", "o", "down"])
-    ap.add_argument("--bisect-m", type=int, default=33, help="also time linear_gmma_kernel at this M in the PDL chain, "
-                    "whole and bisected (no MMAs / no epilogue; 0: not)")
+    ap.add_argument("--bisect-m", type=int, nargs="*", default=[33], help="also time linear_gmma_kernel at these M in "
+                    "the PDL chain, whole and bisected (no MMAs / no epilogue; none given: not)")
     args = ap.parse_args(argv)
     dev = cuda.get_device()
     if dev.arch != "90a":
@@ -156,8 +156,8 @@ def main(argv=None):
                                    reps=reps, stream=stream)
                 cells.append(f"{us:.2f} ({pct(nbytes, us):.1f}%)")
             print(f"| PDL chain (graph): {LOADS[load]} | 4 | 128 x 256 | " + " | ".join(cells) + " |", flush=True)
-        if args.bisect_m:
-            bisect_rows(n, k, args.bisect_m, rs, reps, gs, pct, stream)
+        for m in args.bisect_m:
+            bisect_rows(n, k, m, rs, reps, gs, pct, stream)
 
 if __name__ == "__main__":
     main()

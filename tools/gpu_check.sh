@@ -99,7 +99,7 @@ step bench_ar_gmma python3 -m tools.bench_ar --random qwen3-8b --layers 12 --pro
 step bench_narrow python3 tools/bench_dense.py --linear-only --gmma --read-by-sms --m 1 17 33 64 65 --ops Qwen3-8B:qkv Qwen3-8B:o Qwen3-8B:gate_up Qwen3-8B:down
 # The GMMA linear's weight loads alone (cp.async / bulk copies, by grid size; single launches and PDL chains): the
 # ceiling its load pattern sets, per op
-step bench_w_tiles python3 -m tools.bench_w_tiles --ops qkv o down
+step bench_w_tiles python3 -m tools.bench_w_tiles --ops qkv o down gate_up --bisect-m 17 33 64 65
 # rmsnorm (+ residual add) / SwiGLU fused into the narrow kernel against separate launches, per op
 step bench_fused python3 tools/bench_dense.py --linear-only --fused --m 1 17 33 65 --ops Qwen3-8B:qkv Qwen3-8B:gate_up Qwen3-8B:down
 step bench_ar_narrow python3 -m tools.bench_ar --random qwen3-8b --layers 12 --prompts 1024 --new-tokens 8 --verify-budgets 16,32,64 --configs decode,decode+narrow1+nfuse0+nmc0,decode+narrow1+nfuse0,decode+narrow1
