@@ -468,6 +468,35 @@ def test_push_family_covers_the_cluster_instances():
     assert "-DGMMA_PUSH=1" in FAMILIES[FAMILY_PUSH].options
 
 
+def test_push_epilogue_layout():
+    """GMMA_PUSH's partial layout (dense_linear_sm90.cu, expression for expression) on every cluster instance: rank q
+    writes float4 v of thread i at byte (q - 1) * kPartBytes + (v * kThreads + i) * 16 of rank 0's stage buffers,
+    rank 0 reads float4 ((q - 1) * kAcc / 4 + v) * kThreads + i for the same value. Every byte of the gather region
+    is written once, the region is what the gather barrier expects (within an mbarrier's tx-count range) and lies in
+    the stage buffers; only partials that do not fit keep the DSMEM epilogue."""
+    from cutlass_kernels.registry import DENSE_GMMA_INSTANCES
+    kept_dsmem = []
+    for tn, ka, stages, rw, cs, nwg in (c for c in DENSE_GMMA_INSTANCES if c[4] > 1):
+        threads, acc = 128 * nwg, tn // 2
+        part_bytes = threads * acc * 4
+        stage_bytes = ka * (8192 * nwg * rw + tn * 128)
+        if not (rw == 1 and (cs - 1) * part_bytes <= stages * stage_bytes):
+            kept_dsmem.append((tn, ka, stages, rw, cs, nwg))
+            continue
+        assert acc % 4 == 0
+        written = np.zeros((cs - 1) * part_bytes // 16, np.int32)
+        for q in range(1, cs):
+            for v in range(acc // 4):
+                tid = np.arange(threads)
+                write = (q - 1) * part_bytes + (v * threads + tid) * 16
+                read = (((q - 1) * (acc // 4) + v) * threads + tid) * 16
+                assert np.array_equal(write, read)
+                np.add.at(written, write // 16, 1)
+        assert (written == 1).all(), (tn, cs, nwg)
+        assert written.size * 16 == (cs - 1) * part_bytes < 1 << 20  # the expect_tx bytes, an mbarrier tx-count
+    assert kept_dsmem == [(256, 1, 4, 1, 4, 2)], kept_dsmem
+
+
 def test_plan_covers_every_shape():
     from runtime.dense_gmma import (GMMA_INSTANCES, SMEM_PER_BLOCK_MAX, gmma_config, gmma_plan, gmma_smem_bytes,
                                     token_tile)
