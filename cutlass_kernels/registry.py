@@ -69,19 +69,22 @@ register(KernelFamily(
     entries=("read_sum_pdl_kernel",),
     pdl=True,
 ))
-# The GMMA linear's weight loads without its MMAs, by three load paths (tools/bench_w_tiles.py).
+# The GMMA linear's weight loads without its MMAs, by three load paths (tools/bench_w_tiles.py times exactly these):
+# (LOAD, STAGES, PIECE) single launches; LOAD of the PDL-chain links (4 stages of 256-byte pieces). Session 28 ran
+# every (LOAD, 4 / 6, 256 / 512 / 1024): larger pieces changed nothing but for the bulk copy per row piece.
+W_TILES_CONFIGS = ((0, 4, 256), (0, 6, 256), (1, 4, 256), (1, 4, 1024), (2, 4, 256), (2, 6, 256))
+W_TILES_PDL_LOADS = (0, 2)
 register(KernelFamily(
     name="runtime_probe_sm90",
     source="runtime_probe_sm90.cu",
-    entries=tuple(f"read_w_tiles_kernel<{load}, {stages}, {piece}>" for load in (0, 1, 2) for stages in (4, 6)
-                  for piece in (256, 1024)),
+    entries=tuple("read_w_tiles_kernel<%d, %d, %d>" % c for c in W_TILES_CONFIGS),
     archs=("90a",),
 ))
 # The same as links of a programmatic-dependent-launch chain.
 register(KernelFamily(
     name="runtime_probe_sm90_pdl",
     source="runtime_probe_sm90.cu",
-    entries=tuple(f"read_w_tiles_kernel<{load}, 4, 256, 1>" for load in (0, 2)),
+    entries=tuple(f"read_w_tiles_kernel<{load}, 4, 256, 1>" for load in W_TILES_PDL_LOADS),
     archs=("90a",),
     pdl=True,
 ))
@@ -192,12 +195,13 @@ def gmma_entry(cfg: tuple) -> str:
     return "linear_gmma_kernel<%d, %d, %d, %d, %d, %d>" % cfg
 
 
+_GMMA_OPTIONS = (f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}",)   # every build of dense_linear_sm90.cu
 register(KernelFamily(
     name="dense_linear_sm90",
     source="dense_linear_sm90.cu",
     entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES),
     archs=("90a",),
-    options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}",),
+    options=_GMMA_OPTIONS,
     pdl=True,
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},
@@ -209,7 +213,7 @@ register(KernelFamily(
     source="dense_linear_sm90.cu",
     entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES if c[4] > 1),
     archs=("90a",),
-    options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}", "-DGMMA_PUSH=1"),
+    options=(*_GMMA_OPTIONS, "-DGMMA_PUSH=1"),
     pdl=True,
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},
@@ -226,7 +230,7 @@ for _bisect in (1, 2, 3):
         source="dense_linear_sm90.cu",
         entries=tuple(map(gmma_entry, _BISECT_CONFIGS)),
         archs=("90a",),
-        options=(f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}", f"-DGMMA_BISECT={_bisect}"),
+        options=(*_GMMA_OPTIONS, f"-DGMMA_BISECT={_bisect}"),
         pdl=True,
     ))
 # Hopper GMMA bf16 linear in narrow row blocks for up to 80 token rows (W as wgmma's B operand, so a block is any
@@ -283,7 +287,7 @@ def narrow_entry(cfg: tuple) -> str:
 
 # the compile options of every narrow family (one source): where it lets the next kernel in, where a fused prologue
 # rewrites the x tile
-_NARROW_OPTIONS = (f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}", f"-DNARROW_REWRITE_AHEAD={_narrow_rewrite()}")
+_NARROW_OPTIONS = (*_GMMA_OPTIONS, f"-DNARROW_REWRITE_AHEAD={_narrow_rewrite()}")
 # one family per XMODE (the same source): each compiles on its own (~17 s for 32 instances; all in one took 52 s)
 NARROW_FAMILIES = {xm: "dense_linear_narrow_sm90" + ("" if xm == "none" else "_" + xm) for xm in NARROW_XMODES}
 for _prologue, _family in NARROW_FAMILIES.items():

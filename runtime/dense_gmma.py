@@ -28,10 +28,10 @@ import numpy as np
 from runtime.cuda import DeviceArray, get_device, get_kernel
 from runtime.dense_kernels import Workspace, _i32, _need, default_workspace, linear_checks
 
-from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, FAMILIES,
-                                      NARROW_GMMA_INSTANCES, NARROW_GMMA_ROWS, NARROW_FAMILIES,
-                                      NARROW_GMMA_TOKEN_TILES, NARROW_MC_CS, NARROW_MC_FAMILY, NARROW_MC_INSTANCES,
-                                      NARROW_XMODES, gmma_entry, narrow_entry, narrow_stage_bytes)
+from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, FAMILIES, NARROW_GMMA_INSTANCES, NARROW_GMMA_ROWS,
+                                      NARROW_FAMILIES, NARROW_GMMA_TOKEN_TILES, NARROW_MC_CS, NARROW_MC_FAMILY,
+                                      NARROW_MC_INSTANCES, NARROW_XMODES, gmma_entry, narrow_entry,
+                                      narrow_stage_bytes)
 
 FAMILY = "dense_linear_sm90"
 # The cluster K splits (CS > 1) with their partial sums sent to rank 0 by st.async (GMMA_PUSH in
@@ -469,15 +469,10 @@ def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
                        stages=stages, rw=rw, cs=cs, nwg=nwg, stream=stream)
 
 
-def _leaves_sms_idle(gmma_grid: tuple, sm_count: int) -> bool:
-    """Whether linear_gmma_kernel's grid runs fewer blocks than NARROW_GMMA_IDLE of the SMs."""
-    return gmma_grid[0] * gmma_grid[1] * gmma_grid[2] < NARROW_GMMA_IDLE * sm_count
-
-
 def narrow_instead(M: int, N: int, K: int, sm_count: int, gmma_grid: tuple):
     """The narrow_plan an unforced linear_gmma runs instead of linear_gmma_kernel's plan (whose grid is gmma_grid):
     with GMMA_NARROW, where that plan leaves SMs idle (NARROW_GMMA_IDLE) and narrow_plan has one; else None."""
-    if not GMMA_NARROW or not _leaves_sms_idle(gmma_grid, sm_count):
+    if not GMMA_NARROW or gmma_grid[0] * gmma_grid[1] * gmma_grid[2] >= NARROW_GMMA_IDLE * sm_count:
         return None
     return narrow_plan(M, N, K, sm_count)
 

@@ -246,12 +246,12 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                         plan = dg.narrow_instead(M, N, K, get_device().sm_count, plan[1]) or plan
                 if kw.get("gmma"):
                     # "gmma" rows: linear_gmma_kernel's plan, not the narrow kernel that an unforced call may take
-                    default, dg.GMMA_NARROW = dg.GMMA_NARROW, False
+                    narrow_default, dg.GMMA_NARROW = dg.GMMA_NARROW, False
                     try:
                         us = graph_time_us(lambda i, s: dg.linear_gmma(x, weights[i % copies], out, stream=s, **gkw),
                                            reps=max(copies, 8), stream=stream)
                     finally:
-                        dg.GMMA_NARROW = default
+                        dg.GMMA_NARROW = narrow_default
                     kind = plan[0].replace("linear_gmma_narrow_mc_kernel", "narrow_mc").replace(
                         "linear_gmma_narrow_kernel", "narrow").replace("linear_gmma_kernel", "gmma")
                 else:

@@ -24,17 +24,13 @@ import itertools
 
 import numpy as np
 
+from cutlass_kernels.registry import W_TILES_CONFIGS, W_TILES_PDL_LOADS
 from tools.bench_dense import graph_time_us
 from tools.read_bandwidth import read_time_by_blocks, read_time_us
 
 # Qwen3-8B (name, N rows, K): W is [N, K] bf16
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 12288), "gate_up": (24576, 4096)}
 LOADS = {0: "cp.async 16 B / thread", 1: "bulk copy / row piece", 2: "bulk copy / stage"}
-STAGES = (4, 6)
-PIECES = (256, 1024)
-# the single-launch rows timed: session 28's first runs had every (load, stages, piece); pieces of 512 / 1024 bytes
-# changed nothing for cp.async or a bulk copy per stage, so only the bulk copy per row piece keeps both
-PLAIN = {(0, 4, 256), (0, 6, 256), (1, 4, 256), (1, 4, 1024), (2, 4, 256), (2, 6, 256)}
 STAGE_BYTES, TILE_ROWS = 32768, 128  # the G columns follow linear_gmma_kernel's 128-row tiles
 
 
@@ -129,9 +125,7 @@ def main(argv=None):
         print("|---|---|---|" + "---|" * len(gs))
         print("| read_sum_deep<8>, 1024 threads | - | - | " + " | ".join(
             f"{us:.2f} ({pct(nbytes, us):.1f}%)" for us in by_sms) + " |")
-        for load, stages, piece in itertools.product(LOADS, STAGES, PIECES):
-            if (load, stages, piece) not in PLAIN:
-                continue
+        for load, stages, piece in W_TILES_CONFIGS:
             kern = cuda.get_kernel("runtime_probe_sm90", f"read_w_tiles_kernel<{load}, {stages}, {piece}>")
             cells = [f"{us:.2f} ({pct(nbytes, us):.1f}%)" for us in
                      (single_us(kern, stages, g, rs, n, k) for g in gs)]
@@ -145,7 +139,7 @@ def main(argv=None):
                                                       stream=st), reps=reps, stream=stream)
         cells = [f"{us:.2f} ({pct(nbytes, us):.1f}%)"] * len(gs)
         print("| PDL chain (graph): read_sum_pdl, best grid | - | - | " + " | ".join(cells) + " |")
-        for load in (0, 2):
+        for load in W_TILES_PDL_LOADS:
             kern = cuda.get_kernel("runtime_probe_sm90_pdl", f"read_w_tiles_kernel<{load}, 4, 256, 1>")
             kern.set_max_dynamic_smem(4 * STAGE_BYTES + 1024)
             cells = []
