@@ -35,10 +35,11 @@ from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, FAMILIES, NARROW_GMM
 
 FAMILY = "dense_linear_sm90"
 # The cluster K splits (CS > 1) with their partial sums sent to rank 0 by st.async (GMMA_PUSH in
-# dense_linear_sm90.cu) instead of the DSMEM epilogue between two cluster barriers. DDTREE_GMMA_PUSH=1: on; off
-# until timed on a GPU (session 28 measured the DSMEM epilogue at 2.0-2.6 us of a 33-row linear in a PDL chain).
+# dense_linear_sm90.cu) instead of the DSMEM epilogue between two cluster barriers: at token tiles up to
+# GMMA_PUSH_MAX_TN (DDTREE_GMMA_PUSH_MAX_TN; 0: never). H100, session 29, graph chains: 0.2-0.6 us faster at
+# tiles 32 / 48 (qkv, down, gate_up; o +-0.2), 0.2-0.8 us slower at 64 / 72 (larger partials).
 FAMILY_PUSH = "dense_linear_sm90_push"
-GMMA_PUSH = os.environ.get("DDTREE_GMMA_PUSH", "0") == "1"
+GMMA_PUSH_MAX_TN = int(os.environ.get("DDTREE_GMMA_PUSH_MAX_TN", "48"))
 GMMA_ARCHS = FAMILIES[FAMILY].archs
 GMMA_ROWS_PER_WARPGROUP = 64     # W rows per warpgroup (x RW); a block has NWG warpgroups of 128 threads
 GMMA_NWG = 2                     # warpgroups per block the planner uses by default
@@ -499,7 +500,7 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
         tickets = ws.tickets(grid[0] * grid[2])
     else:
         scratch = tickets = out  # unused by the kernel
-    kern = get_kernel(FAMILY_PUSH if GMMA_PUSH and cfg[4] > 1 else FAMILY, entry)
+    kern = get_kernel(FAMILY_PUSH if cfg[4] > 1 and cfg[0] <= GMMA_PUSH_MAX_TN else FAMILY, entry)
     kern.set_max_dynamic_smem(smem)
     kern.launch(grid, gmma_threads(cfg[5]),
                 [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),

@@ -56,14 +56,15 @@ def test_bench_verify_fake_end_to_end():
 
 def test_bench_ar_fake_end_to_end():
     """tools/bench_ar.py: every configuration (attention, gemv knobs) builds its engine, decodes and prints its
-    row; a decode instance that does not exist, or an unknown term, is refused before the model is built."""
+    row (a repeated one too); a decode instance that does not exist, or an unknown term, is refused before the model is built."""
     cmd = [sys.executable, "-m", "tools.bench_ar", "--random", "qwen3-tiny", "--fake", "--prompts", "8,40",
            "--new-tokens", "3", "--iters", "2", "--verify-budgets", "4",
-           "--configs", "tree,decode,decode:32x3,decode+kw4+persist0,gemv0+gmma0+fuse32,swiglu16,decode+drows256+agmma0",
+           "--configs", "tree,decode,decode:32x3,decode+kw4+persist0,gemv0+gmma0+fuse32,swiglu16,decode+drows256+agmma0,decode",
            "--layers", "1"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    for row in ("| tree | ", "| decode | ", "| decode:32x3 | ", "| decode+kw4+persist0 | ", "| gemv0+gmma0+fuse32 | ",
+    assert p.stdout.count("| decode | ") == 4, p.stdout   # a repeated configuration gets its own rows
+    for row in ("| tree | ", "| decode:32x3 | ", "| decode+kw4+persist0 | ", "| gemv0+gmma0+fuse32 | ",
                 "| swiglu16 | ", "| decode+drows256+agmma0 | "):
         assert p.stdout.count(row) == 2, p.stdout          # the AR table and the verify b4 table
     assert "verify graph replay at budget 4" in p.stdout, p.stdout

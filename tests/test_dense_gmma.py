@@ -135,7 +135,7 @@ def test_linear_gmma_push_every_cluster_instance(dg, ref, cfg, monkeypatch):
     for res in (None, rd):
         got = {}
         for push in (False, True):
-            monkeypatch.setattr(dg, "GMMA_PUSH", push)
+            monkeypatch.setattr(dg, "GMMA_PUSH_MAX_TN", 256 if push else 0)
             out = poisoned((M, N))
             dg.linear_gmma(xd, wd, out, res, **kw)
             got[push] = out.download()
@@ -150,7 +150,7 @@ def test_linear_gmma_chain_read_after_write(dg, ref, push, monkeypatch):
     """Back-to-back launches on one stream without a sync (launched with PDL): the second reads what the
     first writes (y), and writes the buffer the first reads (x): both need the dependency wait."""
     from runtime.cuda import Stream
-    monkeypatch.setattr(dg, "GMMA_PUSH", push)
+    monkeypatch.setattr(dg, "GMMA_PUSH_MAX_TN", 256 if push else 0)
     rng = np.random.default_rng(11)
     M, N, K = 65, 1536, 2048
     stream = Stream()
@@ -177,7 +177,7 @@ def test_linear_gmma_chain_read_after_write(dg, ref, push, monkeypatch):
 def test_linear_gmma_graph_replay(dg, ref, push, monkeypatch):
     """Captured once, replayed with new inputs: the split-K tickets reset, so every replay is right."""
     from runtime.cuda import Stream
-    monkeypatch.setattr(dg, "GMMA_PUSH", push)
+    monkeypatch.setattr(dg, "GMMA_PUSH_MAX_TN", 256 if push else 0)
     rng = np.random.default_rng(17)
     M, N, K = 72, 1000, 2048
     xd, wd, yd, rd = poisoned((M, K)), poisoned((N, K)), poisoned((M, N)), poisoned((M, N))
@@ -461,7 +461,7 @@ def test_linear_gmma_narrow_rejects(dg):
 
 
 def test_push_family_covers_the_cluster_instances():
-    """dense_gmma launches every CS > 1 plan from the push family when GMMA_PUSH is on: it must hold them all."""
+    """dense_gmma may launch any CS > 1 plan from the push family (GMMA_PUSH_MAX_TN): it must hold them all."""
     from cutlass_kernels.registry import DENSE_GMMA_INSTANCES, FAMILIES, gmma_entry
     from runtime.dense_gmma import FAMILY_PUSH
     assert set(FAMILIES[FAMILY_PUSH].entries) == {gmma_entry(c) for c in DENSE_GMMA_INSTANCES if c[4] > 1}
