@@ -165,9 +165,7 @@ DENSE_GMMA_INSTANCES = tuple((*c, cs, 2) for c in _GMMA_BASE for cs in (1, 2)) +
     (136, 1, 5, 1, 1, 3), (192, 1, 4, 1, 1, 3)) + (
     # one warpgroup, 64 rows, clusters of 2: a 4096-row W is 128 blocks, where 128-row blocks fill 64 or 96 SMs
     # (runtime/dense_gmma.py _one_full_wave_of_1wg_pairs); 7 / 6 stages the default since session 28, 4 for A/B
-    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1), (48, 2, 7, 1, 2, 1), (72, 2, 6, 1, 2, 1),
-    # one warpgroup unsplit (no cluster epilogue): qkv 6144 rows is 96 blocks, o / down 64 (session 29 A/B)
-    (32, 2, 7, 1, 1, 1), (48, 2, 7, 1, 1, 1), (72, 2, 6, 1, 1, 1))
+    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1), (48, 2, 7, 1, 2, 1), (72, 2, 6, 1, 2, 1))
 
 
 def _gmma_trigger() -> int:
