@@ -93,6 +93,28 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
 #ifndef GMMA_BISECT
 #define GMMA_BISECT 0
 #endif
+// GMMA_TRACE (NVRTC option; only the families dense_linear_sm90_trace* set it, tools/bench_w_tiles.py --trace-m):
+// thread 0 of each block writes %globaltimer at entry, after the PDL prologue (the dependency wait), at the end of
+// the K loop and at exit, and its SM, into `ws` as kTraceWords u64 per block (block id x-fastest): where a chain of
+// launches spends the time between one kernel's last load and the next one's first. The runtime never sets it.
+#ifndef GMMA_TRACE
+#define GMMA_TRACE 0
+#endif
+#if GMMA_TRACE
+constexpr int kTraceWords = 8;  // entry, after the prologue, loop end, exit, SM id, 3 unused
+#define GMMA_STAMP(i)                                                                                   \
+  do {                                                                                                  \
+    if (threadIdx.x == 0) {                                                                             \
+      unsigned long long t_;                                                                            \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                            \
+      reinterpret_cast<unsigned long long*>(ws)[trace_block * kTraceWords + (i)] = t_;                  \
+    }                                                                                                   \
+  } while (0)
+#else
+#define GMMA_STAMP(i) \
+  do {                \
+  } while (0)
+#endif
 // GMMA_PUSH (NVRTC option; family dense_linear_sm90_push): the cluster K split's partial sums go to rank 0 by
 // st.async into its freed stage buffers, counted on an mbarrier; rank 0 adds them in rank order and writes the
 // tile as an unsplit block does. No cluster-wide barrier after the loop: cluster_sync's release compiles to
@@ -142,6 +164,15 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   __shared__ uint64_t push_bar[3];
   const uint32_t push_base = static_cast<uint32_t>(__cvta_generic_to_shared(push_bar));
 
+#if GMMA_TRACE
+  const int trace_block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  GMMA_STAMP(0);
+  if (threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    reinterpret_cast<unsigned long long*>(ws)[trace_block * kTraceWords + 4] = sm;
+  }
+#endif
   const int tid = threadIdx.x;
   const int wg = tid >> 7;  // warpgroup: W rows [64 RW wg, 64 RW (wg + 1)) of the block
   const int n0 = blockIdx.x * kRows;
@@ -204,6 +235,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   // Prologue: W of the first STAGES-1 stages before the dependency wait (weights are immutable), then x.
   constexpr int kPre = STAGES - 1;
   ring.prologue(n_stages, GMMA_EARLY_TRIGGER, load_w, load_x);
+  GMMA_STAMP(1);
 
   float acc[RW][kAcc];
 #pragma unroll
@@ -256,9 +288,11 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   for (int t = 0; t < RW; ++t)
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[t][i]);
+  GMMA_STAMP(2);
   if (!GMMA_EARLY_TRIGGER) ddtree::launch_dependents();  // the next kernel may start its weight prefetch now
   if constexpr ((GMMA_BISECT & 2) != 0) {
     if (acc[0][0] == 1.2345e-30f) out[0] = __float2bfloat16(acc[0][0]);  // keeps the MMAs (never true for x != 0)
+    GMMA_STAMP(3);
     return;
   }
   if constexpr (kPush) {
@@ -294,6 +328,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                             make_float4(acc[0][4 * v], acc[0][4 * v + 1], acc[0][4 * v + 2], acc[0][4 * v + 3]),
                             gather);
       if (tid == 0) mbar_wait_cluster(push_base + 16, 0);  // the block stays until rank 0 has read the partial
+      GMMA_STAMP(3);
       return;
     }
   }
@@ -384,6 +419,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       }
     }
   }
+  GMMA_STAMP(3);
   if (CS > 1 || single) return;
   if constexpr (NWG == 2) {
     // Outputs per thread per pass of the reduction: as many as divide the tile evenly, up to 16 (the last

@@ -233,6 +233,22 @@ for _bisect in (1, 2, 3):
         options=(*_GMMA_OPTIONS, f"-DGMMA_BISECT={_bisect}"),
         pdl=True,
     ))
+# linear_gmma_kernel with GMMA_TRACE (per-block %globaltimer stamps into its ws argument) at the plans of Qwen3-8B's
+# qkv, o and down at 33 rows: as the runtime runs it (the push epilogue), with the DSMEM epilogue, and without an
+# epilogue (GMMA_BISECT 2), for tools/bench_w_tiles.py --trace-m. Nothing in the runtime launches them.
+TRACE_CONFIGS = ((48, 2, 4, 1, 2, 2), (48, 2, 7, 1, 2, 1))
+TRACE_WORDS = 8  # u64 per block: dense_linear_sm90.cu's kTraceWords
+TRACE_FAMILIES = {"dense_linear_sm90_trace": ("-DGMMA_PUSH=1",), "dense_linear_sm90_trace_dsmem": (),
+                  "dense_linear_sm90_trace_noepi": ("-DGMMA_BISECT=2",)}
+for _name, _extra in TRACE_FAMILIES.items():
+    register(KernelFamily(
+        name=_name,
+        source="dense_linear_sm90.cu",
+        entries=tuple(map(gmma_entry, TRACE_CONFIGS)),
+        archs=("90a",),
+        options=(*_GMMA_OPTIONS, "-DGMMA_TRACE=1", *_extra),
+        pdl=True,
+    ))
 # Hopper GMMA bf16 linear in narrow row blocks for up to 80 token rows (W as wgmma's B operand, so a block is any
 # multiple of 16 W rows and one wave of unsplit blocks can cover every SM): linear_gmma_narrow_kernel<NW, TX, KA,
 # STAGES> (NW W rows per block, TX token rows per tile: one warpgroup up to 64, two for 80 = the verify bucket 64's

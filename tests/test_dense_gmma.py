@@ -791,3 +791,11 @@ def test_narrow_a_fragments_emulated():
                     got = rows[8 * c + g][2 * t:2 * t + 2]            # matrix c, row g, elements 2t, 2t + 1
                     m, k = 16 * warp + g + 8 * (c & 1), 16 * j + 2 * t + 8 * (c >> 1)
                     assert list(got) == [x[m, k], x[m, k + 1]], (warp, j, lane, c)
+
+
+def test_trace_words_match_the_kernel():
+    """tools/bench_w_tiles.py reads GMMA_TRACE's stamps as registry.TRACE_WORDS u64 per block: the kernel's stride."""
+    from pathlib import Path
+    from cutlass_kernels.registry import TRACE_WORDS
+    src = (Path(__file__).resolve().parents[1] / "cutlass_kernels" / "dense_linear_sm90.cu").read_text()
+    assert int(re.search(r"constexpr int kTraceWords = (\d+);", src).group(1)) == TRACE_WORDS

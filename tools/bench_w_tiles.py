@@ -15,7 +15,7 @@ and / or epilogue (GMMA_BISECT),
 all as % of the streaming read of the whole buffer (>= 2 GiB) in the same run. Each launch reads a different region
 of a buffer far above L2, as a model's layers do.
 
-    python -m tools.bench_w_tiles [--iters 20] [--ops qkv o down] [--bisect-m 17 33 65]
+    python -m tools.bench_w_tiles [--iters 20] [--ops qkv o down] [--bisect-m 17 33 65] [--trace-m 33]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import itertools
 
 import numpy as np
 
-from cutlass_kernels.registry import W_TILES_CONFIGS, W_TILES_PDL_LOADS
+from cutlass_kernels.registry import TRACE_CONFIGS, TRACE_WORDS, W_TILES_CONFIGS, W_TILES_PDL_LOADS
 from tools.bench_dense import graph_time_us
 from tools.read_bandwidth import read_time_by_blocks, read_time_us
 
@@ -76,6 +76,52 @@ def bisect_rows(n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, strea
               + " | ".join(cells) + " |", flush=True)
 
 
+def trace_rows(n: int, k: int, m: int, rs, reps: int, stream):
+    """linear_gmma_kernel at M = m (its plan) with per-block %globaltimer stamps (families TRACE_FAMILIES), in a PDL
+    chain of `reps` launches in a graph, each link the next W region: where each link's time goes, relative to the
+    previous link's last block exit (prev), medians over the links after the first two."""
+    from runtime import cuda
+    from runtime import dense_gmma as dg
+    dev = cuda.get_device()
+    entry, grid, k_per_split, smem = dg.gmma_plan(m, n, k, dev.sm_count, cluster_slots=dg.device_cluster_slots)
+    if dg.gmma_config(entry) not in TRACE_CONFIGS:
+        print(f"(trace: {entry} at M = {m} has no trace instance; TRACE_CONFIGS: {TRACE_CONFIGS})")
+        return
+    blocks = grid[0] * grid[1] * grid[2]
+    x = cuda.to_device(np.full((m, k), 0x3F80, np.uint16))
+    out = cuda.empty((m, n), np.uint16)
+    words = blocks * TRACE_WORDS
+    trace = cuda.empty((reps * words,), np.uint64)
+    print(f"\n### trace: {entry.replace('linear_gmma_kernel', 'gmma')}, M = {m}, {blocks} blocks, chain of {reps}; us "
+          "from the previous link's last exit (prev), medians over links 3..")
+    print("| epilogue | link | blocks in before prev | first entry | last entry | wait released (first / last) | "
+          "loop (median block) | last loop end | epilogue (median / max block) | last exit after last loop end |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for family, label in (("dense_linear_sm90_trace", "push"), ("dense_linear_sm90_trace_dsmem", "DSMEM"),
+                          ("dense_linear_sm90_trace_noepi", "none (bisect)")):
+        kern = cuda.get_kernel(family, entry)
+        kern.set_max_dynamic_smem(smem)
+        null = np.uint64(0)
+        graph_time_us(lambda i, st: kern.launch(grid, dg.gmma_threads(dg.gmma_config(entry)[5]), [
+            x, np.int32(k), rs[i % len(rs)], out, np.int32(n), null, np.int32(0), trace.view(i * words, (words,)),
+            out, np.int32(m), np.int32(n), np.int32(k), np.int32(k_per_split)], smem=smem, stream=st),
+            reps=reps, stream=stream, iters=3)
+        stream.synchronize()
+        t = trace.download().reshape(reps, blocks, TRACE_WORDS)[:, :, :4].astype(np.int64)
+        rows = []
+        for j in range(2, reps):
+            prev = t[j - 1, :, 3].max()
+            tj = (t[j] - prev) / 1e3
+            rows.append([(t[j, :, 3].max() - prev) / 1e3, (t[j, :, 0] < prev).sum(), tj[:, 0].min(), tj[:, 0].max(),
+                         tj[:, 1].min(), tj[:, 1].max(), np.median(tj[:, 2] - tj[:, 1]), tj[:, 2].max(),
+                         np.median(tj[:, 3] - tj[:, 2]), (tj[:, 3] - tj[:, 2]).max(), tj[:, 3].max() - tj[:, 2].max()])
+        r = np.median(np.array(rows, dtype=np.float64), axis=0)
+        print(f"| {label} | {r[0]:.2f} | {r[1]:.0f} of {blocks} | {r[2]:.2f} | {r[3]:.2f} | {r[4]:.2f} / {r[5]:.2f} | "
+              f"{r[6]:.2f} | {r[7]:.2f} | {r[8]:.2f} / {r[9]:.2f} | {r[10]:.2f} |", flush=True)
+    steps = np.diff(np.unique(t[:, :, :4]))
+    print(f"(%globaltimer step seen: {steps[steps > 0].min() if (steps > 0).any() else 0} ns)")
+
+
 def main(argv=None):
     from runtime import cuda
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -83,6 +129,8 @@ def main(argv=None):
     ap.add_argument("--ops", nargs="+", choices=sorted(SHAPES), default=["qkv", "o", "down"])
     ap.add_argument("--bisect-m", type=int, nargs="*", default=[33], help="also time linear_gmma_kernel at these M in "
                     "the PDL chain, whole and bisected (no MMAs / no epilogue; none given: not)")
+    ap.add_argument("--trace-m", type=int, nargs="*", default=[], help="also trace linear_gmma_kernel's blocks at these "
+                    "M in the PDL chain (per-block timer stamps: entry, dependency wait, loop end, exit)")
     args = ap.parse_args(argv)
     dev = cuda.get_device()
     if dev.arch != "90a":
@@ -152,6 +200,8 @@ def main(argv=None):
             print(f"| PDL chain (graph): {LOADS[load]} | 4 | 128 x 256 | " + " | ".join(cells) + " |", flush=True)
         for m in args.bisect_m:
             bisect_rows(n, k, m, rs, reps, gs, pct, stream)
+        for m in args.trace_m:
+            trace_rows(n, k, m, rs, reps, stream)
 
 if __name__ == "__main__":
     main()
