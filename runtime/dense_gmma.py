@@ -39,7 +39,11 @@ FAMILY = "dense_linear_sm90"
 # GMMA_PUSH_MAX_TN (DDTREE_GMMA_PUSH_MAX_TN; 0: never). H100, session 29, graph chains: 0.2-0.6 us faster at
 # tiles 32 / 48 (qkv, down, gate_up; o +-0.2), 0.2-0.8 us slower at 64 / 72 (larger partials).
 FAMILY_PUSH = "dense_linear_sm90_push"
-GMMA_PUSH_MAX_TN = int(os.environ.get("DDTREE_GMMA_PUSH_MAX_TN", "48"))
+GMMA_PUSH_MAX_TN = int(os.environ.get("DDTREE_GMMA_PUSH_MAX_TN", "0"))
+# The same kernel prefetching the W of its next L2_PREFETCH_STAGES stages into L2 before its dependency wait
+# (GMMA_L2_PREFETCH in dense_linear_sm90.cu): DDTREE_GMMA_L2_PREFETCH=1. Off until timed on a GPU.
+FAMILY_PF = "dense_linear_sm90_pf"
+GMMA_L2_PREFETCH = os.environ.get("DDTREE_GMMA_L2_PREFETCH", "0") == "1"
 GMMA_ARCHS = FAMILIES[FAMILY].archs
 GMMA_ROWS_PER_WARPGROUP = 64     # W rows per warpgroup (x RW); a block has NWG warpgroups of 128 threads
 GMMA_NWG = 2                     # warpgroups per block the planner uses by default
@@ -500,7 +504,9 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
         tickets = ws.tickets(grid[0] * grid[2])
     else:
         scratch = tickets = out  # unused by the kernel
-    kern = get_kernel(FAMILY_PUSH if cfg[4] > 1 and cfg[0] <= GMMA_PUSH_MAX_TN else FAMILY, entry)
+    family = (FAMILY_PUSH if cfg[4] > 1 and cfg[0] <= GMMA_PUSH_MAX_TN else
+              FAMILY_PF if GMMA_L2_PREFETCH else FAMILY)
+    kern = get_kernel(family, entry)
     kern.set_max_dynamic_smem(smem)
     kern.launch(grid, gmma_threads(cfg[5]),
                 [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),

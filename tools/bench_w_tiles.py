@@ -97,7 +97,8 @@ def trace_rows(n: int, k: int, m: int, rs, reps: int, stream):
     print("| epilogue | link | blocks in before prev | first entry | last entry | wait released (first / last) | "
           "loop (median block) | last loop end | epilogue (median / max block) | last exit after last loop end |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for family, label in (("dense_linear_sm90_trace", "push"), ("dense_linear_sm90_trace_dsmem", "DSMEM"),
+    for family, label in (("dense_linear_sm90_trace", "DSMEM"), ("dense_linear_sm90_trace_push", "push"),
+                          ("dense_linear_sm90_trace_pf", "DSMEM, L2 prefetch"),
                           ("dense_linear_sm90_trace_noepi", "none (bisect)")):
         kern = cuda.get_kernel(family, entry)
         kern.set_max_dynamic_smem(smem)
