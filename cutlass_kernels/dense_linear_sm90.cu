@@ -123,12 +123,14 @@ constexpr int kTraceWords = 8;  // entry, after the prologue, loop end, exit, SM
   do {                \
   } while (0)
 #endif
-// GMMA_PUSH (NVRTC option; family dense_linear_sm90_push): the cluster K split's partial sums go to rank 0 by
-// st.async into its freed stage buffers, counted on an mbarrier; rank 0 adds them in rank order and writes the
-// tile as an unsplit block does. No cluster-wide barrier after the loop: cluster_sync's release compiles to
-// MEMBAR.ALL.GPU + ERRBAR + an L1 invalidate, and the DSMEM epilogue ran it twice per block (session 28: that
-// epilogue was 2.0-2.6 us of a 33-row linear in a PDL chain). Where the CS - 1 partials do not fit the stage
-// buffers, the DSMEM epilogue stays.
+// GMMA_PUSH (NVRTC option; family dense_linear_sm90_push): the cluster K split's other blocks send their partial
+// sums to rank 0 by st.async into a receive region of rank 0's shared memory past its ring and staging, counted on
+// an mbarrier, and leave at once; rank 0 adds them in rank order (the DSMEM epilogue's sum, the same bits) and
+// writes the tile as an unsplit block does. After the loop no block waits for another's signal: rank 0 waits only
+// for the partials' bytes. (Session 28's push landed in rank 0's freed stage buffers, so each peer first waited for
+// rank 0's "ready" and then for its "done": three cross-SM hops after the later loop end, no faster than the
+// DSMEM epilogue's two cluster barriers: H200 trace, qkv at 33 rows, 2.4 us from the last loop end to the last
+// exit either way.) Where the receive region does not fit in 227 KB, the DSMEM epilogue stays.
 #ifndef GMMA_PUSH
 #define GMMA_PUSH 0
 #endif
@@ -164,12 +166,14 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const uint32_t smem_base = smem.addr;
   unsigned char* smem_gen = smem.ptr;
   // GMMA_PUSH: rank q's partial (kAcc floats a thread, float4 v of thread i at (v * kThreads + i) * 16) lands at
-  // rank 0's stage-buffer offset (q - 1) * kPartBytes
+  // rank 0's offset kRecvOff + (q - 1) * kPartBytes, past the ring and the epilogue staging
+  // (runtime/dense_gmma.py gmma_push_smem_bytes mirrors these)
   constexpr int kPartBytes = kThreads * kAcc * 4;
-  constexpr bool kPush = GMMA_PUSH && CS > 1 && RW == 1 && (CS - 1) * kPartBytes <= STAGES * kStageBytes;
-  // single-use, GMMA_PUSH only: [0] ready (rank q: rank 0's stage buffers are free), [1] gather (rank 0: every
-  // partial has landed), [2] done (rank q: rank 0 has read its partial)
-  __shared__ uint64_t push_bar[3];
+  constexpr int kRecvOff = STAGES * kStageBytes > TN * (kRowsW + kStagePad) * 4 ? STAGES * kStageBytes
+                                                                                : TN * (kRowsW + kStagePad) * 4;
+  constexpr bool kPush = GMMA_PUSH && CS > 1 && RW == 1 && 1024 + kRecvOff + (CS - 1) * kPartBytes <= 227 * 1024;
+  // single-use, GMMA_PUSH only: rank 0's gather barrier (its own arrival with the expected bytes + the partials)
+  __shared__ uint64_t push_bar[1];
   const uint32_t push_base = static_cast<uint32_t>(__cvta_generic_to_shared(push_bar));
 
 #if GMMA_TRACE
@@ -190,12 +194,11 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const int n_stages = (k_end - k_begin + kStageK - 1) / kStageK;
 
   if (tid == 0) {
-    if constexpr (kPush)
-      for (int i = 0; i < 3; ++i) mbar_init(push_base + 8 * i, 1);
-    ring.init(kThreads);  // its fence.mbarrier_init covers the three above
+    if constexpr (kPush) mbar_init(push_base, 1);
+    ring.init(kThreads);  // its fence.mbarrier_init covers the one above
   }
   __syncthreads();
-  if constexpr (kPush) ddtree::cluster_arrive_relaxed();  // waited for after the loop, before any remote arrival
+  if constexpr (kPush) ddtree::cluster_arrive_relaxed();  // waited for after the loop, before any st.async
 
   // This thread's W chunks: rows tid/8 + (threads/8) q, 16-byte chunk c = tid % 8 of each 128-byte row of
   // every atom; the swizzle puts chunk c of row r at chunk c ^ (r % 8).
@@ -313,16 +316,12 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     return;
   }
   if constexpr (kPush) {
-    ddtree::cluster_wait();  // every block of the cluster has initialized its barriers
-    __syncthreads();         // and this block's MMAs have all retired: its stage buffers are free
+    ddtree::cluster_wait();  // every block of the cluster has initialized its barrier
     const uint32_t rank = cluster_ctarank();
     if (rank == 0) {
-      if (tid == 0) {
-        ddtree::mbar_arrive_expect_tx(push_base + 8, (CS - 1) * kPartBytes);
-        for (int q = 1; q < CS; ++q) mbar_arrive_cluster(dsmem_map(push_base, q));
-      }
-      mbar_wait_cluster(push_base + 8, 0);
-      const float4* part = reinterpret_cast<const float4*>(smem_gen);
+      if (tid == 0) ddtree::mbar_arrive_expect_tx(push_base, (CS - 1) * kPartBytes);
+      mbar_wait_cluster(push_base, 0);
+      const float4* part = reinterpret_cast<const float4*>(smem_gen + kRecvOff);
       for (int q = 1; q < CS; ++q)  // rank (split) order: the sum the DSMEM epilogue forms
 #pragma unroll
         for (int v = 0; v < kAcc / 4; ++v) {
@@ -332,19 +331,17 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
           acc[0][4 * v + 2] += p.z;
           acc[0][4 * v + 3] += p.w;
         }
-      if (tid == 0)
-        for (int q = 1; q < CS; ++q) mbar_arrive_cluster(dsmem_map(push_base + 16, q));
-      // on to the unsplit epilogue below, whose first block barrier comes before the staging reuses the buffers
+      // on to the unsplit epilogue below (its staging does not overlap the receive region)
     } else {
-      mbar_wait_cluster(push_base, 0);
-      const uint32_t dst = dsmem_map(smem_base, 0) + (rank - 1) * kPartBytes;
-      const uint32_t gather = dsmem_map(push_base + 8, 0);
+      // Nothing reads this block's shared memory, so it may leave with its stores in flight: rank 0 waits for
+      // their bytes on its own barrier.
+      const uint32_t dst = dsmem_map(smem_base, 0) + kRecvOff + (rank - 1) * kPartBytes;
+      const uint32_t gather = dsmem_map(push_base, 0);
 #pragma unroll
       for (int v = 0; v < kAcc / 4; ++v)
         ddtree::st_async_f4(dst + (v * kThreads + tid) * 16,
                             make_float4(acc[0][4 * v], acc[0][4 * v + 1], acc[0][4 * v + 2], acc[0][4 * v + 3]),
                             gather);
-      if (tid == 0) mbar_wait_cluster(push_base + 16, 0);  // the block stays until rank 0 has read the partial
       GMMA_STAMP(3);
       return;
     }

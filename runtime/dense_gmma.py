@@ -97,6 +97,14 @@ def gmma_smem_bytes(tn: int, ka: int, stages: int, rw: int = 1, nwg: int = GMMA_
     return 1024 + max(stages * ka * (8192 * nwg * rw + tn * 128), tn * (64 * nwg + 4) * 4)
 
 
+def gmma_push_smem_bytes(tn: int, ka: int, stages: int, rw: int, cs: int, nwg: int) -> int | None:
+    """Dynamic shared memory of the push family's instance (dense_linear_sm90.cu GMMA_PUSH: rank 0 receives the
+    other ranks' fp32 partials past its ring and staging), or None where it keeps the DSMEM epilogue."""
+    recv_off = gmma_smem_bytes(tn, ka, stages, rw, nwg) - 1024
+    smem = 1024 + recv_off + (cs - 1) * 128 * nwg * (tn // 2) * 4
+    return smem if cs > 1 and rw == 1 and smem <= SMEM_PER_BLOCK_MAX else None
+
+
 def gmma_threads(nwg: int = GMMA_NWG) -> int:
     return 128 * nwg
 
@@ -504,8 +512,9 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
         tickets = ws.tickets(grid[0] * grid[2])
     else:
         scratch = tickets = out  # unused by the kernel
-    family = (FAMILY_PUSH if cfg[4] > 1 and cfg[0] <= GMMA_PUSH_MAX_TN else
-              FAMILY_PF if GMMA_L2_PREFETCH else FAMILY)
+    push_smem = gmma_push_smem_bytes(*cfg) if cfg[0] <= GMMA_PUSH_MAX_TN else None
+    family = FAMILY_PUSH if push_smem else FAMILY_PF if GMMA_L2_PREFETCH else FAMILY
+    smem = push_smem or smem
     kern = get_kernel(family, entry)
     kern.set_max_dynamic_smem(smem)
     kern.launch(grid, gmma_threads(cfg[5]),

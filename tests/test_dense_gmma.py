@@ -493,19 +493,26 @@ def test_push_family_covers_the_cluster_instances():
 
 def test_push_epilogue_layout():
     """GMMA_PUSH's partial layout (dense_linear_sm90.cu, expression for expression) on every cluster instance: rank q
-    writes float4 v of thread i at byte (q - 1) * kPartBytes + (v * kThreads + i) * 16 of rank 0's stage buffers,
-    rank 0 reads float4 ((q - 1) * kAcc / 4 + v) * kThreads + i for the same value. Every byte of the gather region
-    is written once, the region is what the gather barrier expects (within an mbarrier's tx-count range) and lies in
-    the stage buffers; only partials that do not fit keep the DSMEM epilogue."""
+    writes float4 v of thread i at byte kRecvOff + (q - 1) * kPartBytes + (v * kThreads + i) * 16 of rank 0's shared
+    memory, rank 0 reads float4 ((q - 1) * kAcc / 4 + v) * kThreads + i of the region at kRecvOff for the same value.
+    Every byte of the region is written once, it is what the gather barrier expects (within an mbarrier's tx-count
+    range), it lies past the ring and the epilogue staging (rank 0 still streams while the partials land) and within
+    the shared memory dense_gmma launches the push family with; only partials that do not fit keep the DSMEM
+    epilogue."""
     from cutlass_kernels.registry import DENSE_GMMA_INSTANCES
+    from runtime.dense_gmma import SMEM_PER_BLOCK_MAX, gmma_push_smem_bytes
     kept_dsmem = []
     for tn, ka, stages, rw, cs, nwg in (c for c in DENSE_GMMA_INSTANCES if c[4] > 1):
         threads, acc = 128 * nwg, tn // 2
         part_bytes = threads * acc * 4
-        stage_bytes = ka * (8192 * nwg * rw + tn * 128)
-        if not (rw == 1 and (cs - 1) * part_bytes <= stages * stage_bytes):
+        recv_off = max(stages * ka * (8192 * nwg * rw + tn * 128), tn * (64 * nwg + 4) * 4)
+        fits = rw == 1 and 1024 + recv_off + (cs - 1) * part_bytes <= 227 * 1024
+        smem = gmma_push_smem_bytes(tn, ka, stages, rw, cs, nwg)
+        assert (smem is not None) == fits
+        if not fits:
             kept_dsmem.append((tn, ka, stages, rw, cs, nwg))
             continue
+        assert smem == 1024 + recv_off + (cs - 1) * part_bytes <= SMEM_PER_BLOCK_MAX
         assert acc % 4 == 0
         written = np.zeros((cs - 1) * part_bytes // 16, np.int32)
         for q in range(1, cs):
@@ -517,7 +524,9 @@ def test_push_epilogue_layout():
                 np.add.at(written, write // 16, 1)
         assert (written == 1).all(), (tn, cs, nwg)
         assert written.size * 16 == (cs - 1) * part_bytes < 1 << 20  # the expect_tx bytes, an mbarrier tx-count
-    assert kept_dsmem == [(256, 1, 4, 1, 4, 2)], kept_dsmem
+    assert kept_dsmem == [(72, 2, 4, 1, 2, 2), (128, 1, 6, 1, 2, 2), (136, 1, 6, 1, 2, 2), (192, 1, 4, 1, 2, 2),
+                          (256, 1, 4, 1, 2, 2), (64, 2, 4, 1, 3, 2), (72, 2, 4, 1, 3, 2), (64, 2, 4, 1, 4, 2),
+                          (72, 2, 4, 1, 4, 2), (128, 1, 6, 1, 4, 2), (256, 1, 4, 1, 4, 2), (72, 1, 6, 1, 2, 3)], kept_dsmem
 
 
 def test_plan_covers_every_shape():

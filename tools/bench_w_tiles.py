@@ -41,6 +41,12 @@ def block_counts(tiles: int, sm_count: int) -> list[int]:
     return gs + ([sm_count] if sm_count not in gs else [])
 
 
+def family_smem(family: str, entry: str, smem: int) -> int:
+    """The dynamic shared memory an instance of `family` takes: the plan's, or the push families' larger one."""
+    from runtime import dense_gmma as dg
+    return (dg.gmma_push_smem_bytes(*dg.gmma_config(entry)) or smem) if "push" in family else smem
+
+
 def bisect_rows(n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, stream):
     """linear_gmma_kernel at M = m as the runtime plans it, in the same PDL chain: whole, then without its MMAs, its
     epilogue, or both (families dense_linear_sm90_bisect1..3), and with the push epilogue (dense_linear_sm90_push),
@@ -64,11 +70,12 @@ def bisect_rows(n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, strea
         except KeyError:
             print(f"| PDL chain (graph): {entry} M = {m}, {label} | n/a: no such entry in {family} |")
             continue
-        kern.set_max_dynamic_smem(smem)
+        fsmem = family_smem(family, entry, smem)
+        kern.set_max_dynamic_smem(fsmem)
         null = np.uint64(0)
         us = graph_time_us(lambda i, st: kern.launch(grid, dg.gmma_threads(dg.gmma_config(entry)[5]), [
             x, np.int32(k), rs[i % len(rs)], out, np.int32(n), null, np.int32(0), out, out, np.int32(m), np.int32(n),
-            np.int32(k), np.int32(k_per_split)], smem=smem, stream=st), reps=reps, stream=stream)
+            np.int32(k), np.int32(k_per_split)], smem=fsmem, stream=st), reps=reps, stream=stream)
         cells = [f"{us:.2f} ({pct(n * k * 2, us):.1f}%)" if g == blocks else "" for g in gs]
         if blocks not in gs:
             cells[-1] = f"G = {blocks}: {us:.2f} ({pct(n * k * 2, us):.1f}%)"
@@ -101,11 +108,12 @@ def trace_rows(n: int, k: int, m: int, rs, reps: int, stream):
                           ("dense_linear_sm90_trace_pf", "DSMEM, L2 prefetch"),
                           ("dense_linear_sm90_trace_noepi", "none (bisect)")):
         kern = cuda.get_kernel(family, entry)
-        kern.set_max_dynamic_smem(smem)
+        fsmem = family_smem(family, entry, smem)
+        kern.set_max_dynamic_smem(fsmem)
         null = np.uint64(0)
         graph_time_us(lambda i, st: kern.launch(grid, dg.gmma_threads(dg.gmma_config(entry)[5]), [
             x, np.int32(k), rs[i % len(rs)], out, np.int32(n), null, np.int32(0), trace.view(i * words, (words,)),
-            out, np.int32(m), np.int32(n), np.int32(k), np.int32(k_per_split)], smem=smem, stream=st),
+            out, np.int32(m), np.int32(n), np.int32(k), np.int32(k_per_split)], smem=fsmem, stream=st),
             reps=reps, stream=stream, iters=3)
         stream.synchronize()
         t = trace.download().reshape(reps, blocks, TRACE_WORDS)[:, :, :4].astype(np.int64)
