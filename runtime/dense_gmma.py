@@ -34,12 +34,13 @@ from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, FAMILIES, NARROW_GMM
                                       narrow_stage_bytes)
 
 FAMILY = "dense_linear_sm90"
-# The cluster K splits (CS > 1) with their partial sums sent to rank 0 by st.async (GMMA_PUSH in
-# dense_linear_sm90.cu) instead of the DSMEM epilogue between two cluster barriers: at token tiles up to
-# GMMA_PUSH_MAX_TN (DDTREE_GMMA_PUSH_MAX_TN; 0: never). H100, session 29, graph chains: 0.2-0.6 us faster at
-# tiles 32 / 48 (qkv, down, gate_up; o +-0.2), 0.2-0.8 us slower at 64 / 72 (larger partials).
+# The cluster K splits (CS > 1) with the other ranks' partial sums pushed into rank 0 by st.async (GMMA_PUSH in
+# dense_linear_sm90.cu; family FAMILY_PUSH, where the receive region fits: gmma_push_smem_bytes) instead of the
+# DSMEM epilogue between two cluster barriers, at token tiles up to GMMA_PUSH_MAX_TN (DDTREE_GMMA_PUSH_MAX_TN;
+# 0: never). H100, session 29, graph chain per op: qkv 17 / 33 rows 20.72 -> 19.89 / 21.33 -> 20.84 us, o 17 / 33
+# / 65 14.78 -> 13.74 / 14.40 -> 13.85 / 15.08 -> 14.88, down 37.23 -> 36.53 / 37.08 -> 36.35 / 39.07 -> 38.77.
 FAMILY_PUSH = "dense_linear_sm90_push"
-GMMA_PUSH_MAX_TN = int(os.environ.get("DDTREE_GMMA_PUSH_MAX_TN", "0"))
+GMMA_PUSH_MAX_TN = int(os.environ.get("DDTREE_GMMA_PUSH_MAX_TN", "256"))
 # The same kernel prefetching the W of its next L2_PREFETCH_STAGES stages into L2 before its dependency wait
 # (GMMA_L2_PREFETCH in dense_linear_sm90.cu): DDTREE_GMMA_L2_PREFETCH=1. Off until timed on a GPU.
 FAMILY_PF = "dense_linear_sm90_pf"
