@@ -100,14 +100,6 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
 #ifndef GMMA_TRACE
 #define GMMA_TRACE 0
 #endif
-// GMMA_L2_PREFETCH (NVRTC option, registry.py; 0: off): before its dependency wait each block also prefetches
-// into L2 the W of this many stages after the ones its ring loads there, one bulk prefetch per W row. A block
-// of the next launch in a PDL chain is resident long before the previous launch ends (H200 trace, qkv at 33
-// rows: 82-96 of 96 blocks), but its ring holds only STAGES - 1 stages, landed long ago; then HBM idles through
-// the previous launch's epilogue (~2 us) and the dependency release (~1 us). The prefetch gives it work there.
-#ifndef GMMA_L2_PREFETCH
-#define GMMA_L2_PREFETCH 0
-#endif
 #if GMMA_TRACE
 constexpr int kTraceWords = 8;  // entry, after the prologue, loop end, exit, SM id, 3 unused
 #define GMMA_STAMP(i)                                                                                   \
@@ -245,16 +237,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
 
   // Prologue: W of the first STAGES-1 stages before the dependency wait (weights are immutable), then x.
   constexpr int kPre = STAGES - 1;
-  auto prefetch_l2 = [&] {
-    if constexpr (GMMA_L2_PREFETCH > 0) {
-      const int k0 = k_begin + kPre * kStageK;
-      const int k1 = min(k_end, k0 + GMMA_L2_PREFETCH * kStageK);
-      const int n = n0 + tid;  // kRows <= kThreads: one row a thread
-      if (tid < kRows && n < N && k1 > k0)  // K % 8 == 0 and k0 % 8 == 0: 16-byte aligned, whole 16-byte units
-        ddtree::prefetch_l2_bulk(w + (size_t)n * K + k0, static_cast<uint32_t>(k1 - k0) * 2u);
-    }
-  };
-  ring.prologue(n_stages, GMMA_EARLY_TRIGGER, load_w, load_x, prefetch_l2);
+  ring.prologue(n_stages, GMMA_EARLY_TRIGGER, load_w, load_x);
   GMMA_STAMP(1);
 
   float acc[RW][kAcc];

@@ -151,11 +151,6 @@ __device__ __forceinline__ void bulk_copy(cuda::std::uint32_t dst, const void* s
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// Prefetch `bytes` (a multiple of 16, 16-byte aligned) from global memory into L2, no completion to wait for.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* src, cuda::std::uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-
 // The full / empty mbarrier pair of each of STAGES pipeline stages (full[s]: the stage's copies have landed;
 // empty[s]: every reader is done with it), declared __shared__ by the kernel.
 template <int STAGES>
@@ -176,20 +171,13 @@ struct StageBarriers {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // The PDL prologue of a weight-streaming ring (every thread): load_w(s) of the first STAGES - 1 stages before
-  // the dependency wait (weights are immutable), then before_wait() (e.g. an L2 prefetch of the stages after
-  // them), the next kernel let in right after the wait when `early`, then load_x(s) of those stages, each closed
-  // by the thread's cp.async arrival on full(s).
+  // the dependency wait (weights are immutable), the next kernel let in right after it when `early`, then
+  // load_x(s) of those stages, each closed by the thread's cp.async arrival on full(s).
   template <class LoadW, class LoadX>
   __device__ __forceinline__ void prologue(int n_stages, bool early, LoadW&& load_w, LoadX&& load_x) const {
-    prologue(n_stages, early, load_w, load_x, [] {});
-  }
-  template <class LoadW, class LoadX, class BeforeWait>
-  __device__ __forceinline__ void prologue(int n_stages, bool early, LoadW&& load_w, LoadX&& load_x,
-                                           BeforeWait&& before_wait) const {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
       if (s < n_stages) load_w(s);
-    before_wait();
     grid_dependency_wait();
     if (early) launch_dependents();
 #pragma unroll

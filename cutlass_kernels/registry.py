@@ -218,19 +218,6 @@ register(KernelFamily(
     required_sass={"90a": r"HGMMA"},
     required_ptx={"90a": r"wgmma\.mma_async"},
 ))
-# linear_gmma_kernel with GMMA_L2_PREFETCH (W of the stages after the ring's first ones prefetched into L2 before
-# the dependency wait); runtime/dense_gmma.py takes it where GMMA_L2_PREFETCH is on.
-L2_PREFETCH_STAGES = 6  # ~ what HBM moves per block in the ~3 us a chained launch waits (H200, 96 blocks)
-register(KernelFamily(
-    name="dense_linear_sm90_pf",
-    source="dense_linear_sm90.cu",
-    entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES),
-    archs=("90a",),
-    options=(*_GMMA_OPTIONS, f"-DGMMA_L2_PREFETCH={L2_PREFETCH_STAGES}"),
-    pdl=True,
-    required_sass={"90a": r"HGMMA"},
-    required_ptx={"90a": r"cp\.async\.bulk\.prefetch\.L2"},
-))
 # linear_gmma_kernel bisected (GMMA_BISECT: 1 no MMAs, 2 no epilogue, 3 neither) at the plans of Qwen3-8B's qkv, o,
 # down and gate_up at 17 / 33 / 64 / 65 rows (132 SMs), for tools/bench_w_tiles.py: where the kernel's time goes
 # beside its loads alone. Wrong outputs by design; nothing in the runtime launches them.
@@ -247,12 +234,11 @@ for _bisect in (1, 2, 3):
         pdl=True,
     ))
 # linear_gmma_kernel with GMMA_TRACE (per-block %globaltimer stamps into its ws argument) at the plans of Qwen3-8B's
-# qkv, o and down at 33 rows: as the runtime runs it, with the push epilogue, with the L2 prefetch, and without an
-# epilogue (GMMA_BISECT 2), for tools/bench_w_tiles.py --trace-m. Nothing in the runtime launches them.
+# qkv, o and down at 33 rows: with the DSMEM epilogue, with the push epilogue, and without an epilogue
+# (GMMA_BISECT 2), for tools/bench_w_tiles.py --trace-m. Nothing in the runtime launches them.
 TRACE_CONFIGS = ((48, 2, 4, 1, 2, 2), (48, 2, 7, 1, 2, 1))
 TRACE_WORDS = 8  # u64 per block: dense_linear_sm90.cu's kTraceWords
 TRACE_FAMILIES = {"dense_linear_sm90_trace": (), "dense_linear_sm90_trace_push": ("-DGMMA_PUSH=1",),
-                  "dense_linear_sm90_trace_pf": (f"-DGMMA_L2_PREFETCH={L2_PREFETCH_STAGES}",),
                   "dense_linear_sm90_trace_noepi": ("-DGMMA_BISECT=2",)}
 for _name, _extra in TRACE_FAMILIES.items():
     register(KernelFamily(

@@ -41,10 +41,6 @@ FAMILY = "dense_linear_sm90"
 # / 65 14.78 -> 13.74 / 14.40 -> 13.85 / 15.08 -> 14.88, down 37.23 -> 36.53 / 37.08 -> 36.35 / 39.07 -> 38.77.
 FAMILY_PUSH = "dense_linear_sm90_push"
 GMMA_PUSH_MAX_TN = int(os.environ.get("DDTREE_GMMA_PUSH_MAX_TN", "256"))
-# The same kernel prefetching the W of its next L2_PREFETCH_STAGES stages into L2 before its dependency wait
-# (GMMA_L2_PREFETCH in dense_linear_sm90.cu): DDTREE_GMMA_L2_PREFETCH=1. Off until timed on a GPU.
-FAMILY_PF = "dense_linear_sm90_pf"
-GMMA_L2_PREFETCH = os.environ.get("DDTREE_GMMA_L2_PREFETCH", "0") == "1"
 GMMA_ARCHS = FAMILIES[FAMILY].archs
 GMMA_ROWS_PER_WARPGROUP = 64     # W rows per warpgroup (x RW); a block has NWG warpgroups of 128 threads
 GMMA_NWG = 2                     # warpgroups per block the planner uses by default
@@ -514,7 +510,7 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
     else:
         scratch = tickets = out  # unused by the kernel
     push_smem = gmma_push_smem_bytes(*cfg) if cfg[0] <= GMMA_PUSH_MAX_TN else None
-    family = FAMILY_PUSH if push_smem else FAMILY_PF if GMMA_L2_PREFETCH else FAMILY
+    family = FAMILY_PUSH if push_smem else FAMILY
     smem = push_smem or smem
     kern = get_kernel(family, entry)
     kern.set_max_dynamic_smem(smem)

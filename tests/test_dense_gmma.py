@@ -145,34 +145,12 @@ def test_linear_gmma_push_every_cluster_instance(dg, ref, cfg, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_linear_gmma_l2_prefetch_same_bits(dg, ref, monkeypatch):
-    """The family with the L2 prefetch before the dependency wait (GMMA_L2_PREFETCH): every instance against the
-    reference and bit-equal to the plain family (the prefetch moves no data the kernel reads)."""
-    for cfg in _instances():
-        tn, rw, cs, nwg = cfg[0], cfg[3], cfg[4], cfg[5]
-        M = max(9, tn - 7)
-        N, K = 333 + 64 * nwg * rw, 1000 + 512 * cs   # K past the ring and the prefetch at the small splits
-        rng, x, w = _data(M, N, K, sum(cfg) * 53 + cs)
-        xd, wd = dev_bf16(x), dev_bf16(w)
-        kw = dict(zip(("tn", "ka", "stages", "rw", "cs", "nwg"), cfg), **({"splits": 1} if cs == 1 else {}))
-        got = {}
-        for pf in (False, True):
-            monkeypatch.setattr(dg, "GMMA_L2_PREFETCH", pf)
-            out = poisoned((M, N))
-            dg.linear_gmma(xd, wd, out, None, **kw)
-            got[pf] = out.download()
-        assert_close(got[True], ref.linear(x, w), f"l2 prefetch {cfg} M={M} N={N} K={K}", dtype="bf16", atol=ATOL)
-        assert np.array_equal(got[True], got[False]), f"l2 prefetch {cfg}: other bits than without it"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["dsmem", "push", "pf"])
+@pytest.mark.parametrize("variant", ["dsmem", "push"])
 def test_linear_gmma_chain_read_after_write(dg, ref, variant, monkeypatch):
     """Back-to-back launches on one stream without a sync (launched with PDL): the second reads what the
     first writes (y), and writes the buffer the first reads (x): both need the dependency wait."""
     from runtime.cuda import Stream
     monkeypatch.setattr(dg, "GMMA_PUSH_MAX_TN", 256 if variant == "push" else 0)
-    monkeypatch.setattr(dg, "GMMA_L2_PREFETCH", variant == "pf")
     rng = np.random.default_rng(11)
     M, N, K = 65, 1536, 2048
     stream = Stream()
@@ -195,12 +173,11 @@ def test_linear_gmma_chain_read_after_write(dg, ref, variant, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["dsmem", "push", "pf"])
+@pytest.mark.parametrize("variant", ["dsmem", "push"])
 def test_linear_gmma_graph_replay(dg, ref, variant, monkeypatch):
     """Captured once, replayed with new inputs: the split-K tickets reset, so every replay is right."""
     from runtime.cuda import Stream
     monkeypatch.setattr(dg, "GMMA_PUSH_MAX_TN", 256 if variant == "push" else 0)
-    monkeypatch.setattr(dg, "GMMA_L2_PREFETCH", variant == "pf")
     rng = np.random.default_rng(17)
     M, N, K = 72, 1000, 2048
     xd, wd, yd, rd = poisoned((M, K)), poisoned((N, K)), poisoned((M, N)), poisoned((M, N))

@@ -23,7 +23,6 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
                 blocks with the 4-stage ring of before session 28
   push0/1       GMMA linear: cluster K splits with the DSMEM epilogue / partials pushed to rank 0 at every token tile
                 (DDTREE_GMMA_PUSH_MAX_TN: the tiles that push by default)
-  pf0/1         GMMA linear without / with the L2 prefetch of W before the dependency wait (DDTREE_GMMA_L2_PREFETCH)
   gmmadec0      decode-size linears (1..8 rows) on the gemv / x-resident kernels for every weight (as
                 DDTREE_GMMA_DECODE=0); gmma1: every unfused linear of any size on GMMA
   fuse0         no rmsnorm / swiglu fused into a linear (as DDTREE_FUSED_PROLOGUE_ROWS=0)
@@ -82,8 +81,6 @@ def configure(spec: str, defaults: dict) -> None:
             dense_gmma.GMMA_ONE_WG = False
         elif term in ("push0", "push1"):
             dense_gmma.GMMA_PUSH_MAX_TN = 256 if term == "push1" else 0
-        elif term in ("pf0", "pf1"):
-            dense_gmma.GMMA_L2_PREFETCH = term == "pf1"
         elif term == "1wgs4":
             dense_gmma.GMMA_ONE_WG_CONFIG = {tn: (ka, 4, rw) for tn, (ka, _, rw) in
                                              dense_gmma.GMMA_ONE_WG_CONFIG.items()}
@@ -106,7 +103,7 @@ def configure(spec: str, defaults: dict) -> None:
                 dk.FUSED_PROLOGUE_ROWS[prologue] = int(term[-2:])
         else:
             raise SystemExit(f"bench_ar: configuration term {term!r}: tree, decode, decode:KTxS, kw8, kw4, kw2, "
-                             "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, 1wgs4, push0/1, pf0/1, gmmadec0, gmma1, "
+                             "persist0, persist1, gemv0, gmma0, agmma0, 3wg0, 1wg0, 1wgs4, push0/1, gmmadec0, gmma1, "
                              "fuse0, narrow0/1, nfuse0/1, nmc0/1, drowsN, fuse16/32, norm16/32 or swiglu16/32")
 
 
@@ -115,9 +112,9 @@ FUSE_TERMS = {"fuse": ("rmsnorm", "swiglu"), "norm": ("rmsnorm",), "swiglu": ("s
 KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV", "GMMA_ENABLED",
          "FUSED_PROLOGUE_ROWS", "ATTN_GMMA", "DECODE_MAX_ROWS", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG",
          "GMMA_DECODE", "GMMA_MIN_M", "GMMA_NARROW", "NARROW_FUSE", "NARROW_MC", "GMMA_ONE_WG_CONFIG",
-         "GMMA_PUSH_MAX_TN", "GMMA_L2_PREFETCH")
+         "GMMA_PUSH_MAX_TN")
 GMMA_KNOBS = ("GMMA_ENABLED", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG", "GMMA_DECODE", "GMMA_MIN_M", "GMMA_NARROW",
-              "NARROW_FUSE", "NARROW_MC", "GMMA_ONE_WG_CONFIG", "GMMA_PUSH_MAX_TN", "GMMA_L2_PREFETCH")   # held by runtime.dense_gmma
+              "NARROW_FUSE", "NARROW_MC", "GMMA_ONE_WG_CONFIG", "GMMA_PUSH_MAX_TN")   # held by runtime.dense_gmma
 
 
 def knob_owner(name: str):

@@ -105,7 +105,6 @@ def trace_rows(n: int, k: int, m: int, rs, reps: int, stream):
           "loop (median block) | last loop end | epilogue (median / max block) | last exit after last loop end |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for family, label in (("dense_linear_sm90_trace", "DSMEM"), ("dense_linear_sm90_trace_push", "push"),
-                          ("dense_linear_sm90_trace_pf", "DSMEM, L2 prefetch"),
                           ("dense_linear_sm90_trace_noepi", "none (bisect)")):
         kern = cuda.get_kernel(family, entry)
         fsmem = family_smem(family, entry, smem)
