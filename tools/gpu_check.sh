@@ -92,14 +92,14 @@ step bench_verify python3 -m tools.bench_verify --per-op 64
 # The GMMA linear's plan rules in the verify graph (each picked from per-op timings): a 12-layer Qwen3-8B shape at
 # prefix 1024, verify b32..b512, the default plan against two-warpgroup blocks at the token tiles 136 / 192, against
 # no one-warpgroup pairs, against their 4-stage rings and with the push epilogue, same weights, one run
-step bench_ar_gmma python3 -m tools.bench_ar --random qwen3-8b --layers 12 --prompts 1024 --new-tokens 8 --verify-budgets 32,64,128,256,512 --configs decode,decode+3wg0,decode+1wg0,decode+1wgs4,decode+push1,decode+gmmadec0
+step bench_ar_gmma python3 -m tools.bench_ar --random qwen3-8b --layers 12 --prompts 1024 --new-tokens 8 --verify-budgets 32,64,128,256,512 --configs decode,decode+3wg0,decode+1wg0,decode+1wgs4,decode+push0,decode+narrow0,decode+gmmadec0
 # The narrow-row GMMA linear (off by default until this runs): per op at the Qwen3-8B shapes against the planned
 # kernels, the streaming read by SM count (does an idle SM cost its share?), then in the 12-layer step (AR, b16, b32,
 # b64), with rmsnorm / SwiGLU fused into it and as their own launches
 step bench_narrow python3 tools/bench_dense.py --linear-only --gmma --read-by-sms --m 1 17 33 64 65 --ops Qwen3-8B:qkv Qwen3-8B:o Qwen3-8B:gate_up Qwen3-8B:down
 # The GMMA linear's weight loads alone (cp.async / bulk copies, by grid size; single launches and PDL chains): the
 # ceiling its load pattern sets, per op
-step bench_w_tiles python3 -m tools.bench_w_tiles --ops qkv o down gate_up --bisect-m 17 33 64 65
+step bench_w_tiles python3 -m tools.bench_w_tiles --ops qkv o down gate_up --bisect-m 17 33 64 65 --trace-m 33
 # rmsnorm (+ residual add) / SwiGLU fused into the narrow kernel against separate launches, per op
 step bench_fused python3 tools/bench_dense.py --linear-only --fused --m 1 17 33 65 --ops Qwen3-8B:qkv Qwen3-8B:gate_up Qwen3-8B:down
 step bench_ar_narrow python3 -m tools.bench_ar --random qwen3-8b --layers 12 --prompts 1024 --new-tokens 8 --verify-budgets 16,32,64 --configs decode,decode+narrow1+nfuse0+nmc0,decode+narrow1+nfuse0,decode+narrow1
