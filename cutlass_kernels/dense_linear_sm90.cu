@@ -95,13 +95,16 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
 #endif
 // GMMA_TRACE (NVRTC option; only the families dense_linear_sm90_trace* set it, tools/bench_w_tiles.py --trace-m):
 // thread 0 of each block writes %globaltimer at entry, after the PDL prologue (the dependency wait), at the end of
-// the K loop and at exit, and its SM, into `ws` as kTraceWords u64 per block (block id x-fastest): where a chain of
-// launches spends the time between one kernel's last load and the next one's first. The runtime never sets it.
+// the K loop, in the epilogue (the partials in hand: the push's bytes landed or the DSMEM's first cluster barrier
+// passed; then the stores issued) and at exit, with its SM and cluster rank, into `ws` as kTraceWords u64 per block
+// (block id x-fastest): where a chain of launches spends the time between one kernel's last load and the next
+// one's first. The runtime never sets it.
 #ifndef GMMA_TRACE
 #define GMMA_TRACE 0
 #endif
 #if GMMA_TRACE
-constexpr int kTraceWords = 8;  // entry, after the prologue, loop end, exit, SM id, 3 unused
+constexpr int kTraceWords = 8;  // entry, after the prologue, loop end, exit, SM id, partials in hand, stores issued,
+                                // cluster rank (words 5 / 6 stay 0 where the path has no such point)
 #define GMMA_STAMP(i)                                                                                   \
   do {                                                                                                  \
     if (threadIdx.x == 0) {                                                                             \
@@ -175,6 +178,9 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     unsigned sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     reinterpret_cast<unsigned long long*>(ws)[trace_block * kTraceWords + 4] = sm;
+    reinterpret_cast<unsigned long long*>(ws)[trace_block * kTraceWords + 5] = 0;
+    reinterpret_cast<unsigned long long*>(ws)[trace_block * kTraceWords + 6] = 0;
+    reinterpret_cast<unsigned long long*>(ws)[trace_block * kTraceWords + 7] = cluster_ctarank();
   }
 #endif
   const int tid = threadIdx.x;
@@ -304,6 +310,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     if (rank == 0) {
       if (tid == 0) ddtree::mbar_arrive_expect_tx(push_base, (CS - 1) * kPartBytes);
       mbar_wait_cluster(push_base, 0);
+      GMMA_STAMP(5);
       const float4* part = reinterpret_cast<const float4*>(smem_gen + kRecvOff);
       for (int q = 1; q < CS; ++q)  // rank (split) order: the sum the DSMEM epilogue forms
 #pragma unroll
@@ -354,6 +361,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       // Four consecutive columns per thread per item; a batch of kBatch items' CS remote loads is issued
       // before any sum, so the DSMEM latencies overlap.
       cluster_sync();
+      GMMA_STAMP(5);
       const uint32_t rank = cluster_ctarank();
       const uint32_t stg_s = static_cast<uint32_t>(__cvta_generic_to_shared(stg));
       uint32_t peer[CS];
@@ -398,6 +406,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
             }
         }
       }
+      GMMA_STAMP(6);
       cluster_sync();  // no block reuses or releases its stg while another may still read it
       continue;
     }
@@ -415,6 +424,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
         }
       }
     }
+    GMMA_STAMP(6);
   }
   GMMA_STAMP(3);
   if (CS > 1 || single) return;

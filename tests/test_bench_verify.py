@@ -178,3 +178,11 @@ def test_gpu_sanitize_selections_exist():
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *nodes],
                        cwd=root, capture_output=True, text=True)
     assert r.returncode == 0 and "tests collected" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_bench_w_tiles_epilogue_segments():
+    """bench_w_tiles --trace-m: the last block's epilogue split at the stamps its path writes (0: not stamped)."""
+    from tools.bench_w_tiles import epilogue_segments
+    got = epilogue_segments([(0, 1000, 1500, 2200, 2600), (1, 1000, 0, 0, 1300), (0, 1000, 0, 1800, 2000)])
+    assert got == ("loop end -> partials in hand 0.50, -> stores issued 0.75, -> exit 0.30 "
+                   "(rank 0 in 2 of 3 links)"), got
