@@ -17,7 +17,8 @@ SMs was built and measured slower at every shape (docs/PERF.md, sessions 27-28),
 
 The narrow-row kernel (narrow_plan, launch_narrow; cutlass_kernels/dense_linear_narrow_sm90.cu) is the other
 orientation for up to 80 rows: W on wgmma's N side in blocks of any multiple of 16 rows, so that one wave of unsplit
-blocks covers every SM, with rmsnorm / SwiGLU fused into its x tile. Off until timed (DDTREE_GMMA_NARROW=1).
+blocks covers every SM, with rmsnorm / SwiGLU fused into its x tile. On by default where linear_gmma_kernel's plan
+leaves SMs idle (DDTREE_GMMA_NARROW=0: off); its fused prologues are off (DDTREE_NARROW_FUSE=1: on).
 """
 from __future__ import annotations
 
@@ -322,7 +323,8 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
 # (NARROW_GMMA_IDLE). H100, 2026-12-05 (25), per op (graph of rotating weights): qkv M = 1 17.8 vs 19.8 us, M = 17
 # 20.2 vs 20.6; o 12.7 vs 14.0, 13.6 vs 14.7; down 35.0 vs 36.1, 36.2 vs 37.3; the 12-layer Qwen3-8B step (bench_ar):
 # AR 2306 vs 2320 us, verify b16 / b32 / b64 2435 / 2541 / 2712 vs 2422 / 2536 / 2713 (equal within noise).
-# DDTREE_GMMA_NARROW=0: off.
+# But on the H200 (session 29, per op at M = 1) linear_gmma_kernel was the faster: qkv 14.57 vs 16.16 us, o 10.34
+# vs 11.82, down 25.89 vs 28.47; the H200 step A/B is still to run. DDTREE_GMMA_NARROW=0: off.
 GMMA_NARROW = os.environ.get("DDTREE_GMMA_NARROW", "1") != "0"
 NARROW_FILL = 0.9
 # Every narrow block reads all of x (and x2 with a prologue) for only NW rows of W: from L2, every block the same
