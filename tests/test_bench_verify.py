@@ -186,3 +186,20 @@ def test_bench_w_tiles_epilogue_segments():
     got = epilogue_segments([(0, 1000, 1500, 2200, 2600), (1, 1000, 0, 0, 1300), (0, 1000, 0, 1800, 2000)])
     assert got == ("loop end -> partials in hand 0.50, -> stores issued 0.75, -> exit 0.30 "
                    "(rank 0 in 2 of 3 links)"), got
+
+
+def test_bench_w_tiles_link_stats():
+    """bench_w_tiles --trace-m: a synthetic chain of 4 links x 2 blocks, each link 10 us after the previous one's last
+    exit, its blocks entering 5 us before it; the medians and the last block out come out as built."""
+    import numpy as np
+    from tools.bench_w_tiles import link_stats
+    st = np.zeros((4, 2, 8), np.uint64)
+    for j in range(4):
+        prev = 100_000 + 10_000 * j
+        for b in range(2):
+            st[j, b, :4] = (prev - 5000, prev + 1000, prev + 8000 + 500 * b, prev + 9000 + 1000 * b)
+            st[j, b, 7] = b
+        st[j, 1, 6] = prev + 9500
+    r, last = link_stats(st)
+    np.testing.assert_allclose(r, [10.0, 2, -5.0, -5.0, 1.0, 1.0, 7.25, 8.5, 1.25, 1.5, 1.5])
+    assert last == [(1, 128500, 0, 129500, 130000), (1, 138500, 0, 139500, 140000)], last

@@ -97,6 +97,25 @@ def epilogue_segments(last) -> str:
     return ", ".join(parts) + f" (rank 0 in {ranks.count(0)} of {len(ranks)} links)"
 
 
+def link_stats(stamps: np.ndarray):
+    """From GMMA_TRACE's stamps [links, blocks, TRACE_WORDS] (ns): per link after the first two, relative to the
+    previous link's last exit (us): link time, blocks entered before it, first / last entry, first / last wait
+    release, median loop, last loop end, median / max epilogue, last exit after the last loop end; their medians
+    over the links, and per link the last block out's (cluster rank, loop end, stamps 5 and 6, exit)."""
+    t = stamps[:, :, :4].astype(np.int64)
+    rows, last = [], []
+    for j in range(2, len(t)):
+        prev = t[j - 1, :, 3].max()
+        tj = (t[j] - prev) / 1e3
+        rows.append([(t[j, :, 3].max() - prev) / 1e3, (t[j, :, 0] < prev).sum(), tj[:, 0].min(), tj[:, 0].max(),
+                     tj[:, 1].min(), tj[:, 1].max(), np.median(tj[:, 2] - tj[:, 1]), tj[:, 2].max(),
+                     np.median(tj[:, 3] - tj[:, 2]), (tj[:, 3] - tj[:, 2]).max(), tj[:, 3].max() - tj[:, 2].max()])
+        b = int(np.argmax(t[j, :, 3]))  # the link's last block out: its epilogue, segment by segment
+        last.append((int(stamps[j, b, 7]), int(t[j, b, 2]), int(stamps[j, b, 5]), int(stamps[j, b, 6]),
+                     int(t[j, b, 3])))
+    return np.median(np.array(rows, dtype=np.float64), axis=0), last
+
+
 def trace_rows(n: int, k: int, m: int, rs, reps: int, stream):
     """linear_gmma_kernel at M = m (its plan) with per-block %globaltimer stamps (families TRACE_FAMILIES), in a PDL
     chain of `reps` launches in a graph, each link the next W region: where each link's time goes, relative to the
@@ -129,23 +148,12 @@ def trace_rows(n: int, k: int, m: int, rs, reps: int, stream):
             out, np.int32(m), np.int32(n), np.int32(k), np.int32(k_per_split)], smem=fsmem, stream=st),
             reps=reps, stream=stream, iters=3)
         stream.synchronize()
-        words = trace.download().reshape(reps, blocks, TRACE_WORDS)
-        t = words[:, :, :4].astype(np.int64)
-        rows, last = [], []
-        for j in range(2, reps):
-            prev = t[j - 1, :, 3].max()
-            tj = (t[j] - prev) / 1e3
-            rows.append([(t[j, :, 3].max() - prev) / 1e3, (t[j, :, 0] < prev).sum(), tj[:, 0].min(), tj[:, 0].max(),
-                         tj[:, 1].min(), tj[:, 1].max(), np.median(tj[:, 2] - tj[:, 1]), tj[:, 2].max(),
-                         np.median(tj[:, 3] - tj[:, 2]), (tj[:, 3] - tj[:, 2]).max(), tj[:, 3].max() - tj[:, 2].max()])
-            b = int(np.argmax(t[j, :, 3]))  # the link's last block out: its epilogue, segment by segment
-            s5, s6 = (int(v) for v in words[j, b, 5:7])
-            last.append((int(words[j, b, 7]), t[j, b, 2], s5, s6, t[j, b, 3]))
-        r = np.median(np.array(rows, dtype=np.float64), axis=0)
+        stamps = trace.download().reshape(reps, blocks, TRACE_WORDS)
+        r, last = link_stats(stamps)
         print(f"| {label} | {r[0]:.2f} | {r[1]:.0f} of {blocks} | {r[2]:.2f} | {r[3]:.2f} | {r[4]:.2f} / {r[5]:.2f} | "
               f"{r[6]:.2f} | {r[7]:.2f} | {r[8]:.2f} / {r[9]:.2f} | {r[10]:.2f} |", flush=True)
         print(f"|   last block out: {epilogue_segments(last)} |")
-    steps = np.diff(np.unique(t[:, :, :4]))
+    steps = np.diff(np.unique(stamps[:, :, :4].astype(np.int64)))
     print(f"(%globaltimer step seen: {steps[steps > 0].min() if (steps > 0).any() else 0} ns)")
 
 
