@@ -175,21 +175,25 @@ def test_linear_gmma_chain_read_after_write(dg, ref, variant, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["dsmem", "push"])
 def test_linear_gmma_graph_replay(dg, ref, variant, monkeypatch):
-    """Captured once, replayed with new inputs: the split-K tickets reset, so every replay is right."""
+    """Captured once, replayed with new inputs: the split-K tickets reset, so every replay is right. The cluster
+    splits: one of 4 (its partials do not fit a receive region: the DSMEM epilogue either way) and one-warpgroup
+    pairs (pushed to rank 0 in the push variant)."""
     from runtime.cuda import Stream
     monkeypatch.setattr(dg, "GMMA_PUSH_MAX_TN", 256 if variant == "push" else 0)
+    assert dg.gmma_push_smem_bytes(72, 2, 6, 1, 2, 1) and not dg.gmma_push_smem_bytes(72, 2, 4, 1, 4, 2)
     rng = np.random.default_rng(17)
     M, N, K = 72, 1000, 2048
     xd, wd, yd, rd = poisoned((M, K)), poisoned((N, K)), poisoned((M, N)), poisoned((M, N))
     y2 = poisoned((M, N))
     stream = Stream()
 
-    y3 = poisoned((M, N))
+    y3, y4 = poisoned((M, N)), poisoned((M, N))
 
     def record():
         dg.linear_gmma(xd, wd, yd, splits=4, stream=stream)
         dg.linear_gmma(xd, wd, y2, rd, splits=1, stream=stream)
         dg.linear_gmma(xd, wd, y3, rd, cs=4, stream=stream)
+        dg.linear_gmma(xd, wd, y4, rd, nwg=1, cs=2, stream=stream)   # <72, 2, 6, 1, 2, 1>
 
     for a in (xd, wd, rd):
         a.fill_bytes(0, stream=stream)
@@ -204,12 +208,15 @@ def test_linear_gmma_graph_replay(dg, ref, variant, monkeypatch):
         yd.fill_bytes(0xFF, stream=stream)
         y2.fill_bytes(0xFF, stream=stream)
         y3.fill_bytes(0xFF, stream=stream)
+        y4.fill_bytes(0xFF, stream=stream)
         graph.launch(stream)
         stream.synchronize()
         want = ref.linear(x, w)
         assert_close(yd.download(), want, f"graph replay {rep} (split-K)", dtype="bf16", atol=ATOL)
         assert_close(y2.download(), want + r, f"graph replay {rep} (+ residual)", dtype="bf16", atol=ATOL)
         assert_close(y3.download(), want + r, f"graph replay {rep} (cluster split)", dtype="bf16", atol=ATOL)
+        assert_close(y4.download(), want + r, f"graph replay {rep} (one-warpgroup pairs, {variant})", dtype="bf16",
+                     atol=ATOL)
 
 
 @pytest.mark.gpu
