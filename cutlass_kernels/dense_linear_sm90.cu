@@ -120,12 +120,13 @@ constexpr int kTraceWords = 8;  // entry, after the prologue, loop end, exit, SM
 #endif
 // GMMA_PUSH (NVRTC option; family dense_linear_sm90_push): the cluster K split's other blocks send their partial
 // sums to rank 0 by st.async into a receive region of rank 0's shared memory past its ring and staging, counted on
-// an mbarrier, and leave at once; rank 0 adds them in rank order (the DSMEM epilogue's sum, the same bits) and
-// writes the tile as an unsplit block does. After the loop no block waits for another's signal: rank 0 waits only
-// for the partials' bytes. (Session 28's push landed in rank 0's freed stage buffers, so each peer first waited for
-// rank 0's "ready" and then for its "done": three cross-SM hops after the later loop end, no faster than the
-// DSMEM epilogue's two cluster barriers: H200 trace, qkv at 33 rows, 2.4 us from the last loop end to the last
-// exit either way.) Where the receive region does not fit in 227 KB, the DSMEM epilogue stays.
+// rank 0's gather barrier; rank 0 adds them in rank order (the DSMEM epilogue's sum, the same bits) and writes the
+// tile as an unsplit block does. Nothing after the loop waits on another block except rank 0 on the partials'
+// bytes: as soon as they have landed it tells each other block (its "done" barrier), which then leaves, so no
+// block exits with its distributed-shared-memory stores in flight. (Session 28's push landed in rank 0's freed
+// stage buffers, so each peer first waited for rank 0's "ready": three cross-SM hops after the later loop end, no
+// faster than the DSMEM epilogue's two cluster barriers: H200 trace, qkv at 33 rows, 2.4 us from the last loop end
+// to the last exit either way.) Where the receive region does not fit in 227 KB, the DSMEM epilogue stays.
 #ifndef GMMA_PUSH
 #define GMMA_PUSH 0
 #endif
@@ -167,8 +168,9 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   constexpr int kRecvOff = STAGES * kStageBytes > TN * (kRowsW + kStagePad) * 4 ? STAGES * kStageBytes
                                                                                 : TN * (kRowsW + kStagePad) * 4;
   constexpr bool kPush = GMMA_PUSH && CS > 1 && RW == 1 && 1024 + kRecvOff + (CS - 1) * kPartBytes <= 227 * 1024;
-  // single-use, GMMA_PUSH only: rank 0's gather barrier (its own arrival with the expected bytes + the partials)
-  __shared__ uint64_t push_bar[1];
+  // single-use, GMMA_PUSH only: [0] gather (rank 0: its own arrival with the expected bytes + the partials),
+  // [1] done (the other ranks: rank 0 has all the partials, so their stores are complete)
+  __shared__ uint64_t push_bar[2];
   const uint32_t push_base = static_cast<uint32_t>(__cvta_generic_to_shared(push_bar));
 
 #if GMMA_TRACE
@@ -192,11 +194,14 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const int n_stages = (k_end - k_begin + kStageK - 1) / kStageK;
 
   if (tid == 0) {
-    if constexpr (kPush) mbar_init(push_base, 1);
-    ring.init(kThreads);  // its fence.mbarrier_init covers the one above
+    if constexpr (kPush) {
+      mbar_init(push_base, 1);
+      mbar_init(push_base + 8, 1);
+    }
+    ring.init(kThreads);  // its fence.mbarrier_init covers the two above
   }
   __syncthreads();
-  if constexpr (kPush) ddtree::cluster_arrive_relaxed();  // waited for after the loop, before any st.async
+  if constexpr (kPush) ddtree::cluster_arrive_relaxed();  // waited for after the loop, before any remote access
 
   // This thread's W chunks: rows tid/8 + (threads/8) q, 16-byte chunk c = tid % 8 of each 128-byte row of
   // every atom; the swizzle puts chunk c of row r at chunk c ^ (r % 8).
@@ -305,12 +310,14 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     return;
   }
   if constexpr (kPush) {
-    ddtree::cluster_wait();  // every block of the cluster has initialized its barrier
+    ddtree::cluster_wait();  // every block of the cluster has initialized its barriers
     const uint32_t rank = cluster_ctarank();
     if (rank == 0) {
       if (tid == 0) ddtree::mbar_arrive_expect_tx(push_base, (CS - 1) * kPartBytes);
       mbar_wait_cluster(push_base, 0);
       GMMA_STAMP(5);
+      if (tid == 0)
+        for (int q = 1; q < CS; ++q) mbar_arrive_cluster(dsmem_map(push_base + 8, q));
       const float4* part = reinterpret_cast<const float4*>(smem_gen + kRecvOff);
       for (int q = 1; q < CS; ++q)  // rank (split) order: the sum the DSMEM epilogue forms
 #pragma unroll
@@ -323,8 +330,6 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
         }
       // on to the unsplit epilogue below (its staging does not overlap the receive region)
     } else {
-      // Nothing reads this block's shared memory, so it may leave with its stores in flight: rank 0 waits for
-      // their bytes on its own barrier.
       const uint32_t dst = dsmem_map(smem_base, 0) + kRecvOff + (rank - 1) * kPartBytes;
       const uint32_t gather = dsmem_map(push_base, 0);
 #pragma unroll
@@ -332,6 +337,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
         ddtree::st_async_f4(dst + (v * kThreads + tid) * 16,
                             make_float4(acc[0][4 * v], acc[0][4 * v + 1], acc[0][4 * v + 2], acc[0][4 * v + 3]),
                             gather);
+      if (tid == 0) mbar_wait_cluster(push_base + 8, 0);  // the block stays until its stores have landed
       GMMA_STAMP(3);
       return;
     }
