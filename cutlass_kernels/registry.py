@@ -196,28 +196,21 @@ def gmma_entry(cfg: tuple) -> str:
 
 
 _GMMA_OPTIONS = (f"-DGMMA_EARLY_TRIGGER={_gmma_trigger()}",)   # every build of dense_linear_sm90.cu
-register(KernelFamily(
-    name="dense_linear_sm90",
-    source="dense_linear_sm90.cu",
-    entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES),
-    archs=("90a",),
-    options=_GMMA_OPTIONS,
-    pdl=True,
-    required_sass={"90a": r"HGMMA"},
-    required_ptx={"90a": r"wgmma\.mma_async"},
-))
-# linear_gmma_kernel's cluster K splits with GMMA_PUSH (partials sent to rank 0 by st.async, no cluster barrier
-# after the loop); runtime/dense_gmma.py takes these for CS > 1 plans where GMMA_PUSH is on.
-register(KernelFamily(
-    name="dense_linear_sm90_push",
-    source="dense_linear_sm90.cu",
-    entries=tuple(gmma_entry(c) for c in DENSE_GMMA_INSTANCES if c[4] > 1),
-    archs=("90a",),
-    options=(*_GMMA_OPTIONS, "-DGMMA_PUSH=1"),
-    pdl=True,
-    required_sass={"90a": r"HGMMA"},
-    required_ptx={"90a": r"wgmma\.mma_async"},
-))
+
+
+def _register_gmma_family(name: str, configs, extra_options=(), checked: bool = True) -> None:
+    """A build of dense_linear_sm90.cu (sm_90a): linear_gmma_kernel at `configs`, with `extra_options`; `checked`:
+    its SASS / PTX must hold the wgmma (not for the measurement builds that drop the MMAs)."""
+    checks = dict(required_sass={"90a": r"HGMMA"}, required_ptx={"90a": r"wgmma\.mma_async"}) if checked else {}
+    register(KernelFamily(name=name, source="dense_linear_sm90.cu", entries=tuple(map(gmma_entry, configs)),
+                          archs=("90a",), options=(*_GMMA_OPTIONS, *extra_options), pdl=True, **checks))
+
+
+_register_gmma_family("dense_linear_sm90", DENSE_GMMA_INSTANCES)
+# linear_gmma_kernel's cluster K splits with GMMA_PUSH (the other ranks' partials st.async'd into a receive region of
+# rank 0; where it does not fit, the DSMEM epilogue); runtime/dense_gmma.py takes these where gmma_push_smem_bytes
+# fits and the token tile is <= GMMA_PUSH_MAX_TN.
+_register_gmma_family("dense_linear_sm90_push", [c for c in DENSE_GMMA_INSTANCES if c[4] > 1], ("-DGMMA_PUSH=1",))
 # linear_gmma_kernel bisected (GMMA_BISECT: 1 no MMAs, 2 no epilogue, 3 neither) at the plans of Qwen3-8B's qkv, o,
 # down and gate_up at 17 / 33 / 64 / 65 rows (132 SMs), for tools/bench_w_tiles.py: where the kernel's time goes
 # beside its loads alone. Wrong outputs by design; nothing in the runtime launches them.
@@ -225,14 +218,8 @@ _BISECT_CONFIGS = ((32, 2, 4, 1, 2, 2), (32, 2, 4, 1, 3, 2), (32, 1, 7, 1, 1, 3)
                    (48, 2, 7, 1, 2, 1), (64, 2, 4, 1, 2, 2), (64, 2, 4, 1, 3, 2), (64, 1, 6, 1, 1, 3),
                    (72, 2, 4, 1, 2, 2), (72, 2, 6, 1, 2, 1), (72, 1, 6, 1, 1, 3))
 for _bisect in (1, 2, 3):
-    register(KernelFamily(
-        name=f"dense_linear_sm90_bisect{_bisect}",
-        source="dense_linear_sm90.cu",
-        entries=tuple(map(gmma_entry, _BISECT_CONFIGS)),
-        archs=("90a",),
-        options=(*_GMMA_OPTIONS, f"-DGMMA_BISECT={_bisect}"),
-        pdl=True,
-    ))
+    _register_gmma_family(f"dense_linear_sm90_bisect{_bisect}", _BISECT_CONFIGS, (f"-DGMMA_BISECT={_bisect}",),
+                          checked=False)
 # linear_gmma_kernel with GMMA_TRACE (per-block %globaltimer stamps into its ws argument) at the plans of Qwen3-8B's
 # qkv, o and down at 33 rows: with the DSMEM epilogue, with the push epilogue, and without an epilogue
 # (GMMA_BISECT 2), for tools/bench_w_tiles.py --trace-m. Nothing in the runtime launches them.
@@ -241,14 +228,7 @@ TRACE_WORDS = 8  # u64 per block: dense_linear_sm90.cu's kTraceWords
 TRACE_FAMILIES = {"dense_linear_sm90_trace": (), "dense_linear_sm90_trace_push": ("-DGMMA_PUSH=1",),
                   "dense_linear_sm90_trace_noepi": ("-DGMMA_BISECT=2",)}
 for _name, _extra in TRACE_FAMILIES.items():
-    register(KernelFamily(
-        name=_name,
-        source="dense_linear_sm90.cu",
-        entries=tuple(map(gmma_entry, TRACE_CONFIGS)),
-        archs=("90a",),
-        options=(*_GMMA_OPTIONS, "-DGMMA_TRACE=1", *_extra),
-        pdl=True,
-    ))
+    _register_gmma_family(_name, TRACE_CONFIGS, ("-DGMMA_TRACE=1", *_extra), checked=False)
 # Hopper GMMA bf16 linear in narrow row blocks for up to 80 token rows (W as wgmma's B operand, so a block is any
 # multiple of 16 W rows and one wave of unsplit blocks can cover every SM): linear_gmma_narrow_kernel<NW, TX, KA,
 # STAGES> (NW W rows per block, TX token rows per tile: one warpgroup up to 64, two for 80 = the verify bucket 64's

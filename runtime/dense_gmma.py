@@ -98,8 +98,7 @@ def gmma_smem_bytes(tn: int, ka: int, stages: int, rw: int = 1, nwg: int = GMMA_
 def gmma_push_smem_bytes(tn: int, ka: int, stages: int, rw: int, cs: int, nwg: int) -> int | None:
     """Dynamic shared memory of the push family's instance (dense_linear_sm90.cu GMMA_PUSH: rank 0 receives the
     other ranks' fp32 partials past its ring and staging), or None where it keeps the DSMEM epilogue."""
-    recv_off = gmma_smem_bytes(tn, ka, stages, rw, nwg) - 1024
-    smem = 1024 + recv_off + (cs - 1) * 128 * nwg * (tn // 2) * 4
+    smem = gmma_smem_bytes(tn, ka, stages, rw, nwg) + (cs - 1) * 128 * nwg * (tn // 2) * 4
     return smem if cs > 1 and rw == 1 and smem <= SMEM_PER_BLOCK_MAX else None
 
 

@@ -109,12 +109,10 @@ def configure(spec: str, defaults: dict) -> None:
 
 FUSE_TERMS = {"fuse": ("rmsnorm", "swiglu"), "norm": ("rmsnorm",), "swiglu": ("swiglu",)}
 # the launch choices a configuration may change, restored before each one
-KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV", "GMMA_ENABLED",
-         "FUSED_PROLOGUE_ROWS", "ATTN_GMMA", "DECODE_MAX_ROWS", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG",
-         "GMMA_DECODE", "GMMA_MIN_M", "GMMA_NARROW", "NARROW_FUSE", "NARROW_MC", "GMMA_ONE_WG_CONFIG",
-         "GMMA_PUSH_MAX_TN")
 GMMA_KNOBS = ("GMMA_ENABLED", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG", "GMMA_DECODE", "GMMA_MIN_M", "GMMA_NARROW",
               "NARROW_FUSE", "NARROW_MC", "GMMA_ONE_WG_CONFIG", "GMMA_PUSH_MAX_TN")   # held by runtime.dense_gmma
+KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV",
+         "FUSED_PROLOGUE_ROWS", "ATTN_GMMA", "DECODE_MAX_ROWS") + GMMA_KNOBS   # the rest: runtime.dense_kernels
 
 
 def knob_owner(name: str):
