@@ -42,9 +42,12 @@ def block_counts(tiles: int, sm_count: int) -> list[int]:
 
 
 def family_smem(family: str, entry: str, smem: int) -> int:
-    """The dynamic shared memory an instance of `family` takes: the plan's, or the push families' larger one."""
+    """The dynamic shared memory an instance of `family` takes: the plan's, or, built with GMMA_PUSH, the larger one
+    of its receive region where that fits."""
+    from cutlass_kernels.registry import FAMILIES
     from runtime import dense_gmma as dg
-    return (dg.gmma_push_smem_bytes(*dg.gmma_config(entry)) or smem) if "push" in family else smem
+    push = "-DGMMA_PUSH=1" in FAMILIES[family].options
+    return (dg.gmma_push_smem_bytes(*dg.gmma_config(entry)) or smem) if push else smem
 
 
 def bisect_rows(n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, stream):
