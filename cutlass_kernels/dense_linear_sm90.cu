@@ -41,6 +41,7 @@
 #include <cuda/std/utility>
 using cuda::std::uint32_t;
 using cuda::std::uint64_t;
+using cuda::std::uintptr_t;
 #include "gmma_sm90.cuh"
 #include "device_common.cuh"
 #include "linear_splitk.cuh"
@@ -118,15 +119,16 @@ constexpr int kTraceWords = 8;  // entry, after the prologue, loop end, exit, SM
   do {                \
   } while (0)
 #endif
-// GMMA_PUSH (NVRTC option; family dense_linear_sm90_push): the cluster K split's other blocks send their partial
-// sums to rank 0 by st.async into a receive region of rank 0's shared memory past its ring and staging, counted on
-// rank 0's gather barrier; rank 0 adds them in rank order (the DSMEM epilogue's sum, the same bits) and writes the
-// tile as an unsplit block does. Nothing after the loop waits on another block except rank 0 on the partials'
-// bytes: as soon as they have landed it tells each other block (its "done" barrier), which then leaves, so no
-// block exits with its distributed-shared-memory stores in flight. (Session 28's push landed in rank 0's freed
-// stage buffers, so each peer first waited for rank 0's "ready": three cross-SM hops after the later loop end, no
-// faster than the DSMEM epilogue's two cluster barriers: H200 trace, qkv at 33 rows, 2.4 us from the last loop end
-// to the last exit either way.) Where the receive region does not fit in 227 KB, the DSMEM epilogue stays.
+// GMMA_PUSH (NVRTC option; family dense_linear_sm90_push): the cluster K split's blocks exchange their partial sums
+// by st.async instead of reading each other through two cluster barriers. The tile's live 8-token groups are shared
+// out among the ranks; each block sends its partials of the others' groups into their receive regions (past the
+// ring and the staging, so they land while the receiver still streams), counted on the receiver's gather barrier,
+// sums its own groups in rank order (the DSMEM epilogue's sum: the same bits) and writes them. As soon as a
+// block's own bytes have landed it tells the others (their "done" barriers), so no block exits with its
+// distributed-shared-memory stores in flight. Measured (session 29, H100 and session 30's trace): sending every
+// partial to rank 0 moved 24 KB a block over the SM-to-SM network (~1 us) and left rank 0 alone with the whole
+// tile's stores; sharing the groups halves both at CS = 2. Where the receive region does not fit in 227 KB, the
+// DSMEM epilogue stays.
 #ifndef GMMA_PUSH
 #define GMMA_PUSH 0
 #endif
@@ -161,15 +163,17 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const ddtree::AlignedSmem smem = ddtree::align_smem_1024(smem_raw);
   const uint32_t smem_base = smem.addr;
   unsigned char* smem_gen = smem.ptr;
-  // GMMA_PUSH: rank q's partial (kAcc floats a thread, float4 v of thread i at (v * kThreads + i) * 16) lands at
-  // rank 0's offset kRecvOff + (q - 1) * kPartBytes, past the ring and the epilogue staging
-  // (runtime/dense_gmma.py gmma_push_smem_bytes mirrors these)
-  constexpr int kPartBytes = kThreads * kAcc * 4;
+  // GMMA_PUSH: 8-token group j of the tile is acc[0][4j .. 4j + 3] of every thread; the L live groups (rows < M)
+  // are split among the ranks, rank r owning [r L / CS, (r + 1) L / CS). Sender q's float4 of thread i for group j
+  // of rank r lands at r's offset kRecvOff + (q - (q > r)) * kSlotBytes + ((j - first group of r) * kThreads + i) * 16
+  // (runtime/dense_gmma.py gmma_push_smem_bytes mirrors kRecvOff and kSlotBytes)
+  constexpr int kGroups = TN / 8;
+  constexpr int kSlotBytes = (kGroups + CS - 1) / CS * kThreads * 16;
   constexpr int kRecvOff = STAGES * kStageBytes > TN * (kRowsW + kStagePad) * 4 ? STAGES * kStageBytes
                                                                                 : TN * (kRowsW + kStagePad) * 4;
-  constexpr bool kPush = GMMA_PUSH && CS > 1 && RW == 1 && 1024 + kRecvOff + (CS - 1) * kPartBytes <= 227 * 1024;
-  // single-use, GMMA_PUSH only: [0] gather (rank 0: its own arrival with the expected bytes + the partials),
-  // [1] done (the other ranks: rank 0 has all the partials, so their stores are complete)
+  constexpr bool kPush = GMMA_PUSH && CS > 1 && RW == 1 && 1024 + kRecvOff + (CS - 1) * kSlotBytes <= 227 * 1024;
+  // single-use, GMMA_PUSH only: [0] gather (this block's own arrival with the expected bytes + the others'
+  // partials of its groups), [1] done (the CS - 1 others have all their bytes, so this block's stores are complete)
   __shared__ uint64_t push_bar[2];
   const uint32_t push_base = static_cast<uint32_t>(__cvta_generic_to_shared(push_bar));
 
@@ -196,7 +200,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   if (tid == 0) {
     if constexpr (kPush) {
       mbar_init(push_base, 1);
-      mbar_init(push_base + 8, 1);
+      mbar_init(push_base + 8, CS - 1);
     }
     ring.init(kThreads);  // its fence.mbarrier_init covers the two above
   }
@@ -309,38 +313,58 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     GMMA_STAMP(3);
     return;
   }
+  // Rows [row_lo, row_hi) of the tile are this block's to write: all of them, or its groups' under GMMA_PUSH.
+  int row_lo = 0, row_hi = TN;
   if constexpr (kPush) {
     ddtree::cluster_wait();  // every block of the cluster has initialized its barriers
-    const uint32_t rank = cluster_ctarank();
-    if (rank == 0) {
-      if (tid == 0) ddtree::mbar_arrive_expect_tx(push_base, (CS - 1) * kPartBytes);
-      mbar_wait_cluster(push_base, 0);
-      GMMA_STAMP(5);
-      if (tid == 0)
-        for (int q = 1; q < CS; ++q) mbar_arrive_cluster(dsmem_map(push_base + 8, q));
-      const float4* part = reinterpret_cast<const float4*>(smem_gen + kRecvOff);
-      for (int q = 1; q < CS; ++q)  // rank (split) order: the sum the DSMEM epilogue forms
+    const int rank = static_cast<int>(cluster_ctarank());
+    const int live = min(kGroups, (M - m0 + 7) / 8);
+    const int g_lo = rank * live / CS, g_hi = (rank + 1) * live / CS;
+    if (tid == 0) ddtree::mbar_arrive_expect_tx(push_base, (CS - 1) * (g_hi - g_lo) * kThreads * 16);
 #pragma unroll
-        for (int v = 0; v < kAcc / 4; ++v) {
-          const float4 p = part[((q - 1) * (kAcc / 4) + v) * kThreads + tid];
-          acc[0][4 * v] += p.x;
-          acc[0][4 * v + 1] += p.y;
-          acc[0][4 * v + 2] += p.z;
-          acc[0][4 * v + 3] += p.w;
-        }
-      // on to the unsplit epilogue below (its staging does not overlap the receive region)
-    } else {
-      const uint32_t dst = dsmem_map(smem_base, 0) + kRecvOff + (rank - 1) * kPartBytes;
-      const uint32_t gather = dsmem_map(push_base, 0);
+    for (int q = 0; q < CS; ++q) {
+      if (q == rank) continue;
+      const int q_lo = q * live / CS, q_hi = (q + 1) * live / CS;
+      const uint32_t dst = dsmem_map(smem_base, q) + kRecvOff + (rank - (rank > q)) * kSlotBytes;
+      const uint32_t gather = dsmem_map(push_base, q);
 #pragma unroll
-      for (int v = 0; v < kAcc / 4; ++v)
-        ddtree::st_async_f4(dst + (v * kThreads + tid) * 16,
-                            make_float4(acc[0][4 * v], acc[0][4 * v + 1], acc[0][4 * v + 2], acc[0][4 * v + 3]),
-                            gather);
-      if (tid == 0) mbar_wait_cluster(push_base + 8, 0);  // the block stays until its stores have landed
-      GMMA_STAMP(3);
-      return;
+      for (int j = 0; j < kGroups; ++j)
+        if (j >= q_lo && j < q_hi)
+          ddtree::st_async_f4(dst + ((j - q_lo) * kThreads + tid) * 16,
+                              make_float4(acc[0][4 * j], acc[0][4 * j + 1], acc[0][4 * j + 2], acc[0][4 * j + 3]),
+                              gather);
     }
+    mbar_wait_cluster(push_base, 0);
+    GMMA_STAMP(5);
+    if (tid == 0)
+#pragma unroll
+      for (int q = 0; q < CS; ++q)
+        if (q != rank) mbar_arrive_cluster(dsmem_map(push_base + 8, q));
+    const float4* recv = reinterpret_cast<const float4*>(smem_gen + kRecvOff);
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      if (j < g_lo || j >= g_hi) continue;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);  // rank (split) order from zero: the DSMEM epilogue's sum
+#pragma unroll
+      for (int q = 0; q < CS; ++q) {
+        float4 p;
+        if (q == rank)
+          p = make_float4(acc[0][4 * j], acc[0][4 * j + 1], acc[0][4 * j + 2], acc[0][4 * j + 3]);
+        else
+          p = recv[((q - (q > rank)) * (kSlotBytes / 16)) + (j - g_lo) * kThreads + tid];
+        sum.x += p.x;
+        sum.y += p.y;
+        sum.z += p.z;
+        sum.w += p.w;
+      }
+      acc[0][4 * j] = sum.x;
+      acc[0][4 * j + 1] = sum.y;
+      acc[0][4 * j + 2] = sum.z;
+      acc[0][4 * j + 3] = sum.w;
+    }
+    row_lo = 8 * g_lo;
+    row_hi = 8 * g_hi;
+    // on to the unsplit epilogue below (its staging does not overlap the receive region)
   }
 
   // Epilogue, one pass per 64-row tile t of each warpgroup (so staging is [TN][128 + 4] fp32 whatever RW):
@@ -351,16 +375,21 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const int warp = (tid >> 5) & 3, lane = tid & 31;
   const int r0 = 64 * wg + 16 * warp + (lane >> 2);
   const int c0 = 2 * (lane & 3);
-  const bool single = gridDim.y == 1 || kPush;  // rank 0 of a GMMA_PUSH cluster holds the whole sum
+  const bool single = gridDim.y == 1 || kPush;  // a GMMA_PUSH block holds the whole sum of its rows
+  // 16-byte stores (8 bf16 or two float4 of the workspace) where every row start is 16-byte aligned
+  const bool vec16 = single ? (ldo % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                               (residual == nullptr || (ldr % 8 == 0 && reinterpret_cast<uintptr_t>(residual) % 16 == 0)))
+                            : (N % 4 == 0 && reinterpret_cast<uintptr_t>(ws) % 16 == 0);
 #pragma unroll
   for (int t = 0; t < RW; ++t) {
     __syncthreads();  // t = 0: all warpgroups done with the stage buffers; t > 0: previous pass written out
 #pragma unroll
     for (int j = 0; j < TN / 8; ++j)
+      if (8 * j >= row_lo && 8 * j < row_hi)
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+        for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int b = 0; b < 2; ++b) stg[(8 * j + c0 + b) * kLd + r0 + 8 * i] = acc[t][4 * j + 2 * i + b];
+          for (int b = 0; b < 2; ++b) stg[(8 * j + c0 + b) * kLd + r0 + 8 * i] = acc[t][4 * j + 2 * i + b];
     if (CS > 1 && !kPush) {
       // Every block of the cluster holds its partial tile in stg; block `rank` sums rows slice `rank` of all
       // CS tiles (remote reads through DSMEM, in split order) and writes bf16 (+ residual).
@@ -417,21 +446,60 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       continue;
     }
     __syncthreads();
-    for (int i = tid; i < TN * kRowsW; i += kThreads) {
-      const int mm = i / kRowsW, col = i % kRowsW;
+    // Eight consecutive columns (one 16-byte store of bf16) per thread per item, rows [row_lo, row_hi).
+    constexpr int kVecPerRow = kRowsW / 8;
+    const int m_live = min(row_hi, M - m0);
+#pragma unroll 4
+    for (int v = row_lo * kVecPerRow + tid; v < m_live * kVecPerRow; v += kThreads) {
+      const int mm = v / kVecPerRow, col = 8 * (v % kVecPerRow);
       const int m = m0 + mm, n = n0 + (col >> 6) * (64 * RW) + 64 * t + (col & 63);
-      if (m < M && n < N) {
-        const float v = stg[mm * kLd + col];
-        if (single) {
-          const float r = residual ? __bfloat162float(residual[(size_t)m * ldr + n]) : 0.f;
-          out[(size_t)m * ldo + n] = __float2bfloat16(v + r);
+      if (n >= N) continue;
+      const float4 lo = *reinterpret_cast<const float4*>(stg + mm * kLd + col);
+      const float4 hi = *reinterpret_cast<const float4*>(stg + mm * kLd + col + 4);
+      float f[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      if (!single) {
+        float* dst = ws + ((size_t)blockIdx.y * M + m) * N + n;
+        if (vec16 && n + 8 <= N) {
+          __stcg(reinterpret_cast<float4*>(dst), lo);
+          __stcg(reinterpret_cast<float4*>(dst) + 1, hi);
         } else {
-          __stcg(ws + ((size_t)blockIdx.y * M + m) * N + n, v);
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            if (n + e < N) __stcg(dst + e, f[e]);
         }
+        continue;
+      }
+      if (vec16 && n + 8 <= N) {
+        if (residual) {
+          const uint4 r = *reinterpret_cast<const uint4*>(residual + (size_t)m * ldr + n);
+          const uint32_t rw[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const __nv_bfloat162 r2 = *reinterpret_cast<const __nv_bfloat162*>(&rw[e]);
+            f[2 * e] += __low2float(r2);
+            f[2 * e + 1] += __high2float(r2);
+          }
+        }
+        uint32_t packed[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * e], f[2 * e + 1]);
+          packed[e] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+        *reinterpret_cast<uint4*>(out + (size_t)m * ldo + n) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (n + e < N) {
+            const float r = residual ? __bfloat162float(residual[(size_t)m * ldr + n + e]) : 0.f;
+            out[(size_t)m * ldo + n + e] = __float2bfloat16(f[e] + r);
+          }
       }
     }
     GMMA_STAMP(6);
   }
+  if constexpr (kPush)
+    if (tid == 0) mbar_wait_cluster(push_base + 8, 0);  // the block stays until its sends have landed
   GMMA_STAMP(3);
   if (CS > 1 || single) return;
   if constexpr (NWG == 2) {

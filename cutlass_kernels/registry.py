@@ -207,8 +207,8 @@ def _register_gmma_family(name: str, configs, extra_options=(), checked: bool = 
 
 
 _register_gmma_family("dense_linear_sm90", DENSE_GMMA_INSTANCES)
-# linear_gmma_kernel's cluster K splits with GMMA_PUSH (the other ranks' partials st.async'd into a receive region of
-# rank 0; where it does not fit, the DSMEM epilogue); runtime/dense_gmma.py takes these where gmma_push_smem_bytes
+# linear_gmma_kernel's cluster K splits with GMMA_PUSH (each rank's partials of the others' token groups st.async'd
+# into their receive regions; where they do not fit, the DSMEM epilogue); runtime/dense_gmma.py takes these where gmma_push_smem_bytes
 # fits and the token tile is <= GMMA_PUSH_MAX_TN.
 _register_gmma_family("dense_linear_sm90_push", [c for c in DENSE_GMMA_INSTANCES if c[4] > 1], ("-DGMMA_PUSH=1",))
 # linear_gmma_kernel bisected (GMMA_BISECT: 1 no MMAs, 2 no epilogue, 3 neither) at the plans of Qwen3-8B's qkv, o,

@@ -35,7 +35,7 @@ from cutlass_kernels.registry import (DENSE_GMMA_INSTANCES, FAMILIES, NARROW_GMM
                                       narrow_stage_bytes)
 
 FAMILY = "dense_linear_sm90"
-# The cluster K splits (CS > 1) with the other ranks' partial sums pushed into rank 0 by st.async (GMMA_PUSH in
+# The cluster K splits (CS > 1) with the ranks' partial sums exchanged by st.async (GMMA_PUSH in
 # dense_linear_sm90.cu; family FAMILY_PUSH, where the receive region fits: gmma_push_smem_bytes) instead of the
 # DSMEM epilogue between two cluster barriers, at token tiles up to GMMA_PUSH_MAX_TN (DDTREE_GMMA_PUSH_MAX_TN;
 # 0: never). H100, session 29, graph chain per op: qkv 17 / 33 rows 20.72 -> 19.89 / 21.33 -> 20.84 us, o 17 / 33
@@ -96,9 +96,11 @@ def gmma_smem_bytes(tn: int, ka: int, stages: int, rw: int = 1, nwg: int = GMMA_
 
 
 def gmma_push_smem_bytes(tn: int, ka: int, stages: int, rw: int, cs: int, nwg: int) -> int | None:
-    """Dynamic shared memory of the push family's instance (dense_linear_sm90.cu GMMA_PUSH: rank 0 receives the
-    other ranks' fp32 partials past its ring and staging), or None where it keeps the DSMEM epilogue."""
-    smem = gmma_smem_bytes(tn, ka, stages, rw, nwg) + (cs - 1) * 128 * nwg * (tn // 2) * 4
+    """Dynamic shared memory of the push family's instance (dense_linear_sm90.cu GMMA_PUSH: each rank receives the
+    others' fp32 partials of its share of the tile's 8-token groups past its ring and staging: CS - 1 slots of
+    ceil(TN / 8 / CS) groups), or None where it keeps the DSMEM epilogue."""
+    slot = -(-(tn // 8) // cs) * gmma_threads(nwg) * 16
+    smem = gmma_smem_bytes(tn, ka, stages, rw, nwg) + (cs - 1) * slot
     return smem if cs > 1 and rw == 1 and smem <= SMEM_PER_BLOCK_MAX else None
 
 

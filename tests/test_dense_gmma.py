@@ -122,26 +122,29 @@ def test_linear_gmma_residual_and_strides(dg, ref, kw, ldr):
 @pytest.mark.parametrize("cfg", [c for c in _instances() if c[4] > 1],
                          ids=lambda c: "<%d,%d,%d,%d,%d>" % c[:5] + ("" if c[5] == 2 else "x%dwg" % c[5]))
 def test_linear_gmma_push_every_cluster_instance(dg, ref, cfg, monkeypatch):
-    """The cluster K split with its partials pushed to rank 0 (GMMA_PUSH, family dense_linear_sm90_push): against
+    """The cluster K split with its partials exchanged by st.async (GMMA_PUSH, family dense_linear_sm90_push): against
     the reference, with and without a residual, and the same bits as the DSMEM epilogue (both add the partials in
-    rank order). Instances whose partials do not fit the stage buffers keep the DSMEM epilogue in that family."""
+    rank order). Row counts that leave some 8-token groups of the tile dead (so the ranks share fewer groups, at one
+    row all but one rank own none), a second token tile, and widths with and without 16-byte stores. Instances whose exchange does not fit keep the DSMEM
+    epilogue in that family."""
     tn, cs, nwg = cfg[0], cfg[4], cfg[5]
-    M = max(9, tn - 7)
-    N, K = 333 + 64 * nwg, 1000 + 512 * cs
-    rng, x, w = _data(M, N, K, sum(cfg) * 37 + cs)
-    r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
-    xd, wd, rd = dev_bf16(x), dev_bf16(w), dev_bf16(r)
+    K = 1000 + 512 * cs
     kw = dict(zip(("tn", "ka", "stages", "rw", "cs", "nwg"), cfg))
-    for res in (None, rd):
-        got = {}
-        for push in (False, True):
-            monkeypatch.setattr(dg, "GMMA_PUSH_MAX_TN", 256 if push else 0)
-            out = poisoned((M, N))
-            dg.linear_gmma(xd, wd, out, res, **kw)
-            got[push] = out.download()
-        assert_close(got[True], ref.linear(x, w) + (r if res is not None else 0),
-                     f"push {cfg} M={M} N={N} K={K} residual={res is not None}", dtype="bf16", atol=ATOL)
-        assert np.array_equal(got[True], got[False]), f"push {cfg}: other bits than the DSMEM epilogue"
+    # N % 8 == 0: 16-byte stores (a last row block cut short); N % 8 == 5: element stores
+    for M, N in itertools.product(sorted({1, tn // 2 + 1, max(9, tn - 7), tn + 9}), (328 + 64 * nwg, 333 + 64 * nwg)):
+        rng, x, w = _data(M, N, K, sum(cfg) * 37 + cs + M)
+        r = round_bf16(rng.standard_normal((M, N), dtype=np.float32))
+        xd, wd, rd = dev_bf16(x), dev_bf16(w), dev_bf16(r)
+        for res in (None, rd):
+            got = {}
+            for push in (False, True):
+                monkeypatch.setattr(dg, "GMMA_PUSH_MAX_TN", 256 if push else 0)
+                out = poisoned((M, N))
+                dg.linear_gmma(xd, wd, out, res, **kw)
+                got[push] = out.download()
+            assert_close(got[True], ref.linear(x, w) + (r if res is not None else 0),
+                         f"push {cfg} M={M} N={N} K={K} residual={res is not None}", dtype="bf16", atol=ATOL)
+            assert np.array_equal(got[True], got[False]), f"push {cfg} M={M}: other bits than the DSMEM epilogue"
 
 
 @pytest.mark.gpu
@@ -176,8 +179,8 @@ def test_linear_gmma_chain_read_after_write(dg, ref, variant, monkeypatch):
 @pytest.mark.parametrize("variant", ["dsmem", "push"])
 def test_linear_gmma_graph_replay(dg, ref, variant, monkeypatch):
     """Captured once, replayed with new inputs: the split-K tickets reset, so every replay is right. The cluster
-    splits: one of 4 (its partials do not fit a receive region: the DSMEM epilogue either way) and one-warpgroup
-    pairs (pushed to rank 0 in the push variant)."""
+    splits: one of 4 (its exchange does not fit a receive region: the DSMEM epilogue either way) and one-warpgroup
+    pairs (partials exchanged by st.async in the push variant)."""
     from runtime.cuda import Stream
     monkeypatch.setattr(dg, "GMMA_PUSH_MAX_TN", 256 if variant == "push" else 0)
     assert dg.gmma_push_smem_bytes(72, 2, 6, 1, 2, 1) and not dg.gmma_push_smem_bytes(72, 2, 4, 1, 4, 2)
@@ -476,41 +479,48 @@ def test_push_family_covers_the_cluster_instances():
 
 
 def test_push_epilogue_layout():
-    """GMMA_PUSH's partial layout (dense_linear_sm90.cu, expression for expression) on every cluster instance: rank q
-    writes float4 v of thread i at byte kRecvOff + (q - 1) * kPartBytes + (v * kThreads + i) * 16 of rank 0's shared
-    memory, rank 0 reads float4 ((q - 1) * kAcc / 4 + v) * kThreads + i of the region at kRecvOff for the same value.
-    Every byte of the region is written once, it is what the gather barrier expects (within an mbarrier's tx-count
-    range), it lies past the ring and the epilogue staging (rank 0 still streams while the partials land) and within
-    the shared memory dense_gmma launches the push family with; only partials that do not fit keep the DSMEM
-    epilogue."""
+    """GMMA_PUSH's exchange (dense_linear_sm90.cu, expression for expression) on every cluster instance and every
+    count of live 8-token groups: rank r owns groups [r L / CS, (r + 1) L / CS); sender q writes its float4 of
+    thread i for group j of rank r at r's byte kRecvOff + (q - (q > r)) * kSlotBytes + ((j - first) * kThreads + i) * 16,
+    and r reads the same place for (q, j, i). Every group is owned once, every byte a receiver reads is written once
+    and is what its gather barrier expects (within an mbarrier's tx-count range), the slots lie past the ring and the
+    epilogue staging (the receiver still streams while they land) and within the shared memory dense_gmma launches
+    the push family with; only exchanges that do not fit keep the DSMEM epilogue."""
     from cutlass_kernels.registry import DENSE_GMMA_INSTANCES
     from runtime.dense_gmma import SMEM_PER_BLOCK_MAX, gmma_push_smem_bytes
     kept_dsmem = []
     for tn, ka, stages, rw, cs, nwg in (c for c in DENSE_GMMA_INSTANCES if c[4] > 1):
-        threads, acc = 128 * nwg, tn // 2
-        part_bytes = threads * acc * 4
+        threads, groups = 128 * nwg, tn // 8
+        slot_bytes = (groups + cs - 1) // cs * threads * 16
         recv_off = max(stages * ka * (8192 * nwg * rw + tn * 128), tn * (64 * nwg + 4) * 4)
-        fits = rw == 1 and 1024 + recv_off + (cs - 1) * part_bytes <= 227 * 1024
+        fits = rw == 1 and 1024 + recv_off + (cs - 1) * slot_bytes <= 227 * 1024
         smem = gmma_push_smem_bytes(tn, ka, stages, rw, cs, nwg)
         assert (smem is not None) == fits
         if not fits:
             kept_dsmem.append((tn, ka, stages, rw, cs, nwg))
             continue
-        assert smem == 1024 + recv_off + (cs - 1) * part_bytes <= SMEM_PER_BLOCK_MAX
-        assert acc % 4 == 0
-        written = np.zeros((cs - 1) * part_bytes // 16, np.int32)
-        for q in range(1, cs):
-            for v in range(acc // 4):
-                tid = np.arange(threads)
-                write = (q - 1) * part_bytes + (v * threads + tid) * 16
-                read = (((q - 1) * (acc // 4) + v) * threads + tid) * 16
-                assert np.array_equal(write, read)
-                np.add.at(written, write // 16, 1)
-        assert (written == 1).all(), (tn, cs, nwg)
-        assert written.size * 16 == (cs - 1) * part_bytes < 1 << 20  # the expect_tx bytes, an mbarrier tx-count
-    assert kept_dsmem == [(72, 2, 4, 1, 2, 2), (128, 1, 6, 1, 2, 2), (136, 1, 6, 1, 2, 2), (192, 1, 4, 1, 2, 2),
-                          (256, 1, 4, 1, 2, 2), (64, 2, 4, 1, 3, 2), (72, 2, 4, 1, 3, 2), (64, 2, 4, 1, 4, 2),
-                          (72, 2, 4, 1, 4, 2), (128, 1, 6, 1, 4, 2), (256, 1, 4, 1, 4, 2), (72, 1, 6, 1, 2, 3)], kept_dsmem
+        assert smem == 1024 + recv_off + (cs - 1) * slot_bytes <= SMEM_PER_BLOCK_MAX
+        tid = np.arange(threads)
+        for live in range(1, groups + 1):  # min(TN / 8, ceil(live rows / 8))
+            owner = np.full(groups, -1)
+            for r in range(cs):
+                g_lo, g_hi = r * live // cs, (r + 1) * live // cs
+                assert (owner[g_lo:g_hi] == -1).all()
+                owner[g_lo:g_hi] = r
+                written = np.zeros((cs - 1) * slot_bytes // 16, np.int32)
+                for q in range(cs):  # the sender's loop
+                    if q == r:
+                        continue
+                    for j in range(g_lo, g_hi):
+                        write = (q - (q > r)) * slot_bytes + ((j - g_lo) * threads + tid) * 16  # sender q's
+                        read = ((q - (q > r)) * (slot_bytes // 16) + (j - g_lo) * threads + tid) * 16  # receiver's
+                        assert np.array_equal(write, read)
+                        np.add.at(written, write // 16, 1)
+                expected = (cs - 1) * (g_hi - g_lo) * threads * 16  # the receiver's expect_tx
+                assert written.sum() * 16 == expected < 1 << 20 and written.max(initial=0) <= 1
+            assert (owner[:live] >= 0).all(), (tn, cs, live)
+    assert kept_dsmem == [(136, 1, 6, 1, 2, 2), (256, 1, 4, 1, 2, 2), (72, 2, 4, 1, 4, 2), (128, 1, 6, 1, 4, 2),
+                          (256, 1, 4, 1, 4, 2), (72, 1, 6, 1, 2, 3)], kept_dsmem
 
 
 def test_plan_covers_every_shape():
