@@ -38,8 +38,9 @@ FAMILY = "dense_linear_sm90"
 # The cluster K splits (CS > 1) with the ranks' partial sums exchanged by st.async (GMMA_PUSH in
 # dense_linear_sm90.cu; family FAMILY_PUSH, where the receive region fits: gmma_push_smem_bytes) instead of the
 # DSMEM epilogue between two cluster barriers, at token tiles up to GMMA_PUSH_MAX_TN (DDTREE_GMMA_PUSH_MAX_TN;
-# 0: never). H100, session 29, graph chain per op: qkv 17 / 33 rows 20.72 -> 19.89 / 21.33 -> 20.84 us, o 17 / 33
-# / 65 14.78 -> 13.74 / 14.40 -> 13.85 / 15.08 -> 14.88, down 37.23 -> 36.53 / 37.08 -> 36.35 / 39.07 -> 38.77.
+# 0: never). H100, session 30 (each rank sums its share of the token groups), graph chain per op, DSMEM -> push:
+# qkv 17 / 33 / 65 rows 20.66 -> 19.65 / 21.30 -> 20.20 / 22.29 -> 21.32 us, o 14.68 -> 13.79 / 14.31 -> 13.73 /
+# 15.09 -> 14.65, down 37.26 -> 36.36 / 37.39 -> 36.51 / 39.11 -> 38.35; 12-layer Qwen3-8B verify b32 -2.1%.
 FAMILY_PUSH = "dense_linear_sm90_push"
 GMMA_PUSH_MAX_TN = int(os.environ.get("DDTREE_GMMA_PUSH_MAX_TN", "256"))
 GMMA_ARCHS = FAMILIES[FAMILY].archs

@@ -183,9 +183,10 @@ def test_gpu_sanitize_selections_exist():
 def test_bench_w_tiles_epilogue_segments():
     """bench_w_tiles --trace-m: the last block's epilogue split at the stamps its path writes (0: not stamped)."""
     from tools.bench_w_tiles import epilogue_segments
-    got = epilogue_segments([(0, 1000, 1500, 2200, 2600), (1, 1000, 0, 0, 1300), (0, 1000, 0, 1800, 2000)])
-    assert got == ("loop end -> partials in hand 0.50, -> stores issued 0.75, -> exit 0.30 "
-                   "(rank 0 in 2 of 3 links)"), got
+    got = epilogue_segments([(0, 1000, 1500, 2200, 2600, 1400), (1, 1000, 0, 0, 1300, 1000),
+                             (0, 1000, 0, 1800, 2000, 1200)])
+    assert got == ("loop end -> cluster's last loop end 0.20, loop end -> partials in hand 0.50, -> stores issued "
+                   "0.75, -> exit 0.30 (rank 0 in 2 of 3 links)"), got
 
 
 def test_bench_w_tiles_link_stats():
@@ -200,6 +201,9 @@ def test_bench_w_tiles_link_stats():
             st[j, b, :4] = (prev - 5000, prev + 1000, prev + 8000 + 500 * b, prev + 9000 + 1000 * b)
             st[j, b, 7] = b
         st[j, 1, 6] = prev + 9500
-    r, last = link_stats(st)
+    r, last = link_stats(st, (1, 2, 1))  # the two blocks are one cluster
     np.testing.assert_allclose(r, [10.0, 2, -5.0, -5.0, 1.0, 1.0, 7.25, 8.5, 1.25, 1.5, 1.5])
-    assert last == [(1, 128500, 0, 129500, 130000), (1, 138500, 0, 139500, 140000)], last
+    assert last == [(1, 128500, 0, 129500, 130000, 128500), (1, 138500, 0, 139500, 140000, 138500)], last
+    st[3, 0, 2] = 139000  # the other block of the last link's cluster ends its loop later
+    assert link_stats(st, (1, 2, 1))[1][-1] == (1, 138500, 0, 139500, 140000, 139000)
+    assert link_stats(st, (2, 1, 1))[1][-1][-1] == 138500  # two clusters of one block: only its own

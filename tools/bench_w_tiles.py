@@ -87,11 +87,14 @@ def bisect_rows(n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, strea
 
 
 def epilogue_segments(last) -> str:
-    """Medians over links of the last-exiting block's epilogue: loop end -> partials in hand -> stores issued ->
-    exit (us; a segment its path does not stamp is left out), and how often it was cluster rank 0."""
+    """Medians over links of the last-exiting block's epilogue: its loop end -> its cluster's last loop end (the
+    wait for the partner's partial that no epilogue can shorten) and loop end -> partials in hand -> stores issued
+    -> exit (us; a segment its path does not stamp is left out), and how often it was cluster rank 0."""
     ranks = [r for r, *_ in last]
-    segs = {"loop end -> partials in hand": [], "-> stores issued": [], "-> exit": []}
-    for _, t2, t5, t6, t3 in last:
+    segs = {"loop end -> cluster's last loop end": [], "loop end -> partials in hand": [], "-> stores issued": [],
+            "-> exit": []}
+    for _, t2, t5, t6, t3, t2_cluster in last:
+        segs["loop end -> cluster's last loop end"].append((t2_cluster - t2) / 1e3)
         marks = [t2] + [v for v in (t5, t6) if v] + [t3]
         names = (["loop end -> partials in hand"] if t5 else []) + (["-> stores issued"] if t6 else []) + ["-> exit"]
         for name, a, b in zip(names, marks, marks[1:]):
@@ -100,12 +103,14 @@ def epilogue_segments(last) -> str:
     return ", ".join(parts) + f" (rank 0 in {ranks.count(0)} of {len(ranks)} links)"
 
 
-def link_stats(stamps: np.ndarray):
-    """From GMMA_TRACE's stamps [links, blocks, TRACE_WORDS] (ns): per link after the first two, relative to the
-    previous link's last exit (us): link time, blocks entered before it, first / last entry, first / last wait
-    release, median loop, last loop end, median / max epilogue, last exit after the last loop end; their medians
-    over the links, and per link the last block out's (cluster rank, loop end, stamps 5 and 6, exit)."""
+def link_stats(stamps: np.ndarray, grid: tuple = (1, 1, 1)):
+    """From GMMA_TRACE's stamps [links, blocks, TRACE_WORDS] (ns) of a launch of `grid` (clusters of (1, grid[1], 1)
+    blocks when the cluster splits K): per link after the first two, relative to the previous link's last exit (us):
+    link time, blocks entered before it, first / last entry, first / last wait release, median loop, last loop end,
+    median / max epilogue, last exit after the last loop end; their medians over the links, and per link the last
+    block out's (cluster rank, loop end, stamps 5 and 6, exit, its cluster's last loop end)."""
     t = stamps[:, :, :4].astype(np.int64)
+    gx, gy = grid[0], grid[1]
     rows, last = [], []
     for j in range(2, len(t)):
         prev = t[j - 1, :, 3].max()
@@ -114,8 +119,10 @@ def link_stats(stamps: np.ndarray):
                      tj[:, 1].min(), tj[:, 1].max(), np.median(tj[:, 2] - tj[:, 1]), tj[:, 2].max(),
                      np.median(tj[:, 3] - tj[:, 2]), (tj[:, 3] - tj[:, 2]).max(), tj[:, 3].max() - tj[:, 2].max()])
         b = int(np.argmax(t[j, :, 3]))  # the link's last block out: its epilogue, segment by segment
+        x, z = b % gx, b // (gx * gy)
+        cluster = [x + gx * (y + gy * z) for y in range(gy)]  # block id is x-fastest, then y, then z
         last.append((int(stamps[j, b, 7]), int(t[j, b, 2]), int(stamps[j, b, 5]), int(stamps[j, b, 6]),
-                     int(t[j, b, 3])))
+                     int(t[j, b, 3]), int(t[j, cluster, 2].max())))
     return np.median(np.array(rows, dtype=np.float64), axis=0), last
 
 
@@ -152,7 +159,7 @@ def trace_rows(n: int, k: int, m: int, rs, reps: int, stream):
             reps=reps, stream=stream, iters=3)
         stream.synchronize()
         stamps = trace.download().reshape(reps, blocks, TRACE_WORDS)
-        r, last = link_stats(stamps)
+        r, last = link_stats(stamps, grid)
         print(f"| {label} | {r[0]:.2f} | {r[1]:.0f} of {blocks} | {r[2]:.2f} | {r[3]:.2f} | {r[4]:.2f} / {r[5]:.2f} | "
               f"{r[6]:.2f} | {r[7]:.2f} | {r[8]:.2f} / {r[9]:.2f} | {r[10]:.2f} |", flush=True)
         print(f"|   last block out: {epilogue_segments(last)} |")
