@@ -97,15 +97,16 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
 // GMMA_TRACE (NVRTC option; only the families dense_linear_sm90_trace* set it, tools/bench_w_tiles.py --trace-m):
 // thread 0 of each block writes %globaltimer at entry, after the PDL prologue (the dependency wait), at the end of
 // the K loop, in the epilogue (the partials in hand: the push's bytes landed or the DSMEM's first cluster barrier
-// passed; then the stores issued) and at exit, with its SM and cluster rank, into `ws` as kTraceWords u64 per block
+// passed; the tile staged in shared memory; the stores issued) and at exit, with its SM and cluster rank, into `ws`
+// as kTraceWords u64 per block
 // (block id x-fastest): where a chain of launches spends the time between one kernel's last load and the next
 // one's first. The runtime never sets it.
 #ifndef GMMA_TRACE
 #define GMMA_TRACE 0
 #endif
 #if GMMA_TRACE
-constexpr int kTraceWords = 8;  // entry, after the prologue, loop end, exit, SM id, partials in hand, stores issued,
-                                // cluster rank (words 5 / 6 stay 0 where the path has no such point)
+constexpr int kTraceWords = 9;  // entry, after the prologue, loop end, exit, SM id, partials in hand, stores issued,
+                                // cluster rank, staged (words 5 / 6 / 8 stay 0 where the path has no such point)
 #define GMMA_STAMP(i)                                                                                   \
   do {                                                                                                  \
     if (threadIdx.x == 0) {                                                                             \
@@ -187,6 +188,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
     reinterpret_cast<unsigned long long*>(ws)[trace_block * kTraceWords + 5] = 0;
     reinterpret_cast<unsigned long long*>(ws)[trace_block * kTraceWords + 6] = 0;
     reinterpret_cast<unsigned long long*>(ws)[trace_block * kTraceWords + 7] = cluster_ctarank();
+    reinterpret_cast<unsigned long long*>(ws)[trace_block * kTraceWords + 8] = 0;
   }
 #endif
   const int tid = threadIdx.x;
@@ -334,12 +336,16 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                               make_float4(acc[0][4 * j], acc[0][4 * j + 1], acc[0][4 * j + 2], acc[0][4 * j + 3]),
                               gather);
     }
-    mbar_wait_cluster(push_base, 0);
-    GMMA_STAMP(5);
-    if (tid == 0)
+    // One thread acquires the others' bytes (an acquire at cluster scope invalidates L1: CCTL.IVALL per waiting
+    // warp) and the block barrier passes them on; every warp is then also done with the ring.
+    if (tid == 0) {
+      mbar_wait_cluster(push_base, 0);
+      GMMA_STAMP(5);
 #pragma unroll
       for (int q = 0; q < CS; ++q)
         if (q != rank) mbar_arrive_cluster(dsmem_map(push_base + 8, q));
+    }
+    __syncthreads();
     const float4* recv = reinterpret_cast<const float4*>(smem_gen + kRecvOff);
 #pragma unroll
     for (int j = 0; j < kGroups; ++j) {
@@ -382,7 +388,8 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                             : (N % 4 == 0 && reinterpret_cast<uintptr_t>(ws) % 16 == 0);
 #pragma unroll
   for (int t = 0; t < RW; ++t) {
-    __syncthreads();  // t = 0: all warpgroups done with the stage buffers; t > 0: previous pass written out
+    // t = 0: all warpgroups done with the stage buffers (GMMA_PUSH: synced above); t > 0: previous pass written out
+    if (t > 0 || !kPush) __syncthreads();
 #pragma unroll
     for (int j = 0; j < TN / 8; ++j)
       if (8 * j >= row_lo && 8 * j < row_hi)
@@ -446,6 +453,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       continue;
     }
     __syncthreads();
+    GMMA_STAMP(8);
     // Eight consecutive columns (one 16-byte store of bf16) per thread per item, rows [row_lo, row_hi).
     constexpr int kVecPerRow = kRowsW / 8;
     const int m_live = min(row_hi, M - m0);

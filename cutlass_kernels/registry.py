@@ -224,7 +224,7 @@ for _bisect in (1, 2, 3):
 # qkv, o and down at 33 rows: with the DSMEM epilogue, with the push epilogue, and without an epilogue
 # (GMMA_BISECT 2), for tools/bench_w_tiles.py --trace-m. Nothing in the runtime launches them.
 TRACE_CONFIGS = ((48, 2, 4, 1, 2, 2), (48, 2, 7, 1, 2, 1))
-TRACE_WORDS = 8  # u64 per block: dense_linear_sm90.cu's kTraceWords
+TRACE_WORDS = 9  # u64 per block: dense_linear_sm90.cu's kTraceWords
 TRACE_FAMILIES = {"dense_linear_sm90_trace": (), "dense_linear_sm90_trace_push": ("-DGMMA_PUSH=1",),
                   "dense_linear_sm90_trace_noepi": ("-DGMMA_BISECT=2",)}
 for _name, _extra in TRACE_FAMILIES.items():

@@ -183,10 +183,11 @@ def test_gpu_sanitize_selections_exist():
 def test_bench_w_tiles_epilogue_segments():
     """bench_w_tiles --trace-m: the last block's epilogue split at the stamps its path writes (0: not stamped)."""
     from tools.bench_w_tiles import epilogue_segments
-    got = epilogue_segments([(0, 1000, 1500, 2200, 2600, 1400), (1, 1000, 0, 0, 1300, 1000),
-                             (0, 1000, 0, 1800, 2000, 1200)])
-    assert got == ("loop end -> cluster's last loop end 0.20, loop end -> partials in hand 0.50, -> stores issued "
-                   "0.75, -> exit 0.30 (rank 0 in 2 of 3 links)"), got
+    got = epilogue_segments([(0, 1000, 1500, 1900, 2200, 2600, 1400), (1, 1000, 1300, 1600, 2000, 2100, 1000),
+                             (0, 1000, 0, 0, 0, 2000, 1200)])
+    assert got == ("loop end -> cluster's last loop end 0.20, loop end -> partials in hand 0.40, partials in hand -> "
+                   "staged 0.35, staged -> stores issued 0.35, stores issued -> exit 0.25, loop end -> exit 1.00 "
+                   "(rank 0 in 2 of 3 links)"), got
 
 
 def test_bench_w_tiles_link_stats():
@@ -194,7 +195,7 @@ def test_bench_w_tiles_link_stats():
     exit, its blocks entering 5 us before it; the medians and the last block out come out as built."""
     import numpy as np
     from tools.bench_w_tiles import link_stats
-    st = np.zeros((4, 2, 8), np.uint64)
+    st = np.zeros((4, 2, 9), np.uint64)
     for j in range(4):
         prev = 100_000 + 10_000 * j
         for b in range(2):
@@ -203,7 +204,7 @@ def test_bench_w_tiles_link_stats():
         st[j, 1, 6] = prev + 9500
     r, last = link_stats(st, (1, 2, 1))  # the two blocks are one cluster
     np.testing.assert_allclose(r, [10.0, 2, -5.0, -5.0, 1.0, 1.0, 7.25, 8.5, 1.25, 1.5, 1.5])
-    assert last == [(1, 128500, 0, 129500, 130000, 128500), (1, 138500, 0, 139500, 140000, 138500)], last
+    assert last == [(1, 128500, 0, 0, 129500, 130000, 128500), (1, 138500, 0, 0, 139500, 140000, 138500)], last
     st[3, 0, 2] = 139000  # the other block of the last link's cluster ends its loop later
-    assert link_stats(st, (1, 2, 1))[1][-1] == (1, 138500, 0, 139500, 140000, 139000)
+    assert link_stats(st, (1, 2, 1))[1][-1] == (1, 138500, 0, 0, 139500, 140000, 139000)
     assert link_stats(st, (2, 1, 1))[1][-1][-1] == 138500  # two clusters of one block: only its own

@@ -88,18 +88,18 @@ def bisect_rows(n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, strea
 
 def epilogue_segments(last) -> str:
     """Medians over links of the last-exiting block's epilogue: its loop end -> its cluster's last loop end (the
-    wait for the partner's partial that no epilogue can shorten) and loop end -> partials in hand -> stores issued
-    -> exit (us; a segment its path does not stamp is left out), and how often it was cluster rank 0."""
+    wait for the partner's partial that no epilogue can shorten), then from one stamp to the next of loop end,
+    partials in hand, staged, stores issued, exit (us; a stamp its path does not write is left out), and how often
+    it was cluster rank 0."""
     ranks = [r for r, *_ in last]
-    segs = {"loop end -> cluster's last loop end": [], "loop end -> partials in hand": [], "-> stores issued": [],
-            "-> exit": []}
-    for _, t2, t5, t6, t3, t2_cluster in last:
+    segs: dict[str, list] = {"loop end -> cluster's last loop end": []}
+    for _, t2, t5, t8, t6, t3, t2_cluster in last:
         segs["loop end -> cluster's last loop end"].append((t2_cluster - t2) / 1e3)
-        marks = [t2] + [v for v in (t5, t6) if v] + [t3]
-        names = (["loop end -> partials in hand"] if t5 else []) + (["-> stores issued"] if t6 else []) + ["-> exit"]
-        for name, a, b in zip(names, marks, marks[1:]):
-            segs[name].append((b - a) / 1e3)
-    parts = [f"{name} {np.median(v):.2f}" for name, v in segs.items() if v]
+        marks = [(label, v) for label, v in (("loop end", t2), ("partials in hand", t5), ("staged", t8),
+                                             ("stores issued", t6), ("exit", t3)) if v]  # 0: no such stamp
+        for (a, ta), (b, tb) in zip(marks, marks[1:]):
+            segs.setdefault(f"{a} -> {b}", []).append((tb - ta) / 1e3)
+    parts = [f"{name} {np.median(v):.2f}" for name, v in segs.items()]
     return ", ".join(parts) + f" (rank 0 in {ranks.count(0)} of {len(ranks)} links)"
 
 
@@ -108,7 +108,7 @@ def link_stats(stamps: np.ndarray, grid: tuple = (1, 1, 1)):
     blocks when the cluster splits K): per link after the first two, relative to the previous link's last exit (us):
     link time, blocks entered before it, first / last entry, first / last wait release, median loop, last loop end,
     median / max epilogue, last exit after the last loop end; their medians over the links, and per link the last
-    block out's (cluster rank, loop end, stamps 5 and 6, exit, its cluster's last loop end)."""
+    block out's (cluster rank, loop end, stamps 5, 8 and 6, exit, its cluster's last loop end)."""
     t = stamps[:, :, :4].astype(np.int64)
     gx, gy = grid[0], grid[1]
     rows, last = [], []
@@ -121,8 +121,8 @@ def link_stats(stamps: np.ndarray, grid: tuple = (1, 1, 1)):
         b = int(np.argmax(t[j, :, 3]))  # the link's last block out: its epilogue, segment by segment
         x, z = b % gx, b // (gx * gy)
         cluster = [x + gx * (y + gy * z) for y in range(gy)]  # block id is x-fastest, then y, then z
-        last.append((int(stamps[j, b, 7]), int(t[j, b, 2]), int(stamps[j, b, 5]), int(stamps[j, b, 6]),
-                     int(t[j, b, 3]), int(t[j, cluster, 2].max())))
+        last.append((int(stamps[j, b, 7]), int(t[j, b, 2]), int(stamps[j, b, 5]), int(stamps[j, b, 8]),
+                     int(stamps[j, b, 6]), int(t[j, b, 3]), int(t[j, cluster, 2].max())))
     return np.median(np.array(rows, dtype=np.float64), axis=0), last
 
 
