@@ -346,27 +346,39 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
         if (q != rank) mbar_arrive_cluster(dsmem_map(push_base + 8, q));
     }
     __syncthreads();
+    // In batches of groups, every slot's float4 loaded before any add (so their latencies overlap; a group this
+    // rank does not own is loaded from a landed slot at a clamped place, summed and dropped), then summed in rank
+    // order from zero (the DSMEM epilogue's sum). Slot s holds rank s + (s >= rank)'s partial.
     const float4* recv = reinterpret_cast<const float4*>(smem_gen + kRecvOff);
+    constexpr int kBatch = 4;
 #pragma unroll
-    for (int j = 0; j < kGroups; ++j) {
-      if (j < g_lo || j >= g_hi) continue;
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);  // rank (split) order from zero: the DSMEM epilogue's sum
+    for (int j0 = 0; j0 < kGroups; j0 += kBatch) {
+      float4 part[kBatch][CS - 1];
 #pragma unroll
-      for (int q = 0; q < CS; ++q) {
-        float4 p;
-        if (q == rank)
-          p = make_float4(acc[0][4 * j], acc[0][4 * j + 1], acc[0][4 * j + 2], acc[0][4 * j + 3]);
-        else
-          p = recv[((q - (q > rank)) * (kSlotBytes / 16)) + (j - g_lo) * kThreads + tid];
-        sum.x += p.x;
-        sum.y += p.y;
-        sum.z += p.z;
-        sum.w += p.w;
+      for (int b = 0; b < kBatch; ++b) {
+        const int local = min(max(j0 + b - g_lo, 0), kSlotBytes / 16 / kThreads - 1);
+#pragma unroll
+        for (int q = 0; q < CS - 1; ++q)
+          if (j0 + b < kGroups) part[b][q] = recv[q * (kSlotBytes / 16) + local * kThreads + tid];
       }
-      acc[0][4 * j] = sum.x;
-      acc[0][4 * j + 1] = sum.y;
-      acc[0][4 * j + 2] = sum.z;
-      acc[0][4 * j + 3] = sum.w;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int j = j0 + b;
+        if (j >= kGroups) continue;  // static; no branch on ownership, or the loads sink to their adds
+        const bool mine = j >= g_lo && j < g_hi;
+        const float4 own = make_float4(acc[0][4 * j], acc[0][4 * j + 1], acc[0][4 * j + 2], acc[0][4 * j + 3]);
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int q = 0; q < CS - 1; ++q) {
+          if (q == rank) sum = make_float4(sum.x + own.x, sum.y + own.y, sum.z + own.z, sum.w + own.w);
+          sum = make_float4(sum.x + part[b][q].x, sum.y + part[b][q].y, sum.z + part[b][q].z, sum.w + part[b][q].w);
+        }
+        if (rank == CS - 1) sum = make_float4(sum.x + own.x, sum.y + own.y, sum.z + own.z, sum.w + own.w);
+        acc[0][4 * j] = mine ? sum.x : own.x;
+        acc[0][4 * j + 1] = mine ? sum.y : own.y;
+        acc[0][4 * j + 2] = mine ? sum.z : own.z;
+        acc[0][4 * j + 3] = mine ? sum.w : own.w;
+      }
     }
     row_lo = 8 * g_lo;
     row_hi = 8 * g_hi;
