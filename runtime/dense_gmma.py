@@ -38,9 +38,10 @@ FAMILY = "dense_linear_sm90"
 # The cluster K splits (CS > 1) with the ranks' partial sums exchanged by st.async (GMMA_PUSH in
 # dense_linear_sm90.cu; family FAMILY_PUSH, where the receive region fits: gmma_push_smem_bytes) instead of the
 # DSMEM epilogue between two cluster barriers, at token tiles up to GMMA_PUSH_MAX_TN (DDTREE_GMMA_PUSH_MAX_TN;
-# 0: never). H100, session 30 (each rank sums its share of the token groups), graph chain per op, DSMEM -> push:
-# qkv 17 / 33 / 65 rows 20.66 -> 19.65 / 21.30 -> 20.20 / 22.29 -> 21.32 us, o 14.68 -> 13.79 / 14.31 -> 13.73 /
-# 15.09 -> 14.65, down 37.26 -> 36.36 / 37.39 -> 36.51 / 39.11 -> 38.35; 12-layer Qwen3-8B verify b32 -2.1%.
+# 0: never). Session 30 (each rank sums its share of the token groups), graph chain per op, DSMEM -> push, us:
+# H100 qkv 17 / 33 / 65 rows 20.63 -> 19.64 / 21.32 -> 20.19 / 22.24 -> 21.18, o 14.72 -> 13.81 / 14.31 -> 13.59 /
+# 15.00 -> 14.57, down 37.23 -> 36.20 / 37.17 -> 36.42 / 39.02 -> 38.18; H200 qkv 15.53 -> 15.24 / 16.14 -> 15.92 /
+# 17.25 -> 17.05, o 11.15 -> 10.67 / 11.07 -> 10.95, down even; 12-layer verify b32 -1.0% (H200), -2.3% (H100).
 FAMILY_PUSH = "dense_linear_sm90_push"
 GMMA_PUSH_MAX_TN = int(os.environ.get("DDTREE_GMMA_PUSH_MAX_TN", "256"))
 GMMA_ARCHS = FAMILIES[FAMILY].archs
