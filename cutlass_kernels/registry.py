@@ -164,8 +164,11 @@ DENSE_GMMA_INSTANCES = tuple((*c, cs, 2) for c in _GMMA_BASE for cs in (1, 2)) +
     # and the many-token tiles (the verify buckets 128..512), planned where unsplit blocks fill their waves
     (136, 1, 5, 1, 1, 3), (192, 1, 4, 1, 1, 3)) + (
     # one warpgroup, 64 rows, clusters of 2: a 4096-row W is 128 blocks, where 128-row blocks fill 64 or 96 SMs
-    # (runtime/dense_gmma.py _one_full_wave_of_1wg_pairs); 7 / 6 stages the default since session 28, 4 for A/B
-    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1), (48, 2, 7, 1, 2, 1), (72, 2, 6, 1, 2, 1))
+    # (runtime/dense_gmma.py _one_full_wave_of_1wg_pairs); 7 / 6 stages the default since session 28, 4 for A/B;
+    # and rings small enough for two blocks per SM (<= ~100 KB with the push's receive region: qkv's 192 blocks in
+    # one wave, or a chain's next blocks resident beside the previous ones), for A/B (tools/bench_dense.py --gmma)
+    (48, 2, 4, 1, 2, 1), (72, 2, 4, 1, 2, 1), (48, 2, 7, 1, 2, 1), (72, 2, 6, 1, 2, 1),
+    (32, 2, 4, 1, 2, 1), (48, 2, 3, 1, 2, 1), (72, 1, 5, 1, 2, 1))
 
 
 def _gmma_trigger() -> int:
@@ -208,8 +211,8 @@ def _register_gmma_family(name: str, configs, extra_options=(), checked: bool = 
 
 _register_gmma_family("dense_linear_sm90", DENSE_GMMA_INSTANCES)
 # linear_gmma_kernel's cluster K splits with GMMA_PUSH (each rank's partials of the others' token groups st.async'd
-# into their receive regions; where they do not fit, the DSMEM epilogue); runtime/dense_gmma.py takes these where gmma_push_smem_bytes
-# fits and the token tile is <= GMMA_PUSH_MAX_TN.
+# into their receive regions; where they do not fit, the DSMEM epilogue); runtime/dense_gmma.py takes these where
+# gmma_push_smem_bytes fits and the token tile is <= GMMA_PUSH_MAX_TN.
 _register_gmma_family("dense_linear_sm90_push", [c for c in DENSE_GMMA_INSTANCES if c[4] > 1], ("-DGMMA_PUSH=1",))
 # linear_gmma_kernel bisected (GMMA_BISECT: 1 no MMAs, 2 no epilogue, 3 neither) at the plans of Qwen3-8B's qkv, o,
 # down and gate_up at 17 / 33 / 64 / 65 rows (132 SMs), for tools/bench_w_tiles.py: where the kernel's time goes

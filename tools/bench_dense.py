@@ -55,13 +55,16 @@ def graph_time_us(launch_one, reps: int, stream, iters: int = 10) -> float:
 _WS = tuple({"splits": s} for s in (2, 3, 4, 8))
 # one warpgroup with the 4-stage ring it had before session 28 (the default is now 7 / 6 stages)
 _SHALLOW_1WG = {"nwg": 1, "stages": 4, "cs": 2}
+# one warpgroup with a ring small enough for two blocks per SM (session 30, unmeasured)
+_TWO_PER_SM_1WG = {32: {"nwg": 1, "ka": 2, "stages": 4, "cs": 2}, 48: {"nwg": 1, "stages": 3, "cs": 2},
+                   72: {"nwg": 1, "ka": 1, "stages": 5, "cs": 2}}
 GMMA_ALTERNATIVES = {16: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}),
-                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, *_WS),
-                     48: ({"cs": 1}, {"cs": 2}, {"nwg": 1, "cs": 2}, _SHALLOW_1WG, *_WS),
+                     32: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, _TWO_PER_SM_1WG[32], *_WS),
+                     48: ({"cs": 1}, {"cs": 2}, {"nwg": 1, "cs": 2}, _SHALLOW_1WG, _TWO_PER_SM_1WG[48], *_WS),
                      64: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"rw": 2, "ka": 1, "cs": 1}, {"nwg": 3, "cs": 1},
                           *_WS),
                      72: ({"cs": 1}, {"cs": 2}, {"cs": 3}, {"cs": 4}, {"nwg": 3, "cs": 1}, {"nwg": 3, "cs": 2},
-                          {"nwg": 1, "cs": 2}, _SHALLOW_1WG, *_WS),
+                          {"nwg": 1, "cs": 2}, _SHALLOW_1WG, _TWO_PER_SM_1WG[72], *_WS),
                      128: ({"cs": 1}, {"cs": 2}, {"cs": 4}, {"rw": 2, "stages": 4, "cs": 1}),
                      136: ({"cs": 1}, {"cs": 2}, {"nwg": 3, "cs": 1}, {"tn": 192}),
                      256: ({"cs": 1}, {"cs": 2}, {"cs": 4})}
