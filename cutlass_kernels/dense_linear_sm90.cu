@@ -394,9 +394,9 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   const int c0 = 2 * (lane & 3);
   const bool single = gridDim.y == 1 || kPush;  // a GMMA_PUSH block holds the whole sum of its rows
   // 16-byte stores (8 bf16 or two float4 of the workspace) where every row start is 16-byte aligned
-  const bool vec16 = single ? (ldo % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
-                               (residual == nullptr || (ldr % 8 == 0 && reinterpret_cast<uintptr_t>(residual) % 16 == 0)))
-                            : (N % 4 == 0 && reinterpret_cast<uintptr_t>(ws) % 16 == 0);
+  const bool res16 = residual == nullptr || (ldr % 8 == 0 && reinterpret_cast<uintptr_t>(residual) % 16 == 0);
+  const bool vec16 = single ? ldo % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 && res16
+                            : N % 4 == 0 && reinterpret_cast<uintptr_t>(ws) % 16 == 0;
 #pragma unroll
   for (int t = 0; t < RW; ++t) {
     // t = 0: all warpgroups done with the stage buffers (GMMA_PUSH: synced above); t > 0: previous pass written out

@@ -125,8 +125,8 @@ def test_linear_gmma_push_every_cluster_instance(dg, ref, cfg, monkeypatch):
     """The cluster K split with its partials exchanged by st.async (GMMA_PUSH, family dense_linear_sm90_push): against
     the reference, with and without a residual, and the same bits as the DSMEM epilogue (both add the partials in
     rank order). Row counts that leave some 8-token groups of the tile dead (so the ranks share fewer groups, at one
-    row all but one rank own none), a second token tile, and widths with and without 16-byte stores. Instances whose exchange does not fit keep the DSMEM
-    epilogue in that family."""
+    row all but one rank own none), a second token tile, and widths with and without 16-byte stores. Instances
+    whose exchange does not fit keep the DSMEM epilogue in that family."""
     tn, cs, nwg = cfg[0], cfg[4], cfg[5]
     K = 1000 + 512 * cs
     kw = dict(zip(("tn", "ka", "stages", "rw", "cs", "nwg"), cfg))
@@ -481,8 +481,8 @@ def test_push_family_covers_the_cluster_instances():
 def test_push_epilogue_layout():
     """GMMA_PUSH's exchange (dense_linear_sm90.cu, expression for expression) on every cluster instance and every
     count of live 8-token groups: rank r owns groups [r L / CS, (r + 1) L / CS); sender q writes its float4 of
-    thread i for group j of rank r at r's byte kRecvOff + (q - (q > r)) * kSlotBytes + ((j - first) * kThreads + i) * 16,
-    and r reads the same place for (q, j, i). Every group is owned once, every byte a receiver reads is written once
+    thread i for group j of rank r at r's byte kRecvOff + (q - (q > r)) * kSlotBytes + ((j - first) * kThreads + i)
+    * 16, and r reads the same place for (q, j, i). Every group is owned once, every byte a receiver reads is written once
     and is what its gather barrier expects (within an mbarrier's tx-count range), the slots lie past the ring and the
     epilogue staging (the receiver still streams while they land) and within the shared memory dense_gmma launches
     the push family with; only exchanges that do not fit keep the DSMEM epilogue."""

@@ -21,8 +21,8 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
   3wg0          GMMA linear: two-warpgroup blocks at the token tiles 136 / 192 (as DDTREE_GMMA_THREE_WG=0)
   1wg0          GMMA linear: no one-warpgroup blocks in clusters of 2 (as DDTREE_GMMA_ONE_WG=0); 1wgs4: those
                 blocks with the 4-stage ring of before session 28
-  push0/1       GMMA linear: cluster K splits with the DSMEM epilogue / partials exchanged by st.async at every token tile
-                (DDTREE_GMMA_PUSH_MAX_TN: the tiles that push by default)
+  push0/1       GMMA linear: cluster K splits with the DSMEM epilogue / partials exchanged by st.async, at every
+                token tile (DDTREE_GMMA_PUSH_MAX_TN: the tiles that push by default)
   gmmadec0      decode-size linears (1..8 rows) on the gemv / x-resident kernels for every weight (as
                 DDTREE_GMMA_DECODE=0); gmma1: every unfused linear of any size on GMMA
   fuse0         no rmsnorm / swiglu fused into a linear (as DDTREE_FUSED_PROLOGUE_ROWS=0)

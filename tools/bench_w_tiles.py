@@ -64,7 +64,8 @@ def bisect_rows(n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, strea
     x = cuda.to_device(np.full((m, k), 0x3F80, np.uint16))  # bf16 1.0: MMAs on real numbers
     out = cuda.empty((m, n), np.uint16)
     blocks = grid[0] * grid[1] * grid[2]
-    labels = {"dense_linear_sm90": "whole", "dense_linear_sm90_push": "whole, partials exchanged by st.async (GMMA_PUSH)",
+    labels = {"dense_linear_sm90": "whole",
+              "dense_linear_sm90_push": "whole, partials exchanged by st.async (GMMA_PUSH)",
               "dense_linear_sm90_bisect1": "no MMAs",
               "dense_linear_sm90_bisect2": "no epilogue", "dense_linear_sm90_bisect3": "no MMAs, no epilogue"}
     for family, label in labels.items():
