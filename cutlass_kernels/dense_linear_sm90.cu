@@ -73,6 +73,19 @@ __device__ __forceinline__ float4 ld_dsmem4(uint32_t remote) {
                : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote));
   return v;
 }
+// out[m, n + e] = bf16(v[e] (+ residual[m, n + e])) for the E columns that lie below N, one element at a time
+// (where the row is not 16-byte aligned, or at N's ragged end).
+template <int E>
+__device__ __forceinline__ void store_bf16_cols(__nv_bfloat16* __restrict__ out, int ldo,
+                                                const __nv_bfloat16* __restrict__ residual, int ldr, int m, int n,
+                                                int N, const float (&v)[E]) {
+#pragma unroll
+  for (int e = 0; e < E; ++e)
+    if (n + e < N) {
+      const float r = residual ? __bfloat162float(residual[(size_t)m * ldr + n + e]) : 0.f;
+      out[(size_t)m * ldo + n + e] = __float2bfloat16(v[e] + r);
+    }
+}
 }  // namespace
 
 // TN: tokens per tile (wgmma N). KA: 64-k atoms per pipeline stage. STAGES: shared-memory stages. RW: 64-row
@@ -451,12 +464,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
             sum[2] += part[b][q].z;
             sum[3] += part[b][q].w;
           }
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (n + e < N) {
-              const float r = residual ? __bfloat162float(residual[(size_t)m * ldr + n + e]) : 0.f;
-              out[(size_t)m * ldo + n + e] = __float2bfloat16(sum[e] + r);
-            }
+          store_bf16_cols(out, ldo, residual, ldr, m, n, N, sum);
         }
       }
       GMMA_STAMP(6);
@@ -490,29 +498,14 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
       }
       if (vec16 && n + 8 <= N) {
         if (residual) {
-          const uint4 r = *reinterpret_cast<const uint4*>(residual + (size_t)m * ldr + n);
-          const uint32_t rw[4] = {r.x, r.y, r.z, r.w};
+          float r[8];
+          ddtree::unpack8(*reinterpret_cast<const uint4*>(residual + (size_t)m * ldr + n), r);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const __nv_bfloat162 r2 = *reinterpret_cast<const __nv_bfloat162*>(&rw[e]);
-            f[2 * e] += __low2float(r2);
-            f[2 * e + 1] += __high2float(r2);
-          }
+          for (int e = 0; e < 8; ++e) f[e] += r[e];
         }
-        uint32_t packed[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * e], f[2 * e + 1]);
-          packed[e] = *reinterpret_cast<const uint32_t*>(&h);
-        }
-        *reinterpret_cast<uint4*>(out + (size_t)m * ldo + n) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        *reinterpret_cast<uint4*>(out + (size_t)m * ldo + n) = ddtree::pack8(f);
       } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          if (n + e < N) {
-            const float r = residual ? __bfloat162float(residual[(size_t)m * ldr + n + e]) : 0.f;
-            out[(size_t)m * ldo + n + e] = __float2bfloat16(f[e] + r);
-          }
+        store_bf16_cols(out, ldo, residual, ldr, m, n, N, f);
       }
     }
     GMMA_STAMP(6);
