@@ -9,8 +9,8 @@ where those fill one wave, e.g. its o and down) and TN tokens (the wgmma N), fed
 shared-memory pipeline of KA 64-k atoms per stage. TN is the smallest instance >= M (one token tile up to
 256 rows). K is split over blockIdx.y when the row blocks alone cannot fill the GPU (gmma_plan's cost
 model): either inside a (1, CS, 1) thread-block cluster whose blocks sum their partial tiles through
-distributed shared memory (CS = 2; 4 when forced: no workspace traffic, no tickets; with GMMA_PUSH the other blocks
-send theirs to the first, which sums and writes alone), or through
+distributed shared memory (CS = 2; 4 when forced: no workspace traffic, no tickets; with GMMA_PUSH the blocks
+exchange their partials by st.async, each summing and writing its share of the tile's token groups), or through
 fp32 partials in a runtime.dense_kernels.Workspace reduced by the last block of each tile
 (ddtree::splitk_finish: one int32 ticket per (token tile, row block), left at zero). A stream-K schedule over all
 SMs was built and measured slower at every shape (docs/PERF.md, sessions 27-28), and removed.

@@ -482,10 +482,11 @@ def test_push_epilogue_layout():
     """GMMA_PUSH's exchange (dense_linear_sm90.cu, expression for expression) on every cluster instance and every
     count of live 8-token groups: rank r owns groups [r L / CS, (r + 1) L / CS); sender q writes its float4 of
     thread i for group j of rank r at r's byte kRecvOff + (q - (q > r)) * kSlotBytes + ((j - first) * kThreads + i)
-    * 16, and r reads the same place for (q, j, i). Every group is owned once, every byte a receiver reads is written once
-    and is what its gather barrier expects (within an mbarrier's tx-count range), the slots lie past the ring and the
-    epilogue staging (the receiver still streams while they land) and within the shared memory dense_gmma launches
-    the push family with; only exchanges that do not fit keep the DSMEM epilogue."""
+    * 16, and r reads the same place for (q, j, i) (slot q - (q > r) holds sender q). Every group is owned once,
+    every byte a receiver reads is written once and is what its gather barrier expects (within an mbarrier's tx-count
+    range), the slots lie past the ring and the epilogue staging (the receiver still streams while they land) and
+    within the shared memory dense_gmma launches the push family with; only exchanges that do not fit keep the DSMEM
+    epilogue."""
     from cutlass_kernels.registry import DENSE_GMMA_INSTANCES
     from runtime.dense_gmma import SMEM_PER_BLOCK_MAX, gmma_push_smem_bytes
     kept_dsmem = []

@@ -50,6 +50,16 @@ def family_smem(family: str, entry: str, smem: int) -> int:
     return (dg.gmma_push_smem_bytes(*dg.gmma_config(entry)) or smem) if push else smem
 
 
+def gmma_link(kern, entry: str, grid: tuple, smem: int, x, w, out, ws, m: int, n: int, k: int, k_per_split: int,
+              stream) -> None:
+    """One launch of linear_gmma_kernel `entry` (x [m, k] @ w^T into out, no residual; `ws` its workspace argument:
+    the trace families' stamps, else unused) as a link of a bisect / trace chain."""
+    from runtime import dense_gmma as dg
+    kern.launch(grid, dg.gmma_threads(dg.gmma_config(entry)[5]), [
+        x, np.int32(k), w, out, np.int32(n), np.uint64(0), np.int32(0), ws, out, np.int32(m), np.int32(n),
+        np.int32(k), np.int32(k_per_split)], smem=smem, stream=stream)
+
+
 def bisect_rows(n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, stream):
     """linear_gmma_kernel at M = m as the runtime plans it, in the same PDL chain: whole, then without its MMAs, its
     epilogue, or both (families dense_linear_sm90_bisect1..3), and with the push epilogue (dense_linear_sm90_push),
@@ -76,10 +86,8 @@ def bisect_rows(n: int, k: int, m: int, rs, reps: int, gs: list[int], pct, strea
             continue
         fsmem = family_smem(family, entry, smem)
         kern.set_max_dynamic_smem(fsmem)
-        null = np.uint64(0)
-        us = graph_time_us(lambda i, st: kern.launch(grid, dg.gmma_threads(dg.gmma_config(entry)[5]), [
-            x, np.int32(k), rs[i % len(rs)], out, np.int32(n), null, np.int32(0), out, out, np.int32(m), np.int32(n),
-            np.int32(k), np.int32(k_per_split)], smem=fsmem, stream=st), reps=reps, stream=stream)
+        us = graph_time_us(lambda i, st: gmma_link(kern, entry, grid, fsmem, x, rs[i % len(rs)], out, out, m, n, k,
+                                                   k_per_split, st), reps=reps, stream=stream)
         cells = [f"{us:.2f} ({pct(n * k * 2, us):.1f}%)" if g == blocks else "" for g in gs]
         if blocks not in gs:
             cells[-1] = f"G = {blocks}: {us:.2f} ({pct(n * k * 2, us):.1f}%)"
@@ -153,11 +161,9 @@ def trace_rows(n: int, k: int, m: int, rs, reps: int, stream):
         kern = cuda.get_kernel(family, entry)
         fsmem = family_smem(family, entry, smem)
         kern.set_max_dynamic_smem(fsmem)
-        null = np.uint64(0)
-        graph_time_us(lambda i, st: kern.launch(grid, dg.gmma_threads(dg.gmma_config(entry)[5]), [
-            x, np.int32(k), rs[i % len(rs)], out, np.int32(n), null, np.int32(0), trace.view(i * words, (words,)),
-            out, np.int32(m), np.int32(n), np.int32(k), np.int32(k_per_split)], smem=fsmem, stream=st),
-            reps=reps, stream=stream, iters=3)
+        graph_time_us(lambda i, st: gmma_link(kern, entry, grid, fsmem, x, rs[i % len(rs)], out,
+                                              trace.view(i * words, (words,)), m, n, k, k_per_split, st),
+                      reps=reps, stream=stream, iters=3)
         stream.synchronize()
         stamps = trace.download().reshape(reps, blocks, TRACE_WORDS)
         r, last = link_stats(stamps, grid)

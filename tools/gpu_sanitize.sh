@@ -22,7 +22,7 @@ if [ ${#tests[@]} -eq 0 ]; then
     "tests/test_dense_gmma.py::test_linear_gmma_every_instance[<16,2,4,1,3>]"   # pushed partials, CS = 3
     "tests/test_dense_gmma.py::test_linear_gmma_every_instance[<72,2,4,1,3>]"   # DSMEM reduction (no room to push)
     "tests/test_dense_gmma.py::test_linear_gmma_every_instance[<64,2,4,1,4>]"
-    "tests/test_dense_gmma.py::test_linear_gmma_graph_replay[push]"   # the push: peers leave with st.async in flight
+    "tests/test_dense_gmma.py::test_linear_gmma_graph_replay[push]"   # the push: partials exchanged by st.async
     "tests/test_dense_gmma.py::test_linear_gmma_every_instance[<128,1,6,1,2>]"
     "tests/test_dense_gmma.py::test_linear_gmma_every_instance[<72,2,4,1,2>x1wg]"   # one warpgroup
     "tests/test_dense_gmma.py::test_linear_gmma_every_instance[<136,1,5,1,1>x3wg]"  # three, many tokens
