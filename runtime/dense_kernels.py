@@ -226,6 +226,16 @@ def fused_prologue_ok(M: int, K: int, prologue: str) -> bool:
 LINEAR_72_ROW_TILE = os.environ.get("DDTREE_LINEAR_72_ROWS", "1") != "0"
 
 
+def prologue_fuses(M: int, N: int, K: int, prologue: str) -> bool:
+    """Whether `linear` fuses `prologue` into the x load at [M, K] x [N, K]^T when its plan is left to it: where the
+    sm_90a narrow-row GMMA kernel takes that linear (dense_gmma.narrow_fuses), else at decode sizes unless another
+    GMMA plan takes it (faster with the prologue as its own launch, runtime/dense_gmma.py GMMA_DECODE)."""
+    from runtime import dense_gmma
+    if dense_gmma.gmma_wanted(M, N, K):
+        return dense_gmma.narrow_fuses(M, N, K, prologue)
+    return fused_prologue_ok(M, K, prologue)
+
+
 def _mt(M: int) -> int:
     """Token tile (8*MT rows). 65..72 rows (a budget-64 verify: root + 64 nodes) get one 72-row tile
     instead of 64 + a 1-row tile that would re-read W and redo a whole tile's MMAs (chunked kernel only)."""

@@ -346,12 +346,54 @@ def default_variants(tokens: int) -> tuple[str, str]:
     raise AssertionError
 
 
+def _dense_kernels():
+    from . import dense_kernels
+    return dense_kernels
+
+
+@dataclass
+class SharedExpertMlp:
+    """The shared expert(s) of a DeepSeek-V3 MoE layer: a bf16 SwiGLU MLP on every token, on device.
+    gate_up: bf16 [2 * inter, hidden], the gate_proj rows then the up_proj rows; down: bf16 [hidden, inter].
+    (n_shared_experts > 1 is one MLP of n x moe_intermediate_size, as the checkpoints store it.)"""
+    gate_up: object
+    down: object
+
+    def __post_init__(self):
+        gu, dn = self.gate_up, self.down
+        if gu.dtype != np.uint16 or dn.dtype != np.uint16 or len(gu.shape) != 2 or len(dn.shape) != 2:
+            raise ValueError(f"shared expert weights must be 2-d bf16, got gate_up {gu.dtype} {gu.shape}, down "
+                             f"{dn.dtype} {dn.shape}")
+        if gu.shape[0] % 2 or dn.shape != (gu.shape[1], gu.shape[0] // 2) or gu.shape[0] // 2 % 8:
+            raise ValueError(f"shared expert weights: want gate_up [2 I, H] and down [H, I] with I % 8 == 0, got "
+                             f"gate_up {gu.shape}, down {dn.shape}")
+
+    @property
+    def hidden(self) -> int:
+        return self.gate_up.shape[1]
+
+    @property
+    def inter(self) -> int:
+        return self.down.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def fuses(self, T: int) -> bool:
+        """Whether silu(gate) * up goes into the down linear's x load at T rows (the dense kernels' rule)."""
+        return _dense_kernels().prologue_fuses(T, self.hidden, self.inter, "swiglu")
+
+
 class MoeLayer:
     """The routed MoE of one layer for a fixed token count T (a graph bucket): buffers allocated once,
     launches packed once. `forward(stream)` runs routing -> gate_up -> down (-> combine) on the device.
 
     Inputs (fill before forward): .x bf16 [T, hidden], .logits fp32 [T, E] (router logits), optional
-    shared-expert output bf16 [T, hidden] passed at construction. Output: .y bf16 [T, hidden] = the routing
+    shared-expert output bf16 [T, hidden] passed at construction (`shared`), or the shared expert's weights
+    (`shared_mlp`, see SharedExpertMlp: the layer then computes that output into .shared itself, on a side stream
+    forked at its start and joined before the combine: those weights do not depend on the routing, so their stream
+    runs beside the routing and the GEMMs' ramps and tails). Output: .y bf16 [T, hidden] = the routing
     weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
@@ -385,7 +427,8 @@ class MoeLayer:
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
-                 routed_scaling_factor: float = KIMI_SCALING, shared=None, variants: tuple[str, str] | None = None,
+                 routed_scaling_factor: float = KIMI_SCALING, shared=None, shared_mlp: SharedExpertMlp | None = None,
+                 variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, route_one: bool | None = None, fuse_combine: bool | None = None,
                  early: bool | None = None,
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
@@ -445,6 +488,12 @@ class MoeLayer:
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
             raise ValueError(f"shared expert output must be bf16 [T, hidden] = [{T}, {w.hidden}], got "
                              f"{shared.dtype} {shared.shape}")
+        if shared_mlp is not None:
+            if shared is not None:
+                raise ValueError("give the shared expert's output (shared) or its weights (shared_mlp), not both")
+            if shared_mlp.hidden != w.hidden:
+                raise ValueError(f"shared_mlp has hidden size {shared_mlp.hidden}, the routed experts {w.hidden}")
+            shared = cuda.empty((T, w.hidden), np.uint16)
         self.T, self.E, self.topk = T, E, topk
         P = T * topk
         self.num_slots = min(E, P)
@@ -463,6 +512,10 @@ class MoeLayer:
         self.down_out = cuda.empty((P, w.hidden), np.uint16)   # bf16: each expert's output, rounded once
         self.y = cuda.empty((T, w.hidden), np.uint16)
         self.shared = shared
+        self.shared_mlp = shared_mlp
+        self._shared_gu = cuda.empty((T, 2 * shared_mlp.inter), np.uint16) if shared_mlp is not None else None
+        self._shared_h = (cuda.empty((T, shared_mlp.inter), np.uint16)
+                          if shared_mlp is not None and not shared_mlp.fuses(T) else None)
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
         self.x_slot = None   # the slot-ordered copy of x (made below where a hot tier runs PIPE 6-8)
         self.fused_routing = bool(fused_routing)
@@ -553,6 +606,10 @@ class MoeLayer:
             for _, launch in self.stages:
                 _without_pdl(launch)
         self.launches = [launch for _, launch in self.stages]
+        if shared_mlp is not None:   # dense bf16 launches planned at each call: not among the prepared launches
+            self.stages.insert(0, ("shared", self._shared_forward))
+            self._shared_side = cuda.Stream()
+            self._shared_fork, self._shared_join = cuda.Event(timing=False), cuda.Event(timing=False)
         if gmma_overlap is None:
             gmma_overlap = GMMA_OVERLAP and not self.fuse_combine
         if gmma_overlap and self.fuse_combine:
@@ -624,34 +681,56 @@ class MoeLayer:
             smem=smem)
 
     def forward(self, stream=None, stages=None):
-        """Launch the layer (or only the named stages: 'route', 'x_hot', 'gate_up_hot', 'gate_up', 'down_hot',
-        'down', 'combine'; the _hot ones exist with the wgmma hot-expert path (x_hot with PIPE 6-8), 'combine'
-        unless it is folded into down)."""
-        if self.gmma_overlap and stages is None:
-            self._forward_overlapped(stream)
+        """Launch the layer (or only the named stages, in order on `stream`: 'shared', 'route', 'x_hot',
+        'gate_up_hot', 'gate_up', 'down_hot', 'down', 'combine'; 'shared' exists with shared_mlp, the _hot ones
+        with the wgmma hot-expert path (x_hot with PIPE 6-8), 'combine' unless it is folded into down).
+        The whole layer: with shared_mlp, 'shared' on a side stream forked first and joined before the stage
+        that reads .shared (the combine, or down where the combine is folded into it); with gmma_overlap, the
+        _hot stages on another side stream forked after the routing and joined before the combine."""
+        if stages is not None:
+            for name, launch in self.stages:
+                if name in stages:
+                    launch(stream)
             return
-        for name, launch in self.stages:
-            if stages is None or name in stages:
-                launch(stream)
-
-    def _forward_overlapped(self, stream):
-        """route on `stream`; fork: the _hot stages on the side stream, gate_up / down on `stream`; join; combine."""
         cuda = _cuda()
+        if self.shared_mlp is not None:
+            self._shared_fork.record(stream)
+            self._shared_side.wait(self._shared_fork)
+            self._shared_forward(self._shared_side)
+            self._shared_join.record(self._shared_side)
+        reads_shared = "down" if self.fuse_combine else "combine"
+        forked = False
         for name, launch in self.stages:
-            if name == "route":
-                launch(stream)
-        self._fork.record(stream)
-        self._side.wait(self._fork)
-        for name, launch in self.stages:
-            if name.endswith("_hot"):
+            if name == "shared":
+                continue
+            if self.gmma_overlap and name != "route" and not forked:
+                self._fork.record(stream)   # the hot chain after the routing, beside gate_up / down
+                self._side.wait(self._fork)
+                forked = True
+            if self.gmma_overlap and name.endswith("_hot"):
                 launch(self._side)
-            elif name in ("gate_up", "down"):
-                launch(stream)
-        self._join.record(self._side)
-        cuda.stream.wait_event(stream, self._join)
-        for name, launch in self.stages:
-            if name == "combine":
-                launch(stream)
+                continue
+            if name == "combine" and self.gmma_overlap:
+                self._join.record(self._side)
+                cuda.stream.wait_event(stream, self._join)
+            if name == reads_shared and self.shared_mlp is not None:
+                cuda.stream.wait_event(stream, self._shared_join)
+            launch(stream)
+
+    def _shared_forward(self, stream):
+        """The shared expert's MLP into .shared: gate_up, then down with silu(gate) * up (fused into down's x load
+        where the dense kernels take it, else its own launch)."""
+        m, T = self.shared_mlp, self.T
+        dk = _dense_kernels()
+        dk.linear(self.x, m.gate_up, self._shared_gu, stream=stream)
+        gate = self._shared_gu.view(0, (T, m.inter))
+        up = self._shared_gu.view(m.inter, (T, m.inter))
+        ld = 2 * m.inter
+        if self._shared_h is None:
+            dk.linear(gate, m.down, self.shared, ldx=ld, stream=stream, prologue="swiglu", x2=up, ldx2=ld)
+        else:
+            dk.swiglu(gate, up, self._shared_h, T=T, I=m.inter, ldg=ld, ldu=ld, stream=stream)
+            dk.linear(self._shared_h, m.down, self.shared, stream=stream)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -89,6 +89,16 @@ def moe(x: np.ndarray, ids: np.ndarray, w: np.ndarray, gate: np.ndarray, up: np.
     return (y, slack) if with_slack else y
 
 
+def shared_mlp(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """The shared expert's bf16 SwiGLU MLP in float32: gate_up [2 I, K] (gate rows, then up), down [K, I];
+    gate / up, h and the output rounded through bf16 as the dense kernels store them. Returns float32 [T, K]."""
+    x = np.asarray(x, np.float32)
+    inter = down.shape[1]
+    gu = round_bf16(x @ np.asarray(gate_up, np.float32).T)
+    h = round_bf16(silu(gu[:, :inter]) * gu[:, inter:])
+    return round_bf16(h @ np.asarray(down, np.float32).T)
+
+
 def bf16_ulp(v: np.ndarray) -> np.ndarray:
     """The spacing of bf16 values at |v| (8 significant bits; the smallest normal's spacing below it)."""
     e = np.floor(np.log2(np.maximum(np.abs(np.asarray(v, np.float64)), 2.0 ** -126)))

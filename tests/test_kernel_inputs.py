@@ -165,6 +165,18 @@ def test_kimi_entry_points():
         kk.MoeLayer(w, 4, np.zeros(7, np.float32), topk=4)
     with pytest.raises(ValueError, match="shared expert output"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, shared=fake((4, 256)))
+    with pytest.raises(ValueError, match="2-d bf16"):
+        kk.SharedExpertMlp(fake((32, 512), np.float32), fake((512, 16)))
+    with pytest.raises(ValueError, match=r"want gate_up \[2 I, H\] and down \[H, I\]"):
+        kk.SharedExpertMlp(fake((32, 512)), fake((512, 8)))
+    with pytest.raises(ValueError, match="I % 8 == 0"):
+        kk.SharedExpertMlp(fake((12, 512)), fake((512, 6)))
+    mlp = kk.SharedExpertMlp(fake((32, 256)), fake((256, 16)))
+    assert (mlp.hidden, mlp.inter, mlp.nbytes) == (256, 16, (32 * 256 + 256 * 16) * 2)
+    with pytest.raises(ValueError, match="hidden size 256, the routed experts 512"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, shared_mlp=mlp)
+    with pytest.raises(ValueError, match="not both"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, shared=fake((4, 512)), shared_mlp=mlp)
     with pytest.raises(ValueError, match="gmma_tile=100"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_tile=100)
     with pytest.raises(ValueError, match="gmma_pipe=4 with gmma_tile=64"):

@@ -663,6 +663,72 @@ def test_moe_graph_replay_pdl(cuda_device, T, E, early):
     _check_graph_replay(layer, dense, rng, T=T, E=E, hidden=1024, topk=4, trials=3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,plan", [
+    (1, 16, dict()), (5, 16, dict()), (40, 8, dict()), (3, 8, dict(fuse_combine=True, early=False)),
+    (96, 8, dict(gmma_min_tokens=40, gmma_tile=64, gmma_pipe=3, gmma_overlap=True))])
+def test_moe_layer_shared_mlp(cuda_device, T, E, plan):
+    """The shared expert's MLP run by the layer on its side stream (joined before the combine, or before down
+    where the combine is folded into it; beside the hot chain's own side stream at T = 96):
+    - .shared bit-equal to the 'shared' stage run alone, and .y to a layer given that output;
+    - both vs the float32 reference, eager and graph-replayed with new inputs (outputs poisoned first)."""
+    from runtime import cuda
+    from runtime.kimi_kernels import MoeLayer, SharedExpertMlp
+    if "gmma_min_tokens" in plan and cuda.get_device().arch != "90a":
+        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
+    hidden, inter, shared_inter, topk = 1024, 512, 1024, 4
+    rng = np.random.default_rng(31 + T)
+    dense, w = make_moe(rng, E, hidden, inter)
+    gate_up = round_bf16(rng.standard_normal((2 * shared_inter, hidden)).astype(np.float32) / np.sqrt(hidden))
+    down = round_bf16(rng.standard_normal((hidden, shared_inter)).astype(np.float32) / np.sqrt(shared_inter))
+    mlp = SharedExpertMlp(cuda.to_device(to_bf16(gate_up)), cuda.to_device(to_bf16(down)))
+    bias = np.zeros(E, np.float32)
+    layer = MoeLayer(w, T, bias, topk=topk, shared_mlp=mlp, **plan)
+    alone = MoeLayer(w, T, bias, topk=topk, shared_mlp=mlp, **plan)
+    stream = cuda.Stream()
+    with cuda.capture(stream) as g:
+        layer.forward(stream)
+    graph = g.instantiate()
+    for trial in range(2):
+        x = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32))
+        logits = rng.standard_normal((T, E)).astype(np.float32)
+        ids, wts = ref.route(logits, bias, topk)
+        sh_want = ref.shared_mlp(x, gate_up, down)
+        want, slack = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], sh_want, with_slack=True)
+        slack += ref.bf16_ulp(sh_want)   # the shared output's own rounding
+        got = {}
+        for how in ("eager", "graph"):
+            for a in (layer.shared, layer.h, layer.down_out, layer.y):
+                a.fill_bytes(0xFF)      # NaN poison
+            layer.x.upload(to_bf16(x))
+            layer.logits.upload(logits)
+            if how == "eager":
+                layer.forward(stream)
+            else:
+                graph.launch(stream)
+            stream.synchronize()
+            got[how] = layer.shared.download(), layer.y.download()
+            assert_close(got[how][0], sh_want, f"shared MLP, T={T} {plan} {how} {trial}", dtype="bf16", rtol=RTOL,
+                         atol=RTOL, scale="mean")
+            assert_close(got[how][1], want, f"MoE + shared MLP, T={T} {plan} {how} {trial}", dtype="bf16",
+                         rtol=RTOL, atol=RTOL, scale="mean", slack=slack)
+        for a, b in zip(got["eager"], got["graph"]):
+            np.testing.assert_array_equal(a, b, err_msg="graph replay differs from the eager layer")
+    # the 'shared' stage alone on one stream: the same bits; a layer given that output: the same .y
+    alone.x.upload(to_bf16(x))
+    alone.shared.fill_bytes(0xFF)
+    alone.forward(stream, stages=("shared",))
+    stream.synchronize()
+    np.testing.assert_array_equal(alone.shared.download(), got["eager"][0])
+    given = MoeLayer(w, T, bias, topk=topk, shared=alone.shared, **plan)
+    given.x.upload(to_bf16(x))
+    given.logits.upload(logits)
+    given.y.fill_bytes(0xFF)
+    given.forward(stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(given.y.download(), got["eager"][1])
+
+
 def _check_graph_replay(layer, dense, rng, *, T, E, hidden, topk, trials):
     """Capture layer.forward once, replay it with new inputs each time (the graph reads the buffers'
     contents), output poisoned before each replay and compared with the float32 reference."""

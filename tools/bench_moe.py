@@ -19,6 +19,10 @@ with PDL, with PDL + early start ("nopdl", "pdl", "pdl+early"); then the wgmma h
 plans (gmma>=N: experts with >= N tokens on moe_int4_sm90.cu; /128, /256 token tiles; /ra, /ra2, /ws, /shallow
 the pipeline; /ov the hot chain on a second stream; tiers...: pipelines split by token count).
 
+--shared N: the layer with N shared experts' bf16 MLP computed by it (MoeLayer(shared_mlp=...)): on its side stream
+beside the routing and the routed GEMMs (the default), every stage on one stream, and the sum of the two alone; the
+% of the read then counts the routed experts' and the shared MLP's bytes.
+
 The torch loop runs in its own process (torch and the runtime's CUDA wheels in one process clashed on the
 device image); both processes route the same logits (seeded per routing and T), so the ratio compares the
 same work, measured in the same device session.
@@ -58,6 +62,16 @@ def make_weights(E: int, hidden: int, inter: int, rng):
         random_fill(s, rng, "s")
         arrays += [q, s]
     return MoeWeights(E, hidden, inter, *arrays)
+
+
+def make_shared_mlp(hidden: int, inter: int, rng):
+    """The shared expert's bf16 MLP (gate_up [2 I, H], down [H, I]) with random bf16 weights on the device."""
+    from runtime import cuda
+    from runtime.kimi_kernels import SharedExpertMlp
+    gate_up, down = cuda.empty((2 * inter, hidden), np.uint16), cuda.empty((hidden, inter), np.uint16)
+    for a in (gate_up, down):
+        random_fill(a, rng, "s")
+    return SharedExpertMlp(gate_up, down)
 
 
 def routing_logits(T: int, E: int, kind: str) -> np.ndarray:
@@ -123,6 +137,9 @@ def main(argv=None):
     ap.add_argument("--no-plans", action="store_true", help="skip the launch-plan comparison")
     ap.add_argument("--plans", default="", help="comma list of plan labels to time (default: all); a label ending in"
                     " '*' selects every label that starts with the rest")
+    ap.add_argument("--shared", type=int, default=0, metavar="N", help="also time the layer with N shared experts' "
+                    "bf16 MLP (N x inter wide; Kimi K2: 1) computed by it: on its side stream (the default) and "
+                    "with every stage on one stream, same run; %% BW then counts the shared weights too")
     ap.add_argument("--torch-only", metavar="JSON", help="time only the torch bf16 loop, write results here")
     ap.add_argument("--torch-json", metavar="JSON", help="torch loop times from a --torch-only run")
     ap.add_argument("--torch", action="store_true", help="run the torch loop first (a --torch-only child process, "
@@ -146,6 +163,11 @@ def main(argv=None):
     per_expert = weights.bytes_per_expert
     print(f"weights: {args.experts} experts x {per_expert / 1e6:.2f} MB = {args.experts * per_expert / 1e9:.2f} GB "
           f"(packed + scales), filled in {time.time() - t0:.1f} s", flush=True)
+    mlp = make_shared_mlp(args.hidden, args.shared * args.inter, rng) if args.shared else None
+    if mlp is not None:
+        print(f"shared expert MLP: {args.hidden} -> 2 x {mlp.inter} -> {args.hidden} bf16, {mlp.nbytes / 1e6:.1f} MB",
+              flush=True)
+    shared_rows = {}
     torch_times = {}
     if args.torch_json:
         try:
@@ -189,6 +211,21 @@ def main(argv=None):
                 line += (f" | torch bf16 loop {tt[0] * 1e3:.0f} us ({tt[1] / (tt[0] * 1e-3) / 1e12:.2f} TB/s), "
                          f"ours {tt[0] / t_graph:.1f}x faster")
             print(line, flush=True)
+            if mlp is not None:
+                try:
+                    t_ov, st_sh = time_plan(weights, T, args.experts, x, logits, {"shared_mlp": mlp}, args.iters,
+                                            one_stream=True)
+                except Exception as e:
+                    print(f"    + shared MLP failed ({type(e).__name__}: {e})", flush=True)
+                else:
+                    st_sh = dict(st_sh)
+                    t_one, t_alone, sb = st_sh["one stream"], st_sh["shared"], nbytes + mlp.nbytes
+                    shared_rows[(kind, T)] = (t_ov, t_one, t_alone, sb)
+                    print(f"    + shared MLP ({mlp.nbytes / 1e6:.0f} MB): side stream {t_ov * 1e3:.1f} us "
+                          f"({sb / (t_ov * 1e-3) / bw * 100:.1f}% BW) | one stream {t_one * 1e3:.1f} us "
+                          f"({sb / (t_one * 1e-3) / bw * 100:.1f}%) | shared MLP alone {t_alone * 1e3:.1f} us "
+                          f"({mlp.nbytes / (t_alone * 1e-3) / bw * 100:.1f}%) | layer alone {t_graph * 1e3:.1f} us",
+                          flush=True)
             if not args.no_variants:
                 gu_bytes = distinct * (weights.gate_q.nbytes + weights.gate_s.nbytes + weights.up_q.nbytes +
                                        weights.up_s.nbytes) / args.experts
@@ -234,6 +271,16 @@ def main(argv=None):
         print(f"{kind:8s} {T:4d} {distinct:7d} {nbytes / 1e9:7.3f} {t_graph * 1e3:8.1f} "
               f"{nbytes / (t_graph * 1e-3) / 1e12:6.2f} {nbytes / (t_graph * 1e-3) / bw * 100:6.1f} "
               f"{nbytes / (gemm * 1e-3) / bw * 100:8.1f} {t_torch * 1e3:9.0f} {t_torch / t_graph:7.1f}")
+    if shared_rows:
+        print(f"\nthe layer + the shared expert's MLP ({mlp.nbytes / 1e6:.0f} MB bf16), graph replay us (% read BW of "
+              f"routed + shared bytes); 'sum' = layer alone + shared MLP alone")
+        print(f"{'routing':8s} {'T':>4s} {'side stream':>15s} {'one stream':>15s} {'sum':>15s} {'side/one':>8s}")
+        for kind, T, distinct, nbytes, t_graph, *_ in rows:
+            if (kind, T) not in shared_rows:
+                continue
+            t_ov, t_one, t_alone, sb = shared_rows[(kind, T)]
+            cells = [f"{t * 1e3:7.1f} ({sb / (t * 1e-3) / bw * 100:4.1f})" for t in (t_ov, t_one, t_graph + t_alone)]
+            print(f"{kind:8s} {T:4d} " + " ".join(f"{c:>15s}" for c in cells) + f" {t_ov / t_one:8.3f}")
     if plan_rows:
         labels = list(dict.fromkeys(label for vals in plan_rows.values() for label in vals))
         print("\nlaunch plans, graph replay us (% read BW)")
@@ -245,9 +292,10 @@ def main(argv=None):
                 for lb in labels))
 
 
-def time_plan(weights, T, E, x, logits, plan, iters):
+def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
     """Graph-replay ms of a MoeLayer built with `plan`, and of each of its stages captured alone (a stage's
-    eager launch time would be the host's launch overhead for the small kernels). Own stream; nothing may be
+    eager launch time would be the host's launch overhead for the small kernels); one_stream: also every stage in
+    order on one stream, as the stage "one stream" (no side-stream branches). Own stream; nothing may be
     freed while a capture is open (a cuMemFree or cuGraphDestroy there invalidates it): garbage collection
     is off, and every GraphExec keeps its Capture, so rebinding `g` frees nothing."""
     import gc
@@ -271,7 +319,7 @@ def time_plan(weights, T, E, x, logits, plan, iters):
     gc.disable()
     try:
         graphs = []
-        for stages in [None] + [(n,) for n in names]:
+        for stages in [None] + [(n,) for n in names] + ([tuple(names)] if one_stream else []):
             with cuda.capture(stream) as g:
                 layer.forward(stream, stages=stages)
             graphs.append(g.instantiate())
@@ -279,7 +327,7 @@ def time_plan(weights, T, E, x, logits, plan, iters):
         gc.enable()
     times = [cuda.bench(lambda ge=ge: ge.launch(stream), iters=iters, stream=stream) for ge in graphs]
     stream.synchronize()
-    return times[0], list(zip(names, times[1:]))
+    return times[0], list(zip(names + (["one stream"] if one_stream else []), times[1:]))
 
 
 def select_plans(plans, spec: str):

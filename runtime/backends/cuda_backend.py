@@ -26,7 +26,6 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from runtime import dense_gmma
 from runtime import dense_kernels as dk
 from runtime.bf16 import from_bf16, to_bf16
 from runtime.cuda import DeviceArray, OutOfMemoryError, Stream, empty, get_device, get_kernel
@@ -368,15 +367,10 @@ class CudaBackend(Backend):
         return out
 
     def _fuses(self, M: int, w, prologue: str) -> bool:
-        """Whether `prologue` goes into the x load of the linear by w at M rows: where the narrow-row GMMA kernel
-        takes that linear (dense_gmma.narrow_fuses), else at decode sizes unless another GMMA plan takes it (faster
-        with the prologue as its own launch, runtime/dense_gmma.py GMMA_DECODE)."""
+        """Whether `prologue` goes into the x load of the linear by w at M rows (dk.prologue_fuses; DDTREE_FUSE=0:
+        never)."""
         N, K = w.shape
-        if not self.fuse:
-            return False
-        if dense_gmma.gmma_wanted(M, N, K):
-            return dense_gmma.narrow_fuses(M, N, K, prologue)
-        return dk.fused_prologue_ok(M, K, prologue)
+        return self.fuse and dk.prologue_fuses(M, N, K, prologue)
 
     def norm_linear(self, x, weight, eps, w, bias=None):
         """One launch at decode sizes: the linear's x load does the rmsnorm (and the pending residual add,
