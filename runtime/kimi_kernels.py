@@ -393,7 +393,8 @@ class MoeLayer:
     shared-expert output bf16 [T, hidden] passed at construction (`shared`), or the shared expert's weights
     (`shared_mlp`, see SharedExpertMlp: the layer then computes that output into .shared itself, on a side stream
     forked at its start and joined before the combine: those weights do not depend on the routing, so their stream
-    runs beside the routing and the GEMMs' ramps and tails). Output: .y bf16 [T, hidden] = the routing
+    runs beside the routing and the GEMMs' ramps and tails; shared_fork "route": forked after the routing instead;
+    routed_priority: the routed chain on the device's highest stream priority). Output: .y bf16 [T, hidden] = the routing
     weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
@@ -428,6 +429,7 @@ class MoeLayer:
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, shared_mlp: SharedExpertMlp | None = None,
+                 shared_fork: str = "start", routed_priority: bool = False,
                  variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, route_one: bool | None = None, fuse_combine: bool | None = None,
                  early: bool | None = None,
@@ -493,6 +495,8 @@ class MoeLayer:
                 raise ValueError("give the shared expert's output (shared) or its weights (shared_mlp), not both")
             if shared_mlp.hidden != w.hidden:
                 raise ValueError(f"shared_mlp has hidden size {shared_mlp.hidden}, the routed experts {w.hidden}")
+            if shared_fork not in ("start", "route"):
+                raise ValueError(f"shared_fork={shared_fork!r}: 'start' or 'route'")
             shared = cuda.empty((T, w.hidden), np.uint16)
         self.T, self.E, self.topk = T, E, topk
         P = T * topk
@@ -610,6 +614,13 @@ class MoeLayer:
             self.stages.insert(0, ("shared", self._shared_forward))
             self._shared_side = cuda.Stream()
             self._shared_fork, self._shared_join = cuda.Event(timing=False), cuda.Event(timing=False)
+        self.shared_fork = shared_fork
+        # routed_priority: the routed chain on a stream of the device's highest priority (forked from and joined back
+        # into the caller's), so that where its blocks and the shared MLP's both wait for room, its go first
+        self.routed_priority = bool(routed_priority) and shared_mlp is not None
+        if self.routed_priority:
+            self._routed = cuda.Stream(priority=cuda.greatest_priority())
+            self._routed_fork, self._routed_join = cuda.Event(timing=False), cuda.Event(timing=False)
         if gmma_overlap is None:
             gmma_overlap = GMMA_OVERLAP and not self.fuse_combine
         if gmma_overlap and self.fuse_combine:
@@ -684,29 +695,45 @@ class MoeLayer:
         """Launch the layer (or only the named stages, in order on `stream`: 'shared', 'route', 'x_hot',
         'gate_up_hot', 'gate_up', 'down_hot', 'down', 'combine'; 'shared' exists with shared_mlp, the _hot ones
         with the wgmma hot-expert path (x_hot with PIPE 6-8), 'combine' unless it is folded into down).
-        The whole layer: with shared_mlp, 'shared' on a side stream forked first and joined before the stage
-        that reads .shared (the combine, or down where the combine is folded into it); with gmma_overlap, the
-        _hot stages on another side stream forked after the routing and joined before the combine."""
+        The whole layer: with shared_mlp, 'shared' on a side stream forked first (shared_fork "start") or after the
+        routing ("route") and joined before the stage that reads .shared (the combine, or down where the combine is
+        folded into it), the routed chain on a high-priority stream of the layer's own with routed_priority; with
+        gmma_overlap, the _hot stages on another side stream forked after the routing and joined before the
+        combine."""
         if stages is not None:
             for name, launch in self.stages:
                 if name in stages:
                     launch(stream)
             return
         cuda = _cuda()
-        if self.shared_mlp is not None:
+        caller = stream
+        if self.routed_priority:
+            self._routed_fork.record(caller)
+            self._routed.wait(self._routed_fork)
+            stream = self._routed
+
+        def fork_shared():
             self._shared_fork.record(stream)
             self._shared_side.wait(self._shared_fork)
             self._shared_forward(self._shared_side)
             self._shared_join.record(self._shared_side)
+
+        shared_pending = self.shared_mlp is not None
+        if shared_pending and self.shared_fork == "start":
+            fork_shared()
+            shared_pending = False
         reads_shared = "down" if self.fuse_combine else "combine"
-        forked = False
+        hot_forked = False
         for name, launch in self.stages:
             if name == "shared":
                 continue
-            if self.gmma_overlap and name != "route" and not forked:
+            if name != "route" and shared_pending:   # shared_fork "route": forked once the routing is queued
+                fork_shared()
+                shared_pending = False
+            if self.gmma_overlap and name != "route" and not hot_forked:
                 self._fork.record(stream)   # the hot chain after the routing, beside gate_up / down
                 self._side.wait(self._fork)
-                forked = True
+                hot_forked = True
             if self.gmma_overlap and name.endswith("_hot"):
                 launch(self._side)
                 continue
@@ -716,6 +743,9 @@ class MoeLayer:
             if name == reads_shared and self.shared_mlp is not None:
                 cuda.stream.wait_event(stream, self._shared_join)
             launch(stream)
+        if self.routed_priority:
+            self._routed_join.record(stream)
+            cuda.stream.wait_event(caller, self._routed_join)
 
     def _shared_forward(self, stream):
         """The shared expert's MLP into .shared: gate_up, then down with silu(gate) * up (fused into down's x load

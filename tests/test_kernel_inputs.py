@@ -175,6 +175,10 @@ def test_kimi_entry_points():
     assert (mlp.hidden, mlp.inter, mlp.nbytes) == (256, 16, (32 * 256 + 256 * 16) * 2)
     with pytest.raises(ValueError, match="hidden size 256, the routed experts 512"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, shared_mlp=mlp)
+    with pytest.raises(ValueError, match="shared_fork='later'"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, shared_mlp=kk.SharedExpertMlp(fake((32, 512)),
+                                                                                         fake((512, 16))),
+                    shared_fork="later")
     with pytest.raises(ValueError, match="not both"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, shared=fake((4, 512)), shared_mlp=mlp)
     with pytest.raises(ValueError, match="gmma_tile=100"):

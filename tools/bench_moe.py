@@ -64,6 +64,11 @@ def make_weights(E: int, hidden: int, inter: int, rng):
     return MoeWeights(E, hidden, inter, *arrays)
 
 
+# --shared: the side-stream placements timed beside the default (fork at the start, same priority)
+SHARED_FORKS = [("fork after routing", dict(shared_fork="route")), ("routed chain first", dict(routed_priority=True)),
+                ("both", dict(shared_fork="route", routed_priority=True))]
+
+
 def make_shared_mlp(hidden: int, inter: int, rng):
     """The shared expert's bf16 MLP (gate_up [2 I, H], down [H, I]) with random bf16 weights on the device."""
     from runtime import cuda
@@ -215,6 +220,8 @@ def main(argv=None):
                 try:
                     t_ov, st_sh = time_plan(weights, T, args.experts, x, logits, {"shared_mlp": mlp}, args.iters,
                                             one_stream=True)
+                    forks = {label: time_plan(weights, T, args.experts, x, logits, {"shared_mlp": mlp, **opts},
+                                              args.iters)[0] for label, opts in SHARED_FORKS}
                 except Exception as e:
                     print(f"    + shared MLP failed ({type(e).__name__}: {e})", flush=True)
                 else:
@@ -224,8 +231,9 @@ def main(argv=None):
                     print(f"    + shared MLP ({mlp.nbytes / 1e6:.0f} MB): side stream {t_ov * 1e3:.1f} us "
                           f"({sb / (t_ov * 1e-3) / bw * 100:.1f}% BW) | one stream {t_one * 1e3:.1f} us "
                           f"({sb / (t_one * 1e-3) / bw * 100:.1f}%) | shared MLP alone {t_alone * 1e3:.1f} us "
-                          f"({mlp.nbytes / (t_alone * 1e-3) / bw * 100:.1f}%) | layer alone {t_graph * 1e3:.1f} us",
-                          flush=True)
+                          f"({mlp.nbytes / (t_alone * 1e-3) / bw * 100:.1f}%) | layer alone {t_graph * 1e3:.1f} us"
+                          + "".join(f" | {label} {t * 1e3:.1f} us ({sb / (t * 1e-3) / bw * 100:.1f}%)"
+                                    for label, t in forks.items()), flush=True)
             if not args.no_variants:
                 gu_bytes = distinct * (weights.gate_q.nbytes + weights.gate_s.nbytes + weights.up_q.nbytes +
                                        weights.up_s.nbytes) / args.experts
