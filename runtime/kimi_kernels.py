@@ -256,6 +256,15 @@ PDL_MAX_TOKENS = 8
 EARLY_MAX_TOKENS = 8
 
 
+# With shared_mlp, the shared MLP's side stream is forked after the routing up to this many tokens, else at the
+# layer's start. H100, 2026-12-05 (31), Kimi layer + one shared expert (88 MB), graph replay, fork at the start /
+# after the routing / every stage on one stream, us: uniform T = 1 117.3 / 113.0 / 118.0, T = 2 169.6 / 174.3 /
+# 183.0, T = 4 304.2 / 308.2 / 315.3, T = 8 513.8 / 528.6 / 530.4, T = 16 905.4 / 898.6 / 915.8; skewed T = 1 119.7 /
+# 115.5 / 121.6, T = 2 156.9 / 161.8 / 170.2, T = 8 241.9 / 248.3 / 255.9. (The routed chain on a stream of the
+# highest priority gained nothing: T = 2 171.7, T = 8 518.1 us.)
+SHARED_FORK_ROUTE_MAX_TOKENS = 1
+
+
 def launch_defaults(T: int, pdl: bool | None, early: bool | None, hot_asked: bool) -> tuple[bool, bool]:
     """MoeLayer's (pdl, early) where left None: PDL up to PDL_MAX_TOKENS; the early down start with PDL up to
     EARLY_MAX_TOKENS, but not where a hot-expert tier was asked for by name (the wgmma path takes no early start)."""
@@ -393,8 +402,8 @@ class MoeLayer:
     shared-expert output bf16 [T, hidden] passed at construction (`shared`), or the shared expert's weights
     (`shared_mlp`, see SharedExpertMlp: the layer then computes that output into .shared itself, on a side stream
     forked at its start and joined before the combine: those weights do not depend on the routing, so their stream
-    runs beside the routing and the GEMMs' ramps and tails; shared_fork "route": forked after the routing instead;
-    routed_priority: the routed chain on the device's highest stream priority). Output: .y bf16 [T, hidden] = the routing
+    runs beside the routing and the GEMMs' ramps and tails; shared_fork "route": forked after the routing instead,
+    "start": at the start; default SHARED_FORK's rule). Output: .y bf16 [T, hidden] = the routing
     weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
@@ -429,7 +438,7 @@ class MoeLayer:
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, shared_mlp: SharedExpertMlp | None = None,
-                 shared_fork: str = "start", routed_priority: bool = False,
+                 shared_fork: str | None = None,
                  variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, route_one: bool | None = None, fuse_combine: bool | None = None,
                  early: bool | None = None,
@@ -495,6 +504,8 @@ class MoeLayer:
                 raise ValueError("give the shared expert's output (shared) or its weights (shared_mlp), not both")
             if shared_mlp.hidden != w.hidden:
                 raise ValueError(f"shared_mlp has hidden size {shared_mlp.hidden}, the routed experts {w.hidden}")
+            if shared_fork is None:
+                shared_fork = "route" if T <= SHARED_FORK_ROUTE_MAX_TOKENS else "start"
             if shared_fork not in ("start", "route"):
                 raise ValueError(f"shared_fork={shared_fork!r}: 'start' or 'route'")
             shared = cuda.empty((T, w.hidden), np.uint16)
@@ -615,12 +626,6 @@ class MoeLayer:
             self._shared_side = cuda.Stream()
             self._shared_fork, self._shared_join = cuda.Event(timing=False), cuda.Event(timing=False)
         self.shared_fork = shared_fork
-        # routed_priority: the routed chain on a stream of the device's highest priority (forked from and joined back
-        # into the caller's), so that where its blocks and the shared MLP's both wait for room, its go first
-        self.routed_priority = bool(routed_priority) and shared_mlp is not None
-        if self.routed_priority:
-            self._routed = cuda.Stream(priority=cuda.greatest_priority())
-            self._routed_fork, self._routed_join = cuda.Event(timing=False), cuda.Event(timing=False)
         if gmma_overlap is None:
             gmma_overlap = GMMA_OVERLAP and not self.fuse_combine
         if gmma_overlap and self.fuse_combine:
@@ -697,20 +702,14 @@ class MoeLayer:
         with the wgmma hot-expert path (x_hot with PIPE 6-8), 'combine' unless it is folded into down).
         The whole layer: with shared_mlp, 'shared' on a side stream forked first (shared_fork "start") or after the
         routing ("route") and joined before the stage that reads .shared (the combine, or down where the combine is
-        folded into it), the routed chain on a high-priority stream of the layer's own with routed_priority; with
-        gmma_overlap, the _hot stages on another side stream forked after the routing and joined before the
-        combine."""
+        folded into it); with gmma_overlap, the _hot stages on another side stream forked after the routing and joined
+        before the combine."""
         if stages is not None:
             for name, launch in self.stages:
                 if name in stages:
                     launch(stream)
             return
         cuda = _cuda()
-        caller = stream
-        if self.routed_priority:
-            self._routed_fork.record(caller)
-            self._routed.wait(self._routed_fork)
-            stream = self._routed
 
         def fork_shared():
             self._shared_fork.record(stream)
@@ -743,9 +742,6 @@ class MoeLayer:
             if name == reads_shared and self.shared_mlp is not None:
                 cuda.stream.wait_event(stream, self._shared_join)
             launch(stream)
-        if self.routed_priority:
-            self._routed_join.record(stream)
-            cuda.stream.wait_event(caller, self._routed_join)
 
     def _shared_forward(self, stream):
         """The shared expert's MLP into .shared: gate_up, then down with silu(gate) * up (fused into down's x load

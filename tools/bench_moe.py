@@ -64,9 +64,8 @@ def make_weights(E: int, hidden: int, inter: int, rng):
     return MoeWeights(E, hidden, inter, *arrays)
 
 
-# --shared: the side-stream placements timed beside the default (fork at the start, same priority)
-SHARED_FORKS = [("fork after routing", dict(shared_fork="route")), ("routed chain first", dict(routed_priority=True)),
-                ("both", dict(shared_fork="route", routed_priority=True))]
+# --shared: the side stream's fork placements timed beside the default (MoeLayer's SHARED_FORK_ROUTE_MAX_TOKENS rule)
+SHARED_FORKS = [("fork at start", dict(shared_fork="start")), ("fork after routing", dict(shared_fork="route"))]
 
 
 def make_shared_mlp(hidden: int, inter: int, rng):

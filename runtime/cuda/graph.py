@@ -102,10 +102,7 @@ def capture(stream=None) -> Capture:
 class GraphExec:
     def __init__(self, cap: Capture):
         self.capture = cap  # keeps the graph, its nodes and the launch copies alive
-        # by node priority: each kernel node keeps the priority of the stream it was captured from (Stream(priority))
-        # instead of taking the launch stream's; nodes of default streams are all 0, as before
-        flags = int(driver().CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
-        self.handle = check(driver().cuGraphInstantiate(cap.graph, flags), "cuGraphInstantiate")
+        self.handle = check(driver().cuGraphInstantiate(cap.graph, 0), "cuGraphInstantiate")
         self.launches = cap.launches
         self._params = [None] * len(cap.launches)  # node parameter structs, built on first update
 

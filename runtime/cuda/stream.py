@@ -10,19 +10,12 @@ from .errors import check
 
 class Stream:
     """A non-blocking stream on the current device (never the legacy default stream, which graphs
-    cannot capture). priority: 0 = the default (the lowest); negative = higher, down to greatest_priority().
-    Kernels captured from it keep that priority as their graph node's (GraphExec runs by node priority): where
-    two branches of a graph both have blocks waiting for room, the SMs go to the higher priority's first."""
+    cannot capture)."""
 
-    def __init__(self, priority: int = 0):
+    def __init__(self):
         get_device()
         drv = driver()
-        flags = int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
-        if priority:
-            self.handle = check(drv.cuStreamCreateWithPriority(flags, int(priority)), "cuStreamCreateWithPriority")
-        else:
-            self.handle = check(drv.cuStreamCreate(flags), "cuStreamCreate")
-        self.priority = int(priority)
+        self.handle = check(drv.cuStreamCreate(int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
         self.ptr = int(self.handle)  # the raw CUstream, for the ctypes launch path
 
     def synchronize(self):
@@ -41,13 +34,6 @@ class Stream:
             self.close()
         except Exception:  # interpreter shutdown: the driver may be gone
             pass
-
-
-def greatest_priority() -> int:
-    """The highest stream priority this device takes (a negative number; 0 = the default, the lowest)."""
-    get_device()
-    _least, greatest = check(driver().cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
-    return int(greatest)
 
 
 _default: Stream | None = None
