@@ -1,6 +1,6 @@
-"""Dense-model kernel benchmark on the GPU: bf16 linear at SmolLM2-135M and Qwen3-8B shapes vs the streaming
-read bandwidth measured in the same run, tree-verify attention vs a one-token decode of the same prefix,
-and the per-round sampling kernels.
+"""Dense-model kernel benchmark on the GPU: bf16 linear at SmolLM2-135M, Qwen3-8B and Kimi K2 shared-expert shapes
+vs the streaming read bandwidth measured in the same run, tree-verify attention vs a one-token decode of the same
+prefix, and the per-round sampling kernels.
 
     python tools/bench_dense.py [--quick] [--linear-only | --attention-only] [--peer]
 
@@ -32,6 +32,8 @@ LINEAR_SHAPES = [  # (model, name, N, K)
     ("Qwen3-8B", "qkv", 6144, 4096), ("Qwen3-8B", "o", 4096, 4096),
     ("Qwen3-8B", "gate_up", 24576, 4096), ("Qwen3-8B", "up", 12288, 4096), ("Qwen3-8B", "down", 4096, 12288),
     ("Qwen3-8B", "lm_head", 151936, 4096),
+    # Kimi K2.x's shared expert (bf16; runtime.kimi_kernels.SharedExpertMlp): gate_up 2 x 2048 rows, down
+    ("Kimi-K2", "shared_gate_up", 4096, 7168), ("Kimi-K2", "shared_down", 7168, 2048),
 ]
 
 
@@ -369,7 +371,8 @@ def bench_sampling(stream):
             print(f"| sample (T=0.8) | {rows} x {V} | - | {us:.2f} |", flush=True)
 
 
-FUSED_OPS = {"qkv": "rmsnorm", "gate_up": "rmsnorm", "down": "swiglu"}  # the op that makes each linear's x
+FUSED_OPS = {"qkv": "rmsnorm", "gate_up": "rmsnorm", "down": "swiglu",   # the op that makes each linear's x
+             "shared_down": "swiglu"}
 
 
 def bench_fused(stream, read_bw, ms_list, ops=None):
@@ -389,7 +392,7 @@ def bench_fused(stream, read_bw, ms_list, ops=None):
     print("|---|---|---|---|---|---|---|---|")
     for model, name, N, K in linear_shapes(False, ops):
         prologue = FUSED_OPS.get(name)
-        if model != "Qwen3-8B" or prologue is None:
+        if model == "SmolLM2-135M" or prologue is None:
             continue
         w_bytes = N * K * 2
         copies = max(1, min(64, math.ceil(ROTATE_BYTES / w_bytes)))
