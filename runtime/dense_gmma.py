@@ -327,7 +327,8 @@ def gmma_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None, 
 # 20.2 vs 20.6; o 12.7 vs 14.0, 13.6 vs 14.7; down 35.0 vs 36.1, 36.2 vs 37.3; the 12-layer Qwen3-8B step (bench_ar):
 # AR 2306 vs 2320 us, verify b16 / b32 / b64 2435 / 2541 / 2712 vs 2422 / 2536 / 2713 (equal within noise).
 # But on the H200 (session 29, per op at M = 1) linear_gmma_kernel was the faster: qkv 14.57 vs 16.16 us, o 10.34
-# vs 11.82, down 25.89 vs 28.47; the H200 step A/B is still to run. DDTREE_GMMA_NARROW=0: off.
+# vs 11.82, down 25.89 vs 28.47: so the plain hand-off is kept to devices like the H100 (NARROW_MAX_BYTES_PER_SM).
+# DDTREE_GMMA_NARROW=0: off.
 GMMA_NARROW = os.environ.get("DDTREE_GMMA_NARROW", "1") != "0"
 NARROW_FILL = 0.9
 # Every narrow block reads all of x (and x2 with a prologue) for only NW rows of W: from L2, every block the same
@@ -340,6 +341,13 @@ NARROW_X_PER_W = 0.6
 # the SMs (qkv, o, down: 96 of 132): gate_up's 128 blocks of 192 rows measured 70.2 vs 71.6 us at M = 1 and
 # 72.7 vs 73.9 at M = 17 against the narrow kernel's (H100, 2026-12-05 (25)).
 NARROW_GMMA_IDLE = 0.9
+# ... and only on devices whose peak memory rate per SM is at most this (bytes/s; None: any device). The narrow
+# kernel's stages are small (12-16 KB of W), and where each SM's share of the read is high they turn over too fast
+# for its pipeline. Per op at M = 1, narrow vs linear_gmma_kernel's plan, us: H100 (3.35 TB/s peak, 25.4 GB/s per
+# SM; 2026-12-05 (25)) qkv 17.8 vs 19.8, o 12.7 vs 14.0, down 35.0 vs 36.1; H200 (4.9 TB/s, 37 GB/s per SM; (29))
+# qkv 16.16 vs 14.57, o 11.82 vs 10.34, down 28.47 vs 25.89, and (31) Kimi's shared gate_up (4096 x 7168) at M = 1 /
+# 8 18.09 / 18.22 vs 15.73 / 15.99.
+NARROW_MAX_BYTES_PER_SM = 30e9
 # Past that limit, clusters of NARROW_MC_CS row blocks that read x once per cluster (linear_gmma_narrow_mc_kernel,
 # multicast bulk copies), while M * tiles <= NARROW_X_PER_W * NW * NARROW_MC_CS. Off (DDTREE_NARROW_MC=1: on): H100,
 # 2026-12-05 (25), slower than the one-block kernel and than linear_gmma_kernel: qkv M = 1 19.5 vs 17.9 us, M = 33
@@ -484,10 +492,14 @@ def linear_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
                        stages=stages, rw=rw, cs=cs, nwg=nwg, stream=stream)
 
 
-def narrow_instead(M: int, N: int, K: int, sm_count: int, gmma_grid: tuple):
+def narrow_instead(M: int, N: int, K: int, sm_count: int, gmma_grid: tuple, mem_bytes_per_s: float = 0.0):
     """The narrow_plan an unforced linear_gmma runs instead of linear_gmma_kernel's plan (whose grid is gmma_grid):
-    with GMMA_NARROW, where that plan leaves SMs idle (NARROW_GMMA_IDLE) and narrow_plan has one; else None."""
+    with GMMA_NARROW, where that plan leaves SMs idle (NARROW_GMMA_IDLE), the device's peak memory rate
+    (mem_bytes_per_s; 0: unknown, taken as low) per SM is at most NARROW_MAX_BYTES_PER_SM, and narrow_plan has one;
+    else None."""
     if not GMMA_NARROW or gmma_grid[0] * gmma_grid[1] * gmma_grid[2] >= NARROW_GMMA_IDLE * sm_count:
+        return None
+    if NARROW_MAX_BYTES_PER_SM is not None and mem_bytes_per_s / sm_count > NARROW_MAX_BYTES_PER_SM:
         return None
     return narrow_plan(M, N, K, sm_count)
 
@@ -504,7 +516,7 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
     entry, grid, k_per_split, smem = gmma_plan(M, N, K, dev.sm_count, splits, tn, ka, stages, rw, cs,
                                                cluster_slots=device_cluster_slots, nwg=nwg)
     if (splits, tn, ka, stages, rw, cs, nwg) == (None,) * 7:
-        plan = narrow_instead(M, N, K, dev.sm_count, grid)
+        plan = narrow_instead(M, N, K, dev.sm_count, grid, dev.mem_peak_bytes_per_s)
         if plan is not None:
             return launch_narrow(x, w, out, residual, M, N, K, ldx, ldo, ldr, plan, stream=stream)
     cfg = gmma_config(entry)

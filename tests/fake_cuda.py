@@ -45,7 +45,7 @@ class FakeDevice:
         self.capturing: list | None = None
         self.host_blocks: dict = {}
         self.device = SimpleNamespace(name="fake", cc=(9, 0), arch="90a", sm_count=132, ordinal=0,
-                                      smem_optin_bytes=232448, synchronize=lambda: None)
+                                      smem_optin_bytes=232448, mem_peak_bytes_per_s=0.0, synchronize=lambda: None)
 
     # ---- memory ---------------------------------------------------------------------------------------------
     def alloc(self, nbytes):

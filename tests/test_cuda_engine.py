@@ -167,7 +167,8 @@ def test_narrow_gmma_linears_in_the_engine(cuda_backend, tiny_dirs, kind, monkey
     from runtime import dense_gmma
     if not dense_gmma.gmma_available(cuda_device.arch):
         pytest.skip(f"the GMMA kernels are sm_90a only; device is sm_{cuda_device.arch}")
-    for name, value in (("GMMA_NARROW", True), ("NARROW_FUSE", True), ("NARROW_FILL", 0.0), ("NARROW_X_PER_W", 8.0),
+    for name, value in (("GMMA_NARROW", True), ("NARROW_MAX_BYTES_PER_SM", None), ("NARROW_FUSE", True),
+                        ("NARROW_FILL", 0.0), ("NARROW_X_PER_W", 8.0),
                         ("NARROW_GMMA_IDLE", 2.0), ("GMMA_DECODE_MIN_BYTES", 0), ("GMMA_DECODE_MIN_K", 0)):
         monkeypatch.setattr(dense_gmma, name, value)
     entries = set()

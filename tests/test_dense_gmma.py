@@ -425,6 +425,7 @@ def test_dense_linear_hands_decode_sizes_to_narrow(dg, ref, monkeypatch, cuda_de
     measured limits: only where linear_gmma_kernel's plan leaves SMs idle (NARROW_GMMA_IDLE)."""
     import runtime.dense_kernels as dk
     monkeypatch.setattr(dg, "GMMA_NARROW", True)
+    monkeypatch.setattr(dg, "NARROW_MAX_BYTES_PER_SM", None)   # whatever this device's memory rate per SM
     calls = narrow_launches
     sms = cuda_device.sm_count
     for M, N, K in ((1, 32 * sms, 4096), (1, 192 * (sms - 4), 4096), (17, 48 * (sms - 4), 4096)):
@@ -713,6 +714,25 @@ def test_narrow_plan(monkeypatch):
         with pytest.raises(ValueError, match="clusters of 2 need >= 2"):
             narrow_plan(M, 4096, 4096, 132, nw=32, cs=2)
     assert narrow_plan(82, 4096, 4096, 132, nw=32, cs=2)[1] == (128, 1, 2)
+
+
+def test_narrow_instead_by_memory_rate_per_sm(monkeypatch):
+    """An unforced linear takes the narrow kernel instead of linear_gmma_kernel's plan only where that plan leaves
+    SMs idle and the device's peak memory rate per SM is at most NARROW_MAX_BYTES_PER_SM (the H100's 3.35 TB/s on 132
+    SMs, not the H200's 4.9 TB/s); an unreported rate (0) counts as slow; None takes it on any device."""
+    from runtime import dense_gmma as dg
+    monkeypatch.setattr(dg, "GMMA_NARROW", True)
+    monkeypatch.setattr(dg, "NARROW_MAX_BYTES_PER_SM", 30e9)
+    qkv = (1, 6144, 4096, 132, (48, 2, 1))   # Qwen3-8B qkv at one row: 96 GMMA blocks on 132 SMs
+    h100, h200 = 2 * 2619e6 * 5120 / 8, 2 * 3201e6 * 6144 / 8
+    assert dg.narrow_instead(*qkv, h100) == dg.narrow_plan(1, 6144, 4096, 132) is not None
+    assert dg.narrow_instead(*qkv, 0.0) is not None
+    assert dg.narrow_instead(*qkv, h200) is None
+    assert dg.narrow_instead(1, 6144, 4096, 132, (66, 2, 1), h100) is None   # the GMMA plan fills the SMs
+    monkeypatch.setattr(dg, "NARROW_MAX_BYTES_PER_SM", None)
+    assert dg.narrow_instead(*qkv, h200) is not None
+    monkeypatch.setattr(dg, "GMMA_NARROW", False)
+    assert dg.narrow_instead(*qkv, h100) is None
 
 
 def test_narrow_launch_arguments_match_the_kernel(monkeypatch):

@@ -26,7 +26,8 @@ A configuration is one or more terms joined by "+", each setting one of runtime.
   gmmadec0      decode-size linears (1..8 rows) on the gemv / x-resident kernels for every weight (as
                 DDTREE_GMMA_DECODE=0); gmma1: every unfused linear of any size on GMMA
   fuse0         no rmsnorm / swiglu fused into a linear (as DDTREE_FUSED_PROLOGUE_ROWS=0)
-  narrow0       GMMA linear: no narrow-row kernel (as DDTREE_GMMA_NARROW=0; narrow1: on, the default); nfuse1:
+  narrow0       GMMA linear: no narrow-row kernel (as DDTREE_GMMA_NARROW=0; narrow1: on for any device, where the
+                default takes it only at a slow memory rate per SM, NARROW_MAX_BYTES_PER_SM); nfuse1:
                 rmsnorm / SwiGLU fused into it (as DDTREE_NARROW_FUSE=1; nfuse0: not, the default); nmc1: clusters
                 that share x past the one-block x limit (as DDTREE_NARROW_MC=1; nmc0: not, the default)
   drowsN        the decode kernel up to N packed rows per KV head at every head dim (DECODE_MAX_ROWS)
@@ -90,6 +91,8 @@ def configure(spec: str, defaults: dict) -> None:
             dense_gmma.GMMA_MIN_M = 1
         elif term in ("narrow0", "narrow1"):
             dense_gmma.GMMA_NARROW = term == "narrow1"
+            if term == "narrow1":   # on any device (the default takes it only where the memory per SM is slow)
+                dense_gmma.NARROW_MAX_BYTES_PER_SM = None
         elif term in ("nfuse0", "nfuse1"):
             dense_gmma.NARROW_FUSE = term == "nfuse1"
         elif term in ("nmc0", "nmc1"):
@@ -110,7 +113,8 @@ def configure(spec: str, defaults: dict) -> None:
 FUSE_TERMS = {"fuse": ("rmsnorm", "swiglu"), "norm": ("rmsnorm",), "swiglu": ("swiglu",)}
 # the launch choices a configuration may change, restored before each one
 GMMA_KNOBS = ("GMMA_ENABLED", "GMMA_THREE_WG_MANY", "GMMA_ONE_WG", "GMMA_DECODE", "GMMA_MIN_M", "GMMA_NARROW",
-              "NARROW_FUSE", "NARROW_MC", "GMMA_ONE_WG_CONFIG", "GMMA_PUSH_MAX_TN")   # held by runtime.dense_gmma
+              "NARROW_MAX_BYTES_PER_SM", "NARROW_FUSE", "NARROW_MC", "GMMA_ONE_WG_CONFIG",
+              "GMMA_PUSH_MAX_TN")   # held by runtime.dense_gmma
 KNOBS = ("ATTN_DECODE", "DECODE_VARIANTS", "GEMV_KW_FORCED", "GEMV_PERSIST_FORCED", "LINEAR_GEMV",
          "FUSED_PROLOGUE_ROWS", "ATTN_GMMA", "DECODE_MAX_ROWS") + GMMA_KNOBS   # the rest: runtime.dense_kernels
 

@@ -248,7 +248,8 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                     from runtime import dense_gmma as dg
                     if dg.gmma_wanted(M, N, K):  # linear() hands this shape to a GMMA kernel: show its plan
                         plan = dg.gmma_plan(M, N, K, get_device().sm_count, cluster_slots=dg.device_cluster_slots)
-                        plan = dg.narrow_instead(M, N, K, get_device().sm_count, plan[1]) or plan
+                        plan = dg.narrow_instead(M, N, K, get_device().sm_count, plan[1],
+                                                 get_device().mem_peak_bytes_per_s) or plan
                 if kw.get("gmma"):
                     # "gmma" rows: linear_gmma_kernel's plan, not the narrow kernel that an unforced call may take
                     narrow_default, dg.GMMA_NARROW = dg.GMMA_NARROW, False

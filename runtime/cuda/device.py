@@ -64,6 +64,7 @@ class Device:
     l2_bytes: int
     smem_optin_bytes: int
     total_mem_bytes: int
+    mem_peak_bytes_per_s: float = 0.0  # memory clock x bus width x 2 (DDR): the data sheet's peak; 0 if not reported
 
     def make_current(self):
         check(driver().cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
@@ -115,7 +116,18 @@ def _open(ordinal: int) -> Device:
         l2_bytes=get(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
         smem_optin_bytes=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
         total_mem_bytes=check(drv.cuDeviceTotalMem(handle), "cuDeviceTotalMem"),
+        mem_peak_bytes_per_s=_peak_memory_rate(get, attr),
     )
+
+
+def _peak_memory_rate(get, attr) -> float:
+    """Bytes/s from the memory clock (kHz) and bus width (bits), double data rate; 0.0 where the driver reports
+    neither (the attribute is informational: plans that use it fall back to their defaults)."""
+    try:
+        khz, bits = get(attr.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE), get(attr.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
+    except Exception:
+        return 0.0
+    return 2.0 * khz * 1e3 * bits / 8
 
 
 def require_device(ordinal: int = 0) -> Device:
