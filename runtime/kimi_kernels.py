@@ -348,11 +348,30 @@ def gmma_auto_tiers(tokens: int) -> tuple[tuple[int, int, int], ...]:
     return next(GMMA_AUTO[bound] for bound in sorted(GMMA_AUTO) if tokens <= bound)
 
 
-def default_variants(tokens: int) -> tuple[str, str]:
-    for bound in sorted(DEFAULT_VARIANTS):
-        if tokens <= bound:
-            return DEFAULT_VARIANTS[bound]
-    raise AssertionError
+# Preferred over DEFAULT_VARIANTS' gate_up where hidden splits into its activation pieces (T bounds as there): the
+# activations staged in 7 pieces of 1024 at Kimi's 7168. H200, 2026-12-05 (31), whole layer, two calls: uniform T = 4
+# 219.0 -> 211.7 and 220.3 -> 213.7 us, T = 8 380.4 -> 365.6 and 382.5 -> 370.8; skewed T = 4 149.9 -> 150.5, T = 8
+# 182.6 -> 167.1; but T = 2 +2.5..5.9% and T = 16 +0.9..9%.
+GATE_UP_PIECES = {8: "moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 7>"}
+GATE_UP_PIECES_MIN_TOKENS = 3
+
+
+def variant_fits(entry: str, k: int) -> bool:
+    """Whether a variant's K-side constraints hold at reduction width k (K % 512; XS pieces of whole 4-unit
+    steps), as MoeLayer checks them."""
+    xs = variant_params(entry)[6]
+    return k % 512 == 0 and (not xs or k % (256 * xs) == 0)
+
+
+def default_variants(tokens: int, hidden: int | None = None) -> tuple[str, str]:
+    """(gate_up, down) entries for T tokens: DEFAULT_VARIANTS, with GATE_UP_PIECES' gate_up where hidden (gate_up's
+    K) splits into its pieces (hidden None: DEFAULT_VARIANTS alone)."""
+    gate_up, down = next(DEFAULT_VARIANTS[b] for b in sorted(DEFAULT_VARIANTS) if tokens <= b)
+    if hidden is not None and tokens >= GATE_UP_PIECES_MIN_TOKENS:
+        pieces = next((GATE_UP_PIECES[b] for b in sorted(GATE_UP_PIECES) if tokens <= b), None)
+        if pieces is not None and variant_fits(pieces, hidden):
+            gate_up = pieces
+    return gate_up, down
 
 
 def _dense_kernels():
@@ -565,7 +584,7 @@ class MoeLayer:
                 topk_k.prepare(((T + 3) // 4,), (128,), [*route_args, self.topk_ids, self.topk_w]),
                 group_k.prepare((1,), (1024,), [self.topk_ids, I32(T), I32(topk), I32(E), I32(self.num_slots),
                                                 *group_outs], smem=group_smem)]
-        gu_entry, dn_entry = variants or default_variants(T)
+        gu_entry, dn_entry = variants or default_variants(T, w.hidden)
         self.variants = (gu_entry, dn_entry)
         self.stages = [("route", launch) for launch in routing]
         # hot tiers, most tokens first: tier i takes the slots with min_i <= count < min_{i - 1}

@@ -305,6 +305,20 @@ def test_moe_launch_defaults():
     assert launch_defaults(1, None, None, hot_asked=False) == (PDL_MAX_TOKENS >= 1, EARLY_MAX_TOKENS >= 1)
 
 
+def test_default_variants_take_gate_up_pieces_where_hidden_splits():
+    """T = 3..8 take GATE_UP_PIECES' gate_up where hidden splits into its pieces (Kimi's 7168), the table's
+    elsewhere; every default is a compiled variant that fits its K."""
+    from runtime import kimi_kernels as kk
+    for T in range(1, 40):
+        table = kk.default_variants(T)
+        kimi = kk.default_variants(T, 7168)
+        assert kk.default_variants(T, 1024) == table   # 1024 is no whole number of 7 x 256
+        assert kimi == ((kk.GATE_UP_PIECES[8], table[1]) if 3 <= T <= 8 else table)
+        for entry, k in zip(kimi, (7168, 2048)):
+            assert entry in MOE_GEMM_VARIANTS and kk.variant_fits(entry, k)
+    assert not kk.variant_fits(kk.GATE_UP_PIECES[8], 2560) and kk.variant_fits(kk.GATE_UP_PIECES[8], 3584)
+
+
 def test_route_reference_matches_plain_topk_and_groups():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 64)).astype(np.float32)
@@ -475,15 +489,15 @@ def test_moe_layer_variants(cuda_device, variants):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variants", [None, ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1>",
-                                             "moe_w4a16_kernel<1, 2, 4, 1, 4, 1, 1>"),
-                                      ("moe_w4a16_kernel<0, 2, 4, 1, 4, 1, 4>",
-                                       "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1, 4>")])
-def test_moe_layer_real_shape_subset(cuda_device, variants):
-    """Kimi K2 shapes (7168 -> 2048) on 10 experts, top-8, with a shared-expert term; the defaults, and the
-    staged-activation variants at their largest tiles (gate_up's 8 x 7168 and down's 32 x 2048 bf16), in K
-    pieces and with row groups."""
-    _check_moe(9 if variants is None else 40, 10, 7168, 2048, variants, topk=8, shared=True)
+@pytest.mark.parametrize("T,variants", [(9, None), (6, None), (40, ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1>",
+                                                                   "moe_w4a16_kernel<1, 2, 4, 1, 4, 1, 1>")),
+                                        (40, ("moe_w4a16_kernel<0, 2, 4, 1, 4, 1, 4>",
+                                              "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1, 4>"))])
+def test_moe_layer_real_shape_subset(cuda_device, T, variants):
+    """Kimi K2 shapes (7168 -> 2048) on 10 experts, top-8, with a shared-expert term; the defaults (at T = 6 the
+    gate_up of GATE_UP_PIECES, x in 7 pieces), and the staged-activation variants at their largest tiles (gate_up's
+    8 x 7168 and down's 32 x 2048 bf16), in K pieces and with row groups."""
+    _check_moe(T, 10, 7168, 2048, variants, topk=8, shared=True)
 
 
 @pytest.mark.gpu

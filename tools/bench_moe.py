@@ -311,7 +311,7 @@ def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
     from runtime.kimi_kernels import MoeLayer, default_variants
     if "gate_up" in plan or "down" in plan:   # one GEMM's variant by its parameters, the other T's default
         plan = dict(plan)
-        gate_up, down = default_variants(T)
+        gate_up, down = default_variants(T, weights.hidden)
         variants = (f"moe_w4a16_kernel<{plan.pop('gate_up')}>" if "gate_up" in plan else gate_up,
                     f"moe_w4a16_kernel<{plan.pop('down')}>" if "down" in plan else down)
         plan["variants"] = variants
