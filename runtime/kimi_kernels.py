@@ -349,9 +349,10 @@ def gmma_auto_tiers(tokens: int) -> tuple[tuple[int, int, int], ...]:
 
 
 # Preferred over DEFAULT_VARIANTS' gate_up where hidden splits into its activation pieces (T bounds as there): the
-# activations staged in 7 pieces of 1024 at Kimi's 7168. H200, 2026-12-05 (31), whole layer, two calls: uniform T = 4
+# activations staged in 7 pieces of 1024 at Kimi's 7168. Whole layer, 2026-12-05 (31): H200, two calls, uniform T = 4
 # 219.0 -> 211.7 and 220.3 -> 213.7 us, T = 8 380.4 -> 365.6 and 382.5 -> 370.8; skewed T = 4 149.9 -> 150.5, T = 8
-# 182.6 -> 167.1; but T = 2 +2.5..5.9% and T = 16 +0.9..9%.
+# 182.6 -> 167.1; but T = 2 +2.5..5.9% and T = 16 +0.9..9%. H100: T = 3..5 even (within 0.3%); T = 6 / 7 / 8
+# uniform -4.5 / +1.3 / -2.8%, skewed +3.0 / -5.6 / -2.6%.
 GATE_UP_PIECES = {8: "moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 7>"}
 GATE_UP_PIECES_MIN_TOKENS = 3
 
