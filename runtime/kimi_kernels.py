@@ -421,9 +421,9 @@ class MoeLayer:
     Inputs (fill before forward): .x bf16 [T, hidden], .logits fp32 [T, E] (router logits), optional
     shared-expert output bf16 [T, hidden] passed at construction (`shared`), or the shared expert's weights
     (`shared_mlp`, see SharedExpertMlp: the layer then computes that output into .shared itself, on a side stream
-    forked at its start and joined before the combine: those weights do not depend on the routing, so their stream
-    runs beside the routing and the GEMMs' ramps and tails; shared_fork "route": forked after the routing instead,
-    "start": at the start; default SHARED_FORK's rule). Output: .y bf16 [T, hidden] = the routing
+    joined before the combine: those weights do not depend on the routing, so their stream runs beside the routing
+    and the GEMMs' ramps and tails; shared_fork "start" forks it at the layer's start, "route" after the routing,
+    None as SHARED_FORK_ROUTE_MAX_TOKENS says). Output: .y bf16 [T, hidden] = the routing
     weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
@@ -551,6 +551,8 @@ class MoeLayer:
         self._shared_gu = cuda.empty((T, 2 * shared_mlp.inter), np.uint16) if shared_mlp is not None else None
         self._shared_h = (cuda.empty((T, shared_mlp.inter), np.uint16)
                           if shared_mlp is not None and not shared_mlp.fuses(T) else None)
+        # the shared branch's own split-K workspace: its linears may run beside other streams' dense linears
+        self._shared_ws = _dense_kernels().Workspace() if shared_mlp is not None else None
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
         self.x_slot = None   # the slot-ordered copy of x (made below where a hot tier runs PIPE 6-8)
         self.fused_routing = bool(fused_routing)
@@ -768,15 +770,16 @@ class MoeLayer:
         where the dense kernels take it, else its own launch)."""
         m, T = self.shared_mlp, self.T
         dk = _dense_kernels()
-        dk.linear(self.x, m.gate_up, self._shared_gu, stream=stream)
+        dk.linear(self.x, m.gate_up, self._shared_gu, ws=self._shared_ws, stream=stream)
         gate = self._shared_gu.view(0, (T, m.inter))
         up = self._shared_gu.view(m.inter, (T, m.inter))
         ld = 2 * m.inter
         if self._shared_h is None:
-            dk.linear(gate, m.down, self.shared, ldx=ld, stream=stream, prologue="swiglu", x2=up, ldx2=ld)
+            dk.linear(gate, m.down, self.shared, ldx=ld, ws=self._shared_ws, stream=stream, prologue="swiglu", x2=up,
+                      ldx2=ld)
         else:
             dk.swiglu(gate, up, self._shared_h, T=T, I=m.inter, ldg=ld, ldu=ld, stream=stream)
-            dk.linear(self._shared_h, m.down, self.shared, stream=stream)
+            dk.linear(self._shared_h, m.down, self.shared, ws=self._shared_ws, stream=stream)
 
 
 # ------------------------------------------------------------------------------------------------------
