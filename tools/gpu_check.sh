@@ -51,6 +51,8 @@ step bench_moe python3 tools/bench_moe.py --torch --no-variants --plans 'no-gmma
 step bench_moe_small python3 tools/bench_moe.py --no-variants --tokens 1,2,4,8,16 --plans 'nopdl,pdl,dn-x3-rg2,flip-comb'
 # large T: PDL (off by default from T = 16), and each hot expert's tile-token chunks on their own blocks
 step bench_moe_large python3 tools/bench_moe.py --no-variants --tokens 32,128,256,512,1024 --plans 'pdl,par'
+# the layer computing the shared expert's bf16 MLP (88 MB) on its side stream, against one stream and the two alone
+step bench_moe_shared python3 tools/bench_moe.py --no-variants --no-plans --shared 1 --tokens 1,2,4,8,16,64,256
 step bench_stream_rows python3 -m tools.bench_stream_rows
 step bench_mla python3 tools/bench_mla.py --kernel mma,gmma,gmma-split
 step bench_load python3 tools/bench_load.py --size-gb 4
@@ -97,6 +99,8 @@ step bench_ar_gmma python3 -m tools.bench_ar --random qwen3-8b --layers 12 --pro
 # kernels, the streaming read by SM count (does an idle SM cost its share?), then in the 12-layer step (AR, b16, b32,
 # b64), with rmsnorm / SwiGLU fused into it and as their own launches
 step bench_narrow python3 tools/bench_dense.py --linear-only --gmma --read-by-sms --m 1 17 33 64 65 --ops Qwen3-8B:qkv Qwen3-8B:o Qwen3-8B:gate_up Qwen3-8B:down
+# Kimi K2's shared-expert linears at the MoE layer's small T (every GMMA / narrow instance; SwiGLU fused into down)
+step bench_kimi_shared python3 tools/bench_dense.py --linear-only --gmma --fused --m 1 2 4 8 16 --ops Kimi-K2:shared_gate_up Kimi-K2:shared_down
 # The GMMA linear's weight loads alone (cp.async / bulk copies, by grid size; single launches and PDL chains): the
 # ceiling its load pattern sets, per op
 step bench_w_tiles python3 -m tools.bench_w_tiles --ops qkv o down gate_up --bisect-m 17 33 64 65 --trace-m 33
