@@ -265,6 +265,11 @@ EARLY_MAX_TOKENS = 8
 SHARED_FORK_ROUTE_MAX_TOKENS = 1
 
 
+def default_shared_fork(T: int) -> str:
+    """MoeLayer's shared_fork where left None: "route" up to SHARED_FORK_ROUTE_MAX_TOKENS tokens, else "start"."""
+    return "route" if T <= SHARED_FORK_ROUTE_MAX_TOKENS else "start"
+
+
 def launch_defaults(T: int, pdl: bool | None, early: bool | None, hot_asked: bool) -> tuple[bool, bool]:
     """MoeLayer's (pdl, early) where left None: PDL up to PDL_MAX_TOKENS; the early down start with PDL up to
     EARLY_MAX_TOKENS, but not where a hot-expert tier was asked for by name (the wgmma path takes no early start)."""
@@ -423,7 +428,7 @@ class MoeLayer:
     (`shared_mlp`, see SharedExpertMlp: the layer then computes that output into .shared itself, on a side stream
     joined before the combine: those weights do not depend on the routing, so their stream runs beside the routing
     and the GEMMs' ramps and tails; shared_fork "start" forks it at the layer's start, "route" after the routing,
-    None as SHARED_FORK_ROUTE_MAX_TOKENS says). Output: .y bf16 [T, hidden] = the routing
+    None as default_shared_fork says). Output: .y bf16 [T, hidden] = the routing
     weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
@@ -525,7 +530,7 @@ class MoeLayer:
             if shared_mlp.hidden != w.hidden:
                 raise ValueError(f"shared_mlp has hidden size {shared_mlp.hidden}, the routed experts {w.hidden}")
             if shared_fork is None:
-                shared_fork = "route" if T <= SHARED_FORK_ROUTE_MAX_TOKENS else "start"
+                shared_fork = default_shared_fork(T)
             if shared_fork not in ("start", "route"):
                 raise ValueError(f"shared_fork={shared_fork!r}: 'start' or 'route'")
             shared = cuda.empty((T, w.hidden), np.uint16)

@@ -303,6 +303,9 @@ def test_moe_launch_defaults():
         assert launch_defaults(T, False, None, hot_asked=False) == (False, False), T
         assert launch_defaults(T, True, True, hot_asked=True) == (True, True), T
     assert launch_defaults(1, None, None, hot_asked=False) == (PDL_MAX_TOKENS >= 1, EARLY_MAX_TOKENS >= 1)
+    from runtime.kimi_kernels import SHARED_FORK_ROUTE_MAX_TOKENS, default_shared_fork
+    assert [default_shared_fork(T) for T in (1, SHARED_FORK_ROUTE_MAX_TOKENS, SHARED_FORK_ROUTE_MAX_TOKENS + 1)] == [
+        "route", "route", "start"]
 
 
 def test_default_variants_take_gate_up_pieces_where_hidden_splits():
