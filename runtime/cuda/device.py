@@ -124,7 +124,8 @@ def _peak_memory_rate(get, attr) -> float:
     """Bytes/s from the memory clock (kHz) and bus width (bits), double data rate; 0.0 where the driver reports
     neither (the attribute is informational: plans that use it fall back to their defaults)."""
     try:
-        khz, bits = get(attr.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE), get(attr.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
+        khz = get(attr.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
+        bits = get(attr.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
     except Exception:
         return 0.0
     return 2.0 * khz * 1e3 * bits / 8
