@@ -114,6 +114,7 @@ linear_bf16_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                    const __nv_bfloat16* __restrict__ residual, int ldr,  // nullable
                    float* __restrict__ ws, int* __restrict__ tickets,
                    int M, int N, int K, int k_per_split) {
+  DDTREE_TRACE_WARP(ddtree::kTraceLinearChunked);
   constexpr int kUnits = 2 / RT;         // 64-wide k units per stage
   constexpr int kChunk = 64 * kUnits;    // k per stage
   constexpr int kRows = 8 * MT;          // token rows per block
@@ -357,6 +358,7 @@ linear_bf16_xres_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                         const __nv_bfloat16* __restrict__ residual, int ldr,  // nullable
                         float* __restrict__ ws, int* __restrict__ tickets,
                         int M, int N, int K, int k_per_split) {
+  DDTREE_TRACE_WARP(ddtree::kTraceLinearXres);
   constexpr int kRows = 8 * MT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -448,6 +450,7 @@ linear_bf16_gemv_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                         __nv_bfloat16* __restrict__ out, int ldo,
                         const __nv_bfloat16* __restrict__ residual, int ldr,  // nullable
                         int M, int N, int K) {
+  DDTREE_TRACE_WARP(ddtree::kTraceLinearGemv);
   static_assert(kWarps % KW == 0, "KW divides the block's warps");
   constexpr int kRows = 8;                    // one token tile
   constexpr int kRowTiles = kWarps / KW;      // 16-row W groups per block (row tile)

@@ -441,6 +441,7 @@ __device__ __forceinline__ void narrow_linear(const __nv_bfloat16* __restrict__ 
 // One block per NW rows of W (grid x), per TX token rows (grid z).
 template <int NW, int TX, int KA, int STAGES, int XMODE = kXPlain>
 __global__ void __launch_bounds__(TX > 64 ? 256 : 128, 1) linear_gmma_narrow_kernel(NARROW_PARAMS) {
+  DDTREE_TRACE_WARP(ddtree::kTraceLinearNarrow);
   narrow_linear<NW, TX, KA, STAGES, XMODE, 1>(NARROW_ARGS);
 }
 
@@ -448,6 +449,7 @@ __global__ void __launch_bounds__(TX > 64 ? 256 : 128, 1) linear_gmma_narrow_ker
 template <int NW, int TX, int KA, int STAGES, int XMODE, int CS>
 __global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(TX > 64 ? 256 : 128, 1)
     linear_gmma_narrow_mc_kernel(NARROW_PARAMS) {
+  DDTREE_TRACE_WARP(ddtree::kTraceLinearNarrowCluster);
   narrow_linear<NW, TX, KA, STAGES, XMODE, CS>(NARROW_ARGS);
 }
 

@@ -154,6 +154,7 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
                    const __nv_bfloat16* __restrict__ residual, int ldr,  // nullable
                    float* __restrict__ ws, int* __restrict__ tickets,
                    int M, int N, int K, int k_per_split) {
+  DDTREE_TRACE_WARP(ddtree::kTraceLinearGmma);
   static_assert(TN % 8 == 0 && TN >= 16 && TN <= 256, "wgmma N");
   static_assert(KA == 1 || KA == 2, "k atoms per stage");
   static_assert(RW == 1 || RW == 2, "W tiles per warpgroup");

@@ -103,12 +103,112 @@ __device__ __forceinline__ uint64_t window_visible64(int p0, int prefix, int end
   return (low_bits64(prefix - p0) | tree_bits) & low_bits64(end - p0);
 }
 
+// Per-warp timeline trace (NVRTC option -DDDTREE_TRACE=1, set for every family by DDTREE_TRACE=1:
+// runtime/cuda/trace.py, tools/trace_timeline.py). Lane 0 of every warp of an instrumented kernel
+// (DDTREE_TRACE_WARP at its top) stamps %globaltimer as the warp starts, after its first grid_dependency_wait, and as
+// lane 0 returns, and appends one record to the buffer the host put in the module global ddtree_trace_buffer
+// (null: nothing is written). The start and wait stamps wait in a per-(SM, hardware warp slot) table until the end,
+// so nothing stays in registers across the kernel. Buffer (u64 words): [0] records appended (may pass the
+// capacity: those are dropped), [1] capacity, [2, 8) unused, then the table (kTraceSms x kTraceWarpSlots x 2), then
+// kTraceRecordWords per record: start, wait (0: none), end, %gridid (one per launch), code | SM << 32, block
+// (linear) | warp in block << 32. The runtime never sets it: the stamps and one atomic per warp cost time.
+#ifndef DDTREE_TRACE
+#define DDTREE_TRACE 0
+#endif
+// What each instrumented kernel passes to DDTREE_TRACE_WARP: runtime/cuda/trace.py reads the names from here.
+enum TraceCode : unsigned {
+  kTraceEmbedding = 1, kTraceRmsnorm = 2, kTraceRope = 3, kTraceRopeQkvCache = 4, kTraceSwiglu = 5, kTraceAdd = 6,
+  kTraceLinearChunked = 10, kTraceLinearXres = 11, kTraceLinearGemv = 12, kTraceLinearGmma = 13,
+  kTraceLinearNarrow = 14, kTraceLinearNarrowCluster = 15,
+  kTraceTreeAttention = 20, kTraceDecodeAttention = 21, kTraceAttentionCombine = 22, kTraceTreeAttentionGmma = 23,
+  kTraceLogSoftmaxTopk = 30, kTraceArgmax = 31, kTraceSample = 32, kTraceKvCompact = 33, kTraceCopyRows = 34,
+  kTraceMoeTopk = 40, kTraceMoeGroup = 41, kTraceMoeRouteOne = 42, kTraceMoeRoute = 43, kTraceMoeGateUp = 44,
+  kTraceMoeDown = 45, kTraceMoeCombine = 46, kTraceMoeGmmaGateUp = 47, kTraceMoeGmmaDown = 48,
+  kTraceMoeGmmaWsGateUp = 49, kTraceMoeGmmaWsDown = 50, kTraceMoeSlotSplit = 51, kTraceMoeXSlot = 52,
+  kTraceMlaAttention = 60, kTraceMlaCombine = 61, kTraceMlaHeadGemm = 62, kTraceMlaAttentionGmma = 63,
+};
+#if DDTREE_TRACE
+constexpr int kTraceHeaderWords = 8, kTraceSms = 256, kTraceWarpSlots = 64, kTraceRecordWords = 6;
+}  // namespace ddtree
+extern "C" {
+__device__ unsigned long long* ddtree_trace_buffer;   // set by the host after the module loads; null: off
+}
+namespace ddtree {
+__device__ __forceinline__ unsigned long long trace_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ bool trace_lane0() {
+  unsigned lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane == 0;
+}
+__device__ __forceinline__ unsigned trace_smid() {
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  return sm;
+}
+// This warp's (start, wait) pair in the table: a hardware warp slot holds one warp at a time.
+__device__ __forceinline__ unsigned long long* trace_warp_slot() {
+  unsigned w;
+  asm volatile("mov.u32 %0, %%warpid;" : "=r"(w));
+  const unsigned slot = (trace_smid() % kTraceSms) * kTraceWarpSlots + w % kTraceWarpSlots;
+  return ddtree_trace_buffer + kTraceHeaderWords + 2 * slot;
+}
+struct TraceWarp {
+  unsigned code;
+  __device__ explicit TraceWarp(unsigned c) : code(c) {
+    if (ddtree_trace_buffer != nullptr && trace_lane0()) {
+      unsigned long long* slot = trace_warp_slot();
+      slot[0] = trace_now();
+      slot[1] = 0;
+    }
+  }
+  __device__ ~TraceWarp() {
+    if (ddtree_trace_buffer == nullptr || !trace_lane0()) return;
+    const unsigned long long end = trace_now();
+    const unsigned long long* slot = trace_warp_slot();
+    unsigned long long grid;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+    const unsigned long long i = atomicAdd(ddtree_trace_buffer, 1ull);
+    if (i >= ddtree_trace_buffer[1]) return;
+    unsigned long long* r =
+        ddtree_trace_buffer + kTraceHeaderWords + 2 * kTraceSms * kTraceWarpSlots + kTraceRecordWords * i;
+    const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const unsigned warp = (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) >> 5;
+    r[0] = slot[0];
+    r[1] = slot[1];
+    r[2] = end;
+    r[3] = grid;
+    r[4] = code | (unsigned long long)trace_smid() << 32;
+    r[5] = block | (unsigned long long)warp << 32;
+  }
+};
+// The first dependency wait of this warp (grid_dependency_wait calls it after the wait returns).
+__device__ __forceinline__ void trace_wait_done() {
+  if (ddtree_trace_buffer != nullptr && trace_lane0()) {
+    unsigned long long* slot = trace_warp_slot();
+    if (slot[1] == 0) slot[1] = trace_now();
+  }
+}
+#define DDTREE_TRACE_WARP(code) const ::ddtree::TraceWarp ddtree_trace_warp_(code)
+#else
+__device__ __forceinline__ void trace_wait_done() {}
+#define DDTREE_TRACE_WARP(code) \
+  do {                          \
+  } while (0)
+#endif
+
 // Programmatic dependent launch (sm_90 and later; every arch we build). A kernel launched with the PDL
 // attribute may start while the previous kernel on the stream still runs; it must call grid_dependency_wait()
 // before it reads anything that kernel writes and before it writes anything (a buffer the previous kernel
 // may still read). Reading weights (never written inside a graph) before the wait is what PDL buys.
 // Without the attribute both are no-ops. Kernels of a family registered with pdl=True must follow this.
-__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  trace_wait_done();
+}
 // Lets the next kernel on the stream launch now (its blocks then wait in grid_dependency_wait for our
 // completion and memory flush); without it, the next kernel launches as our blocks exit.
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }

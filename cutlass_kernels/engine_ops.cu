@@ -10,6 +10,7 @@
 extern "C" __global__ void copy_rows_kernel(unsigned char* __restrict__ dst, long long ldd_bytes,
                                             const unsigned char* __restrict__ src, long long lds_bytes,
                                             int rows, int row_bytes, int row0, const int* __restrict__ row_offset) {
+  DDTREE_TRACE_WARP(ddtree::kTraceCopyRows);
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   const int r = blockIdx.y;

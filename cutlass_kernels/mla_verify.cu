@@ -82,6 +82,7 @@ mla_attention_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict_
                      const unsigned* __restrict__ mask, int mask_words, int Tq, int H, int prefix_len,
                      float softmax_scale, int split_len, uint16_t* __restrict__ out,
                      float* __restrict__ part_o, float* __restrict__ part_ml) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMlaAttention);
   using namespace mla;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint16_t* sq = reinterpret_cast<uint16_t*>(smem_raw);
@@ -231,6 +232,7 @@ static_assert(kCombineWarps * 32 * kCombineMlPerThread >= 1024, "the split limit
 extern "C" __global__ void __launch_bounds__(kCombineWarps * 32)
 mla_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml, int splits,
                    int rows_total, uint16_t* __restrict__ out) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMlaCombine);
   __shared__ float wgt[1024];
   __shared__ float red[2][kCombineWarps];
   __shared__ float4 wsum[kCombineWarps - 1][32];
@@ -315,6 +317,7 @@ mla_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ p
 extern "C" __global__ void mla_head_gemm_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                                                 uint16_t* __restrict__ y, int T, int H, int N, int K,
                                                 int ldx, int ldy, long long w_sh, int w_sn, int w_sk) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMlaHeadGemm);
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   const int lane = threadIdx.x & 31;

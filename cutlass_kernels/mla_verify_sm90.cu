@@ -75,6 +75,7 @@ mla_attention_gmma_kernel(const uint16_t* __restrict__ q, const uint16_t* __rest
                           const unsigned* __restrict__ mask, int mask_words, int Tq, int H, int prefix_len,
                           float softmax_scale, int split_len, uint16_t* __restrict__ out,
                           float* __restrict__ part_o, float* __restrict__ part_ml) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMlaAttentionGmma);
   using namespace mla90;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;

@@ -534,6 +534,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                  const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int* __restrict__ tickets,
                  int T, int topk) {
+  DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGateUp : ddtree::kTraceMoeDown);
   using namespace moe_int4;
   static_assert(MODE == 1 || RB % 2 == 0, "gate_up pairs gate and up row blocks");
   static_assert(NTMAX == 1 || NTMAX == 2 || NTMAX == 4, "token tiles per chunk: 1, 2 or 4");
@@ -623,6 +624,7 @@ extern "C" __global__ void moe_combine_kernel(const uint16_t* __restrict__ down_
                                               const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                                               const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int n,
                                               int topk) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMoeCombine);
   moe_int4::dependency_wait();
   const int tok = blockIdx.x;
   for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * 4; col < n; col += gridDim.y * blockDim.x * 4)

@@ -315,6 +315,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                 const int* __restrict__ slot_count, const int* __restrict__ sorted_token, void* __restrict__ out,
                 int min_count, int max_count, int n_items, const int* __restrict__ item_slot,
                 const int* __restrict__ item_chunk) {
+  DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGmmaGateUp : ddtree::kTraceMoeGmmaDown);
   using namespace moe90;
   static_assert(TN == 32 || TN == 64 || TN == 128 || TN == 256, "token tile");
   static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8), "pipeline");
@@ -561,6 +562,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
                    const int* __restrict__ slot_count, const int* __restrict__ sorted_token, void* __restrict__ out,
                    int min_count, int max_count, const int* __restrict__ item_slot,
                    const int* __restrict__ item_chunk) {
+  DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGmmaWsGateUp : ddtree::kTraceMoeGmmaWsDown);
   using namespace moe90;
   static_assert(TN == 128 || TN == 256, "token tile: two consumer halves of 64 / 128");
   static_assert(NSTEP == 0 || NSTEP == 16, "N step");
@@ -759,6 +761,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
 // cold_count[s] = slot_count[s] when below min_count (the mma.sync kernel's slots), else 0 (this file's).
 extern "C" __global__ void moe_slot_split_kernel(const int* __restrict__ slot_count, int* __restrict__ cold_count,
                                                  int slots, int min_count) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMoeSlotSplit);
   for (int s = blockIdx.x * blockDim.x + threadIdx.x; s < slots; s += gridDim.x * blockDim.x) {
     const int c = slot_count[s];
     cold_count[s] = c < min_count ? c : 0;
@@ -769,6 +772,7 @@ extern "C" __global__ void moe_slot_split_kernel(const int* __restrict__ slot_co
 // as bf16 pairs (slots and sources are pair-aligned). pairs = cols / 2 per row, cols % 64 == 0.
 extern "C" __global__ void moe_x_slot_kernel(const uint32_t* __restrict__ x, uint32_t* __restrict__ y, int pairs,
                                              long long total) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMoeXSlot);
   const long long step = (long long)gridDim.x * blockDim.x;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += step) {
     const long long row = i / pairs;

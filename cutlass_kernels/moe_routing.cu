@@ -130,6 +130,7 @@ extern "C" __global__ void moe_topk_kernel(const float* __restrict__ logits, con
                                            int T, int E, int topk, int n_group, int topk_group,
                                            int norm_topk_prob, float routed_scaling_factor,
                                            int* __restrict__ topk_ids, float* __restrict__ topk_w) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMoeTopk);
   ddtree::grid_dependency_wait();
   ddtree::launch_dependents();
   const int tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -241,6 +242,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int num_slots,
                  int* __restrict__ expert_count, int* __restrict__ slot_expert, int* __restrict__ slot_offset,
                  int* __restrict__ slot_count, int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMoeGroup);
   extern __shared__ int smem[];
   ddtree::grid_dependency_wait();
   ddtree::launch_dependents();
@@ -258,6 +260,7 @@ moe_route_one_kernel(const float* __restrict__ logits, const float* __restrict__
                      int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
                      int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
                      int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteOne);
   ddtree::grid_dependency_wait();
   ddtree::launch_dependents();
   const int lane = threadIdx.x;
@@ -287,6 +290,7 @@ moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bia
                  int* __restrict__ expert_count, int* __restrict__ slot_expert, int* __restrict__ slot_offset,
                  int* __restrict__ slot_count, int* __restrict__ sorted_token, int* __restrict__ assign_pos,
                  int* __restrict__ ticket) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMoeRoute);
   extern __shared__ int smem[];
   __shared__ int last;
   ddtree::grid_dependency_wait();

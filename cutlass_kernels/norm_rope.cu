@@ -39,6 +39,7 @@ __device__ float block_sum(float v) {
 extern "C" __global__ void embedding_kernel(const __nv_bfloat16* __restrict__ table,
                                             const int* __restrict__ ids, __nv_bfloat16* __restrict__ out,
                                             int H, int V) {
+  DDTREE_TRACE_WARP(ddtree::kTraceEmbedding);
   grid_dependency_wait();
   ddtree::launch_dependents();
   const int tok = blockIdx.x;
@@ -59,6 +60,7 @@ extern "C" __global__ void rmsnorm_kernel(const __nv_bfloat16* x, int ldx,
                                           __nv_bfloat16* __restrict__ out, int ldo,
                                           __nv_bfloat16* residual_out, int ldro,
                                           int H, float eps) {
+  DDTREE_TRACE_WARP(ddtree::kTraceRmsnorm);
   grid_dependency_wait();
   ddtree::launch_dependents();
   const int row = blockIdx.x;
@@ -148,6 +150,7 @@ extern "C" __global__ void rope_kernel(const __nv_bfloat16* __restrict__ x, int 
                                        float attention_scaling, int interleaved,
                                        const __nv_bfloat16* __restrict__ norm_weight, float eps,
                                        int T, int Hn, int D) {
+  DDTREE_TRACE_WARP(ddtree::kTraceRope);
   grid_dependency_wait();
   ddtree::launch_dependents();
   const int lane = threadIdx.x & 31;
@@ -174,6 +177,7 @@ extern "C" __global__ void rope_qkv_cache_kernel(const __nv_bfloat16* __restrict
                                                  int interleaved, const __nv_bfloat16* __restrict__ q_norm,
                                                  const __nv_bfloat16* __restrict__ k_norm, float eps,
                                                  int T, int Hq, int Hkv, int D) {
+  DDTREE_TRACE_WARP(ddtree::kTraceRopeQkvCache);
   grid_dependency_wait();
   ddtree::launch_dependents();
   const int lane = threadIdx.x & 31;
@@ -202,6 +206,7 @@ extern "C" __global__ void rope_qkv_cache_kernel(const __nv_bfloat16* __restrict
 extern "C" __global__ void swiglu_kernel(const __nv_bfloat16* __restrict__ gate, int ldg,
                                          const __nv_bfloat16* __restrict__ up, int ldu,
                                          __nv_bfloat16* __restrict__ out, int ldo, int T, int I) {
+  DDTREE_TRACE_WARP(ddtree::kTraceSwiglu);
   grid_dependency_wait();
   ddtree::launch_dependents();
   const int vecs = I / 8;
@@ -221,6 +226,7 @@ extern "C" __global__ void swiglu_kernel(const __nv_bfloat16* __restrict__ gate,
 // out = a + b, contiguous, n % 8 == 0.
 extern "C" __global__ void add_kernel(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
                                       __nv_bfloat16* __restrict__ out, long long n) {
+  DDTREE_TRACE_WARP(ddtree::kTraceAdd);
   grid_dependency_wait();
   ddtree::launch_dependents();
   for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < n / 8;

@@ -104,6 +104,7 @@ __device__ void select_bin(const int* hist, int k, int* out) {
 extern "C" __global__ void __launch_bounds__(kTopkThreads)
 log_softmax_topk_kernel(const uint16_t* __restrict__ logits, int ld, int V, int K,
                         float* __restrict__ out_logp, int* __restrict__ out_ids) {
+  DDTREE_TRACE_WARP(ddtree::kTraceLogSoftmaxTopk);
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   __shared__ int hist[256];
@@ -234,6 +235,7 @@ log_softmax_topk_kernel(const uint16_t* __restrict__ logits, int ld, int V, int 
 // (ticket) writes out[row] and leaves slot and ticket at zero for the next launch (graph replay).
 extern "C" __global__ void argmax_kernel(const uint16_t* __restrict__ logits, int ld, int V, int* __restrict__ out,
                                          int chunk, unsigned long long* __restrict__ slots, int* __restrict__ tickets) {
+  DDTREE_TRACE_WARP(ddtree::kTraceArgmax);
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   const int r = blockIdx.y;
@@ -282,6 +284,7 @@ extern "C" __global__ void argmax_kernel(const uint16_t* __restrict__ logits, in
 extern "C" __global__ void sample_kernel(const uint16_t* __restrict__ logits, int ld, int V, float inv_temperature,
                                          const int* __restrict__ positions, const unsigned* __restrict__ key,
                                          int* __restrict__ out) {
+  DDTREE_TRACE_WARP(ddtree::kTraceSample);
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   __shared__ float warp_tot[32];
@@ -379,6 +382,7 @@ extern "C" __global__ void sample_kernel(const uint16_t* __restrict__ logits, in
 // (Threads in parallel over i would race: with slots [s, s+2, s+3], step 2 writes s+2 while step 1 reads it.)
 extern "C" __global__ void kv_compact_kernel(const unsigned long long* __restrict__ planes, int row_bytes,
                                              const int* __restrict__ src_slots, const int* __restrict__ meta) {
+  DDTREE_TRACE_WARP(ddtree::kTraceKvCompact);
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   const int col = blockIdx.x * blockDim.x + threadIdx.x;

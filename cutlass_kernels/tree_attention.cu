@@ -215,6 +215,7 @@ tree_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
                       __nv_bfloat16* __restrict__ o, int ldo,
                       float* __restrict__ ws_o, float* __restrict__ ws_lse,
                       int T, int Hq, int Hkv, float scale_log2, const int* __restrict__ split_table) {
+  DDTREE_TRACE_WARP(ddtree::kTraceTreeAttention);
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   constexpr int kLd = D + 8;  // 16 B row pad: the 8 rows of an ldmatrix hit 8 different bank groups
@@ -313,6 +314,7 @@ decode_attention_kernel(const __nv_bfloat16* __restrict__ q, int ldq,
                         __nv_bfloat16* __restrict__ o, int ldo,
                         float* __restrict__ ws_o, float* __restrict__ ws_lse,
                         int T, int Hq, int Hkv, float scale_log2, const int* __restrict__ split_table) {
+  DDTREE_TRACE_WARP(ddtree::kTraceDecodeAttention);
   static_assert(KT % 16 == 0 && S >= 2, "tiles of whole 16-key MMA steps, at least two stages");
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
@@ -445,6 +447,7 @@ __global__ void __launch_bounds__(D)
 attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_lse, int grid_splits,
                          __nv_bfloat16* __restrict__ o, int ldo, int T, int Hq, const int* __restrict__ n_prefix_ptr,
                          const int* __restrict__ split_table) {
+  DDTREE_TRACE_WARP(ddtree::kTraceAttentionCombine);
   ddtree::grid_dependency_wait();  // PDL: nothing global is touched before it
   ddtree::launch_dependents();
   const int splits = active_splits(*n_prefix_ptr + T, grid_splits, split_table);

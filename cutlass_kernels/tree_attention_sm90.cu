@@ -96,6 +96,7 @@ tree_attention_gmma_kernel(const uint16_t* __restrict__ q, int ldq,
                            __nv_bfloat16* __restrict__ o, int ldo,
                            float* __restrict__ ws_o, float* __restrict__ ws_lse,
                            int T, int Hq, int Hkv, float scale_log2, const int* __restrict__ split_table) {
+  DDTREE_TRACE_WARP(ddtree::kTraceTreeAttentionGmma);
   using namespace ta90;
   static_assert(D == 64 || D == 128, "head dims 64 and 128");
   static_assert(STAGES >= 2, "at least double-buffered");

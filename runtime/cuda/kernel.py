@@ -25,7 +25,7 @@ import numpy as np
 from . import graph as _graph
 from .device import driver, get_device
 from .errors import CudaError, check
-from .nvrtc import compile_family, resolve_arch
+from .nvrtc import TRACE_BUILD, compile_family, resolve_arch
 from .stream import default_stream, stream_handle
 
 _SYNC_EVERY_LAUNCH = os.environ.get("DDTREE_CUDA_SYNC") == "1"
@@ -58,8 +58,16 @@ def load_module(family: str, arch: str | None = None):
             if hit is None:
                 compiled = compile_family(family, arch)
                 module = check(driver().cuModuleLoadData(compiled.cubin), f"cuModuleLoadData({family}, sm_{arch})")
+                if TRACE_BUILD:
+                    from . import trace
+                    trace.module_loaded(module)
                 hit = _modules[key] = (module, compiled)
     return hit
+
+
+def loaded_modules() -> list:
+    """Every CUmodule loaded so far (all devices)."""
+    return [module for module, _ in list(_modules.values())]
 
 
 class Kernel:

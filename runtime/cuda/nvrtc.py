@@ -29,6 +29,8 @@ from .errors import CompileError, CudaError, check
 ARCHS = ("90a", "100a", "103a", "120a")
 CACHE_FORMAT = "2"  # bump when the cache layout or key recipe changes (2: relocatable paths)
 _BASE_OPTIONS = ("-default-device", "-DNDEBUG", "-std=c++17")  # both first two are required by CuTe
+# DDTREE_TRACE=1: every family built with the per-warp timeline stamps (runtime/cuda/trace.py; own cache entries)
+TRACE_BUILD = os.environ.get("DDTREE_TRACE") == "1"
 
 
 def _nvrtc():
@@ -301,7 +303,7 @@ def _family(family):
 
 def build_options(family, arch: str) -> list[str]:
     return [*_BASE_OPTIONS, f"--gpu-architecture=sm_{arch}", *(f"-I{d}" for d in include_dirs()),
-            *family.options]
+            *family.options, *(("-DDDTREE_TRACE=1",) if TRACE_BUILD else ())]
 
 
 def cache_key(family, arch: str) -> str:

@@ -1,0 +1,149 @@
+"""The per-warp timeline trace (cutlass_kernels/device_common.cuh DDTREE_TRACE, runtime/cuda/trace.py): codes and
+record layout read from the header, the summaries on made-up records, the traced builds on every arch, and (GPU) the
+records of a small MoE layer's graph replay, one per warp of every launch."""
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.cuda import trace
+
+KERNELS = Path(__file__).resolve().parents[1] / "cutlass_kernels"
+
+
+def test_codes_and_layout_from_the_header():
+    codes = trace.trace_codes()
+    assert codes[44] == "moe_gate_up" and codes[13] == "linear_gmma" and codes[1] == "embedding"
+    k = trace.header_constants()
+    assert trace.RECORD_DTYPE.itemsize == 8 * k["RecordWords"]
+    assert k["HeaderWords"] >= 2 and k["Sms"] >= 148 and k["WarpSlots"] == 64   # B200: 148 SMs; 2048 threads / 32
+    with pytest.raises(ValueError, match="repeat"):
+        trace.trace_codes("enum TraceCode : unsigned { kTraceA = 1, kTraceB = 1, };")
+
+
+def test_every_instrumented_kernel_names_a_code_and_every_code_is_used():
+    names = {f"kTrace{''.join(w.title() for w in n.split('_'))}" for n in trace.trace_codes().values()}
+    used = set()
+    for src in sorted(KERNELS.glob("*.cu")):
+        text = src.read_text()
+        for arg in re.findall(r"DDTREE_TRACE_WARP\(([^;]*)\);", text):
+            found = set(re.findall(r"kTrace\w+", arg))
+            assert found and found <= names, f"{src.name}: DDTREE_TRACE_WARP({arg}) names no TraceCode"
+            used |= found
+        # every kernel of a file that traces any: a kernel left out would be a gap in its timelines
+        if "DDTREE_TRACE_WARP" in text:
+            assert text.count("__global__") == text.count("DDTREE_TRACE_WARP("), src.name
+    assert used == names, f"codes no kernel uses: {sorted(names - used)}"
+
+
+def _records(rows):
+    r = np.zeros(len(rows), trace.RECORD_DTYPE)
+    for i, (start, wait, end, grid, code, sm, block, warp) in enumerate(rows):
+        r[i] = (start, wait, end, grid, code, sm, block, warp)
+    return r
+
+
+def test_launch_summaries_from_records():
+    t0 = 10_000_000
+    rows = [  # launch 7 (routing-like: one warp), then launch 9 waiting on it (PDL) on two SMs, then launch 8
+        (t0, 0, t0 + 5_000, 7, 42, 3, 0, 0),
+        (t0 + 1_000, t0 + 5_500, t0 + 20_000, 9, 44, 0, 0, 0),
+        (t0 + 1_200, t0 + 5_600, t0 + 22_000, 9, 44, 0, 0, 1),
+        (t0 + 1_300, t0 + 6_000, t0 + 21_000, 9, 44, 1, 1, 0),
+        (t0 + 30_000, 0, t0 + 31_000, 8, 46, 2, 0, 0),
+    ]
+    traces = trace.launches(_records(rows))
+    assert [t.name for t in traces] == ["moe_route_one", "moe_gate_up", "moe_combine"]
+    route, gate_up, combine = traces
+    assert (gate_up.blocks, gate_up.warps, gate_up.sms) == (2, 3, 2)
+    assert gate_up.start == pytest.approx(1.0) and gate_up.end == pytest.approx(22.0)
+    assert (gate_up.first_wait, gate_up.last_wait) == (pytest.approx(5.5), pytest.approx(6.0))
+    assert gate_up.warp_us == pytest.approx(15.0)     # median of 14.5, 16.4, 15.0 (from each warp's wait)
+    assert np.isnan(route.first_wait) and route.warp_us == pytest.approx(5.0)
+    table = trace.table(traces).splitlines()
+    assert len(table) == 4 and "moe_gate_up" in table[2] and table[3].split()[-1] == "8.00"   # combine's gap
+    chart = trace.timeline(traces, width=31).splitlines()
+    assert len(chart) == 5 and all(len(line) == len(chart[0]) for line in chart[:4])
+    gu = chart[1][25:]
+    assert gu[0] == " " and gu[1] == "w" and gu[6] != " " and gu[25] == " "   # 1 us a column: waits 1..5.5 us
+    assert trace.launches(np.zeros(0, trace.RECORD_DTYPE)) == [] and trace.timeline([]) == ""
+
+
+def test_trace_buffer_needs_the_traced_build(monkeypatch):
+    monkeypatch.setattr(trace, "TRACE_BUILD", False)
+    from runtime.cuda import CudaError
+    with pytest.raises(CudaError, match="DDTREE_TRACE=1"):
+        trace.TraceBuffer()
+
+
+@pytest.mark.parametrize("family", ["norm_rope", "moe_routing"])
+def test_traced_build_compiles_on_every_arch(family):
+    """The stamps compile wherever the family does; the untraced build holds none of them."""
+    from cutlass_kernels.registry import FAMILIES
+    from runtime.cuda import nvrtc
+    f = FAMILIES[family]
+    traced = dataclasses.replace(f, options=(*f.options, "-DDDTREE_TRACE=1"))
+    for arch in f.archs:
+        for fam, want in ((f, False), (traced, True)):
+            _, ptx, _, _ = nvrtc.nvrtc_compile(fam.source_path.read_text(), fam.source, fam.entries,
+                                               nvrtc.build_options(fam, arch), fam.name, arch)
+            assert ("%globaltimer" in ptx and "ddtree_trace_buffer" in ptx) == want, (family, arch, want)
+
+
+_GPU_SCRIPT = r"""
+import json, numpy as np
+from runtime import cuda
+from runtime.bf16 import to_bf16
+from runtime.cuda import trace
+from runtime.kimi_kernels import MoeLayer
+from tests.test_kimi_kernels import make_moe
+rng = np.random.default_rng(5)
+E, hidden, inter, T = 16, 1024, 512, 6
+_, w = make_moe(rng, E, hidden, inter)
+layer = MoeLayer(w, T, np.zeros(E, np.float32), topk=4)
+layer.x.upload(to_bf16(rng.standard_normal((T, hidden)).astype(np.float32)))
+layer.logits.upload(rng.standard_normal((T, E)).astype(np.float32))
+stream = cuda.Stream()
+buf = trace.TraceBuffer(4096)          # installed into the modules the layer already loaded
+layer.forward(stream); stream.synchronize()
+with cuda.capture(stream) as g:
+    layer.forward(stream)
+ge = g.instantiate()
+buf.reset(stream); ge.launch(stream); stream.synchronize()
+r = buf.read()
+launches = [(name, l.grid, l.block) for name, l in layer.stages]
+print(json.dumps({"launches": launches, "records": r.tolist(), "dtype": str(r.dtype)}))
+"""
+
+
+@pytest.mark.gpu
+def test_moe_layer_graph_replay_traced(cuda_device, tmp_path):
+    """A traced process (DDTREE_TRACE=1): one record per warp of every launch of the layer's graph, each launch's
+    warps under one %gridid, stamps in order, the codes of the layer's kernels."""
+    env = dict(os.environ, DDTREE_TRACE="1")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _GPU_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    r = np.array([tuple(x) for x in got["records"]], trace.RECORD_DTYPE)
+    traces = trace.launches(r)
+    assert len(traces) == len(got["launches"])
+    names = {"route": {"moe_route_one", "moe_route", "moe_topk", "moe_group"}, "gate_up": {"moe_gate_up"},
+             "down": {"moe_down"}, "combine": {"moe_combine"}}
+    by_start = sorted(traces, key=lambda t: t.start)
+    for (stage, grid, block), t in zip(got["launches"], by_start):
+        assert t.name in names[stage], (stage, t.name)
+        blocks = grid[0] * grid[1] * grid[2]
+        warps = -(-block[0] * block[1] * block[2] // 32)
+        assert (t.blocks, t.warps) == (blocks, blocks * warps), (stage, t.blocks, t.warps, blocks, warps)
+        assert len(set(zip(t.records["block"].tolist(), t.records["warp"].tolist()))) == t.warps
+    assert (r["start"] <= r["end"]).all() and (r["start"] > 0).all()
+    waited = r["wait"] != 0
+    assert ((r["start"][waited] <= r["wait"][waited]) & (r["wait"][waited] <= r["end"][waited])).all()
