@@ -147,3 +147,12 @@ def test_moe_layer_graph_replay_traced(cuda_device, tmp_path):
     assert (r["start"] <= r["end"]).all() and (r["start"] > 0).all()
     waited = r["wait"] != 0
     assert ((r["start"][waited] <= r["wait"][waited]) & (r["wait"][waited] <= r["end"][waited])).all()
+
+
+def test_trace_timeline_cli():
+    """The tool parses its subcommands without a GPU (it sets DDTREE_TRACE for itself, so only as a child process)."""
+    root = Path(__file__).resolve().parents[1]
+    for what in ("moe", "step"):
+        out = subprocess.run([sys.executable, "tools/trace_timeline.py", what, "--help"], cwd=root,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "--out" in out.stdout, out.stderr[-2000:]

@@ -53,6 +53,10 @@ step bench_moe_small python3 tools/bench_moe.py --no-variants --tokens 1,2,4,8,1
 step bench_moe_large python3 tools/bench_moe.py --no-variants --tokens 32,128,256,512,1024 --plans 'pdl,par'
 # the layer computing the shared expert's bf16 MLP (88 MB) on its side stream, against one stream and the two alone
 step bench_moe_shared python3 tools/bench_moe.py --no-variants --no-plans --shared 1 --tokens 1,2,4,8,16,64,256
+# per-warp timelines (tools/trace_timeline.py: traced kernel builds): the layer + shared MLP at small T, and a 2-layer
+# Qwen3-8B-shaped AR / verify step; records into $OUT/trace
+step trace_moe python3 tools/trace_timeline.py moe --tokens 1,2,8 --shared 1 --out "$OUT/trace"
+step trace_step python3 tools/trace_timeline.py step --random qwen3-8b --layers 2 --prefix 1024 --budgets 0,16,64 --out "$OUT/trace"
 step bench_stream_rows python3 -m tools.bench_stream_rows
 step bench_mla python3 tools/bench_mla.py --kernel mma,gmma,gmma-split
 step bench_load python3 tools/bench_load.py --size-gb 4

@@ -24,6 +24,12 @@ os.environ.setdefault("DDTREE_TRACE", "1")   # before runtime.cuda is imported: 
 import numpy as np  # noqa: E402
 
 
+# the families each subcommand's graphs may launch (built up front, in parallel)
+_MODEL = ("norm_rope", "dense_linear", "dense_linear_sm90", "dense_linear_narrow_sm90")
+TRACED_FAMILIES = {"moe": (*_MODEL, "moe_routing", "moe_int4", "moe_int4_sm90"),
+                   "step": (*_MODEL, "tree_attention", "tree_attention_sm90", "sampling", "engine_ops")}
+
+
 def trace_replay(graph_exec, stream, buffer, iters: int):
     """(median us of a traced replay, the records of one more replay)."""
     from runtime import cuda
@@ -125,9 +131,13 @@ def main(argv=None) -> int:
         p.add_argument("--capacity", type=int, default=1 << 20, help="warp records the buffer holds")
         p.add_argument("--out", type=Path, help="save each graph's records here (.npy)")
     args = ap.parse_args(argv)
+    from runtime import cuda
     from runtime.cuda.nvrtc import TRACE_BUILD
     if not TRACE_BUILD:
         raise SystemExit("trace_timeline: DDTREE_TRACE is set to something other than 1 in the environment")
+    cuda.get_device()
+    from cutlass_kernels.registry import FAMILIES   # the traced builds in parallel first (a no-op once cached)
+    cuda.compile_all([n for n in TRACED_FAMILIES[args.what] if n in FAMILIES], jobs=os.cpu_count())
     (moe_main if args.what == "moe" else step_main)(args)
     return 0
 
