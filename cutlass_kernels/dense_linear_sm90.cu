@@ -190,6 +190,15 @@ linear_gmma_kernel(const __nv_bfloat16* __restrict__ x, int ldx,
   // partials of its groups), [1] done (the CS - 1 others have all their bytes, so this block's stores are complete)
   __shared__ uint64_t push_bar[2];
   const uint32_t push_base = static_cast<uint32_t>(__cvta_generic_to_shared(push_bar));
+  // The launch's dynamic shared memory comes from runtime/dense_gmma.py (gmma_smem_bytes, gmma_push_smem_bytes), which
+  // restates the layout above: a launch with less would overrun it silently, so it traps instead (every GPU test of
+  // an instance then checks the Python side).
+  {
+    constexpr uint32_t kSmemNeeded = 1024 + kRecvOff + (kPush ? (CS - 1) * kSlotBytes : 0);
+    uint32_t dynamic_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
+    if (dynamic_smem < kSmemNeeded) __trap();
+  }
 
 #if GMMA_TRACE
   const int trace_block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
