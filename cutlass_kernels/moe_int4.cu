@@ -128,15 +128,26 @@ __device__ __forceinline__ void unit_mma(float (&acc)[RB][NT][4], WeightOf w_of,
   }
 }
 
+// Row block j's 16-byte weight and scale loads of the step of units u .. u + kStep - 1 (u >= 0, a multiple of
+// kStep): one 64-bit address per row block, the units as immediate offsets from it, and unsigned index arithmetic.
+// Written as (u + uu) * 32 on a signed int, each load had its own sign-extended 64-bit address (~50 integer
+// instructions per step in sm_90a SASS).
+__device__ __forceinline__ const uint4* step_weights(const uint4* wp, int u) { return wp + (unsigned)u * 32u; }
+__device__ __forceinline__ const uint4* step_scales(const uint4* sp, int u) {
+  const unsigned uu = (unsigned)u;
+  return sp + (uu / 8u) * 32u + ((uu / 4u) & 1u);
+}
+
 // The register pipeline's loads of one step (4 units from un on): each row block's weights and scale word.
 template <int RB>
 __device__ __forceinline__ void load_weight_step(uint4 (&w)[kStep][RB], uint4 (&sc)[RB], const uint4* const (&wp)[RB],
                                                  const uint4* const (&sp)[RB], int un) {
 #pragma unroll
   for (int j = 0; j < RB; ++j) {
+    const uint4* ws = step_weights(wp[j], un);
 #pragma unroll
-    for (int uu = 0; uu < kStep; ++uu) w[uu][j] = ld_stream(wp[j] + (un + uu) * 32);
-    sc[j] = ld_cached(sp[j] + (un / 8) * 32 + ((un / 4) & 1));
+    for (int uu = 0; uu < kStep; ++uu) w[uu][j] = ld_stream(ws + uu * 32);
+    sc[j] = ld_cached(step_scales(sp[j], un));
   }
 }
 
@@ -284,9 +295,10 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
     uint4* slot = ring + (i % S) * PER * 32 + lane;
 #pragma unroll
     for (int j = 0; j < RB; ++j) {
+      const uint4* ws = step_weights(wp[j], u);
 #pragma unroll
-      for (int uu = 0; uu < kStep; ++uu) cp_async16(slot + (j * kStep + uu) * 32, wp[j] + (u + uu) * 32);
-      cp_async16(slot + (kStep * RB + j) * 32, sp[j] + (u / 8) * 32 + ((u / 4) & 1));
+      for (int uu = 0; uu < kStep; ++uu) cp_async16(slot + (j * kStep + uu) * 32, ws + uu * 32);
+      cp_async16(slot + (kStep * RB + j) * 32, step_scales(sp[j], u));
     }
   };
 #pragma unroll

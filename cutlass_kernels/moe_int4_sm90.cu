@@ -55,6 +55,7 @@ constexpr int W_TILE = 128 * 128;   // 128 rows x 64 k bf16
 
 
 using ddtree::cp_async16_s;
+using ddtree::bf16x2_broadcast;
 using ddtree::dequant_bf16x2;
 using ddtree::nib_to_bf16x2_biased;
 using ddtree::sw128_desc;
@@ -75,7 +76,7 @@ __device__ __forceinline__ uint32_t load_scale(const uint4* sp, int u) { return 
 // Dequantize one lane's 16 bytes (rows g, g + 8 of the warp's row block; columns 16t .. 16t + 15) into the
 // swizzled W tile: row R = 16 w + g (+ 8), 16-byte units 2t, 2t + 1 of the 128-byte row.
 __device__ __forceinline__ void dequant_store(uint32_t tile, uint4 w, uint32_t sw, int row, int t) {
-  const uint32_t s_lo = __byte_perm(sw, 0, 0x1010), s_hi = __byte_perm(sw, 0, 0x3232);
+  const uint32_t s_lo = bf16x2_broadcast<false>(sw), s_hi = bf16x2_broadcast<true>(sw);
   uint32_t lo[8], hi[8];   // row g / g + 8: columns 16t + 2i, + 1 as bf16x2
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -151,7 +152,7 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 #pragma unroll
   for (int j = 0; j < 4; ++j) {   // steps 0, 1: columns 0 .. 31 of the unit (scale group 0), steps 2, 3: group 1
     const uint32_t sw = j < 2 ? sc_lo_group : sc_hi_group;
-    const uint32_t s_lo = __byte_perm(sw, 0, 0x1010), s_hi = __byte_perm(sw, 0, 0x3232);
+    const uint32_t s_lo = bf16x2_broadcast<false>(sw), s_hi = bf16x2_broadcast<true>(sw);
     a[j][0] = dequant_bf16x2(nib_to_bf16x2_biased(q[j]), s_lo);          // row g, columns 16j + 2t, + 1
     a[j][1] = dequant_bf16x2(nib_to_bf16x2_biased(q[j] >> 4), s_hi);     // row g + 8
     a[j][2] = dequant_bf16x2(nib_to_bf16x2_biased(q[j] >> 8), s_lo);     // row g, columns 16j + 8 + 2t, + 1
