@@ -17,6 +17,11 @@ import numpy as np
 E, HIDDEN, INTER, TOPK = 16, 1024, 512, 4
 # (T, MoeLayer options): mma.sync alone, the default plan, and hot tiers on every wgmma pipeline in use
 PLANS = [
+    (1, dict()),     # T = 1's register rings (gate_up two buffers, down three with x staged)
+    (2, dict()),     # T = 2: x staged (XS 1) on both GEMMs
+    (8, dict()),     # the cp.async ring (gate_up) at 8-token chunks
+    (24, dict()),    # down with 16-token chunks
+    (4, dict(variants=("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 4>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 2>"))),  # XS pieces
     (4, dict(gmma_min_tokens=None)),
     (64, dict(gmma_min_tokens=None)),
     (300, dict(gmma_min_tokens=None)),
