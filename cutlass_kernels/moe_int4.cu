@@ -94,14 +94,19 @@ struct XFromGlobal {
 // counted from the staged piece's first unit: row r = 8n + g holds row_chunks 16-byte chunks, chunk c stored
 // at c ^ (r & 1) so that the two tokens g, g + 1 a quarter warp reads land in different banks. Padding rows
 // hold stale values; their outputs are never stored.
+// Chunk c = u * 8 + 2t is even and r & 1 = g & 1 for every n, so c ^ (r & 1) = c + (g & 1) and (c + 1) ^ (r & 1) =
+// c + 1 - (g & 1): two per-lane pointers, and the unit and tile as plain offsets (immediates in the unrolled loop).
 struct XFromShared {
-  const uint4* xs;
-  int row_chunks, g, t;
+  const uint4* lo;   // token tile 0, unit 0: the lane's first chunk
+  const uint4* hi;   // its second chunk
+  int tile_chunks;   // 8 rows: the next token tile
+  __device__ __forceinline__ XFromShared(const uint4* xs, int row_chunks, int g, int t)
+      : lo(xs + g * row_chunks + 2 * t + (g & 1)), hi(xs + g * row_chunks + 2 * t + 1 - (g & 1)),
+        tile_chunks(8 * row_chunks) {}
   __device__ __forceinline__ void operator()(int n, int u, uint4 (&xa)[2]) const {
-    const int r = 8 * n + g, c = u * (kUnit / 8) + t * 2;
-    const uint4* row = xs + r * row_chunks;
-    xa[0] = row[c ^ (r & 1)];
-    xa[1] = row[(c + 1) ^ (r & 1)];
+    const int c = n * tile_chunks + u * (kUnit / 8);
+    xa[0] = lo[c];
+    xa[1] = hi[c];
   }
 };
 
