@@ -300,10 +300,9 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[RB][NT][4], const u
     uint4* slot = ring + (i % S) * PER * 32 + lane;
 #pragma unroll
     for (int j = 0; j < RB; ++j) {
-      const uint4* ws = step_weights(wp[j], u);
 #pragma unroll
-      for (int uu = 0; uu < kStep; ++uu) cp_async16(slot + (j * kStep + uu) * 32, ws + uu * 32);
-      cp_async16(slot + (kStep * RB + j) * 32, step_scales(sp[j], u));
+      for (int uu = 0; uu < kStep; ++uu) cp_async16(slot + (j * kStep + uu) * 32, wp[j] + (u + uu) * 32);
+      cp_async16(slot + (kStep * RB + j) * 32, sp[j] + (u / 8) * 32 + ((u / 4) & 1));
     }
   };
 #pragma unroll
