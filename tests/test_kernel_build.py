@@ -258,6 +258,21 @@ def test_register_floors(built):
             f"REGISTER_FLOORS.")
 
 
+def test_moe_gate_up_scale_broadcasts_fold_into_operands(built):
+    """int4_dequant.cuh's bf16x2_broadcast: ptxas folds the scale words' half broadcasts into the HFMA2 operand
+    selectors (.H0_H0 / .H1_H1). Written as __byte_perm they were 4 PRMTs per scale word, 7% of the T = 1 gate_up
+    loop (docs/PERF.md, session 32). Checked on every gate_up default, whose kernels have no other PRMT."""
+    if nvrtc.find_disassembler() is None:
+        pytest.skip("no nvdisasm/cuobjdump: the SASS is not readable here")
+    from runtime.kimi_kernels import DEFAULT_VARIANTS, GATE_UP_PIECES
+    mod = built[("moe_int4", "90a")]
+    sass = mod.sass()
+    entries = {gate_up for gate_up, _ in DEFAULT_VARIANTS.values()} | set(GATE_UP_PIECES.values())
+    for entry in sorted(entries):
+        body = sass.split(f".text.{mod.lowered[entry]}:", 1)[1].split(".text.", 1)[0]
+        assert "PRMT" not in body and re.search(r"HFMA2\.BF16_V2 .*\.H[01]_H[01]", body), entry
+
+
 def test_cubin_register_counts_match_the_disassembler(built):
     """The CUBIN reader's counts equal the register numbers the kernels' SASS uses (highest R index + 1 is a
     lower bound; the allocation adds the ABI's reserved ones), for a family with several entries."""
