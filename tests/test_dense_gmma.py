@@ -248,6 +248,53 @@ def test_dense_linear_hands_verify_sizes_to_gmma(dg, ref, monkeypatch):
     assert not calls
 
 
+_SHORT_SMEM_SCRIPT = r"""
+import os, sys, numpy as np
+from runtime import cuda
+import runtime.dense_gmma as dg
+from runtime.cuda import CudaError
+push = sys.argv[1] == "push"
+cfg = (48, 2, 4, 1, 2, 2) if push else (64, 2, 4, 1, 1, 2)   # (TN, KA, STAGES, RW, CS, NWG)
+M, N, K = 33, 256, 1024
+smem = dg.gmma_push_smem_bytes(*cfg) if push else dg.gmma_smem_bytes(*cfg[:4], cfg[5])
+kern = cuda.get_kernel(dg.FAMILY_PUSH if push else dg.FAMILY, dg.gmma_entry(cfg))
+kern.set_max_dynamic_smem(smem)
+x, w, out = cuda.empty((M, K), np.uint16), cuda.empty((N, K), np.uint16), cuda.empty((M, N), np.uint16)
+for a in (x, w):
+    a.fill_bytes(0x3c)
+grid = (N // (64 * cfg[3] * cfg[5]), cfg[4], 1)
+args = [x, np.int32(K), w, out, np.int32(N), np.uint64(0), np.int32(0), out, out, np.int32(M), np.int32(N),
+        np.int32(K), np.int32(K // cfg[4])]
+for extra, want_ok in ((0, True), (-16, False)):   # the planned size runs; 16 bytes short traps
+    try:
+        kern.launch(grid, 128 * cfg[5], args, smem=smem + extra)
+        cuda.default_stream().synchronize()
+        ok = True
+    except CudaError:
+        ok = False
+    print("launch", smem + extra, "ok" if ok else "trapped", flush=True)
+    if ok != want_ok:
+        os._exit(1)
+os._exit(0)   # no finalizers on the context the trap ended
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["plain", "push"])
+def test_linear_gmma_traps_when_shared_memory_is_short(dg, variant):
+    """The kernel compares its dynamic shared memory with its own layout (the Python formulas restate it): the
+    planned size runs, 16 bytes less traps. In a child process: a trap ends the CUDA context."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _SHORT_SMEM_SCRIPT, variant], cwd=root, env=dict(os.environ),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert out.stdout.split().count("trapped") == 1, out.stdout
+
+
 @pytest.mark.gpu
 def test_linear_gmma_rejects_bad_shapes(dg):
     from runtime.cuda import empty
