@@ -6,8 +6,8 @@ cache entries: a cold cache compiles every family used once more).
     python3 tools/trace_timeline.py moe --tokens 4 --routing skewed --plan 'dict(shared_fork="route")'
     python3 tools/trace_timeline.py step --random qwen3-8b --layers 2 --prefix 1024 --budgets 0,64   # 0: AR
 
-For each graph: its replay time with the stamps on (median of --iters; compare with the untraced bench's figure),
-then a table of its launches in start order (blocks, warps, SMs held, first start / first and last dependency wait
+For each graph: its replay time with the buffer detached and with the stamps written (medians of --iters; the
+untraced build's own time comes from the benches), then a table of its launches in start order (blocks, warps, SMs held, first start / first and last dependency wait
 / last end in us from the first stamp, median warp time, gap after the previous launch) and a text chart: per
 launch the share of its warps running (shades) or waiting in their PDL wait (w), and the SMs in use. --out DIR
 saves the records (runtime.cuda.trace.RECORD_DTYPE) as .npy per graph.
@@ -31,22 +31,27 @@ TRACED_FAMILIES = {"moe": (*_MODEL, "moe_routing", "moe_int4", "moe_int4_sm90"),
 
 
 def trace_replay(graph_exec, stream, buffer, iters: int):
-    """(median us of a traced replay, the records of one more replay)."""
+    """(median us of a replay with the buffer detached (the traced build skipping its stamps), the same with the
+    stamps written, the records of one more replay)."""
     from runtime import cuda
-    buffer.reset(stream)
-    us = cuda.bench(lambda: graph_exec.launch(stream), warmup=2, iters=iters, stream=stream) * 1e3
+    times = []
+    for stamps in (False, True):
+        buffer.install() if stamps else buffer.close()
+        buffer.reset(stream)
+        times.append(cuda.bench(lambda: graph_exec.launch(stream), warmup=2, iters=iters, stream=stream) * 1e3)
     buffer.reset(stream)
     graph_exec.launch(stream)
     stream.synchronize()
-    return us, buffer.read()
+    return times[0], times[1], buffer.read()
 
 
-def report(label: str, us: float, records: np.ndarray, width: int, out: Path | None):
+def report(label: str, us_off: float, us: float, records: np.ndarray, width: int, out: Path | None):
     from runtime.cuda import trace
     traces = trace.launches(records)
     span = max(t.end for t in traces) if traces else 0.0
-    print(f"\n## {label}: traced replay {us:.1f} us (median), one replay's stamps span {span:.1f} us, "
-          f"{len(traces)} launches, {len(records)} warps")
+    print(f"\n## {label}: replay {us_off:.1f} us without the stamps, {us:.1f} us with them (medians; the untraced "
+          f"build's time comes from the benches), one replay's stamps span {span:.1f} us, {len(traces)} launches, "
+          f"{len(records)} warps")
     print(trace.table(traces))
     print(trace.timeline(traces, width))
     if out is not None:
@@ -80,8 +85,8 @@ def moe_main(args) -> None:
             with cuda.capture(stream) as g:
                 layer.forward(stream)
             ge = g.instantiate()
-            us, records = trace_replay(ge, stream, buffer, args.iters)
-            report(f"moe T={T} {kind}{' +shared' if shared else ''}", us, records, args.width, args.out)
+            us_off, us, records = trace_replay(ge, stream, buffer, args.iters)
+            report(f"moe T={T} {kind}{' +shared' if shared else ''}", us_off, us, records, args.width, args.out)
             del ge, g, layer
 
 
@@ -102,8 +107,8 @@ def step_main(args) -> None:
             engine.generate(prompt, mode="ddtree", budget=budget, max_new_tokens=args.new_tokens)
             bucket = bucket_for(budget, ce.BUCKETS)
             graph, label = ce.graph_decoder(engine).graphs[("verify", bucket, 0.0)], f"verify b{bucket}"
-        us, records = trace_replay(graph.exec, b.stream, buffer, args.iters)
-        report(f"{args.random} {label} prefix {args.prefix}", us, records, args.width, args.out)
+        us_off, us, records = trace_replay(graph.exec, b.stream, buffer, args.iters)
+        report(f"{args.random} {label} prefix {args.prefix}", us_off, us, records, args.width, args.out)
 
 
 def main(argv=None) -> int:

@@ -61,7 +61,8 @@ def trace_codes(text: str | None = None) -> dict[int, str]:
 class TraceBuffer:
     """The device buffer the instrumented kernels append to (capacity records; later ones are counted, dropped).
     Installed into every loaded kernel module on creation and into every module loaded after (kernel.load_module);
-    close() uninstalls it. Needs DDTREE_TRACE=1 in the environment before the first kernel is built."""
+    close() uninstalls it, install() again. Needs DDTREE_TRACE=1 in the environment before the first kernel is
+    built."""
 
     def __init__(self, capacity: int = 1 << 20):
         from . import memory
@@ -94,7 +95,12 @@ class TraceBuffer:
         raw = self.words.view(self._records_at, (n * k["RecordWords"],)).download() if n else np.zeros(0, np.uint64)
         return raw.view(RECORD_DTYPE)
 
+    def install(self):
+        """Point every loaded module (and every one loaded later) at this buffer (done on creation)."""
+        _install(self)
+
     def close(self):
+        """Point them at nothing: the stamps are skipped (the traced code still runs its checks)."""
         _install(None)
 
 
