@@ -36,7 +36,10 @@ def trace_replay(graph_exec, stream, buffer, iters: int):
     from runtime import cuda
     times = []
     for stamps in (False, True):
-        buffer.install() if stamps else buffer.close()
+        if stamps:
+            buffer.install()
+        else:
+            buffer.close()
         buffer.reset(stream)
         times.append(cuda.bench(lambda: graph_exec.launch(stream), warmup=2, iters=iters, stream=stream) * 1e3)
     buffer.reset(stream)
