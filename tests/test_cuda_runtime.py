@@ -358,6 +358,38 @@ def test_graph_capture_replay_and_update(cuda_device, launch_path):
     assert_close(a.download(), a0 * 2 + 5 - 1, "updated kernel 1", rtol=1e-6)  # kernel 1 still on a, new b
 
 
+_FIRST_USE_IN_CAPTURE = r"""
+import numpy as np
+import runtime.cuda as rc
+s = rc.Stream()
+n = 777
+a0 = np.arange(n, dtype=np.float32)
+a = rc.to_device(a0)
+with rc.capture(s) as g:   # the family's module, the function and its smem opt-in all load inside the capture
+    k = rc.get_kernel("runtime_probe", "add_scalar_kernel")
+    k.set_max_dynamic_smem(64 * 1024)
+    k.launch(4, 256, [a, np.float32(2.0), np.float32(1.0), np.int32(n)], stream=s)
+ge = g.instantiate()
+ge.launch(s)
+s.synchronize()
+assert (a.download() == a0 * 2 + 1).all()
+print("ok")
+"""
+
+
+@gpu
+def test_kernel_first_used_inside_a_capture(cuda_device):
+    """A kernel whose module is first loaded inside a stream capture (a graph captured before any eager run):
+    the loads run in relaxed capture mode, so the capture stays valid. A fresh process: here the family is loaded."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-c", _FIRST_USE_IN_CAPTURE], cwd=Path(__file__).resolve().parents[1],
+                         env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 @gpu
 def test_bucket_graph_replayed_1000_times(cuda_device):
     k = rc.get_kernel("runtime_probe", "add_scalar_kernel")

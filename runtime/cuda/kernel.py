@@ -16,6 +16,7 @@ becomes a programmatic graph edge. DDTREE_PDL=0 launches them plainly (same resu
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -46,6 +47,24 @@ def _dim3(d) -> tuple[int, int, int]:
     return tuple(int(x) for x in d) + (1,) * (3 - len(d))
 
 
+@contextlib.contextmanager
+def _capture_relaxed():
+    """Module and function loads made while this thread captures a stream (runtime.cuda.capture: thread-local
+    mode) are prohibited there, and they invalidate the capture: the next launch then fails with
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. A kernel first used inside a capture (a graph captured before any eager
+    run) loads in relaxed mode instead; they put no work on a stream, so the capture loses nothing."""
+    if not _graph._active:
+        yield
+        return
+    drv = driver()
+    previous = check(drv.cuThreadExchangeStreamCaptureMode(drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+                     "cuThreadExchangeStreamCaptureMode")
+    try:
+        yield
+    finally:
+        check(drv.cuThreadExchangeStreamCaptureMode(previous), "cuThreadExchangeStreamCaptureMode")
+
+
 def load_module(family: str, arch: str | None = None):
     """The family's CUmodule on the current device (built or read from cache on first use)."""
     dev = get_device()
@@ -57,7 +76,9 @@ def load_module(family: str, arch: str | None = None):
             hit = _modules.get(key)  # another thread may have loaded it while we waited
             if hit is None:
                 compiled = compile_family(family, arch)
-                module = check(driver().cuModuleLoadData(compiled.cubin), f"cuModuleLoadData({family}, sm_{arch})")
+                with _capture_relaxed():
+                    module = check(driver().cuModuleLoadData(compiled.cubin),
+                                   f"cuModuleLoadData({family}, sm_{arch})")
                 if TRACE_BUILD:
                     from . import trace
                     trace.module_loaded(module)
@@ -88,9 +109,10 @@ class Kernel:
         if nbytes <= self.max_dynamic_smem:
             return
         drv = driver()
-        check(drv.cuFuncSetAttribute(self.function,
-                                     drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                     int(nbytes)), f"cuFuncSetAttribute(max dynamic smem, {self})")
+        with _capture_relaxed():
+            check(drv.cuFuncSetAttribute(self.function,
+                                         drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         int(nbytes)), f"cuFuncSetAttribute(max dynamic smem, {self})")
         self.max_dynamic_smem = int(nbytes)
 
     def attribute(self, name: str) -> int:
@@ -131,8 +153,11 @@ def get_kernel(family: str, entry: str, arch: str | None = None) -> Kernel:
                 if entry not in compiled.lowered:
                     raise KeyError(f"kernel family {family!r} has no entry {entry!r}; entries: "
                                    f"{', '.join(compiled.lowered)}")
-                fn = check(driver().cuModuleGetFunction(module, compiled.lowered[entry].encode()),
-                           f"cuModuleGetFunction({family}:{entry})")
+                with _capture_relaxed():
+                    fn = check(driver().cuModuleGetFunction(module, compiled.lowered[entry].encode()),
+                               f"cuModuleGetFunction({family}:{entry})")
+                    # loaded now, not at its first launch (lazy loading), which may fall inside a capture
+                    check(driver().cuFuncLoad(fn), f"cuFuncLoad({family}:{entry})")
                 k = _kernels[key] = Kernel(family, entry, fn, arch, pdl=_family_pdl(family),
                                            param_sizes=compiled.entry_param_sizes(entry))
     return k
