@@ -391,6 +391,24 @@ def test_kernel_first_used_inside_a_capture(cuda_device):
 
 
 @gpu
+def test_memory_freed_inside_a_capture(cuda_device):
+    """An allocation whose last reference goes away inside a capture (as a garbage collection does to an earlier
+    test's or step's buffers): its cuMemFree waits for the capture's end, which stays valid."""
+    k = rc.get_kernel("runtime_probe", "add_scalar_kernel")
+    s = rc.Stream()
+    n = 777
+    a0 = np.arange(n, dtype=np.float32)
+    a, junk = rc.to_device(a0), rc.empty((1 << 20,), np.float32)
+    with rc.capture(s) as g:
+        del junk   # its finalizer runs here
+        k.launch(4, 256, [a, np.float32(2.0), np.float32(1.0), np.int32(n)], stream=s)
+    ge = g.instantiate()
+    ge.launch(s)
+    s.synchronize()
+    np.testing.assert_array_equal(a.download(), a0 * 2 + 1)
+
+
+@gpu
 def test_bucket_graph_replayed_1000_times(cuda_device):
     k = rc.get_kernel("runtime_probe", "add_scalar_kernel")
     s = rc.Stream()
@@ -415,3 +433,32 @@ def test_bucket_graph_replayed_1000_times(cuda_device):
     want = x0.copy()
     want[:64] += 1000 * steps
     np.testing.assert_array_equal(buf.download(), want)
+
+
+def test_frees_during_a_capture_wait_for_its_end(monkeypatch):
+    """A cuMemFree / cuMemFreeHost / graph destroy made while a stream captures (a garbage collection runs any
+    finalizer there) would invalidate the capture: graph.release holds them until the last capture has ended."""
+    import runtime.cuda.graph as graph
+    import runtime.cuda.memory as memory
+    done = []
+
+    class Drv:
+        def cuMemFree(self, p):
+            done.append(("free", p))
+            return (0,)
+
+        def cuMemFreeHost(self, p):
+            done.append(("free host", p))
+            return (0,)
+
+    monkeypatch.setattr(memory, "driver", lambda: Drv())
+    monkeypatch.setattr(graph, "_deferred", [])
+    monkeypatch.setattr(graph, "_active", {7: object()})   # a capture in progress
+    memory._mem_free(0x1000)
+    memory.PinnedBuffer._release(0x2000)
+    assert done == [] and len(graph._deferred) == 2
+    graph._active.clear()
+    graph._release_deferred()
+    assert sorted(done) == [("free", 0x1000), ("free host", 0x2000)] and graph._deferred == []
+    memory._mem_free(0x3000)                                  # no capture: at once
+    assert done[-1] == ("free", 0x3000)

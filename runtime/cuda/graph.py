@@ -12,7 +12,30 @@ from .errors import check
 from .stream import stream_handle
 
 _active: dict[int, "Capture"] = {}  # int(stream handle) -> capture in progress on it
-_deferred: list = []  # (destroy fn, handle) of graphs dropped during a capture, destroyed after it
+_deferred: list = []  # (release fn, handle) dropped while a capture ran, released after the last one ends
+
+
+def release(destroy, handle):
+    """destroy(handle) now, or once no capture is in progress. cuMemFree, cuMemFreeHost and cuGraph(Exec)Destroy
+    synchronize implicitly: made while a stream captures (a garbage collection can run any finalizer there), they
+    invalidate the capture, and its next launch fails with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED."""
+    if _active:
+        _deferred.append((destroy, handle))
+        return
+    try:
+        destroy(handle)
+    except Exception:  # interpreter shutdown
+        pass
+
+
+def _release_deferred():
+    """Release what release() held back, once the last capture has ended."""
+    while _deferred and not _active:
+        destroy, handle = _deferred.pop()
+        try:
+            destroy(handle)
+        except Exception:
+            pass
 
 
 def _note_launch(stream, launch):
@@ -65,12 +88,7 @@ class Capture:
     def __exit__(self, exc_type, exc, tb):
         _active.pop(int(self.handle), None)
         result = driver().cuStreamEndCapture(self.handle)
-        while _deferred and not _active:  # graphs released while the capture ran
-            destroy, handle = _deferred.pop()
-            try:
-                destroy(handle)
-            except Exception:
-                pass
+        _release_deferred()
         if exc_type is not None:  # the body failed: end the capture, drop the graph, keep the body's error
             if int(result[0]) == 0 and result[1] is not None:
                 driver().cuGraphDestroy(result[1])
@@ -85,13 +103,7 @@ class Capture:
 
     def __del__(self):
         if getattr(self, "graph", None) is not None:
-            if _active:  # destroying a graph while a stream captures invalidates that capture: defer it
-                _deferred.append((driver().cuGraphDestroy, self.graph))
-                return
-            try:
-                driver().cuGraphDestroy(self.graph)
-            except Exception:
-                pass
+            release(driver().cuGraphDestroy, self.graph)
 
 
 def capture(stream=None) -> Capture:
@@ -134,13 +146,7 @@ class GraphExec:
               "cuGraphExecKernelNodeSetParams")
 
     def __del__(self):
-        if _active:  # not while a stream captures (see Capture.__del__)
-            _deferred.append((driver().cuGraphExecDestroy, self.handle))
-            return
-        try:
-            driver().cuGraphExecDestroy(self.handle)
-        except Exception:
-            pass
+        release(driver().cuGraphExecDestroy, self.handle)
 
 
 def bucket_for(n: int, buckets) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 
 from .device import driver, get_device
 from .errors import OutOfMemoryError, check
+from .graph import release
 from .stream import Event, stream_handle
 
 _live_standalone_bytes = 0  # bytes held by empty()/to_device() allocations, for OOM messages
@@ -43,10 +44,8 @@ def _mem_alloc(nbytes: int, what: str) -> int:
 
 
 def _mem_free(ptr: int):
-    try:
-        driver().cuMemFree(ptr)
-    except Exception:  # interpreter shutdown
-        pass
+    """cuMemFree, held back while a stream capture is in progress (graph.release)."""
+    release(driver().cuMemFree, ptr)
 
 
 class DeviceArray:
@@ -273,7 +272,11 @@ class PinnedBuffer:
         get_device()
         self.nbytes = int(nbytes)
         self.ptr = int(check(driver().cuMemHostAlloc(max(self.nbytes, 1), 0), "cuMemHostAlloc"))
-        self._finalizer = weakref.finalize(self, lambda p: driver().cuMemFreeHost(p), self.ptr)
+        self._finalizer = weakref.finalize(self, PinnedBuffer._release, self.ptr)
+
+    @staticmethod
+    def _release(ptr):
+        release(driver().cuMemFreeHost, ptr)
 
     def array(self, dtype=np.uint8, shape=None) -> np.ndarray:
         """A numpy view of the buffer. The view keeps this PinnedBuffer alive (until close(), which frees the
