@@ -480,7 +480,7 @@ class MoeLayer:
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, shared_mlp: SharedExpertMlp | None = None,
-                 shared_fork: str | None = None, shared_join: str | None = None,
+                 shared_fork: str | None = None, shared_join: str | None = None, shared_kernel: str = "auto",
                  variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, route_one: bool | None = None, fuse_combine: bool | None = None,
                  early: bool | None = None,
@@ -552,6 +552,8 @@ class MoeLayer:
                 raise ValueError(f"shared_fork={shared_fork!r}: 'start' or 'route'")
             if shared_join not in (None, "down", "combine"):
                 raise ValueError(f"shared_join={shared_join!r}: 'down' or 'combine'")
+            if shared_kernel not in ("auto", "gemv") or (shared_kernel == "gemv" and T > 8):
+                raise ValueError(f"shared_kernel={shared_kernel!r} at T = {T}: 'auto', or 'gemv' up to 8 tokens")
             shared = cuda.empty((T, w.hidden), np.uint16)
         self.T, self.E, self.topk = T, E, topk
         P = T * topk
@@ -573,8 +575,11 @@ class MoeLayer:
         self.shared = shared
         self.shared_mlp = shared_mlp
         self._shared_gu = cuda.empty((T, 2 * shared_mlp.inter), np.uint16) if shared_mlp is not None else None
+        # shared_kernel "gemv": the shared linears on the gemv kernel (SwiGLU fused into down; small shared memory,
+        # so its blocks can sit beside the routed GEMMs' instead of holding whole SMs), else the dense linears' plan
+        self.shared_kernel = shared_kernel
         self._shared_h = (cuda.empty((T, shared_mlp.inter), np.uint16)
-                          if shared_mlp is not None and not shared_mlp.fuses(T) else None)
+                          if shared_mlp is not None and shared_kernel == "auto" and not shared_mlp.fuses(T) else None)
         # the shared branch's own split-K workspace: its linears may run beside other streams' dense linears
         self._shared_ws = _dense_kernels().Workspace() if shared_mlp is not None else None
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
@@ -799,13 +804,14 @@ class MoeLayer:
         where the dense kernels take it, else its own launch)."""
         m, T = self.shared_mlp, self.T
         dk = _dense_kernels()
-        dk.linear(self.x, m.gate_up, self._shared_gu, ws=self._shared_ws, stream=stream)
+        kernel = self.shared_kernel
+        dk.linear(self.x, m.gate_up, self._shared_gu, ws=self._shared_ws, stream=stream, kernel=kernel)
         gate = self._shared_gu.view(0, (T, m.inter))
         up = self._shared_gu.view(m.inter, (T, m.inter))
         ld = 2 * m.inter
         if self._shared_h is None:
             dk.linear(gate, m.down, self.shared, ldx=ld, ws=self._shared_ws, stream=stream, prologue="swiglu", x2=up,
-                      ldx2=ld)
+                      ldx2=ld, kernel=kernel)
         else:
             dk.swiglu(gate, up, self._shared_h, T=T, I=m.inter, ldg=ld, ldu=ld, stream=stream)
             dk.linear(self._shared_h, m.down, self.shared, ws=self._shared_ws, stream=stream)
