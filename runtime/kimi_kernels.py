@@ -270,22 +270,6 @@ def default_shared_fork(T: int) -> str:
     return "route" if T <= SHARED_FORK_ROUTE_MAX_TOKENS else "start"
 
 
-# With shared_mlp, the routed chain waits for the shared branch before this stage: "combine" (the stage that reads
-# .shared: the combine, or down where the combine is folded into it), or "down" (before the routed down, so that the
-# shared MLP's last linear is not left without SMs). Trace of the layer + shared MLP at T = 1 (H100, 2026-12-05 (32),
-# tools/trace_timeline.py): with the join at the combine, the routed down's blocks (early start) hold every SM from
-# 30 us, waiting for gate_up, and the shared down only gets SMs at 92 us, 58 us after its SwiGLU: it ends at 112 us,
-# 5 us after the routed down, and the combine waits for it. SHARED_JOIN_DOWN_MAX_TOKENS: "down" up to this many
-# tokens, else "combine".
-SHARED_JOIN_DOWN_MAX_TOKENS = 0
-
-
-def default_shared_join(T: int, fuse_combine: bool) -> str:
-    """MoeLayer's shared_join where left None: "down" with the combine folded into down (down reads .shared) or up
-    to SHARED_JOIN_DOWN_MAX_TOKENS tokens, else "combine"."""
-    return "down" if fuse_combine or T <= SHARED_JOIN_DOWN_MAX_TOKENS else "combine"
-
-
 def launch_defaults(T: int, pdl: bool | None, early: bool | None, hot_asked: bool) -> tuple[bool, bool]:
     """MoeLayer's (pdl, early) where left None: PDL up to PDL_MAX_TOKENS; the early down start with PDL up to
     EARLY_MAX_TOKENS, but not where a hot-expert tier was asked for by name (the wgmma path takes no early start)."""
@@ -444,8 +428,7 @@ class MoeLayer:
     (`shared_mlp`, see SharedExpertMlp: the layer then computes that output into .shared itself, on a side stream
     joined before the combine: those weights do not depend on the routing, so their stream runs beside the routing
     and the GEMMs' ramps and tails; shared_fork "start" forks it at the layer's start, "route" after the routing,
-    None as default_shared_fork says; shared_join "combine" joins it before the stage that reads .shared, "down"
-    before the routed down, None as default_shared_join says). Output: .y bf16 [T, hidden] = the routing
+    None as default_shared_fork says). Output: .y bf16 [T, hidden] = the routing
     weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
@@ -480,7 +463,7 @@ class MoeLayer:
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, shared_mlp: SharedExpertMlp | None = None,
-                 shared_fork: str | None = None, shared_join: str | None = None, shared_kernel: str = "auto",
+                 shared_fork: str | None = None, shared_kernel: str = "auto",
                  variants: tuple[str, str] | None = None,
                  fused_routing: bool = False, route_one: bool | None = None, fuse_combine: bool | None = None,
                  early: bool | None = None,
@@ -550,8 +533,6 @@ class MoeLayer:
                 shared_fork = default_shared_fork(T)
             if shared_fork not in ("start", "route"):
                 raise ValueError(f"shared_fork={shared_fork!r}: 'start' or 'route'")
-            if shared_join not in (None, "down", "combine"):
-                raise ValueError(f"shared_join={shared_join!r}: 'down' or 'combine'")
             if shared_kernel not in ("auto", "gemv") or (shared_kernel == "gemv" and T > 8):
                 raise ValueError(f"shared_kernel={shared_kernel!r} at T = {T}: 'auto', or 'gemv' up to 8 tokens")
             shared = cuda.empty((T, w.hidden), np.uint16)
@@ -677,11 +658,6 @@ class MoeLayer:
             self._shared_side = cuda.Stream()
             self._shared_fork, self._shared_join = cuda.Event(timing=False), cuda.Event(timing=False)
         self.shared_fork = shared_fork
-        if shared_join is None:
-            shared_join = default_shared_join(T, self.fuse_combine)
-        if shared_join == "combine" and self.fuse_combine:
-            raise ValueError("shared_join='combine': the combine is folded into down, which reads .shared")
-        self.shared_join = shared_join
         if gmma_overlap is None:
             gmma_overlap = GMMA_OVERLAP and not self.fuse_combine
         if gmma_overlap and self.fuse_combine:
@@ -777,7 +753,7 @@ class MoeLayer:
         if shared_pending and self.shared_fork == "start":
             fork_shared()
             shared_pending = False
-        joins_shared = self.shared_join   # the routed stage that waits for the shared branch
+        reads_shared = "down" if self.fuse_combine else "combine"
         hot_forked = False
         for name, launch in self.stages:
             if name == "shared":
@@ -795,7 +771,7 @@ class MoeLayer:
             if name == "combine" and self.gmma_overlap:
                 self._join.record(self._side)
                 cuda.stream.wait_event(stream, self._join)
-            if name == joins_shared and self.shared_mlp is not None:
+            if name == reads_shared and self.shared_mlp is not None:
                 cuda.stream.wait_event(stream, self._shared_join)
             launch(stream)
 

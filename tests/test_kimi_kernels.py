@@ -306,10 +306,6 @@ def test_moe_launch_defaults():
     from runtime.kimi_kernels import SHARED_FORK_ROUTE_MAX_TOKENS, default_shared_fork
     assert [default_shared_fork(T) for T in (1, SHARED_FORK_ROUTE_MAX_TOKENS, SHARED_FORK_ROUTE_MAX_TOKENS + 1)] == [
         "route", "route", "start"]
-    from runtime.kimi_kernels import SHARED_JOIN_DOWN_MAX_TOKENS, default_shared_join
-    bound = SHARED_JOIN_DOWN_MAX_TOKENS
-    assert default_shared_join(bound + 1, False) == "combine" and default_shared_join(bound + 1, True) == "down"
-    assert all(default_shared_join(T, False) == "down" for T in range(1, bound + 1))
 
 
 def test_default_variants_take_gate_up_pieces_where_hidden_splits():
@@ -687,8 +683,7 @@ def test_moe_graph_replay_pdl(cuda_device, T, E, early):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,plan", [
     (1, 16, dict()), (5, 16, dict()), (40, 8, dict()), (3, 8, dict(fuse_combine=True, early=False)),
-    (1, 16, dict(shared_fork="start")), (4, 16, dict(shared_fork="route")), (1, 16, dict(shared_join="down")),
-    (5, 16, dict(shared_fork="start", shared_join="down")), (1, 16, dict(shared_kernel="gemv")),
+    (1, 16, dict(shared_fork="start")), (4, 16, dict(shared_fork="route")), (1, 16, dict(shared_kernel="gemv")),
     (6, 16, dict(shared_kernel="gemv", shared_fork="start")),
     (96, 8, dict(gmma_min_tokens=40, gmma_tile=64, gmma_pipe=3, gmma_overlap=True))])
 def test_moe_layer_shared_mlp(cuda_device, T, E, plan):

@@ -64,11 +64,9 @@ def make_weights(E: int, hidden: int, inter: int, rng):
     return MoeWeights(E, hidden, inter, *arrays)
 
 
-# --shared: MoeLayer's (shared_fork, shared_join) placements (the default at each T: kimi_kernels.default_shared_fork /
-# default_shared_join; the others are timed beside it)
-SHARED_PLACEMENTS = {("start", "combine"): "fork at start", ("route", "combine"): "fork after routing",
-                     ("start", "down"): "fork at start, join before down",
-                     ("route", "down"): "fork after routing, join before down"}
+# --shared: MoeLayer's shared_fork placements (the default at each T: kimi_kernels.default_shared_fork; the other one
+# is timed beside it)
+SHARED_FORKS = {"start": "fork at start", "route": "fork after routing"}
 
 
 def make_shared_mlp(hidden: int, inter: int, rng):
@@ -159,7 +157,7 @@ def main(argv=None):
     from cutlass_kernels.registry import MOE_GEMM_VARIANTS
     from runtime import cuda
     from runtime.bf16 import to_bf16
-    from runtime.kimi_kernels import MoeLayer, default_shared_fork, default_shared_join, variant_params
+    from runtime.kimi_kernels import MoeLayer, default_shared_fork, variant_params
     dev = cuda.require_device()
     print(f"device: {dev.name}, sm_{dev.arch}, {dev.sm_count} SMs", flush=True)
     bw = read_bandwidth(4 << 30)
@@ -222,18 +220,17 @@ def main(argv=None):
                 try:
                     t_ov, st_sh = time_plan(weights, T, args.experts, x, logits, {"shared_mlp": mlp}, args.iters,
                                             one_stream=True)
-                    default = (default_shared_fork(T), default_shared_join(T, False))
-                    forks = {SHARED_PLACEMENTS[p]: time_plan(weights, T, args.experts, x, logits,
-                                                             {"shared_mlp": mlp, "shared_fork": p[0],
-                                                              "shared_join": p[1]}, args.iters)[0]
-                             for p in SHARED_PLACEMENTS if p != default}
+                    default_fork = default_shared_fork(T)
+                    forks = {SHARED_FORKS[f]: time_plan(weights, T, args.experts, x, logits,
+                                                        {"shared_mlp": mlp, "shared_fork": f}, args.iters)[0]
+                             for f in SHARED_FORKS if f != default_fork}
                 except Exception as e:
                     print(f"    + shared MLP failed ({type(e).__name__}: {e})", flush=True)
                 else:
                     st_sh = dict(st_sh)
                     t_one, t_alone, sb = st_sh["one stream"], st_sh["shared"], nbytes + mlp.nbytes
                     shared_rows[(kind, T)] = (t_ov, t_one, t_alone, sb)
-                    print(f"    + shared MLP ({mlp.nbytes / 1e6:.0f} MB): side stream ({SHARED_PLACEMENTS[default]}, "
+                    print(f"    + shared MLP ({mlp.nbytes / 1e6:.0f} MB): side stream ({SHARED_FORKS[default_fork]}, "
                           f"the default) {t_ov * 1e3:.1f} us "
                           f"({sb / (t_ov * 1e-3) / bw * 100:.1f}% BW) | one stream {t_one * 1e3:.1f} us "
                           f"({sb / (t_one * 1e-3) / bw * 100:.1f}%) | shared MLP alone {t_alone * 1e3:.1f} us "
