@@ -428,7 +428,8 @@ class MoeLayer:
     (`shared_mlp`, see SharedExpertMlp: the layer then computes that output into .shared itself, on a side stream
     joined before the combine: those weights do not depend on the routing, so their stream runs beside the routing
     and the GEMMs' ramps and tails; shared_fork "start" forks it at the layer's start, "route" after the routing,
-    None as default_shared_fork says). Output: .y bf16 [T, hidden] = the routing
+    None as default_shared_fork says; shared_kernel "gemv" (T <= 8) runs its linears on the gemv kernel instead of
+    the dense linears' plan, for A/B timing). Output: .y bf16 [T, hidden] = the routing
     weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
