@@ -149,18 +149,18 @@ __device__ __forceinline__ unsigned trace_smid() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   return sm;
 }
-// This warp's (start, wait) pair in the table: a hardware warp slot holds one warp at a time.
-__device__ __forceinline__ unsigned long long* trace_warp_slot() {
+// This warp's (start, wait) pair in the table, on SM sm: a hardware warp slot holds one warp at a time.
+__device__ __forceinline__ unsigned long long* trace_warp_slot(unsigned sm) {
   unsigned w;
   asm volatile("mov.u32 %0, %%warpid;" : "=r"(w));
-  const unsigned slot = (trace_smid() % kTraceSms) * kTraceWarpSlots + w % kTraceWarpSlots;
+  const unsigned slot = (sm % kTraceSms) * kTraceWarpSlots + w % kTraceWarpSlots;
   return ddtree_trace_buffer + kTraceHeaderWords + 2 * slot;
 }
 struct TraceWarp {
   unsigned code;
   __device__ explicit TraceWarp(unsigned c) : code(c) {
     if (ddtree_trace_buffer != nullptr && trace_lane0()) {
-      unsigned long long* slot = trace_warp_slot();
+      unsigned long long* slot = trace_warp_slot(trace_smid());
       slot[0] = trace_now();
       slot[1] = 0;
     }
@@ -168,7 +168,8 @@ struct TraceWarp {
   __device__ ~TraceWarp() {
     if (ddtree_trace_buffer == nullptr || !trace_lane0()) return;
     const unsigned long long end = trace_now();
-    const unsigned long long* slot = trace_warp_slot();
+    const unsigned sm = trace_smid();
+    const unsigned long long* slot = trace_warp_slot(sm);
     unsigned long long grid;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
     const unsigned long long i = atomicAdd(ddtree_trace_buffer, 1ull);
@@ -181,14 +182,14 @@ struct TraceWarp {
     r[1] = slot[1];
     r[2] = end;
     r[3] = grid;
-    r[4] = code | (unsigned long long)trace_smid() << 32;
+    r[4] = code | (unsigned long long)sm << 32;
     r[5] = block | (unsigned long long)warp << 32;
   }
 };
 // The first dependency wait of this warp (grid_dependency_wait calls it after the wait returns).
 __device__ __forceinline__ void trace_wait_done() {
   if (ddtree_trace_buffer != nullptr && trace_lane0()) {
-    unsigned long long* slot = trace_warp_slot();
+    unsigned long long* slot = trace_warp_slot(trace_smid());
     if (slot[1] == 0) slot[1] = trace_now();
   }
 }

@@ -265,12 +265,14 @@ def test_moe_gate_up_scale_broadcasts_fold_into_operands(built):
     if nvrtc.find_disassembler() is None:
         pytest.skip("no nvdisasm/cuobjdump: the SASS is not readable here")
     from runtime.kimi_kernels import DEFAULT_VARIANTS, GATE_UP_PIECES
+    from tools.sass_loops import function_bodies, opcode
     mod = built[("moe_int4", "90a")]
-    sass = mod.sass()
+    bodies = function_bodies(mod.sass())
     entries = {gate_up for gate_up, _ in DEFAULT_VARIANTS.values()} | set(GATE_UP_PIECES.values())
     for entry in sorted(entries):
-        body = sass.split(f".text.{mod.lowered[entry]}:", 1)[1].split(".text.", 1)[0]
-        assert "PRMT" not in body and re.search(r"HFMA2\.BF16_V2 .*\.H[01]_H[01]", body), entry
+        instructions, _ = bodies[mod.lowered[entry]]
+        assert not any(opcode(t) == "PRMT" for t in instructions), entry
+        assert any(re.search(r"HFMA2\.BF16_V2 .*\.H[01]_H[01]", t) for t in instructions), entry
 
 
 def test_cubin_register_counts_match_the_disassembler(built):

@@ -306,9 +306,9 @@ def main(argv=None):
 def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
     """Graph-replay ms of a MoeLayer built with `plan`, and of each of its stages captured alone (a stage's
     eager launch time would be the host's launch overhead for the small kernels); one_stream: also every stage in
-    order on one stream, as the stage "one stream" (no side-stream branches). Own stream; nothing may be
-    freed while a capture is open (a cuMemFree or cuGraphDestroy there invalidates it): garbage collection
-    is off, and every GraphExec keeps its Capture, so rebinding `g` frees nothing."""
+    order on one stream, as the stage "one stream" (no side-stream branches). Own stream; the runtime holds back
+    frees and graph destroys while a capture is open (they would invalidate it), and garbage collection is off
+    around the captures besides, so that no other finalizer runs inside one."""
     import gc
     from runtime import cuda
     from runtime.bf16 import to_bf16

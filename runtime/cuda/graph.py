@@ -21,7 +21,11 @@ def release(destroy, handle):
     invalidate the capture, and its next launch fails with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED."""
     if _active:
         _deferred.append((destroy, handle))
-        return
+    else:
+        _destroy_quietly(destroy, handle)
+
+
+def _destroy_quietly(destroy, handle):
     try:
         destroy(handle)
     except Exception:  # interpreter shutdown
@@ -31,11 +35,7 @@ def release(destroy, handle):
 def _release_deferred():
     """Release what release() held back, once the last capture has ended."""
     while _deferred and not _active:
-        destroy, handle = _deferred.pop()
-        try:
-            destroy(handle)
-        except Exception:
-            pass
+        _destroy_quietly(*_deferred.pop())
 
 
 def _note_launch(stream, launch):

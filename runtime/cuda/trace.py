@@ -10,7 +10,7 @@ traced replay's time with an untraced run's before reading much into small gaps.
     buf = trace.TraceBuffer()            # installs itself into every loaded module and every one loaded later
     buf.reset(stream); graph.launch(stream); stream.synchronize()
     launches = trace.launches(buf.read())
-    print(trace.table(launches)); print(trace.timeline(launches, buf.read()))
+    print(trace.table(launches)); print(trace.timeline(launches))
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ class TraceBuffer:
         k = header_constants()
         self.capacity = int(capacity)
         self._records_at = k["HeaderWords"] + 2 * k["Sms"] * k["WarpSlots"]
-        self.words = memory.empty((self._records_at + k["RecordWords"] * self.capacity,), np.uint64)
+        self._record_words = k["RecordWords"]
+        self.words = memory.empty((self._records_at + self._record_words * self.capacity,), np.uint64)
         header = np.zeros(self._records_at, np.uint64)
         header[1] = self.capacity
         self.words.view(0, (self._records_at,)).upload(header)
@@ -91,8 +92,7 @@ class TraceBuffer:
         n = self.count()
         if n > self.capacity:
             raise CudaError("trace", detail=f"{n} warp records, capacity {self.capacity}: make the TraceBuffer larger")
-        k = header_constants()
-        raw = self.words.view(self._records_at, (n * k["RecordWords"],)).download() if n else np.zeros(0, np.uint64)
+        raw = self.words.view(self._records_at, (n * self._record_words,)).download() if n else np.zeros(0, np.uint64)
         return raw.view(RECORD_DTYPE)
 
     def install(self):
@@ -195,6 +195,11 @@ def table(traces: list[LaunchTrace]) -> str:
 _SHADES = " .:-=+*#%@"
 
 
+def _shade(count: int, peak: int) -> str:
+    """count out of peak as one of ten shades (a blank for none)."""
+    return _SHADES[min(9, int(np.ceil(9 * count / peak)))] if count else " "
+
+
 def timeline(traces: list[LaunchTrace], width: int = 100) -> str:
     """A text chart, one row per launch and a last row for the SMs in use: per time column, the launch's warps
     running (past their wait) as a share of its most at once, in ten shades; 'w' where warps only wait."""
@@ -215,14 +220,12 @@ def timeline(traces: list[LaunchTrace], width: int = 100) -> str:
         waiting = (start[None, :] <= mids[:, None]) & (mids[:, None] < run[None, :])
         n = running.sum(1)
         peak = max(int(n.max()), 1)
-        row = "".join(_SHADES[min(9, int(np.ceil(9 * c / peak)))] if c else ("w" if waiting[i].any() else " ")
-                      for i, c in enumerate(n))
+        row = "".join(_shade(c, peak) if c or not waiting[i].any() else "w" for i, c in enumerate(n))
         rows.append(f"{t.name[:24]:24s}|{row}|")
         for i in range(width):
             busy_sm[i, r["sm"][running[i]] % 1024] = True
     sms = busy_sm.sum(1)
     peak = max(int(sms.max()), 1)
-    rows.append(f"{'SMs in use (peak ' + str(peak) + ')':24s}|" +
-                "".join(_SHADES[min(9, int(np.ceil(9 * c / peak)))] if c else " " for c in sms) + "|")
+    rows.append(f"{'SMs in use (peak ' + str(peak) + ')':24s}|" + "".join(_shade(c, peak) for c in sms) + "|")
     rows.append(f"{'':24s} 0 us{'':{max(0, width - 12)}s}{t1:7.1f} us")
     return "\n".join(rows)
