@@ -280,6 +280,110 @@ moe_route_one_kernel(const float* __restrict__ logits, const float* __restrict__
   }
 }
 
+// T = 1 (decode) over a block: one thread per expert (E <= 512, topk <= 16), the same outputs as
+// moe_route_one_kernel bit for bit. The warp kernel walks its topk picks one after another (a 16-wide scan and two
+// five-step shuffle reductions each, after 16 sigmoid divides per lane); here every expert's rank comes from
+// comparisons done at once. Each expert gets a 64-bit key: its choice value mapped to an unsigned integer in the
+// same order (+0 and -0 are made equal first; -0 cannot arise from sigmoid + bias anyway), over ~e, so a larger
+// key is a larger value or, on a tie, a lower index: the order the reference's argmax rounds pick in. Experts past
+// E get keys below every real one (high word 0), so every key is distinct and every rank a permutation.
+//   group limit (n_group > 1): lane g of warp 0 sums group g's two best choice values, keeps the topk_group
+//     groups of best sum (ties to the lower group), the others' choices become -inf (as route_token);
+//   1: each warp ranks its 32 keys; its topk best become candidates (warps x topk of them);
+//   2: each candidate's rank among all candidates; the topk best are the picks, in pick order;
+//   3: lane r < topk of warp 0: the weight (scores summed in pick order, as route_token) and the grouping outputs.
+// NaN logits give some distinct in-range picks (not the reference's, which has none to give). Grid 1, block
+// 32 * ceil(E / 32).
+constexpr int kRouteBlockMaxExperts = 32 * MAX_EXPERTS_PER_LANE;
+__device__ __forceinline__ unsigned long long route_key(float choice, int e) {
+  unsigned u = __float_as_uint(choice + 0.0f);   // -0 + +0 = +0: equal values, equal keys
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ((unsigned long long)u << 32) | (0xffffffffu - (unsigned)e);
+}
+extern "C" __global__ void __launch_bounds__(kRouteBlockMaxExperts)
+moe_route_one_block_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int topk,
+                           int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor,
+                           int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
+                           int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
+                           int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteOneBlock);
+  __shared__ unsigned long long key_s[kRouteBlockMaxExperts];   // per expert; then the candidates' keys
+  __shared__ float choice_s[kRouteBlockMaxExperts], score_s[kRouteBlockMaxExperts];
+  __shared__ int pick_e[MAX_TOPK];
+  __shared__ float pick_w[MAX_TOPK];
+  __shared__ unsigned keep_s;
+  const int e = threadIdx.x, lane = e & 31, warp = e >> 5, warps = blockDim.x >> 5;
+  const float NEG_INF = __int_as_float(0xff800000);
+  const float corr = e < E ? bias[e] : 0.f;   // a weight: read before the wait
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  const float logit = e < E ? logits[e] : 0.f;
+  const float score = 1.0f / (1.0f + __expf(-logit));   // route_token's expressions: the same bits
+  float choice = e < E ? score + corr : NEG_INF;
+  if (e < E) expert_count[e] = 0;   // the picks' ones are written after the last barrier
+  if (n_group > 1) {
+    choice_s[e] = choice;
+    __syncthreads();
+    if (warp == 0) {
+      const int gsize = E / n_group;
+      float b1 = NEG_INF, b2 = NEG_INF;
+      if (lane < n_group)
+        for (int i = lane * gsize; i < (lane + 1) * gsize; ++i) {
+          const float v = choice_s[i];
+          if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
+        }
+      const float gs = b1 + b2;
+      int rank = 0;   // groups with a higher sum, or the same sum and a lower index
+      for (int h = 0; h < n_group; ++h) {
+        const float o = __shfl_sync(0xffffffffu, gs, h);
+        rank += o > gs || (o == gs && h < lane);
+      }
+      const unsigned keep = __ballot_sync(0xffffffffu, lane < n_group && rank < topk_group);
+      if (lane == 0) keep_s = keep;
+    }
+    __syncthreads();
+    if (e < E && !((keep_s >> (e / (E / n_group))) & 1u)) choice = NEG_INF;
+  }
+  const unsigned long long key = e < E ? route_key(choice, e) : 0xffffffffull - (unsigned)e;
+  key_s[e] = key;
+  score_s[e] = score;
+  __syncwarp();
+  int wrank = 0;   // rank among this warp's 32 keys
+#pragma unroll 8
+  for (int j = 0; j < 32; ++j) wrank += key_s[(warp << 5) + j] > key;
+  __syncthreads();   // every warp's reads of key_s are done: the candidates overwrite its front
+  if (wrank < topk) key_s[warp * topk + wrank] = key;
+  __syncthreads();
+  const int cands = warps * topk;
+  if (e < cands) {
+    const unsigned long long ck = key_s[e];
+    int rank = 0;
+    for (int j = 0; j < cands; ++j) rank += key_s[j] > ck;
+    if (rank < topk) {
+      const int pe = (int)(0xffffffffu - (unsigned)ck);
+      pick_e[rank] = pe;
+      pick_w[rank] = score_s[pe];
+    }
+  }
+  __syncthreads();
+  if (warp == 0 && lane < topk) {
+    float wsum = 0.f;
+    for (int r = 0; r < topk; ++r) wsum += pick_w[r];
+    const float scale = norm_topk_prob ? routed_scaling_factor / (wsum + 1e-20f) : routed_scaling_factor;
+    const int my_id = pick_e[lane];
+    int rank = 0;   // slot order: the picks by increasing expert id (moe_route_one_kernel's)
+    for (int k = 0; k < topk; ++k) rank += pick_e[k] < my_id;
+    topk_ids[lane] = my_id;
+    topk_w[lane] = pick_w[lane] * scale;
+    expert_count[my_id] = 1;
+    slot_expert[rank] = my_id;
+    slot_offset[rank] = rank;
+    slot_count[rank] = 1;
+    sorted_token[rank] = 0;
+    assign_pos[lane] = rank;
+  }
+}
+
 // Top-k and grouping in one launch. Grid: ceil(T / (32 * ROUTE_TOKENS_PER_WARP)) blocks of 1024 threads;
 // dynamic smem as moe_group_kernel. ticket: one int, 0 before the first launch; the last block resets it.
 #define ROUTE_TOKENS_PER_WARP 2

@@ -242,6 +242,12 @@ def moe_smem_bytes(entry: str, k: int) -> int:
     return wn * ks * stages * (4 * rb + rb) * 32 * 16 if stages > 1 else 0
 
 
+# T = 1's routing kernel (MoeLayer route_one_kernel): "block", a thread per expert, every rank at once; "warp",
+# one warp picking the topk experts one after another (DDTREE_ROUTE_ONE=warp for A/B timing). Same bits.
+ROUTE_ONE_ENTRIES = {"block": "moe_route_one_block_kernel", "warp": "moe_route_one_kernel"}
+ROUTE_ONE_KERNEL = os.environ.get("DDTREE_ROUTE_ONE", "block")
+
+
 # The combine is folded into the down GEMM (last block per column tile sums the tokens' expert outputs) up
 # to this many tokens; above it the separate moe_combine_kernel runs (more parallel for large T). 0: never.
 # The defaults of MoeLayer are the plan measured fastest (docs/PERF.md: separate combine since run 6 on the H200;
@@ -435,8 +441,9 @@ class MoeLayer:
 
     Launch plan (defaults = fastest measured; the switches exist for A/B timing and tests, all give the same
     bits): fused_routing: one moe_route_kernel instead of moe_topk + moe_group; route_one (default T == 1):
-    moe_route_one_kernel, one warp, instead of either; fuse_combine (default
-    T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
+    one kernel routes and groups the one token instead of either: route_one_kernel "block" (default
+    ROUTE_ONE_KERNEL) moe_route_one_block_kernel, a thread per expert, or "warp" moe_route_one_kernel;
+    fuse_combine (default T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
     moe_combine_kernel; early (default: with PDL, T <= EARLY_MAX_TOKENS and no hot tier asked for): the down
     GEMM starts its weight stream before its dependency wait; pdl (default T <= PDL_MAX_TOKENS): programmatic
     dependent launch between the layer's kernels (each one's launch and ramp under the previous one's tail), else
@@ -466,7 +473,8 @@ class MoeLayer:
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, shared_mlp: SharedExpertMlp | None = None,
                  shared_fork: str | None = None, shared_kernel: str = "auto",
                  variants: tuple[str, str] | None = None,
-                 fused_routing: bool = False, route_one: bool | None = None, fuse_combine: bool | None = None,
+                 fused_routing: bool = False, route_one: bool | None = None, route_one_kernel: str = "",
+                 fuse_combine: bool | None = None,
                  early: bool | None = None,
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
@@ -570,6 +578,9 @@ class MoeLayer:
         self.route_one = T == 1 if route_one is None else bool(route_one)
         if self.route_one and T != 1:
             raise ValueError(f"route_one: moe_route_one_kernel routes one token, T = {T}")
+        self.route_one_kernel = route_one_kernel or ROUTE_ONE_KERNEL
+        if self.route_one_kernel not in ROUTE_ONE_ENTRIES:
+            raise ValueError(f"route_one_kernel={self.route_one_kernel!r}: one of {sorted(ROUTE_ONE_ENTRIES)}")
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
 
@@ -579,7 +590,9 @@ class MoeLayer:
         group_outs = [self.expert_count, self.slot_expert, self.slot_offset, self.slot_count, self.sorted_token,
                       self.assign_pos]
         if self.route_one:
-            routing = [cuda.get_kernel("moe_routing", "moe_route_one_kernel").prepare((1,), (32,), [
+            route_k = cuda.get_kernel("moe_routing", ROUTE_ONE_ENTRIES[self.route_one_kernel])
+            block = 32 if self.route_one_kernel == "warp" else 32 * -(-E // 32)
+            routing = [route_k.prepare((1,), (block,), [
                 self.logits, self.bias, I32(E), I32(topk), I32(n_group), I32(topk_group), I32(int(norm_topk_prob)),
                 F32(routed_scaling_factor), self.topk_ids, self.topk_w, *group_outs])]
         elif self.fused_routing:

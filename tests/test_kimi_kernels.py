@@ -419,17 +419,20 @@ def test_fused_routing_same_bits_as_two_kernels(cuda_device, T, n_group, topk_gr
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (8, 4)])
-def test_route_one_same_bits_as_two_kernels(cuda_device, n_group, topk_group):
-    """moe_route_one_kernel (T = 1, one warp) against moe_topk + moe_group: every output bit-identical, ties
-    included, over three launches."""
-    E, topk, T = 384, 8, 1
-    rng = np.random.default_rng(n_group + 41)
+@pytest.mark.parametrize("kernel", ["block", "warp"])
+@pytest.mark.parametrize("E,topk,n_group,topk_group", [(384, 8, 1, 1), (384, 8, 8, 4), (256, 8, 8, 4),
+                                                       (300, 6, 1, 1), (64, 16, 4, 2)])
+def test_route_one_same_bits_as_two_kernels(cuda_device, kernel, E, topk, n_group, topk_group):
+    """moe_route_one_block_kernel (a thread per expert) and moe_route_one_kernel (one warp), T = 1, against
+    moe_topk + moe_group: every output bit-identical, ties included, over three launches; E not a multiple of
+    32 (a part warp) and topk 16 included."""
+    T = 1
+    rng = np.random.default_rng(n_group + E + topk + 41)
     bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
     bias[9] = bias[5]
-    one = _routing_layer(E, T, bias, topk, n_group, topk_group)
+    one = _routing_layer(E, T, bias, topk, n_group, topk_group, route_one_kernel=kernel)
     two = _routing_layer(E, T, bias, topk, n_group, topk_group, route_one=False)
-    assert one.route_one and not two.route_one
+    assert one.route_one and one.route_one_kernel == kernel and not two.route_one
     _assert_same_routing_bits(one, two, rng, T, E, bias, topk, n_group, topk_group)
 
 

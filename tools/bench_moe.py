@@ -501,8 +501,10 @@ def launch_plans(default_fused_combine: bool):
         ("tiers49ra7/16ra7-32", dict(gmma_tiers=[(49, 64, 7), (16, 32, 7)])),
         ("gmma>=16/32/ra7", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7)),
         ("gmma>=16/32/ra7/par", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7, gmma_parallel_chunks=True)),
-        # T = 1: the routing by moe_topk + moe_group (two kernels) instead of moe_route_one_kernel (one warp)
+        # T = 1: the routing by moe_topk + moe_group (two kernels), or by moe_route_one_kernel (one warp), instead
+        # of moe_route_one_block_kernel (a thread per expert)
         ("route-groups", dict(route_one=False)),
+        ("route-warp", dict(route_one_kernel="warp")),
         ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
         # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
         ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
