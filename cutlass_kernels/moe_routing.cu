@@ -14,6 +14,7 @@
 //   reset by that block for the next graph replay) does the grouping (same code as moe_group_kernel). For
 //   T <= 64 that is a single block and no ticket. Results are bit-identical to the two-kernel path.
 // moe_route_one_kernel: T = 1 only, one warp: the routing, and the grouping's outputs straight from the picks.
+// moe_route_blocks_kernel: a block per token, a thread per expert (the ranks at once), the last block groups.
 // Everything has a fixed launch shape for a token count, so the MoE layer is graph-capturable.
 // Programmatic dependent launch (family registered pdl=True): every entry waits for the previous kernel
 // (ddtree::grid_dependency_wait) before its first read of logits / ids and before any write; only the
@@ -280,56 +281,56 @@ moe_route_one_kernel(const float* __restrict__ logits, const float* __restrict__
   }
 }
 
-// T = 1 (decode) over a block: one thread per expert (E <= 512, topk <= 16), the same outputs as
-// moe_route_one_kernel bit for bit. The warp kernel walks its topk picks one after another (a 16-wide scan and two
-// five-step shuffle reductions each, after 16 sigmoid divides per lane); here every expert's rank comes from
-// comparisons done at once. Each expert gets a 64-bit key: its choice value mapped to an unsigned integer in the
-// same order (+0 and -0 are made equal first; -0 cannot arise from sigmoid + bias anyway), over ~e, so a larger
-// key is a larger value or, on a tie, a lower index: the order the reference's argmax rounds pick in. Experts past
-// E get keys below every real one (high word 0), so every key is distinct and every rank a permutation.
-//   group limit (n_group > 1): lane g of warp 0 sums group g's two best choice values, keeps the topk_group
-//     groups of best sum (ties to the lower group), the others' choices become -inf (as route_token);
-//   1: each warp ranks its 32 keys; its topk best become candidates (warps x topk of them);
-//   2: each candidate's rank among all candidates; the topk best are the picks, in pick order;
-//   3: lane r < topk of warp 0: the weight (scores summed in pick order, as route_token) and the grouping outputs.
-// NaN logits give some distinct in-range picks (not the reference's, which has none to give). Grid 1, block
-// 32 * ceil(E / 32).
+// moe_route_blocks_kernel: a block per token, one thread per expert (E <= 512, topk <= 16); the same outputs as
+// moe_topk + moe_group bit for bit. route_token (a warp per token) walks its topk picks one after another (a 16-wide
+// scan and two five-step shuffle reductions each, after 16 sigmoid divides per lane: ~5 us for one token, H100);
+// here every expert's rank comes from comparisons done at once (route_token_block). Then with one token the
+// grouping's outputs follow from the picks (moe_route_one_kernel's shortcut); with more, the last block to finish
+// (an atomic ticket, reset by that block for the next graph replay) runs group_block. Grid T, block
+// 32 * ceil(E / 32), dynamic smem as moe_group_kernel (none for T = 1).
 constexpr int kRouteBlockMaxExperts = 32 * MAX_EXPERTS_PER_LANE;
+struct RouteBlockSmem {
+  unsigned long long key[kRouteBlockMaxExperts];   // per expert; then the candidates' keys
+  float choice[kRouteBlockMaxExperts], score[kRouteBlockMaxExperts];
+  int pick_e[MAX_TOPK];
+  float pick_w[MAX_TOPK];
+  unsigned keep;
+};
+// Each expert gets a 64-bit key: its choice value mapped to an unsigned integer in the same order (+0 and -0 made
+// equal first; -0 cannot arise from sigmoid + bias anyway), over ~e, so a larger key is a larger value or, on a
+// tie, a lower index: the order route_token's argmax rounds pick in. Experts past E get keys below every real one
+// (high word 0), so every key is distinct and every rank a permutation.
 __device__ __forceinline__ unsigned long long route_key(float choice, int e) {
   unsigned u = __float_as_uint(choice + 0.0f);   // -0 + +0 = +0: equal values, equal keys
   u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
   return ((unsigned long long)u << 32) | (0xffffffffu - (unsigned)e);
 }
-extern "C" __global__ void __launch_bounds__(kRouteBlockMaxExperts)
-moe_route_one_block_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int topk,
-                           int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor,
-                           int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
-                           int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
-                           int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
-  DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteOneBlock);
-  __shared__ unsigned long long key_s[kRouteBlockMaxExperts];   // per expert; then the candidates' keys
-  __shared__ float choice_s[kRouteBlockMaxExperts], score_s[kRouteBlockMaxExperts];
-  __shared__ int pick_e[MAX_TOPK];
-  __shared__ float pick_w[MAX_TOPK];
-  __shared__ unsigned keep_s;
+// Routes token `tok` with the whole block (thread e = expert e), as route_token does with a warp:
+//   group limit (n_group > 1): lane g of warp 0 sums group g's two best choice values, keeps the topk_group
+//     groups of best sum (ties to the lower group), the others' choices become -inf;
+//   1: each warp ranks its 32 keys; its topk best become candidates (warps x topk of them);
+//   2: each candidate's rank among all candidates; the topk best are the picks, in pick order (sm.pick_e / pick_w);
+//   3: lane r < topk of warp 0 writes pick r: its weight from the scores summed in pick order, as route_token.
+// `corr` is this thread's correction bias (read before the dependency wait by the caller). NaN logits give some
+// distinct in-range picks (not the reference's, which has none to give). Ends with a barrier.
+__device__ __forceinline__ void route_token_block(const float* __restrict__ logits, float corr, int tok, int E,
+                                                  int topk, int n_group, int topk_group, int norm_topk_prob,
+                                                  float routed_scaling_factor, int* __restrict__ topk_ids,
+                                                  float* __restrict__ topk_w, RouteBlockSmem& sm) {
   const int e = threadIdx.x, lane = e & 31, warp = e >> 5, warps = blockDim.x >> 5;
   const float NEG_INF = __int_as_float(0xff800000);
-  const float corr = e < E ? bias[e] : 0.f;   // a weight: read before the wait
-  ddtree::grid_dependency_wait();
-  ddtree::launch_dependents();
-  const float logit = e < E ? logits[e] : 0.f;
+  const float logit = e < E ? logits[(long long)tok * E + e] : 0.f;
   const float score = 1.0f / (1.0f + __expf(-logit));   // route_token's expressions: the same bits
   float choice = e < E ? score + corr : NEG_INF;
-  if (e < E) expert_count[e] = 0;   // the picks' ones are written after the last barrier
   if (n_group > 1) {
-    choice_s[e] = choice;
+    sm.choice[e] = choice;
     __syncthreads();
     if (warp == 0) {
       const int gsize = E / n_group;
       float b1 = NEG_INF, b2 = NEG_INF;
       if (lane < n_group)
         for (int i = lane * gsize; i < (lane + 1) * gsize; ++i) {
-          const float v = choice_s[i];
+          const float v = sm.choice[i];
           if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
         }
       const float gs = b1 + b2;
@@ -339,49 +340,83 @@ moe_route_one_block_kernel(const float* __restrict__ logits, const float* __rest
         rank += o > gs || (o == gs && h < lane);
       }
       const unsigned keep = __ballot_sync(0xffffffffu, lane < n_group && rank < topk_group);
-      if (lane == 0) keep_s = keep;
+      if (lane == 0) sm.keep = keep;
     }
     __syncthreads();
-    if (e < E && !((keep_s >> (e / (E / n_group))) & 1u)) choice = NEG_INF;
+    if (e < E && !((sm.keep >> (e / (E / n_group))) & 1u)) choice = NEG_INF;
   }
   const unsigned long long key = e < E ? route_key(choice, e) : 0xffffffffull - (unsigned)e;
-  key_s[e] = key;
-  score_s[e] = score;
+  sm.key[e] = key;
+  sm.score[e] = score;
   __syncwarp();
   int wrank = 0;   // rank among this warp's 32 keys
 #pragma unroll 8
-  for (int j = 0; j < 32; ++j) wrank += key_s[(warp << 5) + j] > key;
-  __syncthreads();   // every warp's reads of key_s are done: the candidates overwrite its front
-  if (wrank < topk) key_s[warp * topk + wrank] = key;
+  for (int j = 0; j < 32; ++j) wrank += sm.key[(warp << 5) + j] > key;
+  __syncthreads();   // every warp's reads of sm.key are done: the candidates overwrite its front
+  if (wrank < topk) sm.key[warp * topk + wrank] = key;
   __syncthreads();
   const int cands = warps * topk;
   if (e < cands) {
-    const unsigned long long ck = key_s[e];
+    const unsigned long long ck = sm.key[e];
     int rank = 0;
-    for (int j = 0; j < cands; ++j) rank += key_s[j] > ck;
+    for (int j = 0; j < cands; ++j) rank += sm.key[j] > ck;
     if (rank < topk) {
       const int pe = (int)(0xffffffffu - (unsigned)ck);
-      pick_e[rank] = pe;
-      pick_w[rank] = score_s[pe];
+      sm.pick_e[rank] = pe;
+      sm.pick_w[rank] = sm.score[pe];
     }
   }
   __syncthreads();
   if (warp == 0 && lane < topk) {
     float wsum = 0.f;
-    for (int r = 0; r < topk; ++r) wsum += pick_w[r];
+    for (int r = 0; r < topk; ++r) wsum += sm.pick_w[r];
     const float scale = norm_topk_prob ? routed_scaling_factor / (wsum + 1e-20f) : routed_scaling_factor;
-    const int my_id = pick_e[lane];
-    int rank = 0;   // slot order: the picks by increasing expert id (moe_route_one_kernel's)
-    for (int k = 0; k < topk; ++k) rank += pick_e[k] < my_id;
-    topk_ids[lane] = my_id;
-    topk_w[lane] = pick_w[lane] * scale;
-    expert_count[my_id] = 1;
-    slot_expert[rank] = my_id;
-    slot_offset[rank] = rank;
-    slot_count[rank] = 1;
-    sorted_token[rank] = 0;
-    assign_pos[lane] = rank;
+    topk_ids[tok * topk + lane] = sm.pick_e[lane];
+    topk_w[tok * topk + lane] = sm.pick_w[lane] * scale;
   }
+}
+extern "C" __global__ void __launch_bounds__(kRouteBlockMaxExperts)
+moe_route_blocks_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int T, int E, int topk,
+                        int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor, int num_slots,
+                        int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
+                        int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
+                        int* __restrict__ sorted_token, int* __restrict__ assign_pos, int* __restrict__ ticket) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteBlocks);
+  extern __shared__ int smem[];   // group_block's (T > 1)
+  __shared__ RouteBlockSmem sm;
+  __shared__ int last;
+  const int e = threadIdx.x;
+  const float corr = e < E ? bias[e] : 0.f;   // a weight: read before the wait
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  if (T == 1) {
+    if (e < E) expert_count[e] = 0;   // the picks' ones are written after route_token_block's barriers
+    route_token_block(logits, corr, 0, E, topk, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                      topk_ids, topk_w, sm);
+    if (e < topk) {   // one token: every pick has count 1; slot order = the picks by increasing expert id
+      const int my_id = sm.pick_e[e];
+      int rank = 0;
+      for (int k = 0; k < topk; ++k) rank += sm.pick_e[k] < my_id;
+      expert_count[my_id] = 1;
+      slot_expert[rank] = my_id;
+      slot_offset[rank] = rank;
+      slot_count[rank] = 1;
+      sorted_token[rank] = 0;
+      assign_pos[e] = rank;
+    }
+    return;
+  }
+  route_token_block(logits, corr, blockIdx.x, E, topk, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                    topk_ids, topk_w, sm);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == T - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (threadIdx.x == 0) *ticket = 0;   // ready for the next launch (graph replay)
+  group_block(topk_ids, T, topk, E, num_slots, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
+              assign_pos, smem);
 }
 
 // Top-k and grouping in one launch. Grid: ceil(T / (32 * ROUTE_TOKENS_PER_WARP)) blocks of 1024 threads;

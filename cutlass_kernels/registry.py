@@ -416,7 +416,7 @@ register(KernelFamily(
 register(KernelFamily(
     name="moe_routing",
     source="moe_routing.cu",
-    entries=("moe_route_kernel", "moe_route_one_kernel", "moe_route_one_block_kernel", "moe_topk_kernel",
+    entries=("moe_route_kernel", "moe_route_one_kernel", "moe_route_blocks_kernel", "moe_topk_kernel",
              "moe_group_kernel"),
     pdl=True,
 ))

@@ -242,10 +242,22 @@ def moe_smem_bytes(entry: str, k: int) -> int:
     return wn * ks * stages * (4 * rb + rb) * 32 * 16 if stages > 1 else 0
 
 
-# T = 1's routing kernel (MoeLayer route_one_kernel): "block", a thread per expert, every rank at once; "warp",
-# one warp picking the topk experts one after another (DDTREE_ROUTE_ONE=warp for A/B timing). Same bits.
-ROUTE_ONE_ENTRIES = {"block": "moe_route_one_block_kernel", "warp": "moe_route_one_kernel"}
-ROUTE_ONE_KERNEL = os.environ.get("DDTREE_ROUTE_ONE", "block")
+# MoeLayer's routing (top-k, then the grouping by expert), each giving the same bits:
+#   "blocks": moe_route_blocks_kernel, a block per token (a thread per expert, every rank at once), the last block
+#     groups (one token: straight from the picks);
+#   "warp-one": moe_route_one_kernel, T = 1 only, one warp picking the topk experts one after another;
+#   "fused": moe_route_kernel, a warp per token (route_token), the last block groups;
+#   "two": moe_topk_kernel (a warp per token) then moe_group_kernel.
+# Default (default_routing): "blocks" up to ROUTE_BLOCKS_MAX_TOKENS tokens, else "two". H100, 2026-12-06 (33),
+# T = 1, layer graph replay: blocks 72.7 / 74.5 us (uniform / skewed) against warp-one 75.1 / 77.0 and two 77.0 /
+# 79.2; the routing kernel 2.3 us against 5.1 (traced).
+ROUTINGS = ("blocks", "warp-one", "fused", "two")
+ROUTE_BLOCKS_MAX_TOKENS = 1
+
+
+def default_routing(T: int) -> str:
+    """MoeLayer's routing where left None."""
+    return "blocks" if T <= ROUTE_BLOCKS_MAX_TOKENS else "two"
 
 
 # The combine is folded into the down GEMM (last block per column tile sums the tokens' expert outputs) up
@@ -440,10 +452,8 @@ class MoeLayer:
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
     Launch plan (defaults = fastest measured; the switches exist for A/B timing and tests, all give the same
-    bits): fused_routing: one moe_route_kernel instead of moe_topk + moe_group; route_one (default T == 1):
-    one kernel routes and groups the one token instead of either: route_one_kernel "block" (default
-    ROUTE_ONE_KERNEL) moe_route_one_block_kernel, a thread per expert, or "warp" moe_route_one_kernel;
-    fuse_combine (default T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
+    bits): routing: one of ROUTINGS (see there; default default_routing(T)); fuse_combine (default
+    T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
     moe_combine_kernel; early (default: with PDL, T <= EARLY_MAX_TOKENS and no hot tier asked for): the down
     GEMM starts its weight stream before its dependency wait; pdl (default T <= PDL_MAX_TOKENS): programmatic
     dependent launch between the layer's kernels (each one's launch and ramp under the previous one's tail), else
@@ -473,8 +483,7 @@ class MoeLayer:
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, shared_mlp: SharedExpertMlp | None = None,
                  shared_fork: str | None = None, shared_kernel: str = "auto",
                  variants: tuple[str, str] | None = None,
-                 fused_routing: bool = False, route_one: bool | None = None, route_one_kernel: str = "",
-                 fuse_combine: bool | None = None,
+                 routing: str | None = None, fuse_combine: bool | None = None,
                  early: bool | None = None,
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
@@ -574,13 +583,9 @@ class MoeLayer:
         self._shared_ws = _dense_kernels().Workspace() if shared_mlp is not None else None
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
         self.x_slot = None   # the slot-ordered copy of x (made below where a hot tier runs PIPE 6-8)
-        self.fused_routing = bool(fused_routing)
-        self.route_one = T == 1 if route_one is None else bool(route_one)
-        if self.route_one and T != 1:
-            raise ValueError(f"route_one: moe_route_one_kernel routes one token, T = {T}")
-        self.route_one_kernel = route_one_kernel or ROUTE_ONE_KERNEL
-        if self.route_one_kernel not in ROUTE_ONE_ENTRIES:
-            raise ValueError(f"route_one_kernel={self.route_one_kernel!r}: one of {sorted(ROUTE_ONE_ENTRIES)}")
+        self.routing = default_routing(T) if routing is None else routing
+        if self.routing not in ROUTINGS or (self.routing == "warp-one" and T != 1):
+            raise ValueError(f"routing={self.routing!r} at T = {T}: one of {ROUTINGS} ('warp-one' routes one token)")
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
 
@@ -589,17 +594,23 @@ class MoeLayer:
                       I32(int(norm_topk_prob)), F32(routed_scaling_factor)]
         group_outs = [self.expert_count, self.slot_expert, self.slot_offset, self.slot_count, self.sorted_token,
                       self.assign_pos]
-        if self.route_one:
-            route_k = cuda.get_kernel("moe_routing", ROUTE_ONE_ENTRIES[self.route_one_kernel])
-            block = 32 if self.route_one_kernel == "warp" else 32 * -(-E // 32)
-            routing = [route_k.prepare((1,), (block,), [
+        if self.routing == "warp-one":
+            route_launches = [cuda.get_kernel("moe_routing", "moe_route_one_kernel").prepare((1,), (32,), [
                 self.logits, self.bias, I32(E), I32(topk), I32(n_group), I32(topk_group), I32(int(norm_topk_prob)),
                 F32(routed_scaling_factor), self.topk_ids, self.topk_w, *group_outs])]
-        elif self.fused_routing:
+        elif self.routing == "blocks":
+            route_k = cuda.get_kernel("moe_routing", "moe_route_blocks_kernel")
+            smem = group_smem if T > 1 else 0
+            if smem > 48 * 1024:
+                route_k.set_max_dynamic_smem(smem)
+            route_launches = [route_k.prepare((T,), (32 * -(-E // 32),), [
+                *route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs, self.route_ticket],
+                smem=smem)]
+        elif self.routing == "fused":
             route_k = cuda.get_kernel("moe_routing", "moe_route_kernel")
             if group_smem > 48 * 1024:
                 route_k.set_max_dynamic_smem(group_smem)
-            routing = [route_k.prepare(((T + ROUTE_TOKENS_PER_BLOCK - 1) // ROUTE_TOKENS_PER_BLOCK,), (1024,), [
+            route_launches = [route_k.prepare(((T + ROUTE_TOKENS_PER_BLOCK - 1) // ROUTE_TOKENS_PER_BLOCK,), (1024,), [
                 *route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs, self.route_ticket],
                 smem=group_smem)]
         else:
@@ -607,13 +618,13 @@ class MoeLayer:
             group_k = cuda.get_kernel("moe_routing", "moe_group_kernel")
             if group_smem > 48 * 1024:
                 group_k.set_max_dynamic_smem(group_smem)
-            routing = [
+            route_launches = [
                 topk_k.prepare(((T + 3) // 4,), (128,), [*route_args, self.topk_ids, self.topk_w]),
                 group_k.prepare((1,), (1024,), [self.topk_ids, I32(T), I32(topk), I32(E), I32(self.num_slots),
                                                 *group_outs], smem=group_smem)]
         gu_entry, dn_entry = variants or default_variants(T, w.hidden)
         self.variants = (gu_entry, dn_entry)
-        self.stages = [("route", launch) for launch in routing]
+        self.stages = [("route", launch) for launch in route_launches]
         # hot tiers, most tokens first: tier i takes the slots with min_i <= count < min_{i - 1}
         self.gmma_tiers = tiers
         self.gmma_min_tokens = tiers[-1][0] if tiers else None

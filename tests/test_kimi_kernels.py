@@ -405,34 +405,23 @@ ROUTE_OUTPUTS = ("topk_ids", "topk_w", "expert_count", "slot_expert", "slot_offs
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,n_group,topk_group", [(1, 1, 1), (64, 1, 1), (65, 8, 4), (300, 1, 1)])
-def test_fused_routing_same_bits_as_two_kernels(cuda_device, T, n_group, topk_group):
-    """moe_route_kernel (one block at T <= 64, last-block grouping above) against moe_topk + moe_group: every
-    output bit-identical, over three launches with new logits (the grid ticket resets itself)."""
-    E, topk = 384, 8
-    rng = np.random.default_rng(T + 17)
+@pytest.mark.parametrize("routing,T,E,topk,n_group,topk_group", [
+    ("fused", 1, 384, 8, 1, 1), ("fused", 64, 384, 8, 1, 1), ("fused", 65, 384, 8, 8, 4), ("fused", 300, 384, 8, 1, 1),
+    ("warp-one", 1, 384, 8, 1, 1), ("warp-one", 1, 384, 8, 8, 4),
+    ("blocks", 1, 384, 8, 1, 1), ("blocks", 1, 384, 8, 8, 4), ("blocks", 1, 256, 8, 8, 4), ("blocks", 1, 300, 6, 1, 1),
+    ("blocks", 1, 64, 16, 4, 2), ("blocks", 2, 384, 8, 1, 1), ("blocks", 5, 384, 8, 8, 4), ("blocks", 8, 300, 6, 1, 1),
+    ("blocks", 16, 384, 8, 1, 1), ("blocks", 64, 384, 8, 1, 1), ("blocks", 40, 64, 16, 4, 2)])
+def test_routing_same_bits_as_two_kernels(cuda_device, routing, T, E, topk, n_group, topk_group):
+    """Each one-launch routing (moe_route_kernel: a warp per token; moe_route_one_kernel: one warp, T = 1;
+    moe_route_blocks_kernel: a block per token) against moe_topk + moe_group: every output bit-identical, ties
+    included, over three launches with new logits (the grid tickets reset themselves); E not a multiple of 32 (a
+    part warp) and topk 16 included."""
+    rng = np.random.default_rng(T + E + topk + n_group + 17)
     bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
     bias[9] = bias[5]
-    fused = _routing_layer(E, T, bias, topk, n_group, topk_group, fused_routing=True, route_one=False)
-    two = _routing_layer(E, T, bias, topk, n_group, topk_group, fused_routing=False, route_one=False)
-    _assert_same_routing_bits(fused, two, rng, T, E, bias, topk, n_group, topk_group)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["block", "warp"])
-@pytest.mark.parametrize("E,topk,n_group,topk_group", [(384, 8, 1, 1), (384, 8, 8, 4), (256, 8, 8, 4),
-                                                       (300, 6, 1, 1), (64, 16, 4, 2)])
-def test_route_one_same_bits_as_two_kernels(cuda_device, kernel, E, topk, n_group, topk_group):
-    """moe_route_one_block_kernel (a thread per expert) and moe_route_one_kernel (one warp), T = 1, against
-    moe_topk + moe_group: every output bit-identical, ties included, over three launches; E not a multiple of
-    32 (a part warp) and topk 16 included."""
-    T = 1
-    rng = np.random.default_rng(n_group + E + topk + 41)
-    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
-    bias[9] = bias[5]
-    one = _routing_layer(E, T, bias, topk, n_group, topk_group, route_one_kernel=kernel)
-    two = _routing_layer(E, T, bias, topk, n_group, topk_group, route_one=False)
-    assert one.route_one and one.route_one_kernel == kernel and not two.route_one
+    one = _routing_layer(E, T, bias, topk, n_group, topk_group, routing=routing)
+    two = _routing_layer(E, T, bias, topk, n_group, topk_group, routing="two")
+    assert one.routing == routing and two.routing == "two"
     _assert_same_routing_bits(one, two, rng, T, E, bias, topk, n_group, topk_group)
 
 
@@ -627,9 +616,9 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
     bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
     sh = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32)) if shared else None
     sh_dev = cuda.to_device(to_bf16(sh)) if shared else None
-    plans = [dict(), dict(fused_routing=False, fuse_combine=False, early=False, pdl=False),
+    plans = [dict(), dict(routing="two", fuse_combine=False, early=False, pdl=False),
              dict(fuse_combine=True), dict(fuse_combine=False), dict(early=False), dict(pdl=False, fuse_combine=True),
-             dict(fused_routing=True, fuse_combine=True, early=True, pdl=True), dict(pdl=True),
+             dict(routing="fused", fuse_combine=True, early=True, pdl=True), dict(pdl=True),
              dict(pdl=True, early=True)]
     outs = []
     for plan in plans:
@@ -655,7 +644,7 @@ def test_moe_graph_replay_folded_combine(cuda_device):
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(12)
     dense, w = make_moe(rng, 16, 1024, 512)
-    layer = MoeLayer(w, 1, np.zeros(16, np.float32), topk=8, fused_routing=True, fuse_combine=True, early=True,
+    layer = MoeLayer(w, 1, np.zeros(16, np.float32), topk=8, routing="fused", fuse_combine=True, early=True,
                      pdl=True)
     assert [name for name, _ in layer.stages] == ["route", "gate_up", "down"]
     _check_graph_replay(layer, dense, rng, T=1, E=16, hidden=1024, topk=8, trials=3)

@@ -96,9 +96,10 @@ def _checking_cuda(prepared):
 
 
 @pytest.mark.parametrize("T,plan", [
-    (1, {}), (1, dict(route_one=False)), (64, {}), (256, {}), (256, dict(gmma_min_tokens=None)), (600, {}),
+    (1, {}), (1, dict(routing="two")), (1, dict(routing="warp-one")), (8, dict(routing="blocks")), (64, {}),
+    (256, {}), (256, dict(gmma_min_tokens=None)), (600, {}),
     (1025, {}),
-    (8, dict(fused_routing=True, fuse_combine=True, early=True, pdl=True, gmma_min_tokens=None)),
+    (8, dict(routing="fused", fuse_combine=True, early=True, pdl=True, gmma_min_tokens=None)),
     (128, dict(gmma_tiers=[(64, 256, 4), (16, 64, 3)], gmma_parallel_chunks=True)),
     (300, dict(gmma_tiers=[(100, 128, 1), (60, 64, 2), (20, 64, 0)])),
     (96, dict(gmma_min_tokens=40, gmma_tile=128, gmma_pipe=4, gmma_overlap=False)),
@@ -123,16 +124,19 @@ def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
     assert len(prepared) >= len(names) >= 3 and "gate_up" in names and "down" in names
     if plan.get("gmma_tiers"):
         assert names.count("gate_up_hot") == len(plan["gmma_tiers"])
-    if T == 1:   # moe_route_one_kernel by default; moe_topk + moe_group when asked not to
-        assert names.count("route") == (1 if plan.get("route_one", True) else 2), names
+    # one routing launch, two for moe_topk + moe_group; with hot tiers the slot split is a route stage too
+    assert names.count("route") == (2 if layer.routing == "two" else 1) + bool(layer.gmma_tiers), names
+    assert layer.routing == plan.get("routing", kk.default_routing(T))
 
 
-def test_moe_route_one_is_for_one_token(monkeypatch):
+def test_moe_routing_choices(monkeypatch):
     monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda([]))
     E = 384
     w = kk.MoeWeights(E, 7168, 2048, *(_FakeArray((1,), np.uint8) for _ in range(6)))
-    with pytest.raises(ValueError, match="route_one"):
-        kk.MoeLayer(w, 8, np.zeros(E, np.float32), route_one=True)
+    with pytest.raises(ValueError, match="warp-one"):
+        kk.MoeLayer(w, 8, np.zeros(E, np.float32), routing="warp-one")
+    with pytest.raises(ValueError, match="routing="):
+        kk.MoeLayer(w, 8, np.zeros(E, np.float32), routing="one")
 
 
 @pytest.mark.parametrize("T", [1, 31, 32, 64, 255, 256, 767, 768, 1025])

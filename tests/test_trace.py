@@ -135,7 +135,8 @@ def test_moe_layer_graph_replay_traced(cuda_device, tmp_path):
     r = np.array([tuple(x) for x in got["records"]], trace.RECORD_DTYPE)
     traces = trace.launches(r)
     assert len(traces) == len(got["launches"])
-    names = {"route": {"moe_route_one", "moe_route", "moe_topk", "moe_group"}, "gate_up": {"moe_gate_up"},
+    names = {"route": {"moe_route_blocks", "moe_route_one", "moe_route", "moe_topk", "moe_group"},
+             "gate_up": {"moe_gate_up"},
              "down": {"moe_down"}, "combine": {"moe_combine"}}
     by_start = sorted(traces, key=lambda t: t.start)
     for (stage, grid, block), t in zip(got["launches"], by_start):

@@ -356,13 +356,13 @@ def select_plans(plans, spec: str):
 
 def launch_plans(default_fused_combine: bool):
     """(label, MoeLayer keyword arguments): the plan before issue 7's launch work, then one change at a time."""
-    before = dict(fused_routing=False, fuse_combine=False, early=False, pdl=False, gmma_min_tokens=None)
+    before = dict(routing="two", fuse_combine=False, early=False, pdl=False, gmma_min_tokens=None)
     return [
         ("before", before),
-        ("+route1", dict(before, fused_routing=True)),
-        ("+foldcomb", dict(before, fused_routing=True, fuse_combine=True)),
-        ("+pdl", dict(fused_routing=True, fuse_combine=True, early=False, pdl=True, gmma_min_tokens=None)),
-        ("+early", dict(fused_routing=True, fuse_combine=True, early=True, pdl=True, gmma_min_tokens=None)),
+        ("+route1", dict(before, routing="fused")),
+        ("+foldcomb", dict(before, routing="fused", fuse_combine=True)),
+        ("+pdl", dict(routing="fused", fuse_combine=True, early=False, pdl=True, gmma_min_tokens=None)),
+        ("+early", dict(routing="fused", fuse_combine=True, early=True, pdl=True, gmma_min_tokens=None)),
         ("flip-comb",
          dict(fuse_combine=not default_fused_combine)),
         # today's default plan with plain launches, with programmatic dependent launch, then also with down's
@@ -501,10 +501,12 @@ def launch_plans(default_fused_combine: bool):
         ("tiers49ra7/16ra7-32", dict(gmma_tiers=[(49, 64, 7), (16, 32, 7)])),
         ("gmma>=16/32/ra7", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7)),
         ("gmma>=16/32/ra7/par", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7, gmma_parallel_chunks=True)),
-        # T = 1: the routing by moe_topk + moe_group (two kernels), or by moe_route_one_kernel (one warp), instead
-        # of moe_route_one_block_kernel (a thread per expert)
-        ("route-groups", dict(route_one=False)),
-        ("route-warp", dict(route_one_kernel="warp")),
+        # the routing (kimi_kernels.ROUTINGS) against the default: moe_topk + moe_group (two kernels); one warp
+        # (T = 1); a block per token, the last one grouping; a warp per token, the last block grouping
+        ("route-two", dict(routing="two")),
+        ("route-warp", dict(routing="warp-one")),
+        ("route-blocks", dict(routing="blocks")),
+        ("route-fused", dict(routing="fused")),
         ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
         # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
         ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
