@@ -248,11 +248,12 @@ def moe_smem_bytes(entry: str, k: int) -> int:
 #   "warp-one": moe_route_one_kernel, T = 1 only, one warp picking the topk experts one after another;
 #   "fused": moe_route_kernel, a warp per token (route_token), the last block groups;
 #   "two": moe_topk_kernel (a warp per token) then moe_group_kernel.
-# Default (default_routing): "blocks" up to ROUTE_BLOCKS_MAX_TOKENS tokens, else "two". H100, 2026-12-06 (33),
-# T = 1, layer graph replay: blocks 72.7 / 74.5 us (uniform / skewed) against warp-one 75.1 / 77.0 and two 77.0 /
-# 79.2; the routing kernel 2.3 us against 5.1 (traced).
+# Default (default_routing): "blocks" up to ROUTE_BLOCKS_MAX_TOKENS tokens (the largest T measured), else "two".
+# H100, 2026-12-06 (33), layer graph replay, uniform / skewed: T = 1 blocks 72.7 / 74.5 us against warp-one
+# 75.1 / 77.0 and two 77.0 / 79.2 (the routing kernel 2.3 us against 5.1, traced); T = 2..64 blocks faster than
+# two by 1.3-3.7 us and than fused by 1.1-22.9 us at every T.
 ROUTINGS = ("blocks", "warp-one", "fused", "two")
-ROUTE_BLOCKS_MAX_TOKENS = 1
+ROUTE_BLOCKS_MAX_TOKENS = 64
 
 
 def default_routing(T: int) -> str:
