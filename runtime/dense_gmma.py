@@ -61,11 +61,6 @@ GMMA_MIN_M = 9                   # runtime.dense_kernels.linear hands M >= this 
 GMMA_DECODE = os.environ.get("DDTREE_GMMA_DECODE", "1") != "0"
 GMMA_DECODE_MIN_BYTES = 16 << 20
 GMMA_DECODE_MIN_K = 1024
-# DDTREE_GMMA_CARVEOUT=100 (0-100): the GMMA and narrow-row linears' preferred shared-memory carveout, for A/B
-# timing (default -1: the driver's). The question it tests: does a narrow block of 194 KB get the SM's 196 KB
-# split, leaving 2 KB, room for one 1 KB-reserving block of another kernel beside it? (H100 trace, 2026-12-05
-# (32): one routed gate_up block beside each narrow shared-MLP block, three alone.)
-GMMA_CARVEOUT = int(os.environ.get("DDTREE_GMMA_CARVEOUT", "-1"))
 SMEM_PER_SM = 228 * 1024         # H100/H200: 228 KB per SM, 227 KB per block, 1 KB reserved per block
 SMEM_PER_BLOCK_MAX = 227 * 1024
 # Cost model of gmma_plan, fitted to H200 runs of tools/bench_dense.py --gmma (2026-12-02): one block
@@ -452,8 +447,6 @@ def launch_narrow(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: De
     cfg = gmma_narrow_config(entry)
     kern = get_kernel(NARROW_MC_FAMILY if len(cfg) == 6 else _NARROW_FAMILY_OF_XMODE[cfg[4]], entry)
     kern.set_max_dynamic_smem(smem)
-    if GMMA_CARVEOUT >= 0:
-        kern.set_carveout(GMMA_CARVEOUT)
     kern.launch(grid, narrow_threads(cfg[1]),
                 [x, _i32(ldx), x2 if x2 is not None else null, _i32(ldx2 or 0),
                  norm_weight if norm_weight is not None else null, np.float32(eps),
@@ -538,8 +531,6 @@ def launch_gmma(x: DeviceArray, w: DeviceArray, out: DeviceArray, residual: Devi
     smem = push_smem or smem
     kern = get_kernel(family, entry)
     kern.set_max_dynamic_smem(smem)
-    if GMMA_CARVEOUT >= 0:
-        kern.set_carveout(GMMA_CARVEOUT)
     kern.launch(grid, gmma_threads(cfg[5]),
                 [x, _i32(ldx), w, out, _i32(ldo), residual if residual is not None else np.uint64(0),
                  _i32(ldr or 0), scratch, tickets, _i32(M), _i32(N), _i32(K), _i32(k_per_split)],

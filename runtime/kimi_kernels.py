@@ -289,6 +289,17 @@ def default_shared_fork(T: int) -> str:
     return "route" if T <= SHARED_FORK_ROUTE_MAX_TOKENS else "start"
 
 
+# With shared_mlp, the shared MLP's linears on the gemv kernel (linear_bf16_gemv_kernel: SwiGLU fused into down's x
+# load, 15 KB of shared memory, 256 threads) up to this many tokens, else on the dense linears' plan (GMMA / narrow
+# rows). 0: never.
+SHARED_GEMV_MAX_TOKENS = 0
+
+
+def default_shared_kernel(T: int) -> str:
+    """MoeLayer's shared_kernel where left None: "gemv" up to SHARED_GEMV_MAX_TOKENS tokens, else "auto"."""
+    return "gemv" if T <= SHARED_GEMV_MAX_TOKENS else "auto"
+
+
 def launch_defaults(T: int, pdl: bool | None, early: bool | None, hot_asked: bool) -> tuple[bool, bool]:
     """MoeLayer's (pdl, early) where left None: PDL up to PDL_MAX_TOKENS; the early down start with PDL up to
     EARLY_MAX_TOKENS, but not where a hot-expert tier was asked for by name (the wgmma path takes no early start)."""
@@ -447,8 +458,8 @@ class MoeLayer:
     (`shared_mlp`, see SharedExpertMlp: the layer then computes that output into .shared itself, on a side stream
     joined before the combine: those weights do not depend on the routing, so their stream runs beside the routing
     and the GEMMs' ramps and tails; shared_fork "start" forks it at the layer's start, "route" after the routing,
-    None as default_shared_fork says; shared_kernel "gemv" (T <= 8) runs its linears on the gemv kernel instead of
-    the dense linears' plan, for A/B timing). Output: .y bf16 [T, hidden] = the routing
+    None as default_shared_fork says; shared_kernel "gemv" (T <= 8) runs its linears on the gemv kernel, "auto" on
+    the dense linears' plan, None as default_shared_kernel says). Output: .y bf16 [T, hidden] = the routing
     weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
@@ -482,7 +493,7 @@ class MoeLayer:
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, shared_mlp: SharedExpertMlp | None = None,
-                 shared_fork: str | None = None, shared_kernel: str = "auto",
+                 shared_fork: str | None = None, shared_kernel: str | None = None,
                  variants: tuple[str, str] | None = None,
                  routing: str | None = None, fuse_combine: bool | None = None,
                  early: bool | None = None,
@@ -552,6 +563,8 @@ class MoeLayer:
                 shared_fork = default_shared_fork(T)
             if shared_fork not in ("start", "route"):
                 raise ValueError(f"shared_fork={shared_fork!r}: 'start' or 'route'")
+            if shared_kernel is None:
+                shared_kernel = default_shared_kernel(T)
             if shared_kernel not in ("auto", "gemv") or (shared_kernel == "gemv" and T > 8):
                 raise ValueError(f"shared_kernel={shared_kernel!r} at T = {T}: 'auto', or 'gemv' up to 8 tokens")
             shared = cuda.empty((T, w.hidden), np.uint16)

@@ -157,7 +157,7 @@ def main(argv=None):
     from cutlass_kernels.registry import MOE_GEMM_VARIANTS
     from runtime import cuda
     from runtime.bf16 import to_bf16
-    from runtime.kimi_kernels import MoeLayer, default_shared_fork, variant_params
+    from runtime.kimi_kernels import MoeLayer, default_shared_fork, default_shared_kernel, variant_params
     dev = cuda.require_device()
     print(f"device: {dev.name}, sm_{dev.arch}, {dev.sm_count} SMs", flush=True)
     bw = read_bandwidth(4 << 30)
@@ -224,6 +224,11 @@ def main(argv=None):
                     forks = {SHARED_FORKS[f]: time_plan(weights, T, args.experts, x, logits,
                                                         {"shared_mlp": mlp, "shared_fork": f}, args.iters)[0]
                              for f in SHARED_FORKS if f != default_fork}
+                    for kernel in ("gemv", "auto"):   # the shared linears' other kernel choice (T <= 8)
+                        if T <= 8 and kernel != default_shared_kernel(T):
+                            forks[f"shared {kernel}"] = time_plan(weights, T, args.experts, x, logits,
+                                                                  {"shared_mlp": mlp, "shared_kernel": kernel},
+                                                                  args.iters)[0]
                 except Exception as e:
                     print(f"    + shared MLP failed ({type(e).__name__}: {e})", flush=True)
                 else:

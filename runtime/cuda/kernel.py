@@ -99,7 +99,6 @@ class Kernel:
         self.param_sizes = param_sizes  # bytes per parameter (PTX signature); Launch checks the arguments
         self.checked_types: set = set()  # argument type lists already checked against param_sizes
         self.max_dynamic_smem = 0        # the largest dynamic shared memory opt-in made so far
-        self.carveout = -1               # the preferred shared-memory carveout set (-1: none, the driver's)
 
     def __repr__(self):
         return f"Kernel({self.family}:{self.entry}, sm_{self.arch})"
@@ -115,19 +114,6 @@ class Kernel:
                                          drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                          int(nbytes)), f"cuFuncSetAttribute(max dynamic smem, {self})")
         self.max_dynamic_smem = int(nbytes)
-
-    def set_carveout(self, percent: int):
-        """The preferred shared-memory share of the SM's L1 / shared memory (0-100, -1: the driver's choice) for
-        this kernel's launches. A hint: an SM takes blocks of several kernels only while its one split leaves
-        each of them room."""
-        if percent == self.carveout:
-            return
-        drv = driver()
-        with _capture_relaxed():
-            check(drv.cuFuncSetAttribute(self.function,
-                                         drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                         int(percent)), f"cuFuncSetAttribute(carveout, {self})")
-        self.carveout = int(percent)
 
     def attribute(self, name: str) -> int:
         """e.g. attribute("NUM_REGS"), "MAX_THREADS_PER_BLOCK", "LOCAL_SIZE_BYTES"."""
