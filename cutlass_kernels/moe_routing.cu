@@ -251,6 +251,22 @@ moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int n
               assign_pos, smem);
 }
 
+// One token's grouping outputs for its pick p (expert id, rank = its place among the picks by increasing id): with
+// one token every picked expert has count 1, so group_block's slot order (more tokens first, then lower id) is the
+// picks by increasing id, and a pick's sorted position is its rank. Bit-identical to group_block's outputs; the
+// caller has zeroed expert_count before (the picks' ones land after).
+__device__ __forceinline__ void group_one_token_pick(int p, int id, int rank, int* __restrict__ expert_count,
+                                                     int* __restrict__ slot_expert, int* __restrict__ slot_offset,
+                                                     int* __restrict__ slot_count, int* __restrict__ sorted_token,
+                                                     int* __restrict__ assign_pos) {
+  expert_count[id] = 1;
+  slot_expert[rank] = id;
+  slot_offset[rank] = rank;
+  slot_count[rank] = 1;
+  sorted_token[rank] = 0;
+  assign_pos[p] = rank;
+}
+
 // T = 1 (decode): the routing and moe_group_kernel's outputs from one warp, without the block-wide grouping. With
 // one token every picked expert has count 1, so group_block's slot order (more tokens first, then lower id) is
 // the picks in increasing expert id, and a pick's sorted position is its expert's rank among the picks:
@@ -271,14 +287,9 @@ moe_route_one_kernel(const float* __restrict__ logits, const float* __restrict__
   for (int k = 0; k < topk; ++k) rank += __shfl_sync(0xffffffffu, my_id, k) < my_id;
   for (int e = lane; e < E; e += 32) expert_count[e] = 0;
   __syncwarp();   // the zeros land before the picks' ones
-  if (lane < topk) {
-    expert_count[my_id] = 1;
-    slot_expert[rank] = my_id;
-    slot_offset[rank] = rank;
-    slot_count[rank] = 1;
-    sorted_token[rank] = 0;
-    assign_pos[lane] = rank;
-  }
+  if (lane < topk)
+    group_one_token_pick(lane, my_id, rank, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
+                         assign_pos);
 }
 
 // moe_route_blocks_kernel: a block per token, one thread per expert (E <= 512, topk <= 16); the same outputs as
@@ -397,12 +408,8 @@ moe_route_blocks_kernel(const float* __restrict__ logits, const float* __restric
       const int my_id = sm.pick_e[e];
       int rank = 0;
       for (int k = 0; k < topk; ++k) rank += sm.pick_e[k] < my_id;
-      expert_count[my_id] = 1;
-      slot_expert[rank] = my_id;
-      slot_offset[rank] = rank;
-      slot_count[rank] = 1;
-      sorted_token[rank] = 0;
-      assign_pos[e] = rank;
+      group_one_token_pick(e, my_id, rank, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
+                           assign_pos);
     }
     return;
   }
