@@ -125,7 +125,7 @@ enum TraceCode : unsigned {
   kTraceMoeTopk = 40, kTraceMoeGroup = 41, kTraceMoeRouteOne = 42, kTraceMoeRoute = 43, kTraceMoeGateUp = 44,
   kTraceMoeDown = 45, kTraceMoeCombine = 46, kTraceMoeGmmaGateUp = 47, kTraceMoeGmmaDown = 48,
   kTraceMoeGmmaWsGateUp = 49, kTraceMoeGmmaWsDown = 50, kTraceMoeSlotSplit = 51, kTraceMoeXSlot = 52,
-  kTraceMoeRouteBlocks = 53,
+  kTraceMoeRouteBlocks = 53, kTraceMoeRouteBatch = 54,
   kTraceMlaAttention = 60, kTraceMlaCombine = 61, kTraceMlaHeadGemm = 62, kTraceMlaAttentionGmma = 63,
 };
 #if DDTREE_TRACE

@@ -6,15 +6,17 @@
 //   the numpy reference uses. Weights = the sigmoid scores of the chosen experts, divided by their sum
 //   (+1e-20) when norm_topk_prob, times routed_scaling_factor.
 // moe_group_kernel: one block. Counts per expert, expert-major sorted order (offsets by expert id, tokens
-//   in increasing order inside an expert: deterministic, from per-expert token bitmaps), the slot list for the grouped GEMMs (active
-//   experts, most tokens first so the longest blocks start first; unused slots get expert -1), and for
-//   each (token, j) its sorted position for the combine.
-// moe_route_kernel: both in one launch (the one runtime/kimi_kernels.py uses): blocks of 32 warps, each warp
+//   in increasing order inside an expert: deterministic, from per-expert token bitmaps), the slot list for the
+//   grouped GEMMs (active experts, most tokens first so the longest blocks start first; unused slots get expert
+//   -1), and for each (token, j) its sorted position for the combine.
+// moe_route_kernel: both in one launch: blocks of 32 warps, each warp
 //   routes up to 2 tokens (same code as moe_topk_kernel), and the last block to finish (an atomic ticket,
 //   reset by that block for the next graph replay) does the grouping (same code as moe_group_kernel). For
 //   T <= 64 that is a single block and no ticket. Results are bit-identical to the two-kernel path.
 // moe_route_one_kernel: T = 1 only, one warp: the routing, and the grouping's outputs straight from the picks.
-// moe_route_blocks_kernel: a block per token, a thread per expert (the ranks at once), the last block groups.
+// moe_route_blocks_kernel: a block per token, a thread per expert (the ranks at once), the last block groups (the
+//   layer's default up to 64 tokens: runtime/kimi_kernels.py ROUTINGS).
+// moe_route_batch_kernel: up to 4 tokens in one such block, which also groups them (warp 0).
 // Everything has a fixed launch shape for a token count, so the MoE layer is graph-capturable.
 // Programmatic dependent launch (family registered pdl=True): every entry waits for the previous kernel
 // (ddtree::grid_dependency_wait) before its first read of logits / ids and before any write; only the
@@ -424,6 +426,183 @@ moe_route_blocks_kernel(const float* __restrict__ logits, const float* __restric
   if (threadIdx.x == 0) *ticket = 0;   // ready for the next launch (graph replay)
   group_block(topk_ids, T, topk, E, num_slots, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
               assign_pos, smem);
+}
+
+// moe_route_batch_kernel: T <= kRouteBatchTokens tokens with T * topk <= 32, one block of one thread per expert:
+// the tokens are routed together (route_tokens_block: moe_route_blocks_kernel's ranks, with the same barriers for
+// every token), and warp 0 groups the T * topk picks from shared memory (group_picks_warp): no ticket, no second
+// pass over global memory. The same outputs as moe_topk + moe_group bit for bit. Grid 1, block 32 * ceil(E / 32).
+constexpr int kRouteBatchTokens = 4;
+struct RouteBatchSmem {
+  // per token and expert: the choice values (group limit), then the keys, then the candidates' keys
+  unsigned long long key[kRouteBatchTokens][kRouteBlockMaxExperts];
+  float score[kRouteBatchTokens][kRouteBlockMaxExperts];
+  float group_sum[kRouteBatchTokens][32];
+  unsigned keep[kRouteBatchTokens];
+  int pick_e[32];        // pick r of token t at t * topk + r
+  float pick_w[32];
+};
+// Routes tokens tok0 .. tok0 + nt - 1 (nt <= kRouteBatchTokens, nt * topk <= 32) with the whole block (thread e =
+// expert e), as route_token does each with a warp:
+//   group limit (n_group > 1): thread (t, g) sums token t's group g's two best choice values, then ranks it among
+//     the token's groups; the topk_group best sums are kept (ties to the lower group), the others' choices -inf;
+//   1: each warp ranks its 32 keys of each token; its topk best become that token's candidates (warps x topk);
+//   2: thread (t, c) ranks candidate c among token t's; the topk best are the picks, in pick order (sm.pick_e /
+//      pick_w at t * topk + r);
+//   3: lane t * topk + r of warp 0 writes pick r of token t: its weight from the scores summed in pick order.
+// `corr` is this thread's correction bias (read before the dependency wait by the caller). NaN logits give some
+// distinct in-range picks (not the reference's, which has none to give). Ends with a barrier.
+__device__ __forceinline__ void route_tokens_block(const float* __restrict__ logits, float corr, int tok0, int nt,
+                                                   int E, int topk, int n_group, int topk_group, int norm_topk_prob,
+                                                   float routed_scaling_factor, int* __restrict__ topk_ids,
+                                                   float* __restrict__ topk_w, RouteBatchSmem& sm) {
+  const int e = threadIdx.x, lane = e & 31, warp = e >> 5, warps = blockDim.x >> 5;
+  const float NEG_INF = __int_as_float(0xff800000);
+  float logit[kRouteBatchTokens], choice[kRouteBatchTokens];
+#pragma unroll
+  for (int t = 0; t < kRouteBatchTokens; ++t)   // every load first
+    logit[t] = t < nt && e < E ? logits[(long long)(tok0 + t) * E + e] : 0.f;
+#pragma unroll
+  for (int t = 0; t < kRouteBatchTokens; ++t) {
+    const float score = 1.0f / (1.0f + __expf(-logit[t]));   // route_token's expressions: the same bits
+    choice[t] = e < E ? score + corr : NEG_INF;
+    sm.score[t][e] = score;
+  }
+  if (n_group > 1) {
+    const int gsize = E / n_group;
+    float* choice_s = reinterpret_cast<float*>(&sm.key[0][0]);   // [t][e] at t * kRouteBlockMaxExperts + e
+#pragma unroll
+    for (int t = 0; t < kRouteBatchTokens; ++t)
+      if (t < nt) choice_s[t * kRouteBlockMaxExperts + e] = choice[t];
+    if (e < kRouteBatchTokens) sm.keep[e] = 0u;
+    __syncthreads();
+    for (int i = e; i < nt * n_group; i += blockDim.x) {   // item (t, grp)
+      const int t = i / n_group, grp = i % n_group;
+      float b1 = NEG_INF, b2 = NEG_INF;
+      for (int j = grp * gsize; j < (grp + 1) * gsize; ++j) {
+        const float v = choice_s[t * kRouteBlockMaxExperts + j];
+        if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
+      }
+      sm.group_sum[t][grp] = b1 + b2;
+    }
+    __syncthreads();
+    for (int i = e; i < nt * n_group; i += blockDim.x) {
+      const int t = i / n_group, grp = i % n_group;
+      const float gs = sm.group_sum[t][grp];
+      int rank = 0;   // groups with a higher sum, or the same sum and a lower index
+      for (int h = 0; h < n_group; ++h) {
+        const float o = sm.group_sum[t][h];
+        rank += o > gs || (o == gs && h < grp);
+      }
+      if (rank < topk_group) atomicOr(&sm.keep[t], 1u << grp);
+    }
+    __syncthreads();   // also: every read of choice_s is done before the keys overwrite it
+#pragma unroll
+    for (int t2 = 0; t2 < kRouteBatchTokens; ++t2)
+      if (t2 < nt && e < E && !((sm.keep[t2] >> (e / gsize)) & 1u)) choice[t2] = NEG_INF;
+  }
+  unsigned long long key[kRouteBatchTokens];
+#pragma unroll
+  for (int t = 0; t < kRouteBatchTokens; ++t) {
+    key[t] = e < E ? route_key(choice[t], e) : 0xffffffffull - (unsigned)e;
+    if (t < nt) sm.key[t][e] = key[t];
+  }
+  __syncwarp();
+  int wrank[kRouteBatchTokens];   // rank among this warp's 32 keys of token t
+#pragma unroll
+  for (int t = 0; t < kRouteBatchTokens; ++t) {
+    wrank[t] = 0;
+    if (t < nt) {
+#pragma unroll 8
+      for (int j = 0; j < 32; ++j) wrank[t] += sm.key[t][(warp << 5) + j] > key[t];
+    }
+  }
+  __syncthreads();   // every warp's reads of sm.key are done: the candidates overwrite its front
+#pragma unroll
+  for (int t = 0; t < kRouteBatchTokens; ++t)
+    if (t < nt && wrank[t] < topk) sm.key[t][warp * topk + wrank[t]] = key[t];
+  __syncthreads();
+  const int cands = warps * topk;
+  if (e < nt * cands) {   // nt * topk <= 32: nt * cands <= the block
+    const int t = e / cands;
+    const unsigned long long ck = sm.key[t][e % cands];
+    int rank = 0;
+    for (int j = 0; j < cands; ++j) rank += sm.key[t][j] > ck;
+    if (rank < topk) {
+      const int pe = (int)(0xffffffffu - (unsigned)ck);
+      sm.pick_e[t * topk + rank] = pe;
+      sm.pick_w[t * topk + rank] = sm.score[t][pe];
+    }
+  }
+  __syncthreads();
+  if (warp == 0 && lane < nt * topk) {
+    const int t0 = lane / topk * topk;
+    float wsum = 0.f;
+    for (int r = 0; r < topk; ++r) wsum += sm.pick_w[t0 + r];
+    const float scale = norm_topk_prob ? routed_scaling_factor / (wsum + 1e-20f) : routed_scaling_factor;
+    topk_ids[tok0 * topk + lane] = sm.pick_e[lane];
+    topk_w[tok0 * topk + lane] = sm.pick_w[lane] * scale;
+  }
+}
+// moe_group_kernel's outputs from the P = T * topk <= 32 picks in shared memory (pick a = token a / topk), by warp 0
+// alone: lane a holds pick a. Its expert's count and its place among that expert's picks come from the lanes with
+// the same id (__match_any); its sorted position is the picks of lower experts plus that place (group_block's
+// expert-major order, tokens increasing inside an expert); the first pick of each expert stands for it in the slot
+// order (more tokens first, then lower id). expert_count must be zeroed before (other experts stay 0).
+__device__ __forceinline__ void group_picks_warp(const int* pick_e, int P, int topk, int num_slots,
+                                                 int* __restrict__ expert_count, int* __restrict__ slot_expert,
+                                                 int* __restrict__ slot_offset, int* __restrict__ slot_count,
+                                                 int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
+  const int lane = threadIdx.x & 31;
+  const bool live = lane < P;
+  const int id = live ? pick_e[lane] : -1 - lane;   // distinct dummies never match a live pick
+  const unsigned same = __match_any_sync(0xffffffffu, id);
+  const int cnt = __popc(same), before = __popc(same & ((1u << lane) - 1u));
+  const bool first = live && before == 0;
+  int off = 0, slot = 0;
+  for (int b = 0; b < P; ++b) {
+    const int ob = __shfl_sync(0xffffffffu, id, b), cb = __shfl_sync(0xffffffffu, cnt, b);
+    const bool fb = __shfl_sync(0xffffffffu, (int)first, b) != 0;
+    off += ob < id;
+    slot += fb && (cb > cnt || (cb == cnt && ob < id));
+  }
+  const int active = __popc(__ballot_sync(0xffffffffu, first));
+  if (live) {
+    const int p = off + before;
+    sorted_token[p] = lane / topk;
+    assign_pos[lane] = p;
+  }
+  if (first) {
+    expert_count[id] = cnt;
+    slot_expert[slot] = id;
+    slot_offset[slot] = off;
+    slot_count[slot] = cnt;
+  }
+  for (int sl = active + lane; sl < num_slots; sl += 32) {
+    slot_expert[sl] = -1;
+    slot_offset[sl] = 0;
+    slot_count[sl] = 0;
+  }
+}
+extern "C" __global__ void __launch_bounds__(kRouteBlockMaxExperts)
+moe_route_batch_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int T, int E, int topk,
+                       int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor, int num_slots,
+                       int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
+                       int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
+                       int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteBatch);
+  __shared__ RouteBatchSmem sm;
+  const int e = threadIdx.x;
+  const float corr = e < E ? bias[e] : 0.f;   // a weight: read before the wait
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  if (T > kRouteBatchTokens || T * topk > 32) __trap();   // the host routes such T otherwise
+  if (e < E) expert_count[e] = 0;   // the picked experts' counts are written after route_tokens_block's barriers
+  route_tokens_block(logits, corr, 0, T, E, topk, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                     topk_ids, topk_w, sm);
+  if (e < 32)
+    group_picks_warp(sm.pick_e, T * topk, topk, num_slots, expert_count, slot_expert, slot_offset, slot_count,
+                     sorted_token, assign_pos);
 }
 
 // Top-k and grouping in one launch. Grid: ceil(T / (32 * ROUTE_TOKENS_PER_WARP)) blocks of 1024 threads;

@@ -416,8 +416,8 @@ register(KernelFamily(
 register(KernelFamily(
     name="moe_routing",
     source="moe_routing.cu",
-    entries=("moe_route_kernel", "moe_route_one_kernel", "moe_route_blocks_kernel", "moe_topk_kernel",
-             "moe_group_kernel"),
+    entries=("moe_route_kernel", "moe_route_one_kernel", "moe_route_blocks_kernel", "moe_route_batch_kernel",
+             "moe_topk_kernel", "moe_group_kernel"),
     pdl=True,
 ))
 # MLA absorbed attention over the 512+64 latent cache (tree mask or causal), split-KV merge, per-head GEMM.

@@ -245,6 +245,8 @@ def moe_smem_bytes(entry: str, k: int) -> int:
 # MoeLayer's routing (top-k, then the grouping by expert), each giving the same bits:
 #   "blocks": moe_route_blocks_kernel, a block per token (a thread per expert, every rank at once), the last block
 #     groups (one token: straight from the picks);
+#   "batch": moe_route_batch_kernel, up to ROUTE_BATCH_TOKENS tokens (and tokens x topk <= 32) in one such block,
+#     which also groups the picks (warp 0): no ticket, no group_block (not yet run on a GPU: not a default);
 #   "warp-one": moe_route_one_kernel, T = 1 only, one warp picking the topk experts one after another;
 #   "fused": moe_route_kernel, a warp per token (route_token), the last block groups;
 #   "two": moe_topk_kernel (a warp per token) then moe_group_kernel.
@@ -252,8 +254,9 @@ def moe_smem_bytes(entry: str, k: int) -> int:
 # H100, 2026-12-06 (33), layer graph replay, uniform / skewed: T = 1 blocks 72.7 / 74.5 us against warp-one
 # 75.1 / 77.0 and two 77.0 / 79.2 (the routing kernel 2.3 us against 5.1, traced); T = 2..64 blocks faster than
 # two by 1.3-3.7 us and than fused by 1.1-22.9 us at every T.
-ROUTINGS = ("blocks", "warp-one", "fused", "two")
+ROUTINGS = ("blocks", "batch", "warp-one", "fused", "two")
 ROUTE_BLOCKS_MAX_TOKENS = 64
+ROUTE_BATCH_TOKENS = 4   # moe_routing.cu kRouteBatchTokens
 
 
 def default_routing(T: int) -> str:
@@ -600,8 +603,10 @@ class MoeLayer:
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
         self.x_slot = None   # the slot-ordered copy of x (made below where a hot tier runs PIPE 6-8)
         self.routing = default_routing(T) if routing is None else routing
-        if self.routing not in ROUTINGS or (self.routing == "warp-one" and T != 1):
-            raise ValueError(f"routing={self.routing!r} at T = {T}: one of {ROUTINGS} ('warp-one' routes one token)")
+        if (self.routing not in ROUTINGS or (self.routing == "warp-one" and T != 1)
+                or (self.routing == "batch" and (T > ROUTE_BATCH_TOKENS or T * topk > 32))):
+            raise ValueError(f"routing={self.routing!r} at T = {T}, topk = {topk}: one of {ROUTINGS} ('warp-one' "
+                             f"routes one token, 'batch' up to {ROUTE_BATCH_TOKENS} and 32 picks)")
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
 
@@ -622,6 +627,9 @@ class MoeLayer:
             route_launches = [route_k.prepare((T,), (32 * -(-E // 32),), [
                 *route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs, self.route_ticket],
                 smem=smem)]
+        elif self.routing == "batch":
+            route_launches = [cuda.get_kernel("moe_routing", "moe_route_batch_kernel").prepare(
+                (1,), (32 * -(-E // 32),), [*route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs])]
         elif self.routing == "fused":
             route_k = cuda.get_kernel("moe_routing", "moe_route_kernel")
             if group_smem > 48 * 1024:

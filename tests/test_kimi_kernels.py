@@ -410,12 +410,15 @@ ROUTE_OUTPUTS = ("topk_ids", "topk_w", "expert_count", "slot_expert", "slot_offs
     ("warp-one", 1, 384, 8, 1, 1), ("warp-one", 1, 384, 8, 8, 4),
     ("blocks", 1, 384, 8, 1, 1), ("blocks", 1, 384, 8, 8, 4), ("blocks", 1, 256, 8, 8, 4), ("blocks", 1, 300, 6, 1, 1),
     ("blocks", 1, 64, 16, 4, 2), ("blocks", 2, 384, 8, 1, 1), ("blocks", 5, 384, 8, 8, 4), ("blocks", 8, 300, 6, 1, 1),
-    ("blocks", 16, 384, 8, 1, 1), ("blocks", 64, 384, 8, 1, 1), ("blocks", 40, 64, 16, 4, 2)])
+    ("blocks", 16, 384, 8, 1, 1), ("blocks", 64, 384, 8, 1, 1), ("blocks", 40, 64, 16, 4, 2),
+    ("batch", 1, 384, 8, 1, 1), ("batch", 1, 384, 8, 8, 4), ("batch", 2, 384, 8, 1, 1), ("batch", 4, 384, 8, 8, 4),
+    ("batch", 3, 300, 6, 1, 1), ("batch", 2, 64, 16, 4, 2), ("batch", 3, 64, 8, 32, 8), ("batch", 1, 64, 16, 4, 2)])
 def test_routing_same_bits_as_two_kernels(cuda_device, routing, T, E, topk, n_group, topk_group):
     """Each one-launch routing (moe_route_kernel: a warp per token; moe_route_one_kernel: one warp, T = 1;
-    moe_route_blocks_kernel: a block per token) against moe_topk + moe_group: every output bit-identical, ties
-    included, over three launches with new logits (the grid tickets reset themselves); E not a multiple of 32 (a
-    part warp) and topk 16 included."""
+    moe_route_blocks_kernel: a block per token; moe_route_batch_kernel: up to 4 tokens in one block, which groups
+    them) against moe_topk + moe_group: every output bit-identical, ties included, over three launches with new
+    logits (the grid tickets reset themselves); E not a multiple of 32 (a part warp), topk 16, and more (token,
+    group) pairs than threads included."""
     rng = np.random.default_rng(T + E + topk + n_group + 17)
     bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
     bias[9] = bias[5]

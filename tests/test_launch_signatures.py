@@ -96,7 +96,8 @@ def _checking_cuda(prepared):
 
 
 @pytest.mark.parametrize("T,plan", [
-    (1, {}), (1, dict(routing="two")), (1, dict(routing="warp-one")), (8, dict(routing="blocks")), (64, {}),
+    (1, {}), (1, dict(routing="two")), (1, dict(routing="warp-one")), (8, dict(routing="blocks")),
+    (4, dict(routing="batch")), (64, {}),
     (256, {}), (256, dict(gmma_min_tokens=None)), (600, {}),
     (1025, {}),
     (8, dict(routing="fused", fuse_combine=True, early=True, pdl=True, gmma_min_tokens=None)),
@@ -129,6 +130,13 @@ def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
     assert layer.routing == plan.get("routing", kk.default_routing(T))
 
 
+def test_route_batch_tokens_match_the_kernel():
+    import re
+    from runtime.cuda import nvrtc
+    text = (nvrtc.kernel_source_dir() / "moe_routing.cu").read_text()
+    assert int(re.search(r"kRouteBatchTokens = (\d+);", text).group(1)) == kk.ROUTE_BATCH_TOKENS
+
+
 def test_moe_routing_choices(monkeypatch):
     monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda([]))
     E = 384
@@ -137,6 +145,10 @@ def test_moe_routing_choices(monkeypatch):
         kk.MoeLayer(w, 8, np.zeros(E, np.float32), routing="warp-one")
     with pytest.raises(ValueError, match="routing="):
         kk.MoeLayer(w, 8, np.zeros(E, np.float32), routing="one")
+    with pytest.raises(ValueError, match="batch"):   # 5 tokens, or 4 x 16 picks: more than one block takes
+        kk.MoeLayer(w, 5, np.zeros(E, np.float32), routing="batch")
+    with pytest.raises(ValueError, match="batch"):
+        kk.MoeLayer(w, 4, np.zeros(E, np.float32), topk=16, routing="batch")
 
 
 @pytest.mark.parametrize("T", [1, 31, 32, 64, 255, 256, 767, 768, 1025])

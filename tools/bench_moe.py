@@ -507,10 +507,12 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=16/32/ra7", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7)),
         ("gmma>=16/32/ra7/par", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7, gmma_parallel_chunks=True)),
         # the routing (kimi_kernels.ROUTINGS) against the default: moe_topk + moe_group (two kernels); one warp
-        # (T = 1); a block per token, the last one grouping; a warp per token, the last block grouping
+        # (T = 1); a block per token, the last one grouping; up to 4 tokens in one block that groups them (T <= 4);
+        # a warp per token, the last block grouping
         ("route-two", dict(routing="two")),
         ("route-warp", dict(routing="warp-one")),
         ("route-blocks", dict(routing="blocks")),
+        ("route-batch", dict(routing="batch")),
         ("route-fused", dict(routing="fused")),
         ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
         # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
