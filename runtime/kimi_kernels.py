@@ -14,6 +14,7 @@ Requirements: N % 16 == 0, K % 512 == 0 (Kimi: 2048 and 7168).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -464,7 +465,9 @@ class MoeLayer:
     joined before the combine: those weights do not depend on the routing, so their stream runs beside the routing
     and the GEMMs' ramps and tails; shared_fork "start" forks it at the layer's start, "route" after the routing,
     None as default_shared_fork says; shared_kernel "gemv" (T <= 8) runs its linears on the gemv kernel, "auto" on
-    the dense linears' plan, None as default_shared_kernel says). Output: .y bf16 [T, hidden] = the routing
+    the dense linears' plan, None as default_shared_kernel says; shared_plain_start: the branch's first kernel
+    launched without PDL, so it starts only when the work before the fork has finished and prefetches nothing beside
+    it, e.g. beside the routing with shared_fork "route", for A/B timing). Output: .y bf16 [T, hidden] = the routing
     weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
@@ -498,7 +501,7 @@ class MoeLayer:
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, shared_mlp: SharedExpertMlp | None = None,
-                 shared_fork: str | None = None, shared_kernel: str | None = None,
+                 shared_fork: str | None = None, shared_kernel: str | None = None, shared_plain_start: bool = False,
                  variants: tuple[str, str] | None = None,
                  routing: str | None = None, fuse_combine: bool | None = None,
                  early: bool | None = None,
@@ -596,6 +599,7 @@ class MoeLayer:
         # shared_kernel "gemv": the shared linears on the gemv kernel (SwiGLU fused into down; small shared memory,
         # so its blocks can sit beside the routed GEMMs' instead of holding whole SMs), else the dense linears' plan
         self.shared_kernel = shared_kernel
+        self.shared_plain_start = bool(shared_plain_start)
         self._shared_h = (cuda.empty((T, shared_mlp.inter), np.uint16)
                           if shared_mlp is not None and shared_kernel == "auto" and not shared_mlp.fuses(T) else None)
         # the shared branch's own split-K workspace: its linears may run beside other streams' dense linears
@@ -828,9 +832,10 @@ class MoeLayer:
         """The shared expert's MLP into .shared: gate_up, then down with silu(gate) * up (fused into down's x load
         where the dense kernels take it, else its own launch)."""
         m, T = self.shared_mlp, self.T
-        dk = _dense_kernels()
+        dk, cuda = _dense_kernels(), _cuda()
         kernel = self.shared_kernel
-        dk.linear(self.x, m.gate_up, self._shared_gu, ws=self._shared_ws, stream=stream, kernel=kernel)
+        with cuda.plain_launches() if self.shared_plain_start else contextlib.nullcontext():
+            dk.linear(self.x, m.gate_up, self._shared_gu, ws=self._shared_ws, stream=stream, kernel=kernel)
         gate = self._shared_gu.view(0, (T, m.inter))
         up = self._shared_gu.view(m.inter, (T, m.inter))
         ld = 2 * m.inter

@@ -462,3 +462,17 @@ def test_frees_during_a_capture_wait_for_its_end(monkeypatch):
     assert sorted(done) == [("free", 0x1000), ("free host", 0x2000)] and graph._deferred == []
     memory._mem_free(0x3000)                                  # no capture: at once
     assert done[-1] == ("free", 0x3000)
+
+
+def test_plain_launches_drop_programmatic_serialization():
+    """Inside plain_launches a PDL family's launch is bound without the programmatic attribute (a full edge in a
+    capture); before and after it, with it. No GPU: the launch is only bound, not made."""
+    import types
+    kern = types.SimpleNamespace(function=None, pdl=True, param_sizes=None, checked_types=set(), family="f",
+                                 entry="e")
+    assert Launch(kern, 1, 32, [])._config is not None
+    with rc.plain_launches():
+        with rc.plain_launches():
+            assert Launch(kern, 1, 32, [])._config is None
+        assert Launch(kern, 1, 32, [])._config is None
+    assert Launch(kern, 1, 32, [])._config is not None

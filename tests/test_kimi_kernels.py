@@ -679,7 +679,7 @@ def test_moe_graph_replay_pdl(cuda_device, T, E, early):
 @pytest.mark.parametrize("T,E,plan", [
     (1, 16, dict()), (5, 16, dict()), (40, 8, dict()), (3, 8, dict(fuse_combine=True, early=False)),
     (1, 16, dict(shared_fork="start")), (4, 16, dict(shared_fork="route")), (1, 16, dict(shared_kernel="auto")),
-    (6, 16, dict(shared_kernel="gemv", shared_fork="start")),
+    (6, 16, dict(shared_kernel="gemv", shared_fork="start")), (1, 16, dict(shared_plain_start=True)),
     (96, 8, dict(gmma_min_tokens=40, gmma_tile=64, gmma_pipe=3, gmma_overlap=True))])
 def test_moe_layer_shared_mlp(cuda_device, T, E, plan):
     """The shared expert's MLP run by the layer on its side stream (joined before the combine, or before down

@@ -229,6 +229,9 @@ def main(argv=None):
                             forks[f"shared {kernel}"] = time_plan(weights, T, args.experts, x, logits,
                                                                   {"shared_mlp": mlp, "shared_kernel": kernel},
                                                                   args.iters)[0]
+                    # the branch's first kernel without PDL: no weight prefetch beside the routing (fork "route")
+                    forks["plain start"] = time_plan(weights, T, args.experts, x, logits,
+                                                     {"shared_mlp": mlp, "shared_plain_start": True}, args.iters)[0]
                 except Exception as e:
                     print(f"    + shared MLP failed ({type(e).__name__}: {e})", flush=True)
                 else:

@@ -5,7 +5,7 @@ from .device import Device, get_device, require_device
 from .memory import Arena, DeviceArray, PinnedBuffer, empty, to_device, upload_chunked
 from .stream import Event, Stream, bench, default_stream
 from .nvrtc import ARCHS, CompiledModule, cache_dir, compile_all, compile_family, resolve_arch
-from .kernel import Kernel, Launch, get_kernel, load_module
+from .kernel import Kernel, Launch, get_kernel, load_module, plain_launches
 from .graph import Capture, GraphCache, GraphExec, bucket_for, capture
 
 __all__ = [
@@ -14,6 +14,6 @@ __all__ = [
     "Arena", "DeviceArray", "PinnedBuffer", "empty", "to_device", "upload_chunked",
     "Event", "Stream", "bench", "default_stream",
     "ARCHS", "CompiledModule", "cache_dir", "compile_all", "compile_family", "resolve_arch",
-    "Kernel", "Launch", "get_kernel", "load_module",
+    "Kernel", "Launch", "get_kernel", "load_module", "plain_launches",
     "Capture", "GraphCache", "GraphExec", "bucket_for", "capture",
 ]

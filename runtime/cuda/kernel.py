@@ -12,7 +12,9 @@ DDTREE_CUDA_SYNC=1 synchronises and checks after every launch (debugging: errors
 Kernels of a family registered with pdl=True launch through cuLaunchKernelEx with programmatic stream
 serialization (programmatic dependent launch): the kernel may start while the previous one on the stream
 finishes, and waits inside (griddepcontrol.wait) before touching its outputs. Inside a stream capture this
-becomes a programmatic graph edge. DDTREE_PDL=0 launches them plainly (same results, for A/B timing).
+becomes a programmatic graph edge. DDTREE_PDL=0 launches them plainly (same results, for A/B timing); so do the
+launches made inside `plain_launches()` on that thread (a launch that should start only once the work it follows
+has finished, e.g. a side stream's first kernel after an event).
 """
 from __future__ import annotations
 
@@ -45,6 +47,21 @@ def _dim3(d) -> tuple[int, int, int]:
     if not 1 <= len(d) <= 3 or any(int(x) < 1 for x in d):
         raise ValueError(f"grid/block dims must be 1..3 positive ints, got {d}")
     return tuple(int(x) for x in d) + (1,) * (3 - len(d))
+
+
+_plain = threading.local()   # .depth > 0: this thread's launches go without programmatic serialization
+
+
+@contextlib.contextmanager
+def plain_launches():
+    """Launches made inside (this thread) are plain whatever their family's pdl: each starts when the work it
+    follows has finished (in a capture: a full graph edge, not a programmatic one), so it reads and prefetches
+    nothing before then."""
+    _plain.depth = getattr(_plain, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _plain.depth -= 1
 
 
 @contextlib.contextmanager
@@ -271,7 +288,7 @@ class Launch:
         """Pre-bind everything but the stream, so a launch is one call with two arguments."""
         g, b, fn = self.grid, self.block, self.kernel.function
         self._config = None
-        if getattr(self.kernel, "pdl", False):
+        if getattr(self.kernel, "pdl", False) and not getattr(_plain, "depth", 0):
             self._config = _pdl_config(g, b, self.smem)
             self._ctypes = None
             return
