@@ -49,6 +49,17 @@ def _records(rows):
     return r
 
 
+def test_peak_blocks_per_sm():
+    """SM 0: blocks 0 and 1 overlap (two warps each), block 2 comes after them: peak 2. SM 1: block 4 starts the
+    nanosecond block 3 ends: peak 1."""
+    rows = [(0, 0, 10, 5, 44, 0, 0, 0), (1, 0, 9, 5, 44, 0, 0, 1), (5, 0, 15, 5, 44, 0, 1, 0),
+            (6, 0, 14, 5, 44, 0, 1, 1), (20, 0, 30, 5, 44, 0, 2, 0),
+            (0, 0, 10, 5, 44, 1, 3, 0), (10, 0, 20, 5, 44, 1, 4, 0)]
+    (gate_up,) = trace.launches(_records(rows))
+    assert trace.peak_blocks_per_sm(gate_up) == {2: 1, 1: 1}
+    assert trace.residency([gate_up]).split()[-2:] == ["2x1", "1x1"]
+
+
 def test_launch_summaries_from_records():
     t0 = 10_000_000
     rows = [  # launch 7 (routing-like: one warp), then launch 9 waiting on it (PDL) on two SMs, then launch 8

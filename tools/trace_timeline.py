@@ -56,6 +56,8 @@ def report(label: str, us_off: float, us: float, records: np.ndarray, width: int
           f"build's time comes from the benches), one replay's stamps span {span:.1f} us, {len(traces)} launches, "
           f"{len(records)} warps")
     print(trace.table(traces))
+    print("peak blocks per SM at once (blocks x SMs):")
+    print(trace.residency(traces))
     print(trace.timeline(traces, width))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

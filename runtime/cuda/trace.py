@@ -192,6 +192,33 @@ def table(traces: list[LaunchTrace]) -> str:
     return "\n".join(lines)
 
 
+def peak_blocks_per_sm(trace: LaunchTrace) -> dict[int, int]:
+    """{the most blocks of this launch on one SM at once: how many SMs had that}. A block lives from its first
+    warp's start to its last warp's end; where another kernel shares the SMs, this shows how many of the launch's
+    blocks fit beside it (session 33: one routed gate_up block beside each narrow shared-MLP block, not three)."""
+    r = trace.records
+    peaks: dict[int, int] = {}
+    for sm in np.unique(r["sm"]):
+        on = r[r["sm"] == sm]
+        events = []   # (time, +1 block starts / -1 block ends); ends first at a tie
+        for block in np.unique(on["block"]):
+            b = on[on["block"] == block]
+            events += [(int(b["start"].min()), 1), (int(b["end"].max()), -1)]
+        events.sort(key=lambda ev: (ev[0], ev[1]))
+        live = peak = 0
+        for _, step in events:
+            live += step
+            peak = max(peak, live)
+        peaks[peak] = peaks.get(peak, 0) + 1
+    return dict(sorted(peaks.items(), reverse=True))
+
+
+def residency(traces: list[LaunchTrace]) -> str:
+    """One line per launch: its peak blocks per SM, as 'blocks x SMs' pairs (peak_blocks_per_sm)."""
+    return "\n".join(f"{i:3d} {t.name:24s} " + " ".join(f"{n}x{sms}" for n, sms in peak_blocks_per_sm(t).items())
+                     for i, t in enumerate(traces))
+
+
 _SHADES = " .:-=+*#%@"
 
 
