@@ -482,19 +482,22 @@ __device__ __forceinline__ float4 bf16x4_to_float4(uint2 b) {
   return make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xffff0000u),
                      __uint_as_float(b.y << 16), __uint_as_float(b.y & 0xffff0000u));
 }
+// Token tok's routing weights and the sorted positions of its picks (through L2 with CG).
 template <bool CG>
-__device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, const float* __restrict__ topk_w,
-                                         const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
-                                         uint16_t* __restrict__ y, int n, int topk, int tok, int col) {
-  float w[kMaxTopk];
-  int pos[kMaxTopk];
-  uint2 v[kMaxTopk];
+__device__ __forceinline__ void load_picks(const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
+                                           int topk, int tok, float (&w)[kMaxTopk], int (&pos)[kMaxTopk]) {
 #pragma unroll
   for (int j = 0; j < kMaxTopk; ++j)
     if (j < topk) {
-      w[j] = topk_w[tok * topk + j];
-      pos[j] = assign_pos[tok * topk + j];
+      w[j] = CG ? __ldcg(topk_w + tok * topk + j) : topk_w[tok * topk + j];
+      pos[j] = CG ? __ldcg(assign_pos + tok * topk + j) : assign_pos[tok * topk + j];
     }
+}
+template <bool CG>
+__device__ __forceinline__ void combine4_picks(const uint16_t* __restrict__ down_out, const float (&w)[kMaxTopk],
+                                               const int (&pos)[kMaxTopk], const uint16_t* __restrict__ shared,
+                                               uint16_t* __restrict__ y, int n, int topk, int tok, int col) {
+  uint2 v[kMaxTopk];
 #pragma unroll
   for (int j = 0; j < kMaxTopk; ++j)
     if (j < topk) {
@@ -517,6 +520,15 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
   o.x = *reinterpret_cast<uint32_t*>(&lo);
   o.y = *reinterpret_cast<uint32_t*>(&hi);
   *reinterpret_cast<uint2*>(y + (long long)tok * n + col) = o;
+}
+template <bool CG>
+__device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, const float* __restrict__ topk_w,
+                                         const int* __restrict__ assign_pos, const uint16_t* __restrict__ shared,
+                                         uint16_t* __restrict__ y, int n, int topk, int tok, int col) {
+  float w[kMaxTopk];
+  int pos[kMaxTopk];
+  load_picks<CG>(topk_w, assign_pos, topk, tok, w, pos);
+  combine4_picks<CG>(down_out, w, pos, shared, y, n, topk, tok, col);
 }
 
 }  // namespace moe_int4
@@ -635,14 +647,21 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
 }
 
 // y[t] = sum_j weight[t, j] * down_out[assign_pos[t, j]] (+ shared[t]), fp32 sum in a fixed order, bf16 out.
-// One block per token, 4 consecutive columns per thread.
+// One block per token, 4 consecutive columns per thread. early != 0: the token's weights and positions are read
+// (through L2) before the dependency wait, so only the down_out round trip follows it. They are routing outputs,
+// three launches back: the combine is let in only when every down block has run launch_dependents after its own
+// wait, i.e. after gate_up, and so the routing, completed (the header's chain).
 extern "C" __global__ void moe_combine_kernel(const uint16_t* __restrict__ down_out,
                                               const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                                               const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int n,
-                                              int topk) {
+                                              int topk, int early) {
   DDTREE_TRACE_WARP(ddtree::kTraceMoeCombine);
-  moe_int4::dependency_wait();
   const int tok = blockIdx.x;
+  float w[moe_int4::kMaxTopk];
+  int pos[moe_int4::kMaxTopk];
+  if (early) moe_int4::load_picks<true>(topk_w, assign_pos, topk, tok, w, pos);
+  moe_int4::dependency_wait();
+  if (!early) moe_int4::load_picks<false>(topk_w, assign_pos, topk, tok, w, pos);
   for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * 4; col < n; col += gridDim.y * blockDim.x * 4)
-    moe_int4::combine4<false>(down_out, topk_w, assign_pos, shared, y, n, topk, tok, col);
+    moe_int4::combine4_picks<false>(down_out, w, pos, shared, y, n, topk, tok, col);
 }

@@ -475,7 +475,9 @@ class MoeLayer:
     bits): routing: one of ROUTINGS (see there; default default_routing(T)); fuse_combine (default
     T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
     moe_combine_kernel; early (default: with PDL, T <= EARLY_MAX_TOKENS and no hot tier asked for): the down
-    GEMM starts its weight stream before its dependency wait; pdl (default T <= PDL_MAX_TOKENS): programmatic
+    GEMM starts its weight stream before its dependency wait; combine_early (with PDL; A/B, not yet run on a
+    GPU): moe_combine_kernel reads the routing weights and positions before its wait; pdl (default
+    T <= PDL_MAX_TOKENS): programmatic
     dependent launch between the layer's kernels (each one's launch and ramp under the previous one's tail), else
     plain launches;
     gmma_min_tokens (sm_90a): experts with at least that many tokens go through moe_gmma_kernel (weights
@@ -504,7 +506,7 @@ class MoeLayer:
                  shared_fork: str | None = None, shared_kernel: str | None = None, shared_plain_start: bool = False,
                  variants: tuple[str, str] | None = None,
                  routing: str | None = None, fuse_combine: bool | None = None,
-                 early: bool | None = None,
+                 early: bool | None = None, combine_early: bool = False,
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
                  gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None):
@@ -613,6 +615,7 @@ class MoeLayer:
                              f"routes one token, 'batch' up to {ROUTE_BATCH_TOKENS} and 32 picks)")
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
+        self.combine_early = bool(combine_early)
 
         group_smem = (P + 4 * E + 1 + 2 * E * (((T + 31) // 32) | 1)) * 4   # moe_routing.cu group_block's layout
         route_args = [self.logits, self.bias, I32(T), I32(E), I32(topk), I32(n_group), I32(topk_group),
@@ -701,7 +704,8 @@ class MoeLayer:
             self.stages.append(("combine", cuda.get_kernel("moe_int4", "moe_combine_kernel").prepare(
                 (T, (w.hidden // 4 + 255) // 256), (256,), [
                     self.down_out, self.topk_w, self.assign_pos,
-                    shared if shared is not None else np.uint64(0), self.y, I32(w.hidden), I32(topk)])))
+                    shared if shared is not None else np.uint64(0), self.y, I32(w.hidden), I32(topk),
+                    I32(int(self.combine_early))])))
         if not pdl:
             for _, launch in self.stages:
                 _without_pdl(launch)

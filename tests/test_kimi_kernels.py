@@ -622,7 +622,7 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
     plans = [dict(), dict(routing="two", fuse_combine=False, early=False, pdl=False),
              dict(fuse_combine=True), dict(fuse_combine=False), dict(early=False), dict(pdl=False, fuse_combine=True),
              dict(routing="fused", fuse_combine=True, early=True, pdl=True), dict(pdl=True),
-             dict(pdl=True, early=True)]
+             dict(pdl=True, early=True), dict(pdl=True, early=True, combine_early=True)]
     outs = []
     for plan in plans:
         layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, **plan)
@@ -663,15 +663,17 @@ def test_moe_graph_replay(cuda_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,E,early", [(1, 16, True), (5, 16, True), (40, 8, False)])
-def test_moe_graph_replay_pdl(cuda_device, T, E, early):
+@pytest.mark.parametrize("T,E,early,combine_early", [(1, 16, True, False), (5, 16, True, False),
+                                                     (40, 8, False, False), (1, 16, True, True), (40, 8, False, True)])
+def test_moe_graph_replay_pdl(cuda_device, T, E, early, combine_early):
     """Programmatic dependent launch between the layer's kernels, captured in a graph (programmatic edges, not
     the eager launches of test_moe_launch_plans_same_bits): with down's early weight start at small T, and at
-    T = 40 with the hot chain (sm_90a) on its own stream beside the cold one."""
+    T = 40 with the hot chain (sm_90a) on its own stream beside the cold one; the combine reading the routing
+    before its wait."""
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(13 + T)
     dense, w = make_moe(rng, E, 1024, 512)
-    layer = MoeLayer(w, T, np.zeros(E, np.float32), topk=4, pdl=True, early=early)
+    layer = MoeLayer(w, T, np.zeros(E, np.float32), topk=4, pdl=True, early=early, combine_early=combine_early)
     _check_graph_replay(layer, dense, rng, T=T, E=E, hidden=1024, topk=4, trials=3)
 
 

@@ -517,6 +517,8 @@ def launch_plans(default_fused_combine: bool):
         ("route-blocks", dict(routing="blocks")),
         ("route-batch", dict(routing="batch")),
         ("route-fused", dict(routing="fused")),
+        # the combine reads the routing's weights and positions before its dependency wait
+        ("comb-early", dict(combine_early=True)),
         ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
         # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
         ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
