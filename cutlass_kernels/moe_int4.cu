@@ -527,7 +527,7 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
                                          uint16_t* __restrict__ y, int n, int topk, int tok, int col) {
   float w[kMaxTopk];
   int pos[kMaxTopk];
-  load_picks<CG>(topk_w, assign_pos, topk, tok, w, pos);
+  load_picks<false>(topk_w, assign_pos, topk, tok, w, pos);
   combine4_picks<CG>(down_out, w, pos, shared, y, n, topk, tok, col);
 }
 

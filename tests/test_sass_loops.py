@@ -37,6 +37,13 @@ def test_parse_a_listing():
     s = stats["kern<1>"]
     assert set(stats) == {"kern<1>"} and (s.registers, s.instructions, s.loop, s.prmt, s.spills) == (40, 9, 6, 1, 1)
     assert s.loop_ops["HFMA2"] == 1 and s.loop_ops["BRA"] == 2
+    # another build of the same code numbers its labels and helpers otherwise: the canonical text is the same
+    renumbered = LISTING.replace(".L_x_1", ".L_x_7").replace(".L_x_0", ".L_x_6")
+    assert sass_loops.entry_stats(renumbered, {"k": "kern"}, {})["k"].text == s.text
+    assert sass_loops.canonical(["CALL.REL.NOINC `($__internal_4_$__cuda_sm20_rcp_rn_f32_slowpath) ;"]) == \
+        sass_loops.canonical(["CALL.REL.NOINC `($__internal_2_$__cuda_sm20_rcp_rn_f32_slowpath) ;"])
+    changed = LISTING.replace("0x1010", "0x3232")
+    assert sass_loops.entry_stats(changed, {"k": "kern"}, {})["k"].text != s.text
 
 
 def test_build_against_head(capsys):

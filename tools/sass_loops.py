@@ -1,7 +1,9 @@
 """SASS figures per kernel entry, built here with NVRTC (no GPU): registers, instructions, the largest loop that holds
 the entry's math (an MMA or FMA instruction) with its opcode counts, PRMTs, and local-memory loads / stores (spills).
-With --base REV, the same entries built from git revision REV's cutlass_kernels too, side by side: how a session
-without a device reads what a kernel edit did (docs/PERF.md, session 32).
+With --base REV, the same entries built from git revision REV's cutlass_kernels too, side by side, and whether each
+entry's SASS is the same instruction for instruction (labels and internal helper numbers aside): how a session
+without a device reads what a kernel edit did (docs/PERF.md, session 32), or checks that a refactor changed nothing
+(session 33).
 
     python3 tools/sass_loops.py moe_int4 --entry "moe_w4a16_kernel<0, 2, 4, 1, 1, 1>" --base e4262c6
     python3 tools/sass_loops.py dense_linear --entry gemv --top 12
@@ -39,6 +41,13 @@ class EntryStats:
     loop_ops: Counter        # its opcodes
     prmt: int                # in the whole entry
     spills: int              # LDL + STL in the whole entry
+    text: tuple[str, ...] = ()   # the instructions, label and internal-helper numbers erased (canonical)
+
+
+def canonical(instructions: list[str]) -> tuple[str, ...]:
+    """The instructions with what differs between two builds of the same code erased: branch label numbers
+    (.L_x_12) and the numbers of NVRTC's internal helpers (__internal_4_$__cuda_sm20_rcp_rn_f32_slowpath)."""
+    return tuple(re.sub(r"__internal_\d+_", "__internal_", re.sub(r"\.L_x_\d+", ".L_x", t)) for t in instructions)
 
 
 def function_bodies(sass: str) -> dict[str, tuple[list[str], dict[str, int]]]:
@@ -82,7 +91,7 @@ def entry_stats(sass: str, lowered: dict[str, str], registers: dict[str, int]) -
         ops = Counter(opcode(t) for t in instructions)
         loop = largest_math_loop(instructions, labels)
         out[entry] = EntryStats(registers.get(entry), len(instructions), len(loop), Counter(opcode(t) for t in loop),
-                                ops["PRMT"], ops["LDL"] + ops["STL"])
+                                ops["PRMT"], ops["LDL"] + ops["STL"], canonical(instructions))
     return out
 
 
@@ -154,6 +163,8 @@ def main(argv=None) -> int:
         if base is not None:
             print(f"  {args.base[:12]:12s} {_row(base.get(e), args.top)}")
         print(f"  {'now':12s} {_row(now.get(e), args.top)}")
+        if base is not None and e in base and e in now:
+            print(f"  {'':12s} SASS {'the same' if base[e].text == now[e].text else 'differs'}")
     return 0
 
 
