@@ -374,15 +374,17 @@ __device__ __forceinline__ void stage_x_piece(uint4* xs, const uint16_t* __restr
 // One chunk of up to 8*NT tokens of a slot: stream the block's weights once, reduce the KS partial sums in
 // shared memory, store (MODE 0: h = SiLU(gate) * up; MODE 1: the expert's output; both bf16).
 // XS: the activations come from shared memory (stage_x_piece into xs), else each warp reads them from global.
+// FIT (XS, one 8-token tile): the tile holds only x_rows rows (the host's min(8, T)); lanes of the rows past them
+// read row 0 (their outputs are never stored).
 // RG > 1: the warp's RG row groups (groups: K units per group, pointer strides; rb0 + r * rb_stride is group
 // r's first row block) in one weight stream, each group stored as it completes.
-template <int MODE, int RB, int WN, int KS, int NT, int S, int XS, int RG>
+template <int MODE, int RB, int WN, int KS, int NT, int S, int XS, int RG, int FIT>
 __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int ldx, const uint4* const (&wp)[RB],
                                            const uint4* const (&sp)[RB], int n_rows, int k, int u0, int u1,
                                            int rb0, int c0, int count, int offset,
                                            const int* __restrict__ sorted_token, void* __restrict__ out, float* red,
                                            uint4* ring, uint4* xs, bool dep_wait, const RowGroups& groups,
-                                           int rb_stride) {
+                                           int rb_stride, int x_rows) {
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp % WN, ks = warp / WN;
@@ -415,7 +417,8 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
   float acc[RB][NT][4];
   if constexpr (XS) {
     static_assert(REG && KS == 1, "XS: the register ring pipeline, whole K per warp");
-    const XFromShared x_of{xs, (XS > 1 ? 2 : 1) * (k / 8 / XS), g, t};
+    static_assert(!FIT || NT == 1, "FIT: one 8-token tile");
+    const XFromShared x_of{xs, (XS > 1 ? 2 : 1) * (k / 8 / XS), FIT && g >= x_rows ? 0 : g, t};
     warp_gemm_pingpong<RB, NT, RG, XS, D>(acc, wp, sp, x_of, u0, u1, dep_wait, [&](int q) {
       stage_x_piece<MODE, NT, XS, RG>(xs, x, ldx, k, c0, count, offset, sorted_token, q);
     }, groups, group_end);
@@ -550,7 +553,9 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
 // MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
 // tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
-template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1>
+// FIT = 1 (XS, NTMAX 1): the activation tile is min(8, T) rows, not 8: at T = 2 gate_up's 7168-wide rows take
+// 28 KB instead of 112, so 4 blocks fit on an SM instead of 2 (T: the layer's tokens, passed in either mode).
+template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1, int FIT = 0>
 __global__ void __launch_bounds__(32 * WN * KS, STAGES == 1 || STAGES < 0 ? 1 : 0)   // 1: room for the buffers
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
@@ -566,6 +571,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
   using namespace moe_int4;
   static_assert(MODE == 1 || RB % 2 == 0, "gate_up pairs gate and up row blocks");
   static_assert(NTMAX == 1 || NTMAX == 2 || NTMAX == 4, "token tiles per chunk: 1, 2 or 4");
+  static_assert(!FIT || (XS && NTMAX == 1), "FIT: staged activations (XS), one 8-token tile");
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;   // row blocks per matrix
   const bool pre = MODE == 1 && early != 0;      // read the slot and start the weights before the wait
   if (!pre) dependency_wait();
@@ -605,9 +611,9 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     int c0 = 0;
     auto chunk = [&](auto nt) {   // one chunk of 8 nt tokens from c0 on
       constexpr int NT = decltype(nt)::value;
-      gemm_chunk<MODE, RB, WN, KS, NT, STAGES, XS, RG>(x, ldx, wp, sp, n_rows, k, u0, u1, rb0, c0, count, offset,
-                                                       sorted_token, out, red, ring, moe_ring, wait_first, groups,
-                                                       WN * RBM);
+      gemm_chunk<MODE, RB, WN, KS, NT, STAGES, XS, RG, FIT>(x, ldx, wp, sp, n_rows, k, u0, u1, rb0, c0, count,
+                                                            offset, sorted_token, out, red, ring, moe_ring,
+                                                            wait_first, groups, WN * RBM, min(8, T));
       c0 += 8 * NT;
       wait_first = false;
     };

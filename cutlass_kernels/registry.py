@@ -381,7 +381,9 @@ MOE_GEMM_VARIANTS = tuple(
          "2, 4, 1, 1, -3, 1", "2, 4, 1, 1, -3, 1, 2") if mode else
         ("2, 4, 1, 1, 1, 7", "2, 4, 1, 2, 1, 7", "2, 4, 1, 2, 1, 14", "2, 4, 1, 4, 1, 14",
          # three register buffers with the activations in shared memory (x loads off the weights' critical path)
-         "2, 4, 1, 1, -3, 7")))
+         "2, 4, 1, 1, -3, 7",
+         # FIT: the activation tile sized to min(8, T) rows (T = 2: 28 KB, 4 blocks per SM instead of 2)
+         "2, 4, 1, 1, 1, 1, 1, 1")))
 # Measured and dropped (H200, 2026-12-03 (7) run 3, uniform T = 16..256, % of read BW per stage): the deeper
 # cp.async rings STAGES 4 / 6 (43-68%) and the two-tile ping-pong <2, 4, 1, 2, 1> (58-73%); (9) run 1, T = 1..8:
 # the register rings STAGES -3 / -4 without XS (gate_up T = 1 49.0 / 49.7 us vs 43.0 for STAGES 1).

@@ -226,20 +226,21 @@ DEFAULT_VARIANTS = {
 
 
 def variant_params(entry: str) -> tuple[int, ...]:
-    """"moe_w4a16_kernel<0, 2, 4, 1, 1, 3>" -> (MODE, RB, WN, KS, NTMAX, STAGES, XS, RG); the template's
-    defaults XS = 0, RG = 1 where the name leaves them out."""
+    """"moe_w4a16_kernel<0, 2, 4, 1, 1, 3>" -> (MODE, RB, WN, KS, NTMAX, STAGES, XS, RG, FIT); the template's
+    defaults XS = 0, RG = 1, FIT = 0 where the name leaves them out."""
     params = tuple(int(v) for v in entry[entry.index("<") + 1:entry.index(">")].split(","))
-    return params + (0, 1)[len(params) - 6:]
+    return params + (0, 1, 0)[len(params) - 6:]
 
 
-def moe_smem_bytes(entry: str, k: int) -> int:
-    """Dynamic shared memory of a variant at reduction width k: each warp's cp.async ring (STAGES x 5 RB x 32
-    lanes x 16 B; none for the register pipelines, STAGES 0, 1 and -D), or with XS the activation tile of one token
-    chunk: 8 NTMAX rows of k bf16 (XS 1), or of two K pieces of k / XS (XS > 1: one read, the next copied)."""
-    _, rb, wn, ks, ntmax, stages, xs, _ = variant_params(entry)
+def moe_smem_bytes(entry: str, k: int, tokens: int) -> int:
+    """Dynamic shared memory of a variant at reduction width k for a layer of `tokens` tokens: each warp's cp.async
+    ring (STAGES x 5 RB x 32 lanes x 16 B; none for the register pipelines, STAGES 0, 1 and -D), or with XS the
+    activation tile of one token chunk: 8 NTMAX rows (FIT: min(8, tokens)) of k bf16 (XS 1), or of two K pieces of
+    k / XS (XS > 1: one read, the next copied)."""
+    _, rb, wn, ks, ntmax, stages, xs, _, fit = variant_params(entry)
     if xs:
         row_width = k if xs == 1 else 2 * (k // xs)
-        return 8 * ntmax * row_width * 2
+        return (min(8, tokens) if fit else 8 * ntmax) * row_width * 2
     return wn * ks * stages * (4 * rb + rb) * 32 * 16 if stages > 1 else 0
 
 
@@ -753,7 +754,7 @@ class MoeLayer:
         combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared).
         counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones)."""
         cuda = _cuda()
-        mode, rb, wn, ks, _, stages, xs, rg = variant_params(entry)
+        mode, rb, wn, ks, _, stages, xs, rg, _ = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
         block_rows = 16 * rbm * wn * rg
         if n_rows % block_rows or k % 512:
@@ -766,7 +767,7 @@ class MoeLayer:
                              f"or -D) and KS 1")
         if xs and k % (256 * xs):
             raise ValueError(f"{entry}: K={k} does not split into {xs} pieces of whole 4-unit steps")
-        smem, smem_max = moe_smem_bytes(entry, k), cuda.get_device().smem_optin_bytes
+        smem, smem_max = moe_smem_bytes(entry, k, self.T), cuda.get_device().smem_optin_bytes
         if smem > smem_max:
             raise ValueError(f"{entry}: {smem} bytes of shared memory at K={k}, more than the device's {smem_max}")
         kernel = cuda.get_kernel("moe_int4", entry)
@@ -778,8 +779,8 @@ class MoeLayer:
             self._combine_tickets = tickets
             tail = [self.topk_w, self.assign_pos, self.shared if self.shared is not None else null, self.y, tickets,
                     I32(self.T), I32(self.topk)]
-        else:
-            tail = [null, null, null, null, null, I32(0), I32(0)]
+        else:   # T for FIT's activation rows
+            tail = [null, null, null, null, null, I32(self.T), I32(0)]
         return kernel.prepare(grid, (32 * wn * ks,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
             self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail],

@@ -457,6 +457,9 @@ MOE_CASES = [
     (20, 8, 1024, 512, None),
     (33, 8, 1024, 512, None),
     (200, 8, 512, 512, None),   # many tokens per expert: several token chunks
+    # FIT: the activation tile of min(8, T) rows (lanes of the rows past it read row 0)
+    (2, 16, 1024, 512, ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>")),
+    (5, 4, 1024, 512, ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>")),
 ]
 
 

@@ -170,22 +170,28 @@ def test_moe_layer_default_hot_tiers(monkeypatch, T):
     ("moe_w4a16_kernel<0, 2, 4, 1, 2, 1, 14>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 0, 2>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 2>"),
     ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1>"),   # 3-buffer register ring
+    ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),   # FIT
 ])
-def test_moe_staged_variants_launch_with_their_shared_memory(monkeypatch, variants):
+@pytest.mark.parametrize("T", [2, 64])
+def test_moe_staged_variants_launch_with_their_shared_memory(monkeypatch, variants, T):
     """The XS / RG / register-ring variants at the Kimi shapes: grids shrink by the row groups, the dynamic shared
-    memory is the staged activation tile (two pieces side by side with XS > 1), none without XS."""
+    memory is the staged activation tile (two pieces side by side with XS > 1; FIT: min(8, T) rows), none without
+    XS."""
     prepared = []
     monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda(prepared))
     E, hidden, inter = 384, 7168, 2048
     w = kk.MoeWeights(E, hidden, inter, *(_FakeArray((1,), np.uint8) for _ in range(6)))
-    layer = kk.MoeLayer(w, 64, np.zeros(E, np.float32), variants=variants, gmma_min_tokens=None)
+    layer = kk.MoeLayer(w, T, np.zeros(E, np.float32), variants=variants, gmma_min_tokens=None)
     launches = {launch.kernel.entry: launch for launch in prepared}
     for entry, k, rows in ((variants[0], hidden, inter), (variants[1], inter, hidden)):
-        _, rb, wn, _, _, _, xs, rg = kk.variant_params(entry)
+        _, rb, wn, _, _, _, xs, rg, _ = kk.variant_params(entry)
         rbm = rb // 2 if entry.startswith("moe_w4a16_kernel<0") else rb
         assert launches[entry].grid[0] == rows // (16 * rbm * wn * rg)
-        assert launches[entry].smem == kk.moe_smem_bytes(entry, k)
+        assert launches[entry].smem == kk.moe_smem_bytes(entry, k, T)
         assert (launches[entry].smem > 0) == (xs > 0)
+    fit_entry = "moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1, 1, 1>"
+    if fit_entry in variants:   # 2 rows of 7168 bf16 at T = 2, all 8 from T = 8
+        assert launches[fit_entry].smem == min(8, T) * hidden * 2
     assert layer.variants == variants
 
 

@@ -57,3 +57,13 @@ def test_build_against_head(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[1] == "rmsnorm_kernel" and out[2].split()[0] == "HEAD" and out[3].split()[0] == "now"
     assert "regs" in out[2] and "loop" in out[3]
+    assert out[4].split() == ["SASS", "the", "same"] or out[4].split() == ["SASS", "differs"]
+
+
+def test_registered_entries_of_another_checkout(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: no revision to read")
+    entries = sass_loops.registered_entries(sass_loops.kernels_at("HEAD", tmp_path), "norm_rope")
+    assert "rmsnorm_kernel" in entries
+    assert sass_loops.registered_entries(tmp_path / "cutlass_kernels", "no_such_family") == set()

@@ -452,6 +452,8 @@ def launch_plans(default_fused_combine: bool):
         ("gu-xs2-2", dict(gate_up="0, 2, 4, 1, 2, 1, 2")),
         ("gu-xs2-2w2", dict(gate_up="0, 2, 2, 1, 2, 1, 2")),
         ("gu-xs7", dict(gate_up="0, 2, 4, 1, 1, 1, 7")),
+        # the T = 2 gate_up with its activation tile sized to min(8, T) rows (4 blocks per SM, one wave)
+        ("gu-fit", dict(gate_up="0, 2, 4, 1, 1, 1, 1, 1, 1")),
         ("gu-x3-xs7", dict(gate_up="0, 2, 4, 1, 1, -3, 7")),
         ("gu-xs7-2", dict(gate_up="0, 2, 4, 1, 2, 1, 7")),
         ("gu-xs14-2", dict(gate_up="0, 2, 4, 1, 2, 1, 14")),

@@ -125,6 +125,22 @@ def kernels_at(rev: str, into: Path) -> Path:
     return into / "cutlass_kernels"
 
 
+def registered_entries(kernel_dir: Path, family: str) -> set[str]:
+    """The entries that family `family` registers in another checkout's cutlass_kernels/registry.py (loaded under
+    its own module name): what a build of that revision can be asked for."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"_sass_loops_registry_{abs(hash(str(kernel_dir)))}",
+                                                  kernel_dir / "registry.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up while the file runs
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    fam = module.FAMILIES.get(family)
+    return set(fam.entries) if fam is not None else set()
+
+
 def _row(s: EntryStats | None, top: int) -> str:
     if s is None:
         return "(not built)"
@@ -155,7 +171,10 @@ def main(argv=None) -> int:
     base = None
     if args.base:
         with tempfile.TemporaryDirectory() as tmp:
-            base = build(args.family, args.arch, entries, kernels_at(args.base, Path(tmp)))
+            kernel_dir = kernels_at(args.base, Path(tmp))
+            known = registered_entries(kernel_dir, args.family)   # entries new since then are "not built" there
+            old_entries = tuple(e for e in entries if e in known)
+            base = build(args.family, args.arch, old_entries, kernel_dir) if old_entries else {}
     print(f"{args.family} sm_{args.arch}: registers, instructions, the largest loop holding the math "
           f"(instructions and opcodes), PRMT, LDL + STL")
     for e in entries:
