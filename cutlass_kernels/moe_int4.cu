@@ -552,7 +552,7 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
 // groups back to back (grid.x = rows / (16 RBM WN RG)).
 // MODE 1 only: early != 0 starts the weight stream before the dependency wait (header); y != nullptr folds
 // the combine in (topk_w, assign_pos [T, topk], shared bf16 [T, n_rows] or null, y bf16 [T, n_rows],
-// tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null).
+// tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null), but T with FIT.
 // FIT = 1 (XS, NTMAX 1): the activation tile is min(8, T) rows, not 8: at T = 2 gate_up's 7168-wide rows take
 // 28 KB instead of 112, so 4 blocks fit on an SM instead of 2 (T: the layer's tokens, passed in either mode).
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1, int FIT = 0>
