@@ -253,6 +253,20 @@ moe_group_kernel(const int* __restrict__ topk_ids, int T, int topk, int E, int n
               assign_pos, smem);
 }
 
+// Whether this block is the last of the grid's `blocks` to get here (an atomic ticket, reset by that block for the
+// next graph replay): every block's global writes before the call are visible to the one that returns true.
+// Block-uniform; `last` is the caller's __shared__ int.
+__device__ __forceinline__ bool last_block_to_finish(int* __restrict__ ticket, int& last, int blocks) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == blocks - 1;
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();
+  if (threadIdx.x == 0) *ticket = 0;   // ready for the next launch (graph replay)
+  return true;
+}
+
 // One token's grouping outputs for its pick p (expert id, rank = its place among the picks by increasing id): with
 // one token every picked expert has count 1, so group_block's slot order (more tokens first, then lower id) is the
 // picks by increasing id, and a pick's sorted position is its rank. Bit-identical to group_block's outputs; the
@@ -417,13 +431,7 @@ moe_route_blocks_kernel(const float* __restrict__ logits, const float* __restric
   }
   route_token_block(logits, corr, blockIdx.x, E, topk, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
                     topk_ids, topk_w, sm);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == T - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  if (threadIdx.x == 0) *ticket = 0;   // ready for the next launch (graph replay)
+  if (!last_block_to_finish(ticket, last, T)) return;   // grid T: the last block groups every token
   group_block(topk_ids, T, topk, E, num_slots, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
               assign_pos, smem);
 }
@@ -628,13 +636,7 @@ moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bia
                   topk_ids, topk_w);
   }
   if (gridDim.x > 1) {   // the last block to get here groups everything
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (threadIdx.x == 0) *ticket = 0;   // ready for the next launch (graph replay)
+    if (!last_block_to_finish(ticket, last, (int)gridDim.x)) return;
   } else {
     __syncthreads();   // this block's topk_ids stores are visible to the whole block
   }

@@ -476,8 +476,8 @@ class MoeLayer:
     bits): routing: one of ROUTINGS (see there; default default_routing(T)); fuse_combine (default
     T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
     moe_combine_kernel; early (default: with PDL, T <= EARLY_MAX_TOKENS and no hot tier asked for): the down
-    GEMM starts its weight stream before its dependency wait; combine_early (with PDL; A/B, not yet run on a
-    GPU): moe_combine_kernel reads the routing weights and positions before its wait; pdl (default
+    GEMM starts its weight stream before its dependency wait; combine_early (A/B, not yet run on a GPU):
+    moe_combine_kernel reads the routing weights and positions before its dependency wait; pdl (default
     T <= PDL_MAX_TOKENS): programmatic
     dependent launch between the layer's kernels (each one's launch and ramp under the previous one's tail), else
     plain launches;
