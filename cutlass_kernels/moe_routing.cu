@@ -308,20 +308,22 @@ moe_route_one_kernel(const float* __restrict__ logits, const float* __restrict__
                          assign_pos);
 }
 
-// moe_route_blocks_kernel: a block per token, one thread per expert (E <= 512, topk <= 16); the same outputs as
-// moe_topk + moe_group bit for bit. route_token (a warp per token) walks its topk picks one after another (a 16-wide
-// scan and two five-step shuffle reductions each, after 16 sigmoid divides per lane: ~5 us for one token, H100);
-// here every expert's rank comes from comparisons done at once (route_token_block). Then with one token the
-// grouping's outputs follow from the picks (moe_route_one_kernel's shortcut); with more, the last block to finish
-// (an atomic ticket, reset by that block for the next graph replay) runs group_block. Grid T, block
-// 32 * ceil(E / 32), dynamic smem as moe_group_kernel (none for T = 1).
+// The block routing: one thread per expert (E <= 512, topk <= 16), every expert's rank from comparisons done at
+// once, the same outputs as moe_topk + moe_group bit for bit. route_token (a warp per token) walks its topk picks
+// one after another (a 16-wide scan and two five-step shuffle reductions each, after 16 sigmoid divides per lane:
+// ~5 us for one token, H100); route_tokens_block routes one token in 2.3 us (H100, traced), or up to NT at once
+// with the same barriers.
 constexpr int kRouteBlockMaxExperts = 32 * MAX_EXPERTS_PER_LANE;
-struct RouteBlockSmem {
-  unsigned long long key[kRouteBlockMaxExperts];   // per expert; then the candidates' keys
-  float choice[kRouteBlockMaxExperts], score[kRouteBlockMaxExperts];
-  int pick_e[MAX_TOPK];
-  float pick_w[MAX_TOPK];
-  unsigned keep;
+constexpr int kRouteBatchTokens = 4;   // moe_route_batch_kernel's most tokens (kimi_kernels.ROUTE_BATCH_TOKENS)
+template <int NT>   // route_tokens_block's shared memory for up to NT tokens
+struct RouteSmem {
+  // per token and expert: the choice values (group limit), then the keys, then the candidates' keys
+  unsigned long long key[NT][kRouteBlockMaxExperts];
+  float score[NT][kRouteBlockMaxExperts];
+  float group_sum[NT][32];
+  unsigned keep[NT];
+  int pick_e[NT == 1 ? MAX_TOPK : 32];   // pick r of token t at t * topk + r
+  float pick_w[NT == 1 ? MAX_TOPK : 32];
 };
 // Each expert gets a 64-bit key: its choice value mapped to an unsigned integer in the same order (+0 and -0 made
 // equal first; -0 cannot arise from sigmoid + bias anyway), over ~e, so a larger key is a larger value or, on a
@@ -332,126 +334,8 @@ __device__ __forceinline__ unsigned long long route_key(float choice, int e) {
   u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
   return ((unsigned long long)u << 32) | (0xffffffffu - (unsigned)e);
 }
-// Routes token `tok` with the whole block (thread e = expert e), as route_token does with a warp:
-//   group limit (n_group > 1): lane g of warp 0 sums group g's two best choice values, keeps the topk_group
-//     groups of best sum (ties to the lower group), the others' choices become -inf;
-//   1: each warp ranks its 32 keys; its topk best become candidates (warps x topk of them);
-//   2: each candidate's rank among all candidates; the topk best are the picks, in pick order (sm.pick_e / pick_w);
-//   3: lane r < topk of warp 0 writes pick r: its weight from the scores summed in pick order, as route_token.
-// `corr` is this thread's correction bias (read before the dependency wait by the caller). NaN logits give some
-// distinct in-range picks (not the reference's, which has none to give). Ends with a barrier.
-__device__ __forceinline__ void route_token_block(const float* __restrict__ logits, float corr, int tok, int E,
-                                                  int topk, int n_group, int topk_group, int norm_topk_prob,
-                                                  float routed_scaling_factor, int* __restrict__ topk_ids,
-                                                  float* __restrict__ topk_w, RouteBlockSmem& sm) {
-  const int e = threadIdx.x, lane = e & 31, warp = e >> 5, warps = blockDim.x >> 5;
-  const float NEG_INF = __int_as_float(0xff800000);
-  const float logit = e < E ? logits[(long long)tok * E + e] : 0.f;
-  const float score = 1.0f / (1.0f + __expf(-logit));   // route_token's expressions: the same bits
-  float choice = e < E ? score + corr : NEG_INF;
-  if (n_group > 1) {
-    sm.choice[e] = choice;
-    __syncthreads();
-    if (warp == 0) {
-      const int gsize = E / n_group;
-      float b1 = NEG_INF, b2 = NEG_INF;
-      if (lane < n_group)
-        for (int i = lane * gsize; i < (lane + 1) * gsize; ++i) {
-          const float v = sm.choice[i];
-          if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
-        }
-      const float gs = b1 + b2;
-      int rank = 0;   // groups with a higher sum, or the same sum and a lower index
-      for (int h = 0; h < n_group; ++h) {
-        const float o = __shfl_sync(0xffffffffu, gs, h);
-        rank += o > gs || (o == gs && h < lane);
-      }
-      const unsigned keep = __ballot_sync(0xffffffffu, lane < n_group && rank < topk_group);
-      if (lane == 0) sm.keep = keep;
-    }
-    __syncthreads();
-    if (e < E && !((sm.keep >> (e / (E / n_group))) & 1u)) choice = NEG_INF;
-  }
-  const unsigned long long key = e < E ? route_key(choice, e) : 0xffffffffull - (unsigned)e;
-  sm.key[e] = key;
-  sm.score[e] = score;
-  __syncwarp();
-  int wrank = 0;   // rank among this warp's 32 keys
-#pragma unroll 8
-  for (int j = 0; j < 32; ++j) wrank += sm.key[(warp << 5) + j] > key;
-  __syncthreads();   // every warp's reads of sm.key are done: the candidates overwrite its front
-  if (wrank < topk) sm.key[warp * topk + wrank] = key;
-  __syncthreads();
-  const int cands = warps * topk;
-  if (e < cands) {
-    const unsigned long long ck = sm.key[e];
-    int rank = 0;
-    for (int j = 0; j < cands; ++j) rank += sm.key[j] > ck;
-    if (rank < topk) {
-      const int pe = (int)(0xffffffffu - (unsigned)ck);
-      sm.pick_e[rank] = pe;
-      sm.pick_w[rank] = sm.score[pe];
-    }
-  }
-  __syncthreads();
-  if (warp == 0 && lane < topk) {
-    float wsum = 0.f;
-    for (int r = 0; r < topk; ++r) wsum += sm.pick_w[r];
-    const float scale = norm_topk_prob ? routed_scaling_factor / (wsum + 1e-20f) : routed_scaling_factor;
-    topk_ids[tok * topk + lane] = sm.pick_e[lane];
-    topk_w[tok * topk + lane] = sm.pick_w[lane] * scale;
-  }
-}
-extern "C" __global__ void __launch_bounds__(kRouteBlockMaxExperts)
-moe_route_blocks_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int T, int E, int topk,
-                        int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor, int num_slots,
-                        int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
-                        int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
-                        int* __restrict__ sorted_token, int* __restrict__ assign_pos, int* __restrict__ ticket) {
-  DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteBlocks);
-  extern __shared__ int smem[];   // group_block's (T > 1)
-  __shared__ RouteBlockSmem sm;
-  __shared__ int last;
-  const int e = threadIdx.x;
-  const float corr = e < E ? bias[e] : 0.f;   // a weight: read before the wait
-  ddtree::grid_dependency_wait();
-  ddtree::launch_dependents();
-  if (T == 1) {
-    if (e < E) expert_count[e] = 0;   // the picks' ones are written after route_token_block's barriers
-    route_token_block(logits, corr, 0, E, topk, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
-                      topk_ids, topk_w, sm);
-    if (e < topk) {   // one token: every pick has count 1; slot order = the picks by increasing expert id
-      const int my_id = sm.pick_e[e];
-      int rank = 0;
-      for (int k = 0; k < topk; ++k) rank += sm.pick_e[k] < my_id;
-      group_one_token_pick(e, my_id, rank, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
-                           assign_pos);
-    }
-    return;
-  }
-  route_token_block(logits, corr, blockIdx.x, E, topk, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
-                    topk_ids, topk_w, sm);
-  if (!last_block_to_finish(ticket, last, T)) return;   // grid T: the last block groups every token
-  group_block(topk_ids, T, topk, E, num_slots, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
-              assign_pos, smem);
-}
-
-// moe_route_batch_kernel: T <= kRouteBatchTokens tokens with T * topk <= 32, one block of one thread per expert:
-// the tokens are routed together (route_tokens_block: moe_route_blocks_kernel's ranks, with the same barriers for
-// every token), and warp 0 groups the T * topk picks from shared memory (group_picks_warp): no ticket, no second
-// pass over global memory. The same outputs as moe_topk + moe_group bit for bit. Grid 1, block 32 * ceil(E / 32).
-constexpr int kRouteBatchTokens = 4;
-struct RouteBatchSmem {
-  // per token and expert: the choice values (group limit), then the keys, then the candidates' keys
-  unsigned long long key[kRouteBatchTokens][kRouteBlockMaxExperts];
-  float score[kRouteBatchTokens][kRouteBlockMaxExperts];
-  float group_sum[kRouteBatchTokens][32];
-  unsigned keep[kRouteBatchTokens];
-  int pick_e[32];        // pick r of token t at t * topk + r
-  float pick_w[32];
-};
-// Routes tokens tok0 .. tok0 + nt - 1 (nt <= kRouteBatchTokens, nt * topk <= 32) with the whole block (thread e =
-// expert e), as route_token does each with a warp:
+// Routes tokens tok0 .. tok0 + nt - 1 (nt <= NT; NT > 1: nt * topk <= 32) with the whole block (thread e = expert e),
+// as route_token does each with a warp:
 //   group limit (n_group > 1): thread (t, g) sums token t's group g's two best choice values, then ranks it among
 //     the token's groups; the topk_group best sums are kept (ties to the lower group), the others' choices -inf;
 //   1: each warp ranks its 32 keys of each token; its topk best become that token's candidates (warps x topk);
@@ -460,18 +344,20 @@ struct RouteBatchSmem {
 //   3: lane t * topk + r of warp 0 writes pick r of token t: its weight from the scores summed in pick order.
 // `corr` is this thread's correction bias (read before the dependency wait by the caller). NaN logits give some
 // distinct in-range picks (not the reference's, which has none to give). Ends with a barrier.
+template <int NT>
 __device__ __forceinline__ void route_tokens_block(const float* __restrict__ logits, float corr, int tok0, int nt,
                                                    int E, int topk, int n_group, int topk_group, int norm_topk_prob,
                                                    float routed_scaling_factor, int* __restrict__ topk_ids,
-                                                   float* __restrict__ topk_w, RouteBatchSmem& sm) {
+                                                   float* __restrict__ topk_w, RouteSmem<NT>& sm) {
+  if (NT == 1) nt = 1;
   const int e = threadIdx.x, lane = e & 31, warp = e >> 5, warps = blockDim.x >> 5;
   const float NEG_INF = __int_as_float(0xff800000);
-  float logit[kRouteBatchTokens], choice[kRouteBatchTokens];
+  float logit[NT], choice[NT];
 #pragma unroll
-  for (int t = 0; t < kRouteBatchTokens; ++t)   // every load first
+  for (int t = 0; t < NT; ++t)   // every load first
     logit[t] = t < nt && e < E ? logits[(long long)(tok0 + t) * E + e] : 0.f;
 #pragma unroll
-  for (int t = 0; t < kRouteBatchTokens; ++t) {
+  for (int t = 0; t < NT; ++t) {
     const float score = 1.0f / (1.0f + __expf(-logit[t]));   // route_token's expressions: the same bits
     choice[t] = e < E ? score + corr : NEG_INF;
     sm.score[t][e] = score;
@@ -480,9 +366,9 @@ __device__ __forceinline__ void route_tokens_block(const float* __restrict__ log
     const int gsize = E / n_group;
     float* choice_s = reinterpret_cast<float*>(&sm.key[0][0]);   // [t][e] at t * kRouteBlockMaxExperts + e
 #pragma unroll
-    for (int t = 0; t < kRouteBatchTokens; ++t)
+    for (int t = 0; t < NT; ++t)
       if (t < nt) choice_s[t * kRouteBlockMaxExperts + e] = choice[t];
-    if (e < kRouteBatchTokens) sm.keep[e] = 0u;
+    if (e < NT) sm.keep[e] = 0u;
     __syncthreads();
     for (int i = e; i < nt * n_group; i += blockDim.x) {   // item (t, grp)
       const int t = i / n_group, grp = i % n_group;
@@ -506,19 +392,19 @@ __device__ __forceinline__ void route_tokens_block(const float* __restrict__ log
     }
     __syncthreads();   // also: every read of choice_s is done before the keys overwrite it
 #pragma unroll
-    for (int t2 = 0; t2 < kRouteBatchTokens; ++t2)
+    for (int t2 = 0; t2 < NT; ++t2)
       if (t2 < nt && e < E && !((sm.keep[t2] >> (e / gsize)) & 1u)) choice[t2] = NEG_INF;
   }
-  unsigned long long key[kRouteBatchTokens];
+  unsigned long long key[NT];
 #pragma unroll
-  for (int t = 0; t < kRouteBatchTokens; ++t) {
+  for (int t = 0; t < NT; ++t) {
     key[t] = e < E ? route_key(choice[t], e) : 0xffffffffull - (unsigned)e;
     if (t < nt) sm.key[t][e] = key[t];
   }
   __syncwarp();
-  int wrank[kRouteBatchTokens];   // rank among this warp's 32 keys of token t
+  int wrank[NT];   // rank among this warp's 32 keys of token t
 #pragma unroll
-  for (int t = 0; t < kRouteBatchTokens; ++t) {
+  for (int t = 0; t < NT; ++t) {
     wrank[t] = 0;
     if (t < nt) {
 #pragma unroll 8
@@ -527,7 +413,7 @@ __device__ __forceinline__ void route_tokens_block(const float* __restrict__ log
   }
   __syncthreads();   // every warp's reads of sm.key are done: the candidates overwrite its front
 #pragma unroll
-  for (int t = 0; t < kRouteBatchTokens; ++t)
+  for (int t = 0; t < NT; ++t)
     if (t < nt && wrank[t] < topk) sm.key[t][warp * topk + wrank[t]] = key[t];
   __syncthreads();
   const int cands = warps * topk;
@@ -552,6 +438,44 @@ __device__ __forceinline__ void route_tokens_block(const float* __restrict__ log
     topk_w[tok0 * topk + lane] = sm.pick_w[lane] * scale;
   }
 }
+// moe_route_blocks_kernel: a block per token (route_tokens_block with one token). With one token the grouping's
+// outputs follow from the picks (moe_route_one_kernel's shortcut); with more, the last block to finish (an atomic
+// ticket, reset by that block for the next graph replay) runs group_block. Grid T, block 32 * ceil(E / 32), dynamic
+// smem as moe_group_kernel (none for T = 1).
+extern "C" __global__ void __launch_bounds__(kRouteBlockMaxExperts)
+moe_route_blocks_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int T, int E, int topk,
+                        int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor, int num_slots,
+                        int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
+                        int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
+                        int* __restrict__ sorted_token, int* __restrict__ assign_pos, int* __restrict__ ticket) {
+  DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteBlocks);
+  extern __shared__ int smem[];   // group_block's (T > 1)
+  __shared__ RouteSmem<1> sm;
+  __shared__ int last;
+  const int e = threadIdx.x;
+  const float corr = e < E ? bias[e] : 0.f;   // a weight: read before the wait
+  ddtree::grid_dependency_wait();
+  ddtree::launch_dependents();
+  if (T == 1) {
+    if (e < E) expert_count[e] = 0;   // the picks' ones are written after route_tokens_block's barriers
+    route_tokens_block(logits, corr, 0, 1, E, topk, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                       topk_ids, topk_w, sm);
+    if (e < topk) {   // one token: every pick has count 1; slot order = the picks by increasing expert id
+      const int my_id = sm.pick_e[e];
+      int rank = 0;
+      for (int k = 0; k < topk; ++k) rank += sm.pick_e[k] < my_id;
+      group_one_token_pick(e, my_id, rank, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
+                           assign_pos);
+    }
+    return;
+  }
+  route_tokens_block(logits, corr, blockIdx.x, 1, E, topk, n_group, topk_group, norm_topk_prob,
+                     routed_scaling_factor, topk_ids, topk_w, sm);
+  if (!last_block_to_finish(ticket, last, T)) return;   // grid T: the last block groups every token
+  group_block(topk_ids, T, topk, E, num_slots, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
+              assign_pos, smem);
+}
+
 // moe_group_kernel's outputs from the P = T * topk <= 32 picks in shared memory (pick a = token a / topk), by warp 0
 // alone: lane a holds pick a. Its expert's count and its place among that expert's picks come from the lanes with
 // the same id (__match_any); its sorted position is the picks of lower experts plus that place (group_block's
@@ -592,6 +516,9 @@ __device__ __forceinline__ void group_picks_warp(const int* pick_e, int P, int t
     slot_count[sl] = 0;
   }
 }
+// moe_route_batch_kernel: T <= kRouteBatchTokens tokens with T * topk <= 32, one block of one thread per expert:
+// the tokens are routed together (route_tokens_block, with the same barriers for every token), and warp 0 groups
+// the T * topk picks from shared memory (group_picks_warp): no ticket, no second pass over global memory. The same outputs as moe_topk + moe_group bit for bit. Grid 1, block 32 * ceil(E / 32).
 extern "C" __global__ void __launch_bounds__(kRouteBlockMaxExperts)
 moe_route_batch_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int T, int E, int topk,
                        int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor, int num_slots,
@@ -599,7 +526,7 @@ moe_route_batch_kernel(const float* __restrict__ logits, const float* __restrict
                        int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
                        int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
   DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteBatch);
-  __shared__ RouteBatchSmem sm;
+  __shared__ RouteSmem<kRouteBatchTokens> sm;
   const int e = threadIdx.x;
   const float corr = e < E ? bias[e] : 0.f;   // a weight: read before the wait
   ddtree::grid_dependency_wait();

@@ -198,7 +198,9 @@ def check_scale_range(scales: np.ndarray, name: str = "scales") -> None:
 # tools/bench_moe.py, under uniform and skewed routing (docs/PERF.md, sessions 2026-12-03 (4) to 2026-12-04 (13)):
 # - gate_up, T = 1 and 3..5: the two-buffer register ring, 8-token chunks; T = 2: the same with the activations
 #   staged in shared memory (XS; session (14): layer -12 / -16% skewed / uniform against the one-buffer ring chosen
-#   in session (5), which lost ground with the one-shift dequantization: gate_up alone 72.3 vs 93.2 us).
+#   in session (5), which lost ground with the one-shift dequantization: gate_up alone 72.3 vs 93.2 us); at T = 2
+#   the tile sized to the T rows (FIT: 4 blocks per SM, one wave; H100, 2026-12-06 (34), layer: uniform / skewed
+#   139.8 / 123.1 us against 141.9 / 125.8; it loses at T = 4: 277.8 / 185.0 against 274.4 / 173.4).
 # - gate_up, T = 6..16: the 16-token cp.async ring (one weight pass for an expert of 9-16 tokens; since its ring
 #   keeps two steps in flight it also wins at 6..8: skewed T = 6 -11%, uniform T = 7 -4%; at 3..5 it is ~1%
 #   slower).
@@ -214,7 +216,7 @@ def check_scale_range(scales: np.ndarray, name: str = "scales") -> None:
 #   between the measured sizes).
 DEFAULT_VARIANTS = {
     1: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1>"),
-    2: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
+    2: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     5: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     8: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     31: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),
@@ -248,21 +250,25 @@ def moe_smem_bytes(entry: str, k: int, tokens: int) -> int:
 #   "blocks": moe_route_blocks_kernel, a block per token (a thread per expert, every rank at once), the last block
 #     groups (one token: straight from the picks);
 #   "batch": moe_route_batch_kernel, up to ROUTE_BATCH_TOKENS tokens (and tokens x topk <= 32) in one such block,
-#     which also groups the picks (warp 0): no ticket, no group_block (not yet run on a GPU: not a default);
+#     which also groups the picks (warp 0): no ticket, no group_block;
 #   "warp-one": moe_route_one_kernel, T = 1 only, one warp picking the topk experts one after another;
 #   "fused": moe_route_kernel, a warp per token (route_token), the last block groups;
 #   "two": moe_topk_kernel (a warp per token) then moe_group_kernel.
-# Default (default_routing): "blocks" up to ROUTE_BLOCKS_MAX_TOKENS tokens (the largest T measured), else "two".
+# Default (default_routing): "blocks" at T = 1, "batch" for 2..ROUTE_BATCH_TOKENS tokens (where T x topk <= 32),
+# "blocks" up to ROUTE_BLOCKS_MAX_TOKENS tokens (the largest T measured), else "two".
 # H100, 2026-12-06 (33), layer graph replay, uniform / skewed: T = 1 blocks 72.7 / 74.5 us against warp-one
 # 75.1 / 77.0 and two 77.0 / 79.2 (the routing kernel 2.3 us against 5.1, traced); T = 2..64 blocks faster than
-# two by 1.3-3.7 us and than fused by 1.1-22.9 us at every T.
+# two by 1.3-3.7 us and than fused by 1.1-22.9 us at every T. (34): batch against blocks, T = 1 75.1 / 75.2 against
+# 74.2 / 74.5, T = 2 140.6 / 124.5 against 141.9 / 125.8, T = 4 274.1 / 173.9 against 274.4 / 173.4.
 ROUTINGS = ("blocks", "batch", "warp-one", "fused", "two")
 ROUTE_BLOCKS_MAX_TOKENS = 64
 ROUTE_BATCH_TOKENS = 4   # moe_routing.cu kRouteBatchTokens
 
 
-def default_routing(T: int) -> str:
+def default_routing(T: int, topk: int = KIMI_TOPK) -> str:
     """MoeLayer's routing where left None."""
+    if 2 <= T <= ROUTE_BATCH_TOKENS and T * topk <= 32:
+        return "batch"
     return "blocks" if T <= ROUTE_BLOCKS_MAX_TOKENS else "two"
 
 
@@ -278,6 +284,11 @@ FUSE_COMBINE_MAX_TOKENS = 0
 # skewed 84.5 -> 79.6 ... 226.0 -> 222.9 us. From T = 16 PDL alone loses 0-27 us and early start up to 2x (skewed).
 PDL_MAX_TOKENS = 8
 EARLY_MAX_TOKENS = 8
+# moe_combine_kernel reads the routing weights and positions before its dependency wait (they were written three
+# launches back) up to this many tokens, with PDL. H100, 2026-12-06 (34), layer graph replay, uniform / skewed:
+# T = 1 73.8 / 73.7 us against 74.2 / 74.5, T = 2 141.7 / 125.7 against 141.9 / 125.8, T = 4 274.3 / 173.4 against
+# 274.4 / 173.4.
+COMBINE_EARLY_MAX_TOKENS = 4
 
 
 # With shared_mlp, the shared MLP's side stream is forked after the routing up to this many tokens, else at the
@@ -296,9 +307,9 @@ def default_shared_fork(T: int) -> str:
 
 # With shared_mlp, the shared MLP's linears on the gemv kernel (linear_bf16_gemv_kernel: SwiGLU fused into down's x
 # load, 15 KB of shared memory, 256 threads) up to this many tokens, else on the dense linears' plan (GMMA / narrow
-# rows). 0: never. H100, 2026-12-06 (33), layer + shared MLP, traced builds with the stamps off (the untraced A/B is
-# owed): T = 1 105.2 us against 112.8 (the fused SwiGLU + down runs beside gate_up instead of behind the routed
-# down's waiting blocks); T = 2 172.8 against 172.8.
+# rows). 0: never. H100, 2026-12-06 (33), layer + shared MLP, traced builds with the stamps off: T = 1 105.2 us
+# against 112.8 (the fused SwiGLU + down runs beside gate_up instead of behind the routed down's waiting blocks);
+# T = 2 172.8 against 172.8. Untraced (34): T = 1 103.2 against 109.8; T = 2 174.7 against 171.2.
 SHARED_GEMV_MAX_TOKENS = 1
 
 
@@ -307,12 +318,15 @@ def default_shared_kernel(T: int) -> str:
     return "gemv" if T <= SHARED_GEMV_MAX_TOKENS else "auto"
 
 
-def launch_defaults(T: int, pdl: bool | None, early: bool | None, hot_asked: bool) -> tuple[bool, bool]:
-    """MoeLayer's (pdl, early) where left None: PDL up to PDL_MAX_TOKENS; the early down start with PDL up to
-    EARLY_MAX_TOKENS, but not where a hot-expert tier was asked for by name (the wgmma path takes no early start)."""
+def launch_defaults(T: int, pdl: bool | None, early: bool | None, hot_asked: bool,
+                    combine_early: bool | None = None) -> tuple[bool, bool, bool]:
+    """MoeLayer's (pdl, early, combine_early) where left None: PDL up to PDL_MAX_TOKENS; the early down start with
+    PDL up to EARLY_MAX_TOKENS, but not where a hot-expert tier was asked for by name (the wgmma path takes no early
+    start); the combine's early routing reads with PDL up to COMBINE_EARLY_MAX_TOKENS."""
     pdl = T <= PDL_MAX_TOKENS if pdl is None else bool(pdl)
     early = pdl and T <= EARLY_MAX_TOKENS and not hot_asked if early is None else bool(early)
-    return pdl, early
+    combine_early = pdl and T <= COMBINE_EARLY_MAX_TOKENS if combine_early is None else bool(combine_early)
+    return pdl, early, combine_early
 
 
 # Hot experts on the wgmma grouped GEMM (moe_int4_sm90.cu) by default from GMMA_AUTO_TOKENS tokens: experts with
@@ -468,7 +482,8 @@ class MoeLayer:
     None as default_shared_fork says; shared_kernel "gemv" (T <= 8) runs its linears on the gemv kernel, "auto" on
     the dense linears' plan, None as default_shared_kernel says; shared_plain_start: the branch's first kernel
     launched without PDL, so it starts only when the work before the fork has finished and prefetches nothing beside
-    it, e.g. beside the routing with shared_fork "route", for A/B timing). Output: .y bf16 [T, hidden] = the routing
+    it; default: with shared_fork "route", where its weight prefetch slowed the routing 2.3 -> 5.4 us (H100, session
+    33's trace); the layer + shared MLP at T = 1, H100, 2026-12-06 (34): 101.0 us against 103.2). Output: .y bf16 [T, hidden] = the routing
     weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
     bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
 
@@ -476,8 +491,9 @@ class MoeLayer:
     bits): routing: one of ROUTINGS (see there; default default_routing(T)); fuse_combine (default
     T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
     moe_combine_kernel; early (default: with PDL, T <= EARLY_MAX_TOKENS and no hot tier asked for): the down
-    GEMM starts its weight stream before its dependency wait; combine_early (A/B, not yet run on a GPU):
-    moe_combine_kernel reads the routing weights and positions before its dependency wait; pdl (default
+    GEMM starts its weight stream before its dependency wait; combine_early (default: with PDL,
+    T <= COMBINE_EARLY_MAX_TOKENS): moe_combine_kernel reads the routing weights and positions before its
+    dependency wait; pdl (default
     T <= PDL_MAX_TOKENS): programmatic
     dependent launch between the layer's kernels (each one's launch and ramp under the previous one's tail), else
     plain launches;
@@ -504,18 +520,19 @@ class MoeLayer:
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, shared_mlp: SharedExpertMlp | None = None,
-                 shared_fork: str | None = None, shared_kernel: str | None = None, shared_plain_start: bool = False,
+                 shared_fork: str | None = None, shared_kernel: str | None = None, shared_plain_start: bool | None = None,
                  variants: tuple[str, str] | None = None,
                  routing: str | None = None, fuse_combine: bool | None = None,
-                 early: bool | None = None, combine_early: bool = False,
+                 early: bool | None = None, combine_early: bool | None = None,
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
                  gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
-        pdl, early = launch_defaults(T, pdl, early,
-                                     hot_asked=gmma_tiers is not None or gmma_min_tokens not in ("auto", None))
+        pdl, early, combine_early = launch_defaults(
+            T, pdl, early, hot_asked=gmma_tiers is not None or gmma_min_tokens not in ("auto", None),
+            combine_early=combine_early)
         if (not 1 <= topk <= min(16, E) or E > 512 or T < 1 or n_group < 1
                 or (n_group > 1 and (E % n_group or n_group > 32)) or not 1 <= topk_group <= n_group):
             raise ValueError(f"unsupported routing: T={T}, E={E}, topk={topk} (1..min(16, E)), n_group={n_group} "
@@ -578,6 +595,8 @@ class MoeLayer:
                 shared_kernel = default_shared_kernel(T)
             if shared_kernel not in ("auto", "gemv") or (shared_kernel == "gemv" and T > 8):
                 raise ValueError(f"shared_kernel={shared_kernel!r} at T = {T}: 'auto', or 'gemv' up to 8 tokens")
+            if shared_plain_start is None:
+                shared_plain_start = shared_fork == "route"
             shared = cuda.empty((T, w.hidden), np.uint16)
         self.T, self.E, self.topk = T, E, topk
         P = T * topk
@@ -609,7 +628,7 @@ class MoeLayer:
         self._shared_ws = _dense_kernels().Workspace() if shared_mlp is not None else None
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
         self.x_slot = None   # the slot-ordered copy of x (made below where a hot tier runs PIPE 6-8)
-        self.routing = default_routing(T) if routing is None else routing
+        self.routing = default_routing(T, topk) if routing is None else routing
         if (self.routing not in ROUTINGS or (self.routing == "warp-one" and T != 1)
                 or (self.routing == "batch" and (T > ROUTE_BATCH_TOKENS or T * topk > 32))):
             raise ValueError(f"routing={self.routing!r} at T = {T}, topk = {topk}: one of {ROUTINGS} ('warp-one' "

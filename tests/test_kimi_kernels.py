@@ -293,16 +293,20 @@ def test_slot_order_is_the_repacked_fragment_order():
 
 
 def test_moe_launch_defaults():
-    """PDL and the early down start default on up to their token bounds only; the early start never without PDL,
-    nor where a hot-expert tier is asked for (that combination is refused); explicit values pass through."""
-    from runtime.kimi_kernels import EARLY_MAX_TOKENS, PDL_MAX_TOKENS, launch_defaults
-    for T in (1, 2, EARLY_MAX_TOKENS, EARLY_MAX_TOKENS + 1, PDL_MAX_TOKENS, PDL_MAX_TOKENS + 1, 1025):
-        pdl, early = launch_defaults(T, None, None, hot_asked=False)
+    """PDL, the early down start and the combine's early reads default on up to their token bounds only; neither
+    early choice without PDL, nor the early start where a hot-expert tier is asked for (that combination is
+    refused); explicit values pass through."""
+    from runtime.kimi_kernels import COMBINE_EARLY_MAX_TOKENS, EARLY_MAX_TOKENS, PDL_MAX_TOKENS, launch_defaults
+    for T in (1, 2, EARLY_MAX_TOKENS, EARLY_MAX_TOKENS + 1, PDL_MAX_TOKENS, PDL_MAX_TOKENS + 1,
+              COMBINE_EARLY_MAX_TOKENS, COMBINE_EARLY_MAX_TOKENS + 1, 1025):
+        pdl, early, comb = launch_defaults(T, None, None, hot_asked=False)
         assert pdl == (T <= PDL_MAX_TOKENS) and early == (pdl and T <= EARLY_MAX_TOKENS), T
-        assert launch_defaults(T, None, None, hot_asked=True) == (pdl, False), T
-        assert launch_defaults(T, False, None, hot_asked=False) == (False, False), T
-        assert launch_defaults(T, True, True, hot_asked=True) == (True, True), T
-    assert launch_defaults(1, None, None, hot_asked=False) == (PDL_MAX_TOKENS >= 1, EARLY_MAX_TOKENS >= 1)
+        assert comb == (pdl and T <= COMBINE_EARLY_MAX_TOKENS), T
+        assert launch_defaults(T, None, None, hot_asked=True) == (pdl, False, comb), T
+        assert launch_defaults(T, False, None, hot_asked=False) == (False, False, False), T
+        assert launch_defaults(T, True, True, hot_asked=True, combine_early=False) == (True, True, False), T
+    assert launch_defaults(1, None, None, hot_asked=False) == (
+        PDL_MAX_TOKENS >= 1, EARLY_MAX_TOKENS >= 1, COMBINE_EARLY_MAX_TOKENS >= 1)
     from runtime.kimi_kernels import SHARED_FORK_ROUTE_MAX_TOKENS, default_shared_fork
     assert [default_shared_fork(T) for T in (1, SHARED_FORK_ROUTE_MAX_TOKENS, SHARED_FORK_ROUTE_MAX_TOKENS + 1)] == [
         "route", "route", "start"]
@@ -684,7 +688,7 @@ def test_moe_graph_replay_pdl(cuda_device, T, E, early, combine_early):
 @pytest.mark.parametrize("T,E,plan", [
     (1, 16, dict()), (5, 16, dict()), (40, 8, dict()), (3, 8, dict(fuse_combine=True, early=False)),
     (1, 16, dict(shared_fork="start")), (4, 16, dict(shared_fork="route")), (1, 16, dict(shared_kernel="auto")),
-    (6, 16, dict(shared_kernel="gemv", shared_fork="start")), (1, 16, dict(shared_plain_start=True)),
+    (6, 16, dict(shared_kernel="gemv", shared_fork="start")), (1, 16, dict(shared_plain_start=False)),
     (96, 8, dict(gmma_min_tokens=40, gmma_tile=64, gmma_pipe=3, gmma_overlap=True))])
 def test_moe_layer_shared_mlp(cuda_device, T, E, plan):
     """The shared expert's MLP run by the layer on its side stream (joined before the combine, or before down

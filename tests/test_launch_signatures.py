@@ -127,7 +127,7 @@ def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
         assert names.count("gate_up_hot") == len(plan["gmma_tiers"])
     # one routing launch, two for moe_topk + moe_group; with hot tiers the slot split is a route stage too
     assert names.count("route") == (2 if layer.routing == "two" else 1) + bool(layer.gmma_tiers), names
-    assert layer.routing == plan.get("routing", kk.default_routing(T))
+    assert layer.routing == plan.get("routing", kk.default_routing(T, layer.topk))
 
 
 def test_route_batch_tokens_match_the_kernel():
@@ -149,6 +149,11 @@ def test_moe_routing_choices(monkeypatch):
         kk.MoeLayer(w, 5, np.zeros(E, np.float32), routing="batch")
     with pytest.raises(ValueError, match="batch"):
         kk.MoeLayer(w, 4, np.zeros(E, np.float32), topk=16, routing="batch")
+    # the defaults: the batch block from 2 tokens while tokens x topk fits its warp, a block per token up to 64
+    assert [kk.default_routing(T) for T in (1, 2, 4, 5, 64, 65)] == ["blocks", "batch", "batch", "blocks",
+                                                                     "blocks", "two"]
+    assert [kk.default_routing(T, topk=16) for T in (2, 3)] == ["batch", "blocks"]
+    assert kk.MoeLayer(w, 4, np.zeros(E, np.float32), topk=16).routing == "blocks"
 
 
 @pytest.mark.parametrize("T", [1, 31, 32, 64, 255, 256, 767, 768, 1025])

@@ -229,9 +229,12 @@ def main(argv=None):
                             forks[f"shared {kernel}"] = time_plan(weights, T, args.experts, x, logits,
                                                                   {"shared_mlp": mlp, "shared_kernel": kernel},
                                                                   args.iters)[0]
-                    # the branch's first kernel without PDL: no weight prefetch beside the routing (fork "route")
-                    forks["plain start"] = time_plan(weights, T, args.experts, x, logits,
-                                                     {"shared_mlp": mlp, "shared_plain_start": True}, args.iters)[0]
+                    # the branch's first kernel with PDL where it is plain by default (fork "route": no weight
+                    # prefetch beside the routing), else plain
+                    plain = default_fork != "route"
+                    forks["plain start" if plain else "PDL start"] = time_plan(
+                        weights, T, args.experts, x, logits, {"shared_mlp": mlp, "shared_plain_start": plain},
+                        args.iters)[0]
                 except Exception as e:
                     print(f"    + shared MLP failed ({type(e).__name__}: {e})", flush=True)
                 else:
@@ -454,6 +457,7 @@ def launch_plans(default_fused_combine: bool):
         ("gu-xs7", dict(gate_up="0, 2, 4, 1, 1, 1, 7")),
         # the T = 2 gate_up with its activation tile sized to min(8, T) rows (4 blocks per SM, one wave)
         ("gu-fit", dict(gate_up="0, 2, 4, 1, 1, 1, 1, 1, 1")),
+        ("gu-nofit", dict(gate_up="0, 2, 4, 1, 1, 1, 1")),   # the T = 2 default before FIT (session 34)
         ("gu-x3-xs7", dict(gate_up="0, 2, 4, 1, 1, -3, 7")),
         ("gu-xs7-2", dict(gate_up="0, 2, 4, 1, 2, 1, 7")),
         ("gu-xs14-2", dict(gate_up="0, 2, 4, 1, 2, 1, 14")),
@@ -519,8 +523,10 @@ def launch_plans(default_fused_combine: bool):
         ("route-blocks", dict(routing="blocks")),
         ("route-batch", dict(routing="batch")),
         ("route-fused", dict(routing="fused")),
-        # the combine reads the routing's weights and positions before its dependency wait
+        # the combine reads the routing's weights and positions before its dependency wait (the default up to
+        # kimi_kernels.COMBINE_EARLY_MAX_TOKENS), or after it
         ("comb-early", dict(combine_early=True)),
+        ("comb-late", dict(combine_early=False)),
         ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
         # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
         ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
