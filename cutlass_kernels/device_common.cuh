@@ -215,6 +215,31 @@ __device__ __forceinline__ void grid_dependency_wait() {
 // completion and memory flush); without it, the next kernel launches as our blocks exit.
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
 
+// Block-level hand-off through a counter in global memory, where a consumer block needs only some of the
+// previous kernel's blocks (grid_dependency_wait waits for the whole grid to finish and flush): each producer
+// block arrives once after its writes, a consumer block spins until the count reaches its target. Deadlock-free
+// only where every producer block is resident or done when a consumer spins (PDL: the consumer grid launches
+// once every producer block has run launch_dependents). Both must be reached by every thread of the block.
+__device__ __forceinline__ void signal_arrive(int* counter) {
+  __syncthreads();   // every thread's writes come before thread 0's fence (bar.sync orders them in the CTA)
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1);
+  }
+}
+__device__ __forceinline__ void signal_wait(const int* counter, int target) {
+  if (threadIdx.x == 0) {
+    while (true) {
+      int v;
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+      if (v >= target) break;
+      __nanosleep(64);   // fewer polls of the counter's L2 line while the producers stream
+    }
+  }
+  __syncthreads();   // the other threads' reads come after thread 0's acquire
+  trace_wait_done();
+}
+
 // Philox4x32-10 counter-based random numbers (Salmon et al., SC 2011; the Random123 / cuRAND constants).
 // Ten rounds of two 32x32->64 multiplies; the key is bumped by Weyl constants between rounds. Reference and
 // known-answer tests: runtime/philox.py, tests/test_philox.py.

@@ -384,7 +384,7 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
                                            int rb0, int c0, int count, int offset,
                                            const int* __restrict__ sorted_token, void* __restrict__ out, float* red,
                                            uint4* ring, uint4* xs, bool dep_wait, const RowGroups& groups,
-                                           int rb_stride, int x_rows) {
+                                           int rb_stride, int x_rows, const int* wait_counter, int wait_target) {
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp % WN, ks = warp / WN;
@@ -419,7 +419,13 @@ __device__ __forceinline__ void gemm_chunk(const uint16_t* __restrict__ x, int l
     static_assert(REG && KS == 1, "XS: the register ring pipeline, whole K per warp");
     static_assert(!FIT || NT == 1, "FIT: one 8-token tile");
     const XFromShared x_of{xs, (XS > 1 ? 2 : 1) * (k / 8 / XS), FIT && g >= x_rows ? 0 : g, t};
-    warp_gemm_pingpong<RB, NT, RG, XS, D>(acc, wp, sp, x_of, u0, u1, dep_wait, [&](int q) {
+    // with a counter (signals), the wait is for it, at the same place: before the first activations are staged
+    const bool count_wait = dep_wait && wait_counter != nullptr;
+    warp_gemm_pingpong<RB, NT, RG, XS, D>(acc, wp, sp, x_of, u0, u1, dep_wait && !count_wait, [&](int q) {
+      if (count_wait && q == 0) {
+        ddtree::signal_wait(wait_counter, wait_target);
+        ddtree::launch_dependents();
+      }
       stage_x_piece<MODE, NT, XS, RG>(xs, x, ldx, k, c0, count, offset, sorted_token, q);
     }, groups, group_end);
   } else {
@@ -555,6 +561,13 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
 // tickets int [gridDim.x], zero before the first launch). MODE 0 ignores these (pass 0 / null), but T with FIT.
 // FIT = 1 (XS, NTMAX 1): the activation tile is min(8, T) rows, not 8: at T = 2 gate_up's 7168-wide rows take
 // 28 KB instead of 112, so 4 blocks fit on an SM instead of 2 (T: the layer's tokens, passed in either mode).
+// signals != nullptr (XS, and in MODE 1 early): block-level hand-offs instead of whole-grid waits between gate_up,
+// down and the combine (ddtree::signal_wait): each gate_up block of a used slot arrives on signals[slot] after
+// its stores; each down block of a used slot waits there for signal_target arrivals (gate_up's blocks per slot)
+// where it would wait for gate_up's grid, and every down block arrives on signals[gridDim.y] for the combine. The
+// routing kernel zeroes them after its own wait (every reader and writer of the previous forward is done then:
+// the combine waited for all of down's arrivals, each down block for its slot's gate_up arrivals). gate_up still
+// waits for the routing's grid.
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1, int FIT = 0>
 __global__ void __launch_bounds__(32 * WN * KS, STAGES == 1 || STAGES < 0 ? 1 : 0)   // 1: room for the buffers
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
@@ -566,7 +579,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  void* __restrict__ out, int early,
                  const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                  const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int* __restrict__ tickets,
-                 int T, int topk) {
+                 int T, int topk, int* __restrict__ signals, int signal_target) {
   DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGateUp : ddtree::kTraceMoeDown);
   using namespace moe_int4;
   static_assert(MODE == 1 || RB % 2 == 0, "gate_up pairs gate and up row blocks");
@@ -613,7 +626,9 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
       constexpr int NT = decltype(nt)::value;
       gemm_chunk<MODE, RB, WN, KS, NT, STAGES, XS, RG, FIT>(x, ldx, wp, sp, n_rows, k, u0, u1, rb0, c0, count,
                                                             offset, sorted_token, out, red, ring, moe_ring,
-                                                            wait_first, groups, WN * RBM, min(8, T));
+                                                            wait_first, groups, WN * RBM, min(8, T),
+                                                            MODE == 1 && signals ? signals + slot : nullptr,
+                                                            signal_target);
       c0 += 8 * NT;
       wait_first = false;
     };
@@ -630,7 +645,12 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
       }
     }
   } else if (pre) {
-    dependency_wait();   // an empty slot still waits before it touches the tickets
+    if (signals != nullptr) ddtree::launch_dependents();   // (no tickets with signals)
+    else dependency_wait();   // an empty slot still waits before it touches the tickets
+  }
+  if (signals != nullptr) {   // after this block's stores
+    if (MODE == 1) ddtree::signal_arrive(signals + gridDim.y);
+    else if (expert >= 0) ddtree::signal_arrive(signals + slot);
   }
 
   if constexpr (MODE == 1) {
@@ -657,17 +677,31 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
 // (through L2) before the dependency wait, so only the down_out round trip follows it. They are routing outputs,
 // three launches back: the combine is let in only when every down block has run launch_dependents after its own
 // wait, i.e. after gate_up, and so the routing, completed (the header's chain).
+// signals != nullptr (moe_w4a16_kernel's): wait for signal_target arrivals of down's blocks instead of down's
+// grid, then read down_out through L2 (down's other blocks may still be running).
 extern "C" __global__ void moe_combine_kernel(const uint16_t* __restrict__ down_out,
                                               const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                                               const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int n,
-                                              int topk, int early) {
+                                              int topk, int early, const int* __restrict__ signals,
+                                              int signal_target) {
   DDTREE_TRACE_WARP(ddtree::kTraceMoeCombine);
   const int tok = blockIdx.x;
   float w[moe_int4::kMaxTopk];
   int pos[moe_int4::kMaxTopk];
   if (early) moe_int4::load_picks<true>(topk_w, assign_pos, topk, tok, w, pos);
-  moe_int4::dependency_wait();
+  if (signals != nullptr) {
+    ddtree::signal_wait(signals, signal_target);
+    ddtree::launch_dependents();
+  } else {
+    moe_int4::dependency_wait();
+  }
   if (!early) moe_int4::load_picks<false>(topk_w, assign_pos, topk, tok, w, pos);
-  for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * 4; col < n; col += gridDim.y * blockDim.x * 4)
-    moe_int4::combine4_picks<false>(down_out, w, pos, shared, y, n, topk, tok, col);
+  const int col0 = (blockIdx.y * blockDim.x + threadIdx.x) * 4, stride = gridDim.y * blockDim.x * 4;
+  if (signals != nullptr) {
+    for (int col = col0; col < n; col += stride)
+      moe_int4::combine4_picks<true>(down_out, w, pos, shared, y, n, topk, tok, col);
+  } else {
+    for (int col = col0; col < n; col += stride)
+      moe_int4::combine4_picks<false>(down_out, w, pos, shared, y, n, topk, tok, col);
+  }
 }

@@ -438,6 +438,12 @@ __device__ __forceinline__ void route_tokens_block(const float* __restrict__ log
     topk_w[tok0 * topk + lane] = sm.pick_w[lane] * scale;
   }
 }
+// The MoE GEMMs' hand-off counters (moe_int4.cu, signals; null: none) zeroed for this forward, after the routing's
+// dependency wait: every kernel of the previous forward has finished with them by then.
+__device__ __forceinline__ void zero_signals(int* signals, int n) {
+  if (signals != nullptr)
+    for (int i = threadIdx.x; i < n; i += blockDim.x) signals[i] = 0;
+}
 // moe_route_blocks_kernel: a block per token (route_tokens_block with one token). With one token the grouping's
 // outputs follow from the picks (moe_route_one_kernel's shortcut); with more, the last block to finish (an atomic
 // ticket, reset by that block for the next graph replay) runs group_block. Grid T, block 32 * ceil(E / 32), dynamic
@@ -447,7 +453,8 @@ moe_route_blocks_kernel(const float* __restrict__ logits, const float* __restric
                         int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor, int num_slots,
                         int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
                         int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
-                        int* __restrict__ sorted_token, int* __restrict__ assign_pos, int* __restrict__ ticket) {
+                        int* __restrict__ sorted_token, int* __restrict__ assign_pos, int* __restrict__ ticket,
+                        int* __restrict__ signals, int num_signals) {
   DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteBlocks);
   extern __shared__ int smem[];   // group_block's (T > 1)
   __shared__ RouteSmem<1> sm;
@@ -456,6 +463,7 @@ moe_route_blocks_kernel(const float* __restrict__ logits, const float* __restric
   const float corr = e < E ? bias[e] : 0.f;   // a weight: read before the wait
   ddtree::grid_dependency_wait();
   ddtree::launch_dependents();
+  if (blockIdx.x == 0) zero_signals(signals, num_signals);
   if (T == 1) {
     if (e < E) expert_count[e] = 0;   // the picks' ones are written after route_tokens_block's barriers
     route_tokens_block(logits, corr, 0, 1, E, topk, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
@@ -524,7 +532,8 @@ moe_route_batch_kernel(const float* __restrict__ logits, const float* __restrict
                        int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor, int num_slots,
                        int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
                        int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
-                       int* __restrict__ sorted_token, int* __restrict__ assign_pos) {
+                       int* __restrict__ sorted_token, int* __restrict__ assign_pos, int* __restrict__ signals,
+                       int num_signals) {
   DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteBatch);
   __shared__ RouteSmem<kRouteBatchTokens> sm;
   const int e = threadIdx.x;
@@ -532,6 +541,7 @@ moe_route_batch_kernel(const float* __restrict__ logits, const float* __restrict
   ddtree::grid_dependency_wait();
   ddtree::launch_dependents();
   if (T > kRouteBatchTokens || T * topk > 32) __trap();   // the host routes such T otherwise
+  zero_signals(signals, num_signals);
   if (e < E) expert_count[e] = 0;   // the picked experts' counts are written after route_tokens_block's barriers
   route_tokens_block(logits, corr, 0, T, E, topk, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
                      topk_ids, topk_w, sm);

@@ -470,6 +470,9 @@ class SharedExpertMlp:
         return _dense_kernels().prologue_fuses(T, self.hidden, self.inter, "swiglu")
 
 
+_SIGNAL_STAGES = frozenset(("route", "gate_up", "down", "combine"))   # MoeLayer(signals=True): run together
+
+
 class MoeLayer:
     """The routed MoE of one layer for a fixed token count T (a graph bucket): buffers allocated once,
     launches packed once. `forward(stream)` runs routing -> gate_up -> down (-> combine) on the device.
@@ -515,7 +518,10 @@ class MoeLayer:
     several (min tokens, tile, pipeline) tiers, e.g. [(64, 256, 4), (16, 64, 3)]: each slot runs in the tier with
     the largest minimum it reaches, slots below every minimum on mma.sync. gmma_grid_rows: at most that many block
     rows in the hot grids of moe_gmma_kernel (not the warp-specialized one), each walking every
-    gmma_grid_rows-th slot and stopping at the first cold one (default: one row per possibly hot slot)."""
+    gmma_grid_rows-th slot and stopping at the first cold one (default: one row per possibly hot slot).
+    signals (A/B, not yet run on a GPU): down's blocks wait for their own slot's gate_up blocks, and the combine for
+    down's blocks, through counters (moe_int4.cu) instead of for the previous kernel's whole grid; T <= 8 plans
+    with PDL, down's early start and an XS down variant. Its down and combine stages do not run alone."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
@@ -526,7 +532,8 @@ class MoeLayer:
                  early: bool | None = None, combine_early: bool | None = None,
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
-                 gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None):
+                 gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None,
+                 signals: bool = False):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -636,6 +643,11 @@ class MoeLayer:
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
         self.combine_early = bool(combine_early)
+        # signals: block-level hand-offs gate_up -> down -> combine through counters (moe_int4.cu), zeroed by the
+        # routing kernel; one per slot (gate_up's arrivals) and one for down's
+        self.signals = bool(signals)
+        self.signal_counts = cuda.empty((self.num_slots + 1,), np.int32).fill_bytes(0) if signals else None
+        route_signals = [self.signal_counts if signals else np.uint64(0), I32(self.num_slots + 1)]
 
         group_smem = (P + 4 * E + 1 + 2 * E * (((T + 31) // 32) | 1)) * 4   # moe_routing.cu group_block's layout
         route_args = [self.logits, self.bias, I32(T), I32(E), I32(topk), I32(n_group), I32(topk_group),
@@ -652,11 +664,12 @@ class MoeLayer:
             if smem:   # beside the kernel's ~8 KB of static shared memory
                 route_k.set_max_dynamic_smem(smem)
             route_launches = [route_k.prepare((T,), (32 * -(-E // 32),), [
-                *route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs, self.route_ticket],
-                smem=smem)]
+                *route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs, self.route_ticket,
+                *route_signals], smem=smem)]
         elif self.routing == "batch":
             route_launches = [cuda.get_kernel("moe_routing", "moe_route_batch_kernel").prepare(
-                (1,), (32 * -(-E // 32),), [*route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs])]
+                (1,), (32 * -(-E // 32),), [*route_args, I32(self.num_slots), self.topk_ids, self.topk_w, *group_outs,
+                                            *route_signals])]
         elif self.routing == "fused":
             route_k = cuda.get_kernel("moe_routing", "moe_route_kernel")
             if group_smem > 48 * 1024:
@@ -675,6 +688,10 @@ class MoeLayer:
                                                 *group_outs], smem=group_smem)]
         gu_entry, dn_entry = variants or default_variants(T, w.hidden)
         self.variants = (gu_entry, dn_entry)
+        if signals and (not pdl or not self.early or self.routing not in ("blocks", "batch") or self.fuse_combine
+                        or tiers or not variant_params(dn_entry)[6]):
+            raise ValueError("signals: needs PDL with down's early start, routing 'blocks' or 'batch', the separate "
+                             "combine, no hot tiers and a down variant with staged activations (XS)")
         self.stages = [("route", launch) for launch in route_launches]
         # hot tiers, most tokens first: tier i takes the slots with min_i <= count < min_{i - 1}
         self.gmma_tiers = tiers
@@ -712,20 +729,23 @@ class MoeLayer:
                 x_tier = self.x_slot if tier[3] in GMMA_SLOT_PIPES else self.x
                 self.stages.append(("gate_up_hot", self._gmma_launch(0, tier, x_tier, w.hidden, w.gate_q, w.gate_s,
                                                                      w.up_q, w.up_s, w.inter, w.hidden, self.h)))
-        self.stages.append(("gate_up", self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q,
-                                                         w.up_s, w.inter, w.hidden, self.h, counts=counts)))
+        gate_up = self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q, w.up_s, w.inter, w.hidden,
+                                    self.h, counts=counts)
+        self.stages.append(("gate_up", gate_up))
         for tier in hot_launches:
             self.stages.append(("down_hot", self._gmma_launch(1, tier, self.h, w.inter, w.down_q, w.down_s,
                                                               w.down_q, w.down_s, w.hidden, w.inter, self.down_out)))
-        self.stages.append(("down", self._gemm_launch(dn_entry, self.h, w.inter, w.down_q, w.down_s, w.down_q,
-                                                      w.down_s, w.hidden, w.inter, self.down_out,
-                                                      early=self.early, combine=self.fuse_combine, counts=counts)))
+        down = self._gemm_launch(dn_entry, self.h, w.inter, w.down_q, w.down_s, w.down_q, w.down_s, w.hidden, w.inter,
+                                 self.down_out, early=self.early, combine=self.fuse_combine, counts=counts,
+                                 signal_target=gate_up.grid[0])   # gate_up's blocks per slot
+        self.stages.append(("down", down))
         if not self.fuse_combine:
             self.stages.append(("combine", cuda.get_kernel("moe_int4", "moe_combine_kernel").prepare(
                 (T, (w.hidden // 4 + 255) // 256), (256,), [
                     self.down_out, self.topk_w, self.assign_pos,
                     shared if shared is not None else np.uint64(0), self.y, I32(w.hidden), I32(topk),
-                    I32(int(self.combine_early))])))
+                    I32(int(self.combine_early)), self.signal_counts if signals else np.uint64(0),
+                    I32(down.grid[0] * down.grid[1])])))
         if not pdl:
             for _, launch in self.stages:
                 _without_pdl(launch)
@@ -768,10 +788,12 @@ class MoeLayer:
             self.sorted_token, out, I32(min_count), I32(top), *(() if ws else (I32(n_items),)),
             *(items if items is not None else (null, null))], smem=smem)
 
-    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None):
+    def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None,
+                     signal_target=0):
         """One grouped GEMM launch. Down (MODE 1) only: early = start the weights before the PDL wait;
         combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared).
-        counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones)."""
+        counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones).
+        With the layer's signals: gate_up arrives per slot, down waits for signal_target arrivals there."""
         cuda = _cuda()
         mode, rb, wn, ks, _, stages, xs, rg, _ = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
@@ -800,10 +822,11 @@ class MoeLayer:
                     I32(self.T), I32(self.topk)]
         else:   # T for FIT's activation rows
             tail = [null, null, null, null, null, I32(self.T), I32(0)]
+        signal_args = [self.signal_counts, I32(signal_target)] if self.signals else [null, I32(0)]
         return kernel.prepare(grid, (32 * wn * ks,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
-            self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail],
-            smem=smem)
+            self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail,
+            *signal_args], smem=smem)
 
     def forward(self, stream=None, stages=None):
         """Launch the layer (or only the named stages, in order on `stream`: 'shared', 'route', 'x_hot',
@@ -814,6 +837,9 @@ class MoeLayer:
         folded into it); with gmma_overlap, the _hot stages on another side stream forked after the routing and joined
         before the combine."""
         if stages is not None:
+            if self.signals and {"down", "combine"} & set(stages) and not _SIGNAL_STAGES <= set(stages):
+                # down / combine without the stages before them would wait for arrivals that never come
+                raise ValueError(f"signals: the down and combine stages run only with all of {sorted(_SIGNAL_STAGES)}")
             for name, launch in self.stages:
                 if name in stages:
                     launch(stream)

@@ -630,6 +630,8 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
              dict(fuse_combine=True), dict(fuse_combine=False), dict(early=False), dict(pdl=False, fuse_combine=True),
              dict(routing="fused", fuse_combine=True, early=True, pdl=True), dict(pdl=True),
              dict(pdl=True, early=True), dict(pdl=True, early=True, combine_early=True)]
+    if T <= 8:   # block-level hand-offs (the small-T plans)
+        plans += [dict(signals=True), dict(signals=True, routing="blocks"), dict(signals=True, combine_early=False)]
     outs = []
     for plan in plans:
         layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, **plan)
@@ -670,17 +672,20 @@ def test_moe_graph_replay(cuda_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,E,early,combine_early", [(1, 16, True, False), (5, 16, True, False),
-                                                     (40, 8, False, False), (1, 16, True, True), (40, 8, False, True)])
-def test_moe_graph_replay_pdl(cuda_device, T, E, early, combine_early):
+@pytest.mark.parametrize("T,E,early,combine_early,signals", [
+    (1, 16, True, False, False), (5, 16, True, False, False), (40, 8, False, False, False),
+    (1, 16, True, True, False), (40, 8, False, True, False),
+    (1, 16, True, True, True), (2, 16, True, False, True), (6, 16, True, True, True)])
+def test_moe_graph_replay_pdl(cuda_device, T, E, early, combine_early, signals):
     """Programmatic dependent launch between the layer's kernels, captured in a graph (programmatic edges, not
     the eager launches of test_moe_launch_plans_same_bits): with down's early weight start at small T, and at
     T = 40 with the hot chain (sm_90a) on its own stream beside the cold one; the combine reading the routing
-    before its wait."""
+    before its wait; the block-level hand-offs (signals), whose counters the routing zeroes at each replay."""
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(13 + T)
     dense, w = make_moe(rng, E, 1024, 512)
-    layer = MoeLayer(w, T, np.zeros(E, np.float32), topk=4, pdl=True, early=early, combine_early=combine_early)
+    layer = MoeLayer(w, T, np.zeros(E, np.float32), topk=4, pdl=True, early=early, combine_early=combine_early,
+                     signals=signals)
     _check_graph_replay(layer, dense, rng, T=T, E=E, hidden=1024, topk=4, trials=3)
 
 
@@ -689,6 +694,7 @@ def test_moe_graph_replay_pdl(cuda_device, T, E, early, combine_early):
     (1, 16, dict()), (5, 16, dict()), (40, 8, dict()), (3, 8, dict(fuse_combine=True, early=False)),
     (1, 16, dict(shared_fork="start")), (4, 16, dict(shared_fork="route")), (1, 16, dict(shared_kernel="auto")),
     (6, 16, dict(shared_kernel="gemv", shared_fork="start")), (1, 16, dict(shared_plain_start=False)),
+    (1, 16, dict(signals=True)), (4, 16, dict(signals=True, shared_fork="route")),
     (96, 8, dict(gmma_min_tokens=40, gmma_tile=64, gmma_pipe=3, gmma_overlap=True))])
 def test_moe_layer_shared_mlp(cuda_device, T, E, plan):
     """The shared expert's MLP run by the layer on its side stream (joined before the combine, or before down

@@ -97,7 +97,8 @@ def _checking_cuda(prepared):
 
 @pytest.mark.parametrize("T,plan", [
     (1, {}), (1, dict(routing="two")), (1, dict(routing="warp-one")), (8, dict(routing="blocks")),
-    (4, dict(routing="batch")), (64, {}),
+    (4, dict(routing="batch")), (64, {}), (1, dict(signals=True)), (3, dict(signals=True)),
+    (8, dict(signals=True)),
     (256, {}), (256, dict(gmma_min_tokens=None)), (600, {}),
     (1025, {}),
     (8, dict(routing="fused", fuse_combine=True, early=True, pdl=True, gmma_min_tokens=None)),
@@ -149,6 +150,15 @@ def test_moe_routing_choices(monkeypatch):
         kk.MoeLayer(w, 5, np.zeros(E, np.float32), routing="batch")
     with pytest.raises(ValueError, match="batch"):
         kk.MoeLayer(w, 4, np.zeros(E, np.float32), topk=16, routing="batch")
+    # signals: only the small-T plans whose kernels take the counters; down / combine never alone
+    for T, plan in [(1, dict(routing="two")), (1, dict(early=False)), (12, {}), (2, dict(fuse_combine=True)),
+                    (1, dict(variants=("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1>")))]:
+        with pytest.raises(ValueError, match="signals"):
+            kk.MoeLayer(w, T, np.zeros(E, np.float32), signals=True, **plan)
+    layer = kk.MoeLayer(w, 2, np.zeros(E, np.float32), signals=True)
+    for stages in [("down",), ("combine",), ("route", "gate_up", "down")]:
+        with pytest.raises(ValueError, match="signals"):
+            layer.forward(stages=stages)
     # the defaults: the batch block from 2 tokens while tokens x topk fits its warp, a block per token up to 64
     assert [kk.default_routing(T) for T in (1, 2, 4, 5, 64, 65)] == ["blocks", "batch", "batch", "blocks",
                                                                      "blocks", "two"]

@@ -341,7 +341,8 @@ def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
     gc.disable()
     try:
         graphs = []
-        for stages in [None] + [(n,) for n in names] + ([tuple(names)] if one_stream else []):
+        alone = [] if layer.signals else [(n,) for n in names]   # (signals: down / combine only in the layer)
+        for stages in [None] + alone + ([tuple(names)] if one_stream else []):
             with cuda.capture(stream) as g:
                 layer.forward(stream, stages=stages)
             graphs.append(g.instantiate())
@@ -349,7 +350,7 @@ def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
         gc.enable()
     times = [cuda.bench(lambda ge=ge: ge.launch(stream), iters=iters, stream=stream) for ge in graphs]
     stream.synchronize()
-    return times[0], list(zip(names + (["one stream"] if one_stream else []), times[1:]))
+    return times[0], list(zip((names if alone else []) + (["one stream"] if one_stream else []), times[1:]))
 
 
 def select_plans(plans, spec: str):
@@ -527,6 +528,8 @@ def launch_plans(default_fused_combine: bool):
         # kimi_kernels.COMBINE_EARLY_MAX_TOKENS), or after it
         ("comb-early", dict(combine_early=True)),
         ("comb-late", dict(combine_early=False)),
+        # down waits for its slot's gate_up blocks, the combine for down's blocks, through counters (T <= 8)
+        ("signals", dict(signals=True)),
         ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
         # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
         ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),

@@ -38,6 +38,7 @@ if [ ${#tests[@]} -eq 0 ]; then
     "tests/test_kimi_kernels.py::test_moe_layer_small"
     "tests/test_kimi_kernels.py::test_routing_same_bits_as_two_kernels[blocks-5-384-8-8-4]"   # ticket, group limit
     "tests/test_kimi_kernels.py::test_routing_same_bits_as_two_kernels[batch-4-384-8-8-4]"    # tokens in one block
+    "tests/test_kimi_kernels.py::test_moe_graph_replay_pdl[2-16-True-False-True]"   # hand-offs by counters
     "tests/test_kimi_kernels.py::test_moe_layer_gmma_hot_experts"      # wgmma MoE (sm_90a)
     "tests/test_kimi_kernels.py::test_mla_attention"
   )
