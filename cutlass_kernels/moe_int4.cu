@@ -677,8 +677,8 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
 // (through L2) before the dependency wait, so only the down_out round trip follows it. They are routing outputs,
 // three launches back: the combine is let in only when every down block has run launch_dependents after its own
 // wait, i.e. after gate_up, and so the routing, completed (the header's chain).
-// signals != nullptr (moe_w4a16_kernel's): wait for signal_target arrivals of down's blocks instead of down's
-// grid, then read down_out through L2 (down's other blocks may still be running).
+// signals != nullptr (moe_w4a16_kernel's down counter, its signals[gridDim.y]): wait for signal_target arrivals of
+// down's blocks instead of down's grid, then read down_out through L2 (down's other blocks may still be running).
 extern "C" __global__ void moe_combine_kernel(const uint16_t* __restrict__ down_out,
                                               const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                                               const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int n,

@@ -744,7 +744,8 @@ class MoeLayer:
                 (T, (w.hidden // 4 + 255) // 256), (256,), [
                     self.down_out, self.topk_w, self.assign_pos,
                     shared if shared is not None else np.uint64(0), self.y, I32(w.hidden), I32(topk),
-                    I32(int(self.combine_early)), self.signal_counts if signals else np.uint64(0),
+                    I32(int(self.combine_early)),
+                    self.signal_counts.view(self.num_slots, (1,)) if signals else np.uint64(0),   # down's arrivals
                     I32(down.grid[0] * down.grid[1])])))
         if not pdl:
             for _, launch in self.stages:

@@ -75,6 +75,9 @@ class _FakeArray:
     def fill_bytes(self, value):
         return self
 
+    def view(self, offset_elems, shape, dtype=None):
+        return _FakeArray(shape, dtype or self.dtype)
+
 
 def _checking_cuda(prepared):
     """Stands in for runtime.cuda in kimi_kernels: arrays point nowhere, and every prepared launch is a real
