@@ -76,7 +76,9 @@ class _FakeArray:
         return self
 
     def view(self, offset_elems, shape, dtype=None):
-        return _FakeArray(shape, dtype or self.dtype)
+        v = _FakeArray(shape, dtype or self.dtype)
+        v.ptr = self.ptr + offset_elems * self.dtype.itemsize
+        return v
 
 
 def _checking_cuda(prepared):
@@ -167,6 +169,24 @@ def test_moe_routing_choices(monkeypatch):
                                                                      "blocks", "two"]
     assert [kk.default_routing(T, topk=16) for T in (2, 3)] == ["batch", "blocks"]
     assert kk.MoeLayer(w, 4, np.zeros(E, np.float32), topk=16).routing == "blocks"
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
+def test_moe_signals_wiring(monkeypatch, T):
+    """MoeLayer(signals=True): the routing zeroes the slot counters and down's; gate_up arrives per slot; down waits
+    for gate_up's blocks per slot and the combine for every down block, on down's counter (the last one)."""
+    monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda([]))
+    E = 384
+    w = kk.MoeWeights(E, 7168, 2048, *(_FakeArray((1,), np.uint8) for _ in range(6)))
+    layer = kk.MoeLayer(w, T, np.zeros(E, np.float32), signals=True)
+    st = dict(layer.stages)
+    base, n = layer.signal_counts.ptr, layer.num_slots
+    assert layer.signal_counts.shape == (n + 1,)
+    assert [int(a) if not hasattr(a, "ptr") else a.ptr for a in st["route"].args[-2:]] == [base, n + 1]
+    gate_up, down, combine = st["gate_up"], st["down"], st["combine"]
+    assert gate_up.args[-2].ptr == base and down.args[-2].ptr == base
+    assert int(down.args[-1]) == gate_up.grid[0] and int(down.args[13]) == 1   # and down starts early
+    assert combine.args[-2].ptr == base + 4 * n and int(combine.args[-1]) == down.grid[0] * down.grid[1]
 
 
 @pytest.mark.parametrize("T", [1, 31, 32, 64, 255, 256, 767, 768, 1025])
