@@ -233,7 +233,7 @@ __device__ __forceinline__ void signal_wait(const int* counter, int target) {
       int v;
       asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
       if (v >= target) break;
-      __nanosleep(64);   // fewer polls of the counter's L2 line while the producers stream
+      __nanosleep(512);   // fewer polls of the counter's L2 line while the producers stream
     }
   }
   __syncthreads();   // the other threads' reads come after thread 0's acquire

@@ -289,6 +289,12 @@ EARLY_MAX_TOKENS = 8
 # T = 1 73.8 / 73.7 us against 74.2 / 74.5, T = 2 141.7 / 125.7 against 141.9 / 125.8, T = 4 274.3 / 173.4 against
 # 274.4 / 173.4.
 COMBINE_EARLY_MAX_TOKENS = 4
+# Block-level hand-offs through counters (MoeLayer signals: down waits for its slot's gate_up blocks, the combine for
+# down's blocks, not for the whole previous grid) from SIGNALS_MIN_TOKENS to SIGNALS_MAX_TOKENS tokens, where the
+# plan allows them. H100, 2026-12-06 (34), layer graph replay, uniform / skewed, us: T = 2 134.2 / 116.7 against
+# 137.8 / 121.5, T = 3 196.1 / 158.2 against 203.0 / 167.2, T = 4 266.7 / 166.9 against 273.7 / 173.9, T = 8
+# 471.9 / 200.7 against 480.7 / 207.5; T = 1 loses: 75.2 / 75.1 against 73.9 / 74.3 (gate_up ends ~2 us later).
+SIGNALS_MIN_TOKENS, SIGNALS_MAX_TOKENS = 2, 8
 
 
 # With shared_mlp, the shared MLP's side stream is forked after the routing up to this many tokens, else at the
@@ -519,9 +525,10 @@ class MoeLayer:
     the largest minimum it reaches, slots below every minimum on mma.sync. gmma_grid_rows: at most that many block
     rows in the hot grids of moe_gmma_kernel (not the warp-specialized one), each walking every
     gmma_grid_rows-th slot and stopping at the first cold one (default: one row per possibly hot slot).
-    signals (A/B, not yet run on a GPU): down's blocks wait for their own slot's gate_up blocks, and the combine for
-    down's blocks, through counters (moe_int4.cu) instead of for the previous kernel's whole grid; T <= 8 plans
-    with PDL, down's early start and an XS down variant. Its down and combine stages do not run alone."""
+    signals: down's blocks wait for their own slot's gate_up blocks, and the combine for down's blocks, through
+    counters (moe_int4.cu) instead of for the previous kernel's whole grid; plans with PDL, down's early start, the
+    block routings and an XS down variant (default: on there from SIGNALS_MIN_TOKENS to SIGNALS_MAX_TOKENS tokens).
+    Its down and combine stages do not run alone."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
@@ -533,7 +540,7 @@ class MoeLayer:
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
                  gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None,
-                 signals: bool = False):
+                 signals: bool | None = None):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -645,6 +652,14 @@ class MoeLayer:
         self.combine_early = bool(combine_early)
         # signals: block-level hand-offs gate_up -> down -> combine through counters (moe_int4.cu), zeroed by the
         # routing kernel; one per slot (gate_up's arrivals) and one for down's
+        gu_entry, dn_entry = variants or default_variants(T, w.hidden)
+        signals_fit = (pdl and self.early and self.routing in ("blocks", "batch") and not self.fuse_combine
+                       and not tiers and variant_params(dn_entry)[6] > 0)
+        if signals is None:
+            signals = SIGNALS_MIN_TOKENS <= T <= SIGNALS_MAX_TOKENS and signals_fit
+        elif signals and not signals_fit:
+            raise ValueError("signals: needs PDL with down's early start, routing 'blocks' or 'batch', the separate "
+                             "combine, no hot tiers and a down variant with staged activations (XS)")
         self.signals = bool(signals)
         self.signal_counts = cuda.empty((self.num_slots + 1,), np.int32).fill_bytes(0) if signals else None
         route_signals = [self.signal_counts if signals else np.uint64(0), I32(self.num_slots + 1)]
@@ -686,12 +701,7 @@ class MoeLayer:
                 topk_k.prepare(((T + 3) // 4,), (128,), [*route_args, self.topk_ids, self.topk_w]),
                 group_k.prepare((1,), (1024,), [self.topk_ids, I32(T), I32(topk), I32(E), I32(self.num_slots),
                                                 *group_outs], smem=group_smem)]
-        gu_entry, dn_entry = variants or default_variants(T, w.hidden)
         self.variants = (gu_entry, dn_entry)
-        if signals and (not pdl or not self.early or self.routing not in ("blocks", "batch") or self.fuse_combine
-                        or tiers or not variant_params(dn_entry)[6]):
-            raise ValueError("signals: needs PDL with down's early start, routing 'blocks' or 'batch', the separate "
-                             "combine, no hot tiers and a down variant with staged activations (XS)")
         self.stages = [("route", launch) for launch in route_launches]
         # hot tiers, most tokens first: tier i takes the slots with min_i <= count < min_{i - 1}
         self.gmma_tiers = tiers

@@ -160,6 +160,11 @@ def test_moe_routing_choices(monkeypatch):
                     (1, dict(variants=("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1>")))]:
         with pytest.raises(ValueError, match="signals"):
             kk.MoeLayer(w, T, np.zeros(E, np.float32), signals=True, **plan)
+    # the default: on from SIGNALS_MIN_TOKENS to SIGNALS_MAX_TOKENS where the plan allows it
+    assert [kk.MoeLayer(w, T, np.zeros(E, np.float32)).signals for T in (1, 2, 8, 9)] == [
+        kk.SIGNALS_MIN_TOKENS <= T <= kk.SIGNALS_MAX_TOKENS for T in (1, 2, 8, 9)]
+    assert not kk.MoeLayer(w, 4, np.zeros(E, np.float32), routing="two").signals
+    assert not kk.MoeLayer(w, 4, np.zeros(E, np.float32), pdl=False).signals
     layer = kk.MoeLayer(w, 2, np.zeros(E, np.float32), signals=True)
     for stages in [("down",), ("combine",), ("route", "gate_up", "down")]:
         with pytest.raises(ValueError, match="signals"):

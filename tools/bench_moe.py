@@ -331,26 +331,30 @@ def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
                     f"moe_w4a16_kernel<{plan.pop('down')}>" if "down" in plan else down)
         plan["variants"] = variants
     layer = MoeLayer(weights, T, np.zeros(E, np.float32), **plan)
-    layer.x.upload(to_bf16(x))
-    layer.logits.upload(logits)
+    # the stages alone: with signals (down / combine wait for arrivals the stages before them bring) from the
+    # same plan without them (the same kernels, each waiting for the previous grid)
+    parts = MoeLayer(weights, T, np.zeros(E, np.float32), **{**plan, "signals": False}) if layer.signals else layer
     stream = cuda.Stream()
-    layer.forward(stream)
+    for lay in {id(layer): layer, id(parts): parts}.values():
+        lay.x.upload(to_bf16(x))
+        lay.logits.upload(logits)
+        lay.forward(stream)
     stream.synchronize()
     names = list(dict.fromkeys(name for name, _ in layer.stages))
     gc.collect()
     gc.disable()
     try:
         graphs = []
-        alone = [] if layer.signals else [(n,) for n in names]   # (signals: down / combine only in the layer)
-        for stages in [None] + alone + ([tuple(names)] if one_stream else []):
+        for lay, stages in ([(layer, None)] + [(parts, (n,)) for n in names]
+                            + ([(layer, tuple(names))] if one_stream else [])):
             with cuda.capture(stream) as g:
-                layer.forward(stream, stages=stages)
+                lay.forward(stream, stages=stages)
             graphs.append(g.instantiate())
     finally:
         gc.enable()
     times = [cuda.bench(lambda ge=ge: ge.launch(stream), iters=iters, stream=stream) for ge in graphs]
     stream.synchronize()
-    return times[0], list(zip((names if alone else []) + (["one stream"] if one_stream else []), times[1:]))
+    return times[0], list(zip(names + (["one stream"] if one_stream else []), times[1:]))
 
 
 def select_plans(plans, spec: str):
@@ -528,8 +532,10 @@ def launch_plans(default_fused_combine: bool):
         # kimi_kernels.COMBINE_EARLY_MAX_TOKENS), or after it
         ("comb-early", dict(combine_early=True)),
         ("comb-late", dict(combine_early=False)),
-        # down waits for its slot's gate_up blocks, the combine for down's blocks, through counters (T <= 8)
+        # down waits for its slot's gate_up blocks, the combine for down's blocks, through counters (the default at
+        # kimi_kernels.SIGNALS_MIN_TOKENS..SIGNALS_MAX_TOKENS), or for the whole previous grid
         ("signals", dict(signals=True)),
+        ("no-signals", dict(signals=False)),
         ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
         # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
         ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
