@@ -25,6 +25,8 @@
 //   down is let in only when every gate_up block has run launch_dependents, which each does after its own
 //   grid_dependency_wait returned, i.e. after routing completed and its writes were flushed (to L2, which
 //   __ldcg reads). Every kernel here calls launch_dependents only after its own wait, keeping that chain.
+//   With signals (block-level hand-offs, below) down's blocks trigger after their counter wait, or at once for an
+//   empty slot: the chain holds, since down itself launches only after routing completed.
 #include <cuda_bf16.h>
 #include <cuda/std/type_traits>
 #include <cute/arch/mma_sm80.hpp>
