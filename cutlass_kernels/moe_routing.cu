@@ -526,7 +526,8 @@ __device__ __forceinline__ void group_picks_warp(const int* pick_e, int P, int t
 }
 // moe_route_batch_kernel: T <= kRouteBatchTokens tokens with T * topk <= 32, one block of one thread per expert:
 // the tokens are routed together (route_tokens_block, with the same barriers for every token), and warp 0 groups
-// the T * topk picks from shared memory (group_picks_warp): no ticket, no second pass over global memory. The same outputs as moe_topk + moe_group bit for bit. Grid 1, block 32 * ceil(E / 32).
+// the T * topk picks from shared memory (group_picks_warp): no ticket, no second pass over global memory. The same
+// outputs as moe_topk + moe_group bit for bit. Grid 1, block 32 * ceil(E / 32).
 extern "C" __global__ void __launch_bounds__(kRouteBlockMaxExperts)
 moe_route_batch_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int T, int E, int topk,
                        int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor, int num_slots,

@@ -492,12 +492,13 @@ class MoeLayer:
     the dense linears' plan, None as default_shared_kernel says; shared_plain_start: the branch's first kernel
     launched without PDL, so it starts only when the work before the fork has finished and prefetches nothing beside
     it; default: with shared_fork "route", where its weight prefetch slowed the routing 2.3 -> 5.4 us (H100, session
-    33's trace); the layer + shared MLP at T = 1, H100, 2026-12-06 (34): 101.0 us against 103.2). Output: .y bf16 [T, hidden] = the routing
-    weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it; .down_out holds them,
-    bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared output.
+    33's trace); the layer + shared MLP at T = 1, H100, 2026-12-06 (34): 101.0 us against 103.2). Output: .y bf16
+    [T, hidden] = the routing weights times each expert's output rounded to bf16 (as a bf16 expert MLP returns it;
+    .down_out holds them, bf16 [T * topk, hidden] in sorted order), summed in fp32 in pick order, plus the shared
+    output.
 
     Launch plan (defaults = fastest measured; the switches exist for A/B timing and tests, all give the same
-    bits): routing: one of ROUTINGS (see there; default default_routing(T)); fuse_combine (default
+    bits): routing: one of ROUTINGS (see there; default default_routing(T, topk)); fuse_combine (default
     T <= FUSE_COMBINE_MAX_TOKENS): the combine in the down GEMM's last block per column tile instead of
     moe_combine_kernel; early (default: with PDL, T <= EARLY_MAX_TOKENS and no hot tier asked for): the down
     GEMM starts its weight stream before its dependency wait; combine_early (default: with PDL,
@@ -533,7 +534,8 @@ class MoeLayer:
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = KIMI_SCALING, shared=None, shared_mlp: SharedExpertMlp | None = None,
-                 shared_fork: str | None = None, shared_kernel: str | None = None, shared_plain_start: bool | None = None,
+                 shared_fork: str | None = None, shared_kernel: str | None = None,
+                 shared_plain_start: bool | None = None,
                  variants: tuple[str, str] | None = None,
                  routing: str | None = None, fuse_combine: bool | None = None,
                  early: bool | None = None, combine_early: bool | None = None,
