@@ -536,6 +536,8 @@ def launch_plans(default_fused_combine: bool):
         # kimi_kernels.SIGNALS_MIN_TOKENS..SIGNALS_MAX_TOKENS), or for the whole previous grid
         ("signals", dict(signals=True)),
         ("no-signals", dict(signals=False)),
+        # T = 9..16: PDL and down's early start (off by default there), with and without the hand-offs
+        ("pdl+early+signals", dict(pdl=True, early=True, signals=True)),
         ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
         # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
         ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
