@@ -333,7 +333,8 @@ def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
     layer = MoeLayer(weights, T, np.zeros(E, np.float32), **plan)
     # the stages alone: with signals (down / combine wait for arrivals the stages before them bring) from the
     # same plan without them (the same kernels, each waiting for the previous grid)
-    parts = MoeLayer(weights, T, np.zeros(E, np.float32), **{**plan, "signals": False}) if layer.signals else layer
+    parts = (MoeLayer(weights, T, np.zeros(E, np.float32), **{**plan, "signals": False, "route_signal": False})
+             if layer.signals else layer)
     stream = cuda.Stream()
     for lay in {id(layer): layer, id(parts): parts}.values():
         lay.x.upload(to_bf16(x))
@@ -538,6 +539,8 @@ def launch_plans(default_fused_combine: bool):
         ("no-signals", dict(signals=False)),
         # T = 9..16: PDL and down's early start (off by default there), with and without the hand-offs
         ("pdl+early+signals", dict(pdl=True, early=True, signals=True)),
+        # gate_up waits for the routing's arrival on a counter, not for its grid (with signals)
+        ("route-signal", dict(signals=True, route_signal=True)),
         ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
         # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
         ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
