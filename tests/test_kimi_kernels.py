@@ -617,7 +617,7 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
     """Every launch plan (fused or two-kernel routing, combine folded into down or separate, early weight
     start, PDL on or off) gives the same output bits, and matches the float32 reference."""
     from runtime import cuda
-    from runtime.kimi_kernels import MoeLayer
+    from runtime.kimi_kernels import MoeLayer, default_variants
     hidden, inter, topk = 1024, 512, 8
     rng = np.random.default_rng(T * 31 + E)
     dense, w = make_moe(rng, E, hidden, inter)
@@ -632,7 +632,9 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
              dict(pdl=True, early=True), dict(pdl=True, early=True, combine_early=True)]
     if T <= 8:   # block-level hand-offs (the small-T plans)
         plans += [dict(signals=True), dict(signals=True, routing="blocks"), dict(signals=True, combine_early=False),
-                  dict(signals=True, route_signal=True), dict(signals=True, route_signal=True, routing="blocks")]
+                  dict(signals=True, route_signal=True), dict(signals=True, route_signal=True, routing="blocks"),
+                  dict(signals=True, variants=(default_variants(T, hidden)[0],   # down: two row groups per warp
+                                               "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1, 2>"))]
     outs = []
     for plan in plans:
         layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, **plan)

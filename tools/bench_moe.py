@@ -541,6 +541,11 @@ def launch_plans(default_fused_combine: bool):
         ("pdl+early+signals", dict(pdl=True, early=True, signals=True)),
         # gate_up waits for the routing's arrival on a counter, not for its grid (with signals)
         ("route-signal", dict(signals=True, route_signal=True)),
+        # signals with down in fewer waves (each block's arrival fence delays its exit, and so the next wave's start):
+        # T = 1 one wave (224 blocks, two per SM); two / four row groups per warp (T = 2: 448 / 224 blocks)
+        ("signals+dn-x3-rg2", dict(signals=True, down="1, 2, 4, 1, 1, -3, 1, 2")),
+        ("signals+dn-xs2-rg2", dict(signals=True, down="1, 2, 4, 1, 2, 1, 1, 2")),
+        ("signals+dn-xs-rg4", dict(signals=True, down="1, 2, 4, 1, 1, 1, 1, 4")),
         ("gmma>=16/ra7/par", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=7, gmma_parallel_chunks=True)),
         # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
         ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
