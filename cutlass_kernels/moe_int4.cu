@@ -572,8 +572,10 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
 // signal_target > 0: gate_up waits for that many arrivals of the routing on signals[gridDim.y + 1] instead of its
 // grid (route_done, moe_routing.cu); down's block (0, 0) zeroes it again (every gate_up block has passed its wait
 // before down launches), else gate_up waits for the routing's grid.
+// Minimum blocks per SM: 1 for the register rings (room for their buffers); FIT 4 (<= 128 registers at 128 threads:
+// what puts T = 2's gate_up in one wave).
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1, int FIT = 0>
-__global__ void __launch_bounds__(32 * WN * KS, STAGES == 1 || STAGES < 0 ? 1 : 0)   // 1: room for the buffers
+__global__ void __launch_bounds__(32 * WN * KS, FIT ? 4 : STAGES == 1 || STAGES < 0 ? 1 : 0)
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                  const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
