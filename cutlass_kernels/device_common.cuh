@@ -220,12 +220,11 @@ __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontr
 // block arrives once after its writes, a consumer block spins until the count reaches its target. Deadlock-free
 // only where every producer block is resident or done when a consumer spins (PDL: the consumer grid launches
 // once every producer block has run launch_dependents). Both must be reached by every thread of the block.
+// The arrival is a release reduction: MEMBAR.ALL.GPU + REDG at sm_90a, where __threadfence + atomicAdd gave
+// MEMBAR.SC.GPU, an L1 invalidation (CCTL.IVALL) and ATOMG; the block's exit waits on it.
 __device__ __forceinline__ void signal_arrive(int* counter) {
-  __syncthreads();   // every thread's writes come before thread 0's fence (bar.sync orders them in the CTA)
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(counter, 1);
-  }
+  __syncthreads();   // every thread's writes come before thread 0's release (bar.sync orders them in the CTA)
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
 __device__ __forceinline__ void signal_wait(const int* counter, int target) {
   if (threadIdx.x == 0) {
