@@ -15,8 +15,8 @@
 //   T <= 64 that is a single block and no ticket. Results are bit-identical to the two-kernel path.
 // moe_route_one_kernel: T = 1 only, one warp: the routing, and the grouping's outputs straight from the picks.
 // moe_route_blocks_kernel: a block per token, a thread per expert (the ranks at once), the last block groups (the
-//   layer's default up to 64 tokens: runtime/kimi_kernels.py ROUTINGS).
-// moe_route_batch_kernel: up to 4 tokens in one such block, which also groups them (warp 0).
+//   layer's default at T = 1 and 5..64: runtime/kimi_kernels.py ROUTINGS).
+// moe_route_batch_kernel: up to 4 tokens in one such block, which also groups them (warp 0; the default at 2..4).
 // Everything has a fixed launch shape for a token count, so the MoE layer is graph-capturable.
 // Programmatic dependent launch (family registered pdl=True): every entry waits for the previous kernel
 // (ddtree::grid_dependency_wait) before its first read of logits / ids and before any write; only the

@@ -503,10 +503,8 @@ class MoeLayer:
     moe_combine_kernel; early (default: with PDL, T <= EARLY_MAX_TOKENS and no hot tier asked for): the down
     GEMM starts its weight stream before its dependency wait; combine_early (default: with PDL,
     T <= COMBINE_EARLY_MAX_TOKENS): moe_combine_kernel reads the routing weights and positions before its
-    dependency wait; pdl (default
-    T <= PDL_MAX_TOKENS): programmatic
-    dependent launch between the layer's kernels (each one's launch and ramp under the previous one's tail), else
-    plain launches;
+    dependency wait; pdl (default T <= PDL_MAX_TOKENS): programmatic dependent launch between the layer's kernels
+    (each one's launch and ramp under the previous one's tail), else plain launches;
     gmma_min_tokens (sm_90a): experts with at least that many tokens go through moe_gmma_kernel (weights
     dequantized once per stage into shared memory, wgmma over up to gmma_tile = 32 (PIPE 6-8) / 64 / 128 / 256
     tokens per pass), the rest through moe_w4a16_kernel (moe_slot_split_kernel hands it their counts, 0 for the

@@ -336,7 +336,7 @@ def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
     parts = (MoeLayer(weights, T, np.zeros(E, np.float32), **{**plan, "signals": False, "route_signal": False})
              if layer.signals else layer)
     stream = cuda.Stream()
-    for lay in {id(layer): layer, id(parts): parts}.values():
+    for lay in [layer] if parts is layer else [layer, parts]:
         lay.x.upload(to_bf16(x))
         lay.logits.upload(logits)
         lay.forward(stream)
