@@ -568,10 +568,8 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
 // its stores; each down block of a used slot waits there for signal_target arrivals (gate_up's blocks per slot)
 // where it would wait for gate_up's grid, and every down block arrives on signals[gridDim.y] for the combine. The
 // routing kernel zeroes them after its own wait (every reader and writer of the previous forward is done then:
-// the combine waited for all of down's arrivals, each down block for its slot's gate_up arrivals). MODE 0 with
-// signal_target > 0: gate_up waits for that many arrivals of the routing on signals[gridDim.y + 1] instead of its
-// grid (route_done, moe_routing.cu); down's block (0, 0) zeroes it again (every gate_up block has passed its wait
-// before down launches), else gate_up waits for the routing's grid.
+// the combine waited for all of down's arrivals, each down block for its slot's gate_up arrivals). gate_up still
+// waits for the routing's grid.
 // Minimum blocks per SM: 1 for the register rings (room for their buffers); FIT 4 (<= 128 registers at 128 threads:
 // what puts T = 2's gate_up in one wave).
 template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1, int FIT = 0>
@@ -593,14 +591,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
   static_assert(!FIT || (XS && NTMAX == 1), "FIT: staged activations (XS), one 8-token tile");
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;   // row blocks per matrix
   const bool pre = MODE == 1 && early != 0;      // read the slot and start the weights before the wait
-  if (MODE == 0 && signal_target > 0) {          // the routing's arrival instead of its whole grid
-    ddtree::signal_wait(signals + gridDim.y + 1, signal_target);
-    ddtree::launch_dependents();
-  } else if (!pre) {
-    dependency_wait();
-  }
-  if (MODE == 1 && signals != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
-    signals[gridDim.y + 1] = 0;   // route_done, for the next forward's routing
+  if (!pre) dependency_wait();
   const int slot = blockIdx.y;
   const int expert = pre ? __ldcg(slot_expert + slot) : slot_expert[slot];
   const int count = pre ? __ldcg(slot_count + slot) : slot_count[slot];

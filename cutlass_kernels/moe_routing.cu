@@ -439,9 +439,7 @@ __device__ __forceinline__ void route_tokens_block(const float* __restrict__ log
   }
 }
 // The MoE GEMMs' hand-off counters (moe_int4.cu, signals; null: none) zeroed for this forward, after the routing's
-// dependency wait: every kernel of the previous forward has finished with them by then. route_done (null: none):
-// the block that writes the grouping's last outputs arrives there once they are written, for gate_up to wait on
-// instead of this grid (zeroed again by down, after every gate_up block has passed that wait).
+// dependency wait: every kernel of the previous forward has finished with them by then.
 __device__ __forceinline__ void zero_signals(int* signals, int n) {
   if (signals != nullptr)
     for (int i = threadIdx.x; i < n; i += blockDim.x) signals[i] = 0;
@@ -456,7 +454,7 @@ moe_route_blocks_kernel(const float* __restrict__ logits, const float* __restric
                         int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
                         int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
                         int* __restrict__ sorted_token, int* __restrict__ assign_pos, int* __restrict__ ticket,
-                        int* __restrict__ signals, int num_signals, int* __restrict__ route_done) {
+                        int* __restrict__ signals, int num_signals) {
   DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteBlocks);
   extern __shared__ int smem[];   // group_block's (T > 1)
   __shared__ RouteSmem<1> sm;
@@ -477,7 +475,6 @@ moe_route_blocks_kernel(const float* __restrict__ logits, const float* __restric
       group_one_token_pick(e, my_id, rank, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
                            assign_pos);
     }
-    if (route_done != nullptr) ddtree::signal_arrive(route_done);
     return;
   }
   route_tokens_block(logits, corr, blockIdx.x, 1, E, topk, n_group, topk_group, norm_topk_prob,
@@ -485,7 +482,6 @@ moe_route_blocks_kernel(const float* __restrict__ logits, const float* __restric
   if (!last_block_to_finish(ticket, last, T)) return;   // grid T: the last block groups every token
   group_block(topk_ids, T, topk, E, num_slots, expert_count, slot_expert, slot_offset, slot_count, sorted_token,
               assign_pos, smem);
-  if (route_done != nullptr) ddtree::signal_arrive(route_done);
 }
 
 // moe_group_kernel's outputs from the P = T * topk <= 32 picks in shared memory (pick a = token a / topk), by warp 0
@@ -538,7 +534,7 @@ moe_route_batch_kernel(const float* __restrict__ logits, const float* __restrict
                        int* __restrict__ topk_ids, float* __restrict__ topk_w, int* __restrict__ expert_count,
                        int* __restrict__ slot_expert, int* __restrict__ slot_offset, int* __restrict__ slot_count,
                        int* __restrict__ sorted_token, int* __restrict__ assign_pos, int* __restrict__ signals,
-                       int num_signals, int* __restrict__ route_done) {
+                       int num_signals) {
   DDTREE_TRACE_WARP(ddtree::kTraceMoeRouteBatch);
   __shared__ RouteSmem<kRouteBatchTokens> sm;
   const int e = threadIdx.x;
@@ -553,7 +549,6 @@ moe_route_batch_kernel(const float* __restrict__ logits, const float* __restrict
   if (e < 32)
     group_picks_warp(sm.pick_e, T * topk, topk, num_slots, expert_count, slot_expert, slot_offset, slot_count,
                      sorted_token, assign_pos);
-  if (route_done != nullptr) ddtree::signal_arrive(route_done);
 }
 
 // Top-k and grouping in one launch. Grid: ceil(T / (32 * ROUTE_TOKENS_PER_WARP)) blocks of 1024 threads;

@@ -145,7 +145,7 @@ def _gemv_smem(M: int, K: int) -> int:
 GEMV_SMEM_CAP = 68 * 1024
 
 
-def _gemv_fits(M: int, K: int) -> bool:
+def gemv_fits(M: int, K: int) -> bool:
     """linear_bf16_gemv_kernel: one 8-row token tile, the whole K of x's rows in shared memory."""
     return M <= 8 and _gemv_smem(M, K) <= GEMV_SMEM_CAP
 
@@ -258,10 +258,10 @@ def linear_plan(M: int, N: int, K: int, sm_count: int, splits: int | None = None
     "chunked": K split so that the grid has about 2 blocks per SM."""
     _need(kernel in ("auto", "xres", "chunked", "gemv"), "linear",
           f"kernel {kernel!r}: 'auto', 'gemv', 'xres' or 'chunked'")
-    if kernel == "auto" and LINEAR_GEMV and splits is None and _gemv_fits(M, K):
+    if kernel == "auto" and LINEAR_GEMV and splits is None and gemv_fits(M, K):
         kernel = "gemv"
     if kernel == "gemv":
-        _need(_gemv_fits(M, K), "linear", f"the gemv kernel takes M <= 8 with x's rows in {GEMV_SMEM_CAP} bytes of "
+        _need(gemv_fits(M, K), "linear", f"the gemv kernel takes M <= 8 with x's rows in {GEMV_SMEM_CAP} bytes of "
               f"shared memory (M = {M}, K = {K} needs {_gemv_smem(M, K)})")
         entry, grid, smem = gemv_plan(M, N, K, sm_count, kw, stages, xmode, persist)
         return entry, grid, K, smem

@@ -527,9 +527,7 @@ class MoeLayer:
     signals: down's blocks wait for their own slot's gate_up blocks, and the combine for down's blocks, through
     counters (moe_int4.cu) instead of for the previous kernel's whole grid; plans with PDL, down's early start, the
     block routings and an XS down variant (default: on there from SIGNALS_MIN_TOKENS to SIGNALS_MAX_TOKENS tokens).
-    Its down and combine stages do not run alone. route_signal (with signals; A/B, not yet run on a GPU): gate_up
-    also waits for the routing's arrival on a counter instead of its grid (then its gate_up stage does not run
-    alone either)."""
+    Its down and combine stages do not run alone."""
 
     def __init__(self, weights: MoeWeights, tokens: int, bias: np.ndarray, topk: int = KIMI_TOPK,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
@@ -542,7 +540,7 @@ class MoeLayer:
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
                  gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None,
-                 signals: bool | None = None, route_signal: bool = False):
+                 signals: bool | None = None):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -662,13 +660,9 @@ class MoeLayer:
         elif signals and not signals_fit:
             raise ValueError("signals: needs PDL with down's early start, routing 'blocks' or 'batch', the separate "
                              "combine, no hot tiers and a down variant with staged activations (XS)")
-        if route_signal and not signals:
-            raise ValueError("route_signal: gate_up's wait for the routing through a counter needs signals")
-        self.signals, self.route_signal = bool(signals), bool(route_signal)
-        # [num_slots] gate_up arrivals per slot, down's arrivals, the routing's (route_signal)
-        self.signal_counts = cuda.empty((self.num_slots + 2,), np.int32).fill_bytes(0) if signals else None
-        route_signals = [self.signal_counts if signals else np.uint64(0), I32(self.num_slots + 1),
-                         self.signal_counts.view(self.num_slots + 1, (1,)) if route_signal else np.uint64(0)]
+        self.signals = bool(signals)
+        self.signal_counts = cuda.empty((self.num_slots + 1,), np.int32).fill_bytes(0) if signals else None
+        route_signals = [self.signal_counts if signals else np.uint64(0), I32(self.num_slots + 1)]
 
         group_smem = (P + 4 * E + 1 + 2 * E * (((T + 31) // 32) | 1)) * 4   # moe_routing.cu group_block's layout
         route_args = [self.logits, self.bias, I32(T), I32(E), I32(topk), I32(n_group), I32(topk_group),
@@ -746,7 +740,7 @@ class MoeLayer:
                 self.stages.append(("gate_up_hot", self._gmma_launch(0, tier, x_tier, w.hidden, w.gate_q, w.gate_s,
                                                                      w.up_q, w.up_s, w.inter, w.hidden, self.h)))
         gate_up = self._gemm_launch(gu_entry, self.x, w.hidden, w.gate_q, w.gate_s, w.up_q, w.up_s, w.inter, w.hidden,
-                                    self.h, counts=counts, signal_target=int(self.route_signal))
+                                    self.h, counts=counts)
         self.stages.append(("gate_up", gate_up))
         for tier in hot_launches:
             self.stages.append(("down_hot", self._gmma_launch(1, tier, self.h, w.inter, w.down_q, w.down_s,
@@ -810,8 +804,7 @@ class MoeLayer:
         """One grouped GEMM launch. Down (MODE 1) only: early = start the weights before the PDL wait;
         combine = fold the combine into it (writes .y; needs the layer's topk_w, assign_pos, shared).
         counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones).
-        With the layer's signals: gate_up arrives per slot (and with signal_target 1 waits for the routing's arrival),
-        down waits for signal_target arrivals there."""
+        With the layer's signals: gate_up arrives per slot, down waits for signal_target arrivals there."""
         cuda = _cuda()
         mode, rb, wn, ks, _, stages, xs, rg, _ = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
@@ -855,12 +848,9 @@ class MoeLayer:
         folded into it); with gmma_overlap, the _hot stages on another side stream forked after the routing and joined
         before the combine."""
         if stages is not None:
-            # (route_signal: a routing run alone would leave an arrival that lets the next gate_up start early)
-            waiting = set(_SIGNAL_STAGES) if self.route_signal else {"down", "combine"}
-            if self.signals and waiting & set(stages) and not _SIGNAL_STAGES <= set(stages):
+            if self.signals and {"down", "combine"} & set(stages) and not _SIGNAL_STAGES <= set(stages):
                 # down / combine without the stages before them would wait for arrivals that never come
-                raise ValueError(f"signals: the {', '.join(sorted(waiting))} stages run only with all of "
-                                 f"{sorted(_SIGNAL_STAGES)}")
+                raise ValueError(f"signals: the down and combine stages run only with all of {sorted(_SIGNAL_STAGES)}")
             for name, launch in self.stages:
                 if name in stages:
                     launch(stream)

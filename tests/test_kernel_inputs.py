@@ -248,7 +248,7 @@ def test_gemv_warps_per_tile_follow_the_measured_winners():
     assert dk.gemv_kw(151936, 4096, 132, xmode=1) == 4
     for (N, K) in want:
         for xmode in (0, 1, 2):
-            entry = dk.linear_plan(1, N, K, 132, xmode=xmode)[0] if dk._gemv_fits(1, K) else None
+            entry = dk.linear_plan(1, N, K, 132, xmode=xmode)[0] if dk.gemv_fits(1, K) else None
             if entry is not None and "gemv" in entry:
                 kw, st, xm = (int(v) for v in entry.split("<")[1].rstrip(">").split(","))
                 assert (kw, st, xm) in GEMV_INSTANCES and xm == xmode, entry
@@ -278,10 +278,10 @@ def test_gemv_persistent_grid_covers_every_tile_evenly(monkeypatch):
 def test_gemv_holds_only_the_tokens_rows_of_x():
     """x's shared-memory tile has min(M, 8) rows, so Qwen3-8B's down (K = 12288) takes the gemv up to M = 2
     (GEMV_SMEM_CAP: larger x tiles leave too little L1 for the W stream), the 4096-wide ones up to M = 8."""
-    assert dk._gemv_smem(1, 12288) == (12288 + 32) * 2 and dk._gemv_fits(2, 12288) and not dk._gemv_fits(3, 12288)
-    assert dk._gemv_fits(8, 4096) and "gemv" in dk.linear_plan(2, 4096, 12288, 132)[0]
+    assert dk._gemv_smem(1, 12288) == (12288 + 32) * 2 and dk.gemv_fits(2, 12288) and not dk.gemv_fits(3, 12288)
+    assert dk.gemv_fits(8, 4096) and "gemv" in dk.linear_plan(2, 4096, 12288, 132)[0]
     assert "xres" in dk.linear_plan(4, 4096, 12288, 132)[0]
-    assert dk._gemv_smem(9, 4096) == dk._gemv_smem(8, 4096) == 8 * (4096 + 32) * 2 and not dk._gemv_fits(9, 64)
+    assert dk._gemv_smem(9, 4096) == dk._gemv_smem(8, 4096) == 8 * (4096 + 32) * 2 and not dk.gemv_fits(9, 64)
     with pytest.raises(ValueError, match="needs 73920"):
         dk.linear_plan(3, 4096, 12288, 132, kernel="gemv")
 

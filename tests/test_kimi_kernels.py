@@ -632,7 +632,6 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
              dict(pdl=True, early=True), dict(pdl=True, early=True, combine_early=True)]
     if T <= 8:   # block-level hand-offs (the small-T plans)
         plans += [dict(signals=True), dict(signals=True, routing="blocks"), dict(signals=True, combine_early=False),
-                  dict(signals=True, route_signal=True), dict(signals=True, route_signal=True, routing="blocks"),
                   dict(signals=True, variants=(default_variants(T, hidden)[0],   # down: two row groups per warp
                                                "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1, 2>"))]
     outs = []
@@ -678,19 +677,17 @@ def test_moe_graph_replay(cuda_device):
 @pytest.mark.parametrize("T,E,early,combine_early,signals", [
     (1, 16, True, False, False), (5, 16, True, False, False), (40, 8, False, False, False),
     (1, 16, True, True, False), (40, 8, False, True, False),
-    (1, 16, True, True, True), (2, 16, True, False, True), (6, 16, True, True, True),
-    (1, 16, True, True, "route"), (3, 16, True, True, "route"), (7, 16, True, True, "route")])
+    (1, 16, True, True, True), (2, 16, True, False, True), (6, 16, True, True, True)])
 def test_moe_graph_replay_pdl(cuda_device, T, E, early, combine_early, signals):
     """Programmatic dependent launch between the layer's kernels, captured in a graph (programmatic edges, not
     the eager launches of test_moe_launch_plans_same_bits): with down's early weight start at small T, and at
     T = 40 with the hot chain (sm_90a) on its own stream beside the cold one; the combine reading the routing
-    before its wait; the block-level hand-offs (signals), whose counters the routing zeroes at each replay, and
-    with gate_up waiting for the routing's arrival ("route": route_signal; T = 7 routes with a block per token)."""
+    before its wait; the block-level hand-offs (signals), whose counters the routing zeroes at each replay."""
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(13 + T)
     dense, w = make_moe(rng, E, 1024, 512)
     layer = MoeLayer(w, T, np.zeros(E, np.float32), topk=4, pdl=True, early=early, combine_early=combine_early,
-                     signals=bool(signals), route_signal=signals == "route")
+                     signals=signals)
     _check_graph_replay(layer, dense, rng, T=T, E=E, hidden=1024, topk=4, trials=3)
 
 

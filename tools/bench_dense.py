@@ -209,7 +209,7 @@ def bench_linear(stream, read_bw, ms_list, quick, gmma=False, ops=None, peer=Non
                 variants += [("chunked", {"kernel": "chunked"}), ("xres", {"kernel": "xres"})]
                 if M in (1, 64):
                     variants += [("xres stages=4", {"kernel": "xres", "stages": 4})]
-            if M <= 8 and dk._gemv_fits(M, K):  # the no-split decode kernel (each KW) vs the split-K one
+            if M <= 8 and dk.gemv_fits(M, K):  # the no-split decode kernel (each KW) vs the split-K one
                 if ("xres", {"kernel": "xres"}) not in variants:
                     variants.append(("xres", {"kernel": "xres"}))
                 variants += [(f"gemv kw={k}{' persist' if p else ''}", {"kernel": "gemv", "kw": k, "persist": p})

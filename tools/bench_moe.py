@@ -158,6 +158,7 @@ def main(argv=None):
     from runtime import cuda
     from runtime.bf16 import to_bf16
     from runtime.kimi_kernels import MoeLayer, default_shared_fork, default_shared_kernel, variant_params
+    from runtime.dense_kernels import gemv_fits
     dev = cuda.require_device()
     print(f"device: {dev.name}, sm_{dev.arch}, {dev.sm_count} SMs", flush=True)
     bw = read_bandwidth(4 << 30)
@@ -224,8 +225,8 @@ def main(argv=None):
                     forks = {SHARED_FORKS[f]: time_plan(weights, T, args.experts, x, logits,
                                                         {"shared_mlp": mlp, "shared_fork": f}, args.iters)[0]
                              for f in SHARED_FORKS if f != default_fork}
-                    for kernel in ("gemv", "auto"):   # the shared linears' other kernel choice (T <= 8)
-                        if T <= 8 and kernel != default_shared_kernel(T):
+                    for kernel in ("gemv", "auto"):   # the shared linears' other kernel choice, where gemv fits
+                        if kernel != default_shared_kernel(T) and gemv_fits(T, args.hidden):
                             forks[f"shared {kernel}"] = time_plan(weights, T, args.experts, x, logits,
                                                                   {"shared_mlp": mlp, "shared_kernel": kernel},
                                                                   args.iters)[0]
@@ -333,8 +334,7 @@ def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
     layer = MoeLayer(weights, T, np.zeros(E, np.float32), **plan)
     # the stages alone: with signals (down / combine wait for arrivals the stages before them bring) from the
     # same plan without them (the same kernels, each waiting for the previous grid)
-    parts = (MoeLayer(weights, T, np.zeros(E, np.float32), **{**plan, "signals": False, "route_signal": False})
-             if layer.signals else layer)
+    parts = MoeLayer(weights, T, np.zeros(E, np.float32), **{**plan, "signals": False}) if layer.signals else layer
     stream = cuda.Stream()
     for lay in [layer] if parts is layer else [layer, parts]:
         lay.x.upload(to_bf16(x))
@@ -539,8 +539,6 @@ def launch_plans(default_fused_combine: bool):
         ("no-signals", dict(signals=False)),
         # T = 9..16: PDL and down's early start (off by default there), with and without the hand-offs
         ("pdl+early+signals", dict(pdl=True, early=True, signals=True)),
-        # gate_up waits for the routing's arrival on a counter, not for its grid (with signals)
-        ("route-signal", dict(signals=True, route_signal=True)),
         # signals with down in fewer waves (each block's arrival fence delays its exit, and so the next wave's start):
         # T = 1 one wave (224 blocks, two per SM); two / four row groups per warp (T = 2: 448 / 224 blocks)
         ("signals+dn-x3-rg2", dict(signals=True, down="1, 2, 4, 1, 1, -3, 1, 2")),
