@@ -634,6 +634,8 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
         plans += [dict(signals=True), dict(signals=True, routing="blocks"), dict(signals=True, combine_early=False),
                   dict(signals=True, variants=(default_variants(T, hidden)[0],   # down: two row groups per warp
                                                "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1, 2>"))]
+    else:   # the hand-offs above T = 8 (with PDL and down's early start, off by default there)
+        plans += [dict(pdl=True, early=True, signals=True)]
     outs = []
     for plan in plans:
         layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, **plan)
@@ -677,7 +679,7 @@ def test_moe_graph_replay(cuda_device):
 @pytest.mark.parametrize("T,E,early,combine_early,signals", [
     (1, 16, True, False, False), (5, 16, True, False, False), (40, 8, False, False, False),
     (1, 16, True, True, False), (40, 8, False, True, False),
-    (1, 16, True, True, True), (2, 16, True, False, True), (6, 16, True, True, True)])
+    (1, 16, True, True, True), (2, 16, True, False, True), (6, 16, True, True, True), (12, 16, True, False, True)])
 def test_moe_graph_replay_pdl(cuda_device, T, E, early, combine_early, signals):
     """Programmatic dependent launch between the layer's kernels, captured in a graph (programmatic edges, not
     the eager launches of test_moe_launch_plans_same_bits): with down's early weight start at small T, and at
