@@ -302,8 +302,11 @@ SIGNALS_MIN_TOKENS, SIGNALS_MAX_TOKENS = 2, 8
 # after the routing / every stage on one stream, us: uniform T = 1 117.3 / 113.0 / 118.0, T = 2 169.6 / 174.3 /
 # 183.0, T = 4 304.2 / 308.2 / 315.3, T = 8 513.8 / 528.6 / 530.4, T = 16 905.4 / 898.6 / 915.8; skewed T = 1 119.7 /
 # 115.5 / 121.6, T = 2 156.9 / 161.8 / 170.2, T = 8 241.9 / 248.3 / 255.9. (The routed chain on a stream of the
-# highest priority gained nothing: T = 2 171.7, T = 8 518.1 us.)
-SHARED_FORK_ROUTE_MAX_TOKENS = 1
+# highest priority gained nothing: T = 2 171.7, T = 8 518.1 us.) Since the signals and the batch routing the fork after
+# the routing wins at T = 2..4 (H100, layer + shared MLP, after the routing / at the start, us): 2026-12-06 (34)
+# T = 2 uniform 158.0 / 165.1, skewed 143.7 / 150.7; (35) uniform T = 2 163.7 / 164.6, T = 4 297.7 / 301.2. T = 8 was
+# last timed in (31), where the start won.
+SHARED_FORK_ROUTE_MAX_TOKENS = 4
 
 
 def default_shared_fork(T: int) -> str:
