@@ -664,6 +664,7 @@ class MoeLayer:
             raise ValueError("signals: needs PDL with down's early start, routing 'blocks' or 'batch', the separate "
                              "combine, no hot tiers and a down variant with staged activations (XS)")
         self.signals = bool(signals)
+        # [num_slots] gate_up's arrivals per slot, then down's arrivals; the routing kernel zeroes them
         self.signal_counts = cuda.empty((self.num_slots + 1,), np.int32).fill_bytes(0) if signals else None
         route_signals = [self.signal_counts if signals else np.uint64(0), I32(self.num_slots + 1)]
 
