@@ -176,14 +176,15 @@ def test_moe_routing_choices(monkeypatch):
     assert kk.MoeLayer(w, 4, np.zeros(E, np.float32), topk=16).routing == "blocks"
 
 
-@pytest.mark.parametrize("T", [1, 2, 5, 8])
-def test_moe_signals_wiring(monkeypatch, T):
+@pytest.mark.parametrize("T,plan", [(1, {}), (2, {}), (5, {}), (8, {}), (12, dict(pdl=True, early=True))])
+def test_moe_signals_wiring(monkeypatch, T, plan):
     """MoeLayer(signals=True): the routing zeroes the slot counters and down's; gate_up arrives per slot; down waits
-    for gate_up's blocks per slot and the combine for every down block, on down's counter (the last one)."""
+    for gate_up's blocks per slot and the combine for every down block, on down's counter (the last one). T = 12:
+    above the default range, with PDL and down's early start asked for."""
     monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda([]))
     E = 384
     w = kk.MoeWeights(E, 7168, 2048, *(_FakeArray((1,), np.uint8) for _ in range(6)))
-    layer = kk.MoeLayer(w, T, np.zeros(E, np.float32), signals=True)
+    layer = kk.MoeLayer(w, T, np.zeros(E, np.float32), signals=True, **plan)
     st = dict(layer.stages)
     base, n = layer.signal_counts.ptr, layer.num_slots
     assert layer.signal_counts.shape == (n + 1,)
