@@ -108,10 +108,13 @@ __device__ __forceinline__ uint64_t window_visible64(int p0, int prefix, int end
 // (DDTREE_TRACE_WARP at its top) stamps %globaltimer as the warp starts, after its first grid_dependency_wait, and as
 // lane 0 returns, and appends one record to the buffer the host put in the module global ddtree_trace_buffer
 // (null: nothing is written). The start and wait stamps wait in a per-(SM, hardware warp slot) table until the end,
-// so nothing stays in registers across the kernel. Buffer (u64 words): [0] records appended (may pass the
-// capacity: those are dropped), [1] capacity, [2, 8) unused, then the table (kTraceSms x kTraceWarpSlots x 2), then
+// so nothing stays in registers across the kernel. A kernel may also bracket its waits on other warps (mbarriers)
+// with trace_stall_begin / trace_stall_end: their clock64 cycles add up in the same table. Buffer (u64 words): [0]
+// records appended (may pass the capacity: those are dropped), [1] capacity, [2, 8) unused, then the table
+// (kTraceSms x kTraceWarpSlots x kTraceSlotWords: start, wait, clock64 at the start, stall cycles), then
 // kTraceRecordWords per record: start, wait (0: none), end, %gridid (one per launch), code | SM << 32, block
-// (linear) | warp in block << 32. The runtime never sets it: the stamps and one atomic per warp cost time.
+// (linear) | warp in block << 32, stall cycles | the warp's cycles << 32 (each capped at 2^32 - 1). The runtime never
+// sets it: the stamps and one atomic per warp cost time.
 #ifndef DDTREE_TRACE
 #define DDTREE_TRACE 0
 #endif
@@ -129,7 +132,7 @@ enum TraceCode : unsigned {
   kTraceMlaAttention = 60, kTraceMlaCombine = 61, kTraceMlaHeadGemm = 62, kTraceMlaAttentionGmma = 63,
 };
 #if DDTREE_TRACE
-constexpr int kTraceHeaderWords = 8, kTraceSms = 256, kTraceWarpSlots = 64, kTraceRecordWords = 6;
+constexpr int kTraceHeaderWords = 8, kTraceSms = 256, kTraceWarpSlots = 64, kTraceSlotWords = 4, kTraceRecordWords = 7;
 }  // namespace ddtree
 extern "C" {
 __device__ unsigned long long* ddtree_trace_buffer;   // set by the host after the module loads; null: off
@@ -150,12 +153,16 @@ __device__ __forceinline__ unsigned trace_smid() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   return sm;
 }
-// This warp's (start, wait) pair in the table, on SM sm: a hardware warp slot holds one warp at a time.
+// This warp's (start, wait, clock64 at the start, stall cycles) in the table, on SM sm: a hardware warp slot holds
+// one warp at a time.
 __device__ __forceinline__ unsigned long long* trace_warp_slot(unsigned sm) {
   unsigned w;
   asm volatile("mov.u32 %0, %%warpid;" : "=r"(w));
   const unsigned slot = (sm % kTraceSms) * kTraceWarpSlots + w % kTraceWarpSlots;
-  return ddtree_trace_buffer + kTraceHeaderWords + 2 * slot;
+  return ddtree_trace_buffer + kTraceHeaderWords + kTraceSlotWords * slot;
+}
+__device__ __forceinline__ unsigned long long trace_cap32(long long v) {
+  return v < 0 ? 0ull : v > 0xffffffffll ? 0xffffffffull : (unsigned long long)v;
 }
 struct TraceWarp {
   unsigned code;
@@ -164,11 +171,14 @@ struct TraceWarp {
       unsigned long long* slot = trace_warp_slot(trace_smid());
       slot[0] = trace_now();
       slot[1] = 0;
+      slot[2] = (unsigned long long)clock64();
+      slot[3] = 0;
     }
   }
   __device__ ~TraceWarp() {
     if (ddtree_trace_buffer == nullptr || !trace_lane0()) return;
     const unsigned long long end = trace_now();
+    const long long clock_end = clock64();
     const unsigned sm = trace_smid();
     const unsigned long long* slot = trace_warp_slot(sm);
     unsigned long long grid;
@@ -185,6 +195,7 @@ struct TraceWarp {
     r[3] = grid;
     r[4] = code | (unsigned long long)sm << 32;
     r[5] = block | (unsigned long long)warp << 32;
+    r[6] = trace_cap32((long long)slot[3]) | trace_cap32(clock_end - (long long)slot[2]) << 32;
   }
 };
 // The first dependency wait of this warp (grid_dependency_wait calls it after the wait returns).
@@ -194,9 +205,17 @@ __device__ __forceinline__ void trace_wait_done() {
     if (slot[1] == 0) slot[1] = trace_now();
   }
 }
+// A wait on other warps of the block: t0 = trace_stall_begin() before it, trace_stall_end(t0) after it (lane 0's
+// cycles in between join the warp's stall count).
+__device__ __forceinline__ long long trace_stall_begin() { return ddtree_trace_buffer != nullptr ? clock64() : 0; }
+__device__ __forceinline__ void trace_stall_end(long long t0) {
+  if (ddtree_trace_buffer != nullptr && trace_lane0()) trace_warp_slot(trace_smid())[3] += clock64() - t0;
+}
 #define DDTREE_TRACE_WARP(code) const ::ddtree::TraceWarp ddtree_trace_warp_(code)
 #else
 __device__ __forceinline__ void trace_wait_done() {}
+__device__ __forceinline__ long long trace_stall_begin() { return 0; }
+__device__ __forceinline__ void trace_stall_end(long long) {}
 #define DDTREE_TRACE_WARP(code) \
   do {                          \
   } while (0)

@@ -36,7 +36,8 @@
 //   register ring (32- / 64-token tiles; 40 KB more shared memory per block).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
-// below).
+// below). Traced builds count each warp's cycles in its ring waits (device_common.cuh trace_stall_begin): the
+// producer's on free buffers, the consumers' on filled ones.
 // The K order inside each 64-column unit is the repacked (permuted) order for the weights' lanes, but every
 // weight lands at its physical column (tile or fragment) and x is read plainly, so the dot product is plain.
 #include <cuda_bf16.h>
@@ -620,7 +621,9 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
           const int u = u0 + d;
           if (u >= units) break;
           const int b = gs % WS_STAGES;
-          mbar_wait(bars + 8 * (WS_STAGES + b), ((gs / WS_STAGES) & 1) ^ 1);
+          const long long stall = ddtree::trace_stall_begin();
+          mbar_wait(bars + 8 * (WS_STAGES + b), ((gs / WS_STAGES) & 1) ^ 1);   // the consumers freed buffer b
+          ddtree::trace_stall_end(stall);
           const uint32_t tile = w_ring + b * W_TILE;
           dequant_store(tile, w0[d], s0[d], 16 * warp + g, t);
           dequant_store(tile, w1[d], s1[d], 64 + 16 * warp + g, t);
@@ -670,7 +673,9 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     if (idle) {   // no tokens in this half: release every stage the producer fills
       for (int u = 0; u < units; ++u, ++gs) {
         const int b = gs % WS_STAGES;
+        const long long stall = ddtree::trace_stall_begin();
         mbar_wait(bars + 8 * b, (gs / WS_STAGES) & 1);
+        ddtree::trace_stall_end(stall);
         if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + b));
       }
       continue;
@@ -689,7 +694,9 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
         ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
+        const long long stall = ddtree::trace_stall_begin();
         mbar_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
+        ddtree::trace_stall_end(stall);
         const uint32_t wt = w_ring + b * W_TILE;
         const uint64_t da0 = sw128_desc(wt), da1 = sw128_desc(wt + 64 * 128);
         const uint64_t db = sw128_desc(my_x + (u % WS_XBUF) * X_TILE);

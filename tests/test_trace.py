@@ -43,10 +43,23 @@ def test_every_instrumented_kernel_names_a_code_and_every_code_is_used():
 
 
 def _records(rows):
+    """Records from (start, wait, end, grid, code, sm, block, warp[, stall, cycles]) rows (no stall: 0, 0)."""
     r = np.zeros(len(rows), trace.RECORD_DTYPE)
-    for i, (start, wait, end, grid, code, sm, block, warp) in enumerate(rows):
-        r[i] = (start, wait, end, grid, code, sm, block, warp)
+    for i, row in enumerate(rows):
+        r[i] = tuple(row) + (0, 0)[:10 - len(row)]
     return r
+
+
+def test_stalls_per_warp_of_a_block():
+    """Two blocks of a warp-specialized launch: warp 0 (producer) waits 10% / 30% of its cycles, warp 1 (consumer)
+    60% / 80%; a launch with no stall counts gets no line."""
+    rows = [(0, 0, 10, 5, 49, 0, 0, 0, 100, 1000), (0, 0, 10, 5, 49, 0, 0, 1, 600, 1000),
+            (0, 0, 10, 5, 49, 1, 1, 0, 300, 1000), (0, 0, 10, 5, 49, 1, 1, 1, 800, 1000),
+            (20, 0, 30, 6, 46, 0, 0, 0)]
+    traces = trace.launches(_records(rows))
+    lines = trace.stalls(traces).splitlines()
+    assert len(lines) == 1 and "moe_gmma_ws_gate_up" in lines[0] and lines[0].endswith("0:20% 1:70%")
+    assert trace.stalls(traces[1:]) == ""
 
 
 def test_peak_blocks_per_sm():
@@ -93,9 +106,10 @@ def test_trace_buffer_needs_the_traced_build(monkeypatch):
         trace.TraceBuffer()
 
 
-@pytest.mark.parametrize("family", ["norm_rope", "moe_routing"])
+@pytest.mark.parametrize("family", ["norm_rope", "moe_routing", "moe_int4_sm90"])
 def test_traced_build_compiles_on_every_arch(family):
-    """The stamps compile wherever the family does; the untraced build holds none of them."""
+    """The stamps compile wherever the family does (moe_int4_sm90: with the ring-wait counts, sm_90a); the untraced
+    build holds none of them."""
     from cutlass_kernels.registry import FAMILIES
     from runtime.cuda import nvrtc
     f = FAMILIES[family]
@@ -105,6 +119,7 @@ def test_traced_build_compiles_on_every_arch(family):
             _, ptx, _, _ = nvrtc.nvrtc_compile(fam.source_path.read_text(), fam.source, fam.entries,
                                                nvrtc.build_options(fam, arch), fam.name, arch)
             assert ("%globaltimer" in ptx and "ddtree_trace_buffer" in ptx) == want, (family, arch, want)
+            assert ("%clock64" in ptx) == want, (family, arch, want)
 
 
 _GPU_SCRIPT = r"""
@@ -121,7 +136,7 @@ layer = MoeLayer(w, T, np.zeros(E, np.float32), topk=4)
 layer.x.upload(to_bf16(rng.standard_normal((T, hidden)).astype(np.float32)))
 layer.logits.upload(rng.standard_normal((T, E)).astype(np.float32))
 stream = cuda.Stream()
-buf = trace.TraceBuffer(4096)          # installed into the modules the layer already loaded
+buf = trace.TraceBuffer(1 << 16)       # installed into the modules the layer already loaded
 layer.forward(stream); stream.synchronize()
 with cuda.capture(stream) as g:
     layer.forward(stream)
@@ -129,14 +144,24 @@ ge = g.instantiate()
 buf.reset(stream); ge.launch(stream); stream.synchronize()
 r = buf.read()
 launches = [(name, l.grid, l.block) for name, l in layer.stages]
-print(json.dumps({"launches": launches, "records": r.tolist(), "dtype": str(r.dtype)}))
+# the warp-specialized hot tier (sm_90a only), which counts its ring waits: every expert of this one is hot
+r2 = np.zeros(0, trace.RECORD_DTYPE)
+T2 = 300
+hot = cuda.get_device().arch == "90a" and MoeLayer(w, T2, np.zeros(E, np.float32), gmma_tiers=[(64, 256, 5)])
+if hot:
+    hot.x.upload(to_bf16(rng.standard_normal((T2, hidden)).astype(np.float32)))
+    hot.logits.upload(rng.standard_normal((T2, E)).astype(np.float32))
+    buf.reset(stream); hot.forward(stream); stream.synchronize()
+    r2 = buf.read()
+print(json.dumps({"launches": launches, "records": r.tolist(), "dtype": str(r.dtype), "hot_records": r2.tolist()}))
 """
 
 
 @pytest.mark.gpu
 def test_moe_layer_graph_replay_traced(cuda_device, tmp_path):
     """A traced process (DDTREE_TRACE=1): one record per warp of every launch of the layer's graph, each launch's
-    warps under one %gridid, stamps in order, the codes of the layer's kernels."""
+    warps under one %gridid, stamps in order, the codes of the layer's kernels; and the warp-specialized hot tier's
+    ring-wait counts (sm_90a), each within its warp's cycles."""
     env = dict(os.environ, DDTREE_TRACE="1")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", _GPU_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
@@ -159,6 +184,14 @@ def test_moe_layer_graph_replay_traced(cuda_device, tmp_path):
     assert (r["start"] <= r["end"]).all() and (r["start"] > 0).all()
     waited = r["wait"] != 0
     assert ((r["start"][waited] <= r["wait"][waited]) & (r["wait"][waited] <= r["end"][waited])).all()
+    assert (r["cycles"] > 0).all() and not r["stall"].any()   # these kernels count no ring waits
+    # the hot tier's records (sm_90a): its warps' ring waits counted, each within the warp's cycles
+    r2 = np.array([tuple(x) for x in got["hot_records"]], trace.RECORD_DTYPE)
+    if not len(r2):
+        pytest.skip("the wgmma MoE kernels (ring-wait counts) are built for sm_90a only; the rest passed")
+    ws = np.isin(r2["code"], [49, 50])   # moe_gmma_ws_gate_up / _down
+    assert ws.any() and r2["stall"][ws].any() and (r2["stall"] <= r2["cycles"]).all()
+    assert not r2["stall"][~ws].any()
 
 
 def test_trace_timeline_cli():

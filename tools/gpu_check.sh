@@ -63,6 +63,9 @@ step bench_moe_shared python3 tools/bench_moe.py --no-variants --no-plans --shar
 # per-warp timelines (tools/trace_timeline.py: traced kernel builds): the layer + shared MLP at small T, and a 2-layer
 # Qwen3-8B-shaped AR / verify step; records into $OUT/trace
 step trace_moe python3 tools/trace_timeline.py moe --tokens 1,2,8 --shared 1 --out "$OUT/trace"
+# skewed T = 256: the warp-specialized hot tier beside the cold chain, and its warps' ring waits (producer- or
+# consumer-paced: PERF.md session 35, next item 5)
+step trace_moe_hot python3 tools/trace_timeline.py moe --tokens 256 --routing skewed --out "$OUT/trace"
 step trace_step python3 tools/trace_timeline.py step --random qwen3-8b --layers 2 --prefix 1024 --budgets 0,16,64 --out "$OUT/trace"
 step bench_stream_rows python3 -m tools.bench_stream_rows
 step bench_mla python3 tools/bench_mla.py --kernel mma,gmma,gmma-split

@@ -8,7 +8,8 @@ cache entries: a cold cache compiles every family used once more).
 
 For each graph: its replay time with the buffer detached and with the stamps written (medians of --iters; the
 untraced build's own time comes from the benches), then a table of its launches in start order (blocks, warps, SMs held, first start / first and last dependency wait
-/ last end in us from the first stamp, median warp time, gap after the previous launch) and a text chart: per
+/ last end in us from the first stamp, median warp time, gap after the previous launch), for kernels that count
+their ring waits (the warp-specialized MoE hot tier) each warp's share of cycles spent waiting, and a text chart: per
 launch the share of its warps running (shades) or waiting in their PDL wait (w), and the SMs in use. --out DIR
 saves the records (runtime.cuda.trace.RECORD_DTYPE) as .npy per graph.
 """
@@ -58,6 +59,9 @@ def report(label: str, us_off: float, us: float, records: np.ndarray, width: int
     print(trace.table(traces))
     print("peak blocks per SM at once (blocks x SMs):")
     print(trace.residency(traces))
+    waits = trace.stalls(traces)
+    if waits:
+        print(waits)
     print(trace.timeline(traces, width))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

@@ -26,9 +26,9 @@ from .nvrtc import TRACE_BUILD
 
 _HEADER = Path(__file__).resolve().parents[2] / "cutlass_kernels" / "device_common.cuh"
 # One record (device_common.cuh's TraceWarp): the u64 words start, wait, end, %gridid, code | SM << 32,
-# block | warp << 32, read little-endian as the u32 pairs.
+# block | warp << 32, stall cycles | the warp's cycles << 32, read little-endian as the u32 pairs.
 RECORD_DTYPE = np.dtype([("start", "<u8"), ("wait", "<u8"), ("end", "<u8"), ("grid", "<u8"), ("code", "<u4"),
-                         ("sm", "<u4"), ("block", "<u4"), ("warp", "<u4")])
+                         ("sm", "<u4"), ("block", "<u4"), ("warp", "<u4"), ("stall", "<u4"), ("cycles", "<u4")])
 
 
 def _snake(camel: str) -> str:
@@ -36,8 +36,8 @@ def _snake(camel: str) -> str:
 
 
 def header_constants(text: str | None = None) -> dict[str, int]:
-    """device_common.cuh's kTraceHeaderWords / kTraceSms / kTraceWarpSlots / kTraceRecordWords, by name without
-    the kTrace prefix (HeaderWords, Sms, WarpSlots, RecordWords)."""
+    """device_common.cuh's kTraceHeaderWords / kTraceSms / kTraceWarpSlots / kTraceSlotWords / kTraceRecordWords,
+    by name without the kTrace prefix (HeaderWords, Sms, WarpSlots, SlotWords, RecordWords)."""
     text = _HEADER.read_text() if text is None else text
     m = re.search(r"constexpr int (kTraceHeaderWords[^;]*);", text)
     if m is None:
@@ -71,7 +71,7 @@ class TraceBuffer:
                             "DDTREE_TRACE=1 (runtime/cuda/trace.py)")
         k = header_constants()
         self.capacity = int(capacity)
-        self._records_at = k["HeaderWords"] + 2 * k["Sms"] * k["WarpSlots"]
+        self._records_at = k["HeaderWords"] + k["SlotWords"] * k["Sms"] * k["WarpSlots"]
         self._record_words = k["RecordWords"]
         self.words = memory.empty((self._records_at + self._record_words * self.capacity,), np.uint64)
         header = np.zeros(self._records_at, np.uint64)
@@ -217,6 +217,22 @@ def residency(traces: list[LaunchTrace]) -> str:
     """One line per launch: its peak blocks per SM, as 'blocks x SMs' pairs (peak_blocks_per_sm)."""
     return "\n".join(f"{i:3d} {t.name:24s} " + " ".join(f"{n}x{sms}" for n, sms in peak_blocks_per_sm(t).items())
                      for i, t in enumerate(traces))
+
+
+def stalls(traces: list[LaunchTrace]) -> str:
+    """For each launch whose kernel counts its ring waits (trace_stall_begin / _end: moe_gmma_ws_kernel), one line:
+    per warp of a block (by its index), the median share of the warp's cycles spent in those waits over the
+    launch's blocks. A producer warp that waits for free buffers is paced by its consumers; consumers that wait
+    for filled ones, by their producer."""
+    lines = []
+    for i, t in enumerate(traces):
+        r = t.records
+        if not r["stall"].any():
+            continue
+        share = r["stall"].astype(np.float64) / np.maximum(r["cycles"].astype(np.float64), 1.0)
+        per_warp = " ".join(f"{int(w)}:{100 * np.median(share[r['warp'] == w]):.0f}%" for w in np.unique(r["warp"]))
+        lines.append(f"{i:3d} {t.name:24s} waits, % of each warp's cycles (warp: median) {per_warp}")
+    return "\n".join(lines)
 
 
 _SHADES = " .:-=+*#%@"
