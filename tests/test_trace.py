@@ -113,6 +113,8 @@ def test_traced_build_compiles_on_every_arch(family):
     from cutlass_kernels.registry import FAMILIES
     from runtime.cuda import nvrtc
     f = FAMILIES[family]
+    if family == "moe_int4_sm90":   # the warp-specialized kernels alone (the ones that count waits; the whole family
+        f = dataclasses.replace(f, entries=tuple(e for e in f.entries if "ws_kernel" in e))   # takes minutes)
     traced = dataclasses.replace(f, options=(*f.options, "-DDDTREE_TRACE=1"))
     for arch in f.archs:
         for fam, want in ((f, False), (traced, True)):
