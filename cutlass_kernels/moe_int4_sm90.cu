@@ -36,7 +36,7 @@
 //   register ring (32- / 64-token tiles; 40 KB more shared memory per block).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP, SPLIT> (PIPE 4 / 5 / 9 = NSTEP 0 / 16 / 16 with SPLIT 1): warp-specialized,
 // one warpgroup dequantizing into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens
-// each (see its comment below). Traced builds count each warp's cycles in its ring waits (device_common.cuh trace_stall_begin): the
+// each (see its comment below). Traced builds count each warp's cycles in its ring waits (moe90::ring_wait): the
 // producer's on free buffers, the consumers' on filled ones.
 // The K order inside each 64-column unit is the repacked (permuted) order for the weights' lanes, but every
 // weight lands at its physical column (tile or fragment) and x is read plainly, so the dot product is plain.
@@ -549,6 +549,12 @@ __device__ __forceinline__ void dispatch_n16(int n16, F&& f) {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// moe_gmma_ws_kernel's wait on its W ring's mbarrier, the cycles counted as the warp's stall in traced builds.
+__device__ __forceinline__ void ring_wait(uint32_t bar, uint32_t parity) {
+  const long long t0 = ddtree::trace_stall_begin();
+  mbar_wait(bar, parity);
+  ddtree::trace_stall_end(t0);
+}
 }  // namespace moe90
 
 // Grid as moe_gmma_kernel; block 384; dynamic smem moe_gmma_smem_bytes (runtime/kimi_kernels.py) = 1024 +
@@ -624,9 +630,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
           const int u = u0 + d;
           if (u >= units) break;
           const int b = gs % WS_STAGES;
-          const long long stall = ddtree::trace_stall_begin();
-          mbar_wait(bars + 8 * (WS_STAGES + b), ((gs / WS_STAGES) & 1) ^ 1);   // the consumers freed buffer b
-          ddtree::trace_stall_end(stall);
+          ring_wait(bars + 8 * (WS_STAGES + b), ((gs / WS_STAGES) & 1) ^ 1);   // the consumers freed buffer b
           const uint32_t tile = w_ring + b * W_TILE;
           dequant_store(tile, w0[d], s0[d], 16 * warp + g, t);
           dequant_store(tile, w1[d], s1[d], 64 + 16 * warp + g, t);
@@ -678,9 +682,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     if (idle) {   // no tokens in this half: release every stage the producer fills
       for (int u = 0; u < units; ++u, ++gs) {
         const int b = gs % WS_STAGES;
-        const long long stall = ddtree::trace_stall_begin();
-        mbar_wait(bars + 8 * b, (gs / WS_STAGES) & 1);
-        ddtree::trace_stall_end(stall);
+        ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);
         if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + b));
       }
       continue;
@@ -699,9 +701,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
         ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
-        const long long stall = ddtree::trace_stall_begin();
-        mbar_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
-        ddtree::trace_stall_end(stall);
+        ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
         const uint32_t wt = w_ring + b * W_TILE;
         const uint64_t da0 = sw128_desc(wt), da1 = sw128_desc(wt + 64 * 128);
         const uint64_t db = sw128_desc(my_x + (u % WS_XBUF) * X_TILE);

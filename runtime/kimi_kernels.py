@@ -787,9 +787,9 @@ class MoeLayer:
         cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
     def _gmma_launch(self, mode, tier, x, ldx, q0, s0, q1, s1, n_rows, k, out):
-        """One moe_gmma_kernel (moe_gmma_ws_kernel with PIPE 4 / 5 / 9) launch for a hot tier (min, top, tile, pipe, rows,
-        items): its grid rows are the first `rows` slots (or the (slot, chunk) items); slots with min <= count <
-        top run."""
+        """One moe_gmma_kernel (moe_gmma_ws_kernel with PIPE 4 / 5 / 9) launch for a hot tier (min, top, tile, pipe,
+        rows, items): its grid rows are the first `rows` slots (or the (slot, chunk) items); slots with min <= count
+        < top run."""
         cuda = _cuda()
         min_count, top, tn, pipe, rows, items = tier
         ws = pipe in GMMA_WS_PIPES
