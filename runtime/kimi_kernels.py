@@ -370,9 +370,9 @@ GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks
               7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)",
               8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)",
               9: "PIPE 5 with each chunk's tokens split evenly between the two consumer warpgroups"}
-GMMA_WS_PIPES = (4, 5, 9)   # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's)
-# moe_gmma_ws_kernel's template tail (NSTEP, SPLIT) per pipeline
+# the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP, SPLIT)
 _WS_TEMPLATE = {4: "0", 5: "16", 9: "16, 1"}
+GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
 GMMA_SLOT_PIPES = (6, 7, 8)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_PIPE = 8
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
