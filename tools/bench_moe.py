@@ -196,7 +196,8 @@ def main(argv=None):
             distinct = int((counts > 0).sum())
             nbytes = distinct * per_expert
             try:
-                t_graph, stage_times = time_plan(weights, T, args.experts, x, logits, {}, args.iters)
+                t_graph, stage_times = time_plan(weights, T, args.experts, x, logits, {}, args.iters,
+                                                 without_route=True)
             except Exception as e:   # report, keep the other token counts
                 print(f"{kind:8s} T={T:4d}: default plan failed ({type(e).__name__}: {e})", flush=True)
                 continue
@@ -211,7 +212,8 @@ def main(argv=None):
                     f"gate_up {st['gate_up_hot'] * 1e3:.1f}+{st['gate_up'] * 1e3:.1f} down {st['down_hot'] * 1e3:.1f}+"
                     f"{st['down'] * 1e3:.1f} combine {st['combine'] * 1e3:.1f} us (hot + rest) "
                     f"[{layer.variants[0][16:]}, {layer.variants[1][16:]}] {len(names)} launches"
-                    f"{' (combine in down)' if layer.fuse_combine else ''}")
+                    f"{' (combine in down)' if layer.fuse_combine else ''}"
+                    f" | without routing {st['without route'] * 1e3:.1f} us")
             tt = torch_times.get(f"{kind}/{T}")
             if tt is not None:
                 line += (f" | torch bf16 loop {tt[0] * 1e3:.0f} us ({tt[1] / (tt[0] * 1e-3) / 1e12:.2f} TB/s), "
@@ -315,10 +317,13 @@ def main(argv=None):
                 for lb in labels))
 
 
-def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
+def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False, without_route=False):
     """Graph-replay ms of a MoeLayer built with `plan`, and of each of its stages captured alone (a stage's
     eager launch time would be the host's launch overhead for the small kernels); one_stream: also every stage in
-    order on one stream, as the stage "one stream" (no side-stream branches). Own stream; the runtime holds back
+    order on one stream, as the stage "one stream" (no side-stream branches); without_route: also the stages after
+    the routing in one graph, on the routing outputs of an earlier forward, as the stage "without route" (what the
+    layer would take if its routing cost nothing: a bound for moving the routing into the GEMMs). Own stream; the
+    runtime holds back
     frees and graph destroys while a capture is open (they would invalidate it), and garbage collection is off
     around the captures besides, so that no other finalizer runs inside one."""
     import gc
@@ -346,8 +351,10 @@ def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
     gc.disable()
     try:
         graphs = []
+        after_route = tuple(n for n in names if n != "route")
         for lay, stages in ([(layer, None)] + [(parts, (n,)) for n in names]
-                            + ([(layer, tuple(names))] if one_stream else [])):
+                            + ([(layer, tuple(names))] if one_stream else [])
+                            + ([(parts, after_route)] if without_route else [])):
             with cuda.capture(stream) as g:
                 lay.forward(stream, stages=stages)
             graphs.append(g.instantiate())
@@ -355,7 +362,8 @@ def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False):
         gc.enable()
     times = [cuda.bench(lambda ge=ge: ge.launch(stream), iters=iters, stream=stream) for ge in graphs]
     stream.synchronize()
-    return times[0], list(zip(names + (["one stream"] if one_stream else []), times[1:]))
+    extra = (["one stream"] if one_stream else []) + (["without route"] if without_route else [])
+    return times[0], list(zip(names + extra, times[1:]))
 
 
 def select_plans(plans, spec: str):
