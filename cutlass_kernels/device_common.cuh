@@ -133,6 +133,8 @@ enum TraceCode : unsigned {
 };
 #if DDTREE_TRACE
 constexpr int kTraceHeaderWords = 8, kTraceSms = 256, kTraceWarpSlots = 64, kTraceSlotWords = 4, kTraceRecordWords = 7;
+// where the records start: past the header and the table (runtime/cuda/trace.py computes the same)
+constexpr int kTraceRecordsAt = kTraceHeaderWords + kTraceSlotWords * kTraceSms * kTraceWarpSlots;
 }  // namespace ddtree
 extern "C" {
 __device__ unsigned long long* ddtree_trace_buffer;   // set by the host after the module loads; null: off
@@ -185,8 +187,7 @@ struct TraceWarp {
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
     const unsigned long long i = atomicAdd(ddtree_trace_buffer, 1ull);
     if (i >= ddtree_trace_buffer[1]) return;
-    unsigned long long* r =
-        ddtree_trace_buffer + kTraceHeaderWords + 2 * kTraceSms * kTraceWarpSlots + kTraceRecordWords * i;
+    unsigned long long* r = ddtree_trace_buffer + kTraceRecordsAt + kTraceRecordWords * i;
     const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     const unsigned warp = (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) >> 5;
     r[0] = slot[0];

@@ -45,6 +45,20 @@ def header_constants(text: str | None = None) -> dict[str, int]:
     return {name: int(v) for name, v in re.findall(r"kTrace(\w+) = (\d+)", m.group(1))}
 
 
+def records_at(text: str | None = None) -> int:
+    """The u64 word where the records start: device_common.cuh's kTraceRecordsAt (the header, then the per-warp-slot
+    table), evaluated from its own expression over header_constants, so that host and device cannot disagree."""
+    text = _HEADER.read_text() if text is None else text
+    m = re.search(r"constexpr int kTraceRecordsAt = ([^;]*);", text)
+    if m is None:
+        raise ValueError(f"{_HEADER}: no kTraceRecordsAt line")
+    k = header_constants(text)
+    terms = [[f.strip() for f in term.split("*")] for term in m.group(1).split("+")]
+    if not all(re.fullmatch(r"kTrace\w+", f) and f[6:] in k for t in terms for f in t):
+        raise ValueError(f"{_HEADER}: kTraceRecordsAt is not a sum of products of the trace constants")
+    return sum(int(np.prod([k[f[6:]] for f in t])) for t in terms)
+
+
 def trace_codes(text: str | None = None) -> dict[int, str]:
     """{code: kernel name} from device_common.cuh's TraceCode enum (kTraceMoeGateUp = 44 -> 44: 'moe_gate_up')."""
     text = _HEADER.read_text() if text is None else text
@@ -71,7 +85,7 @@ class TraceBuffer:
                             "DDTREE_TRACE=1 (runtime/cuda/trace.py)")
         k = header_constants()
         self.capacity = int(capacity)
-        self._records_at = k["HeaderWords"] + k["SlotWords"] * k["Sms"] * k["WarpSlots"]
+        self._records_at = records_at()
         self._record_words = k["RecordWords"]
         self.words = memory.empty((self._records_at + self._record_words * self.capacity,), np.uint64)
         header = np.zeros(self._records_at, np.uint64)
