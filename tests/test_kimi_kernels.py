@@ -685,13 +685,14 @@ def test_moe_graph_replay(cuda_device):
 @pytest.mark.parametrize("T,E,early,combine_early,signals", [
     (1, 16, True, False, False), (5, 16, True, False, False), (40, 8, False, False, False),
     (1, 16, True, True, False), (40, 8, False, True, False),
-    (1, 16, True, True, True), (2, 16, True, False, True), (6, 16, True, True, True), (12, 16, True, False, True)])
+    (1, 16, True, True, True), (2, 16, True, False, True), (6, 16, True, True, True), (12, 16, True, False, True),
+    (24, 16, True, False, True)])
 def test_moe_graph_replay_pdl(cuda_device, T, E, early, combine_early, signals):
     """Programmatic dependent launch between the layer's kernels, captured in a graph (programmatic edges, not
     the eager launches of test_moe_launch_plans_same_bits): with down's early weight start at small T, and at
     T = 40 with the hot chain (sm_90a) on its own stream beside the cold one; the combine reading the routing
-    before its wait; the block-level hand-offs (signals), whose counters the routing zeroes at each replay (T = 12:
-    above their default range, with PDL and the early start asked for)."""
+    before its wait; the block-level hand-offs (signals), whose counters the routing zeroes at each replay (T = 12 / 24:
+    the range where they came with PDL and the early start in session 36)."""
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(13 + T)
     dense, w = make_moe(rng, E, 1024, 512)

@@ -158,13 +158,15 @@ def test_moe_routing_choices(monkeypatch):
     with pytest.raises(ValueError, match="batch"):
         kk.MoeLayer(w, 4, np.zeros(E, np.float32), topk=16, routing="batch")
     # signals: only the small-T plans whose kernels take the counters; down / combine never alone
-    for T, plan in [(1, dict(routing="two")), (1, dict(early=False)), (12, {}), (2, dict(fuse_combine=True)),
+    for T, plan in [(1, dict(routing="two")), (1, dict(early=False)), (kk.PDL_MAX_TOKENS + 1, {}),
+                    (2, dict(fuse_combine=True)),
                     (1, dict(variants=("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1>")))]:
         with pytest.raises(ValueError, match="signals"):
             kk.MoeLayer(w, T, np.zeros(E, np.float32), signals=True, **plan)
     # the default: on from SIGNALS_MIN_TOKENS to SIGNALS_MAX_TOKENS where the plan allows it
-    assert [kk.MoeLayer(w, T, np.zeros(E, np.float32)).signals for T in (1, 2, 8, 9)] == [
-        kk.SIGNALS_MIN_TOKENS <= T <= kk.SIGNALS_MAX_TOKENS for T in (1, 2, 8, 9)]
+    ts = (1, 2, 8, 12, kk.SIGNALS_MAX_TOKENS, kk.SIGNALS_MAX_TOKENS + 1)
+    assert [kk.MoeLayer(w, T, np.zeros(E, np.float32)).signals for T in ts] == [
+        kk.SIGNALS_MIN_TOKENS <= T <= kk.SIGNALS_MAX_TOKENS for T in ts]
     assert not kk.MoeLayer(w, 4, np.zeros(E, np.float32), routing="two").signals
     assert not kk.MoeLayer(w, 4, np.zeros(E, np.float32), pdl=False).signals
     layer = kk.MoeLayer(w, 2, np.zeros(E, np.float32), signals=True)
@@ -178,10 +180,11 @@ def test_moe_routing_choices(monkeypatch):
     assert kk.MoeLayer(w, 4, np.zeros(E, np.float32), topk=16).routing == "blocks"
 
 
-@pytest.mark.parametrize("T,plan", [(1, {}), (2, {}), (5, {}), (8, {}), (12, dict(pdl=True, early=True))])
+@pytest.mark.parametrize("T,plan", [(1, {}), (2, {}), (5, {}), (8, {}), (12, {}), (24, {}),
+                                    (31, dict(pdl=True, early=True))])
 def test_moe_signals_wiring(monkeypatch, T, plan):
     """MoeLayer(signals=True): the routing zeroes the slot counters and down's; gate_up arrives per slot; down waits
-    for gate_up's blocks per slot and the combine for every down block, on down's counter (the last one). T = 12:
+    for gate_up's blocks per slot and the combine for every down block, on down's counter (the last one). T = 31:
     above the default range, with PDL and down's early start asked for."""
     monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda([]))
     E = 384
