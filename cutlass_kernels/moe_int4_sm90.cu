@@ -34,9 +34,9 @@
 //   every buffer index and descriptor offset is a constant: ~98 instructions per stage in SASS, PIPE 6 ~130.
 // - PIPE 8: PIPE 7 with the weights through a shared-memory cp.async ring 8 stages deep instead of the 4-stage
 //   register ring (32- / 64-token tiles; 40 KB more shared memory per block).
-// moe_gmma_ws_kernel<MODE, TN, NSTEP, SPLIT> (PIPE 4 / 5 / 9 = NSTEP 0 / 16 / 16 with SPLIT 1): warp-specialized,
-// one warpgroup dequantizing into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens
-// each (see its comment below). Traced builds count each warp's cycles in its ring waits (moe90::ring_wait): the
+// moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
+// into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
+// below). Traced builds count each warp's cycles in its ring waits (moe90::ring_wait): the
 // producer's on free buffers, the consumers' on filled ones.
 // The K order inside each 64-column unit is the repacked (permuted) order for the weights' lanes, but every
 // weight lands at its physical column (tile or fragment) and x is read plainly, so the dot product is plain.
@@ -561,10 +561,8 @@ __device__ __forceinline__ void ring_wait(uint32_t bar, uint32_t parity) {
 // WS_STAGES * 16384 (W) + 2 * WS_XBUF * (TN / 2) * 128 (x) + 2 * WS_STAGES * 8 (barriers).
 // NSTEP 0: every wgmma is N = TN / 2 (a half's padding tokens computed too); NSTEP 16: N is the half's token
 // count rounded up to 16 (one stage loop per N, dispatch_n16), so a 133-token expert in a 256-token tile costs
-// 128 + 16 token columns, not 256. SPLIT 0: consumer 0 takes a chunk's first TN / 2 tokens, consumer 1 the rest
-// (a chunk of <= TN / 2 tokens leaves consumer 1 idle); SPLIT 1 (PIPE 9, with NSTEP 16): each takes half of the
-// chunk's tokens (consumer 0 the odd one), so both issue wgmma on any chunk of two or more tokens.
-template <int MODE, int TN, int NSTEP, int SPLIT = 0>
+// 128 + 16 token columns, not 256.
+template <int MODE, int TN, int NSTEP>
 __global__ void __launch_bounds__(moe90::WS_THREADS, 1)
 moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0,
                    const uint4* __restrict__ ws0, const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
@@ -576,7 +574,6 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   using namespace moe90;
   static_assert(TN == 128 || TN == 256, "token tile: two consumer halves of 64 / 128");
   static_assert(NSTEP == 0 || NSTEP == 16, "N step");
-  static_assert(SPLIT == 0 || (SPLIT == 1 && NSTEP == 16), "the even split pays only with N cut to the tokens");
   constexpr int HN = TN / 2, ACC = HN / 2, X_TILE = HN * 128;
   const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
   const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
@@ -648,30 +645,28 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     return;
   }
 
-  // Consumers: warpgroup cw = wg - 1 takes tokens cw * HN .. + HN - 1 of each chunk (SPLIT 1: half of them each).
+  // Consumers: warpgroup cw = wg - 1 takes tokens cw * HN .. + HN - 1 of each chunk.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
   const int cw = wg - 1, ctid = tid - 128 * wg, cwarp = warp & 3;
   const uint32_t my_x = x_ring + cw * WS_XBUF * X_TILE;
   const uint32_t x_off = (ctid / 8) * 128 + (((ctid & 7) ^ ((ctid / 8) & 7)) << 4);   // row ctid / 8 + 16 j
   int gs = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += TN) {
-    const int width = SPLIT ? (min(TN, c_end - c0) + 1) / 2 : HN;   // tokens per consumer (<= HN)
-    const int h0 = c0 + cw * width;                 // this warpgroup's first token of the chunk
-    const int h_end = min(h0 + width, c_end);       // and its end (c_end <= count)
-    const bool idle = h0 >= h_end;
-    const int valid = h_end - h0;   // its tokens in this chunk (NSTEP 16: the wgmma N)
+    const int h0 = c0 + cw * HN;   // this warpgroup's first token of the chunk
+    const bool idle = h0 >= count;
+    const int valid = min(HN, count - h0);   // its tokens in this chunk (NSTEP 16: the wgmma N)
     const uint16_t* xrow[HN / 16];
 #pragma unroll
     for (int j = 0; j < HN / 16; ++j) {
       const int i = h0 + ctid / 8 + 16 * j;
-      const int row = i >= h_end ? 0 : MODE == 0 ? sorted_token[offset + i] : offset + i;
+      const int row = i >= count ? 0 : MODE == 0 ? sorted_token[offset + i] : offset + i;
       xrow[j] = x + (long long)row * ldx + (ctid & 7) * 8;
     }
     auto load_x = [&](int u) {
       const uint32_t tile = my_x + (u % WS_XBUF) * X_TILE;
 #pragma unroll
       for (int j = 0; j < HN / 16; ++j)
-        cp_async16_s(tile + x_off + 2048 * j, xrow[j] + u * 64, h0 + ctid / 8 + 16 * j < h_end);
+        cp_async16_s(tile + x_off + 2048 * j, xrow[j] + u * 64, h0 + ctid / 8 + 16 * j < count);
     };
     float acc0[ACC], acc1[ACC];
 #pragma unroll
@@ -753,7 +748,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) {
         const int tok = h0 + 8 * j + 2 * t + bb;
-        if (tok >= h_end) continue;
+        if (tok >= count) continue;
         const long long orow = (long long)(offset + tok) * n_rows;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {

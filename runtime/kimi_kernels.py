@@ -369,16 +369,13 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # 4: warp-specialized (moe_gmma_ws_kernel: one warpgroup dequantizes into a shared ring, two issue wgmma on
 # half the tile's tokens each; 128/256-token tiles).
 # 5: the same with the wgmma N cut to each half's token count (rounded up to 16) instead of the full half.
-# 9: PIPE 5 with each chunk's tokens split evenly between the two consumers (A/B, not yet run on a GPU: a
-# 72-token expert in a 256-token chunk runs 36 + 36 tokens instead of 72 + none).
 GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)",
               4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
               7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)",
-              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)",
-              9: "PIPE 5 with each chunk's tokens split evenly between the two consumer warpgroups"}
-# the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP, SPLIT)
-_WS_TEMPLATE = {4: "0", 5: "16", 9: "16, 1"}
+              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)"}
+# the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
+_WS_TEMPLATE = {4: "0", 5: "16"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
 GMMA_SLOT_PIPES = (6, 7, 8)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_PIPE = 8
@@ -794,9 +791,9 @@ class MoeLayer:
         cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
     def _gmma_launch(self, mode, tier, x, ldx, q0, s0, q1, s1, n_rows, k, out):
-        """One moe_gmma_kernel (moe_gmma_ws_kernel with PIPE 4 / 5 / 9) launch for a hot tier (min, top, tile, pipe,
-        rows, items): its grid rows are the first `rows` slots (or the (slot, chunk) items); slots with min <= count
-        < top run."""
+        """One moe_gmma_kernel (moe_gmma_ws_kernel with PIPE 4 / 5) launch for a hot tier (min, top, tile, pipe, rows,
+        items): its grid rows are the first `rows` slots (or the (slot, chunk) items); slots with min <= count <
+        top run."""
         cuda = _cuda()
         min_count, top, tn, pipe, rows, items = tier
         ws = pipe in GMMA_WS_PIPES

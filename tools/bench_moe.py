@@ -438,9 +438,6 @@ def launch_plans(default_fused_combine: bool):
         ("gmma>=64/256/wsn", dict(gmma_min_tokens=64, gmma_tile=256, gmma_pipe=5)),
         ("tiers64wsn/16ra2", dict(gmma_tiers=[(64, 256, 5), (16, 64, 3)])),
         ("tiers32wsn/8ra2", dict(gmma_tiers=[(32, 256, 5), (8, 64, 3)])),
-        # PIPE 9: PIPE 5 with each chunk's tokens split evenly between the consumers (the T >= 256 tiers with it)
-        ("tiers64wsb", dict(gmma_tiers=[(64, 256, 9)])),
-        ("tiers64wsb/17ra8-32", dict(gmma_tiers=[(64, 256, 9), (17, 32, 8)])),
         ("gmma>=8/ra2", dict(gmma_min_tokens=8, gmma_tile=64, gmma_pipe=3)),
         # hot grids capped at 8 / 16 block rows walking the slots (fewer blocks that find a cold slot and exit)
         ("gmma>=16/ra2/rows8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=3, gmma_grid_rows=8)),

@@ -53,12 +53,11 @@ step bench_moe python3 tools/bench_moe.py --torch --no-variants --plans 'no-gmma
 # T = 2 gate_up without its activation tile fitted to T; the block-level hand-offs through counters at T = 1 (signals,
 # off by default there) and their absence at T = 2..8 (no-signals), signals with down in fewer waves
 step bench_moe_small python3 tools/bench_moe.py --no-variants --tokens 1,2,4,8 --plans 'nopdl,pdl,dn-x3-rg2,flip-comb,route-two,route-blocks,route-warp,comb-late,gu-nofit,signals,no-signals,signals+dn-x3-rg2,signals+dn-xs2-rg2'
-# T = 9..31: PDL with down's early start and the block-level hand-offs (all off there by default; session 35 call 1:
-# T = 16 -9.6 / -2.5 us uniform / skewed), and PDL + early alone
-step bench_moe_mid python3 tools/bench_moe.py --no-variants --tokens 12,16,24,31 --plans 'pdl+early+signals,pdl+early'
-# large T: PDL (off by default from T = 16), each hot expert's tile-token chunks on their own blocks, and the
-# warp-specialized tier with each chunk split evenly between its consumers (PIPE 9; T < 768 / T >= 768 tiers)
-step bench_moe_large python3 tools/bench_moe.py --no-variants --tokens 32,128,256,512,1024 --plans 'pdl,par,tiers64wsb,tiers64wsb/17ra8-32'
+# T = 9..31: PDL with down's early start and the block-level hand-offs (the default up to T = 24 since session 36;
+# H100: -4..-12 us at T = 12..24, T = 31 skewed +5 us) against plain launches and against PDL + early alone
+step bench_moe_mid python3 tools/bench_moe.py --no-variants --tokens 12,16,24,31 --plans 'nopdl,no-signals,pdl+early+signals'
+# large T: PDL (off by default from T = 16), and each hot expert's tile-token chunks on their own blocks
+step bench_moe_large python3 tools/bench_moe.py --no-variants --tokens 32,128,256,512,1024 --plans 'pdl,par'
 # the layer computing the shared expert's bf16 MLP (88 MB) on its side stream, against one stream and the two alone
 step bench_moe_shared python3 tools/bench_moe.py --no-variants --no-plans --shared 1 --tokens 1,2,4,8,16,64,256
 # per-warp timelines (tools/trace_timeline.py: traced kernel builds): the layer + shared MLP at small T, and a 2-layer
