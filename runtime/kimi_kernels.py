@@ -283,7 +283,7 @@ FUSE_COMBINE_MAX_TOKENS = 0
 # start vs plain launches: uniform T = 1 / 2 / 4 / 8 84.2 -> 80.2, 153.1 -> 149.2, 292.1 -> 286.8, 512.9 -> 513.4 us;
 # skewed 84.5 -> 79.6 ... 226.0 -> 222.9 us. From T = 16 PDL alone loses 0-27 us and early start up to 2x (skewed).
 # Above T = 8 they pay only with the block-level hand-offs (signals, below), so the three bounds move together.
-# H100, 2026-12-07 (36), layer graph replay, plain launches (the old default) / PDL + early / PDL + early + signals, us:
+# H100, 2026-12-06 (36), layer graph replay, plain launches (the old default) / PDL + early / PDL + early + signals, us:
 # uniform T = 12 701.6 / 703.5 / 694.1, 16 866.8 / 870.4 / 854.8, 24 1219.2 / 1224.0 / 1213.5, 31 1527.2 / 1533.5 /
 # 1520.7; skewed T = 12 229.5 / 226.9 / 225.3, 16 304.9 / 303.8 / 301.0, 24 380.1 / 383.0 / 378.8, 31 462.6 / 463.8 /
 # 467.6 (session 35: T = 16 893.0 / 883.6 uniform, 312.2 / 309.7 skewed, PDL + early against + signals). T = 25..31
@@ -300,7 +300,7 @@ COMBINE_EARLY_MAX_TOKENS = 4
 # plan allows them. H100, 2026-12-06 (34), layer graph replay, uniform / skewed, us: T = 2 134.2 / 116.7 against
 # 137.8 / 121.5, T = 3 196.1 / 158.2 against 203.0 / 167.2, T = 4 266.7 / 166.9 against 273.7 / 173.9, T = 8
 # 471.9 / 200.7 against 480.7 / 207.5; T = 1 loses: 75.2 / 75.1 against 73.9 / 74.3 (gate_up ends ~2 us later).
-# T = 9..24 with PDL and the early start (PDL_MAX_TOKENS above, 2026-12-07 (36)).
+# T = 9..24 with PDL and the early start (PDL_MAX_TOKENS above, 2026-12-06 (36)).
 SIGNALS_MIN_TOKENS, SIGNALS_MAX_TOKENS = 2, 24
 
 
