@@ -537,8 +537,6 @@ def launch_plans(default_fused_combine: bool):
         ("route-blocks", dict(routing="blocks")),
         ("route-batch", dict(routing="batch")),
         ("route-fused", dict(routing="fused")),
-        # T = 1: gate_up and down route the token themselves (ROUTE variants), gate_up not waiting for the routing
-        ("route-inline", dict(routing="inline")),
         # the combine reads the routing's weights and positions before its dependency wait (the default up to
         # kimi_kernels.COMBINE_EARLY_MAX_TOKENS), or after it
         ("comb-early", dict(combine_early=True)),

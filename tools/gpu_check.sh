@@ -53,8 +53,6 @@ step bench_moe python3 tools/bench_moe.py --torch --no-variants --plans 'no-gmma
 # T = 2 gate_up without its activation tile fitted to T; the block-level hand-offs through counters at T = 1 (signals,
 # off by default there) and their absence at T = 2..8 (no-signals), signals with down in fewer waves
 step bench_moe_small python3 tools/bench_moe.py --no-variants --tokens 1,2,4,8 --plans 'nopdl,pdl,dn-x3-rg2,flip-comb,route-two,route-blocks,route-warp,comb-late,gu-nofit,signals,no-signals,signals+dn-x3-rg2,signals+dn-xs2-rg2'
-# T = 1: gate_up and down routing the token themselves (routing "inline"; bound: the default row's "without routing")
-step bench_moe_inline python3 tools/bench_moe.py --no-variants --tokens 1 --plans 'route-inline' --shared 1
 # T = 9..31: PDL with down's early start and the block-level hand-offs (the default up to T = 24 since session 36;
 # H100: -4..-12 us at T = 12..24, T = 31 skewed +5 us) against plain launches and against PDL + early alone
 step bench_moe_mid python3 tools/bench_moe.py --no-variants --tokens 12,16,24,31 --plans 'nopdl,no-signals,pdl+early+signals'
