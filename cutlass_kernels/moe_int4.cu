@@ -27,19 +27,11 @@
 //   __ldcg reads). Every kernel here calls launch_dependents only after its own wait, keeping that chain.
 //   With signals (block-level hand-offs, below) down's blocks trigger after their counter wait, or at once for an
 //   empty slot: the chain holds, since down itself launches only after routing completed.
-// * ROUTE (T = 1, MoeLayer routing "inline"): gate_up and down route the token themselves from the router logits
-//   (moe_route::inline_slot_expert: the routing kernel's picks, its slot order), so gate_up need not wait for the
-//   routing kernel, which still writes every routing output for the combine and the caller. gate_up lets down in at
-//   once and waits for the routing's grid only before it exits; so when gate_up has completed, the routing has too,
-//   and down (after its wait) and the combine read the routing's outputs as before. The logits and x are read
-//   without a wait: they come from the kernel before the routing, which had completed when the routing let gate_up
-//   in (the routing triggers after its own wait). gate_up's token rows come from kOneTokenRows, not sorted_token.
 #include <cuda_bf16.h>
 #include <cuda/std/type_traits>
 #include <cute/arch/mma_sm80.hpp>
 #include "device_common.cuh"
 #include "int4_dequant.cuh"
-#include "moe_route_common.cuh"
 
 namespace moe_int4 {
 
@@ -76,9 +68,6 @@ __device__ __forceinline__ void dependency_wait() {
   ddtree::grid_dependency_wait();
   ddtree::launch_dependents();
 }
-
-// With one token, sorted position p holds token 0 for every p < topk (the grouping's sorted_token at T = 1).
-__device__ const int kOneTokenRows[moe_route::kMaxTopk] = {};
 
 constexpr int kUnit = 64;        // K columns per 16-byte lane load
 constexpr int kSuper = 512;      // K columns per scale superblock
@@ -583,7 +572,7 @@ __device__ __forceinline__ void combine4(const uint16_t* __restrict__ down_out, 
 // waits for the routing's grid.
 // Minimum blocks per SM: 1 for the register rings (room for their buffers); FIT 4 (<= 128 registers at 128 threads:
 // what puts T = 2's gate_up in one wave).
-template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1, int FIT = 0, int ROUTE = 0>
+template <int MODE, int RB, int WN, int KS, int NTMAX, int STAGES, int XS = 0, int RG = 1, int FIT = 0>
 __global__ void __launch_bounds__(32 * WN * KS, FIT ? 4 : STAGES == 1 || STAGES < 0 ? 1 : 0)
 moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
@@ -594,32 +583,19 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
                  void* __restrict__ out, int early,
                  const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                  const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int* __restrict__ tickets,
-                 int T, int topk, int* __restrict__ signals, int signal_target,
-                 const float* __restrict__ route_logits, const float* __restrict__ route_bias, int route_E) {
+                 int T, int topk, int* __restrict__ signals, int signal_target) {
   DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGateUp : ddtree::kTraceMoeDown);
   using namespace moe_int4;
   static_assert(MODE == 1 || RB % 2 == 0, "gate_up pairs gate and up row blocks");
   static_assert(NTMAX == 1 || NTMAX == 2 || NTMAX == 4, "token tiles per chunk: 1, 2 or 4");
   static_assert(!FIT || (XS && NTMAX == 1), "FIT: staged activations (XS), one 8-token tile");
   constexpr int RBM = MODE == 0 ? RB / 2 : RB;   // row blocks per matrix
-  static_assert(!ROUTE || (NTMAX == 1 && !FIT), "ROUTE: one token");
   const bool pre = MODE == 1 && early != 0;      // read the slot and start the weights before the wait
-  if (ROUTE && MODE == 0) ddtree::launch_dependents();   // ROUTE: gate_up waits for the routing's grid at its end
-  else if (!pre) dependency_wait();
+  if (!pre) dependency_wait();
   const int slot = blockIdx.y;
-  int expert, count, offset;
-  const int* tokens = sorted_token;
-  if constexpr (ROUTE) {   // T = 1: the block routes the token itself (header: "ROUTE")
-    __shared__ moe_route::InlinePick pick;
-    expert = moe_route::inline_slot_expert<32 * WN * KS>(route_logits, route_bias, route_E, topk, slot, pick);
-    count = 1;
-    offset = slot;
-    tokens = kOneTokenRows;   // not the routing's sorted_token: it may still be writing it
-  } else {
-    expert = pre ? __ldcg(slot_expert + slot) : slot_expert[slot];
-    count = pre ? __ldcg(slot_count + slot) : slot_count[slot];
-    offset = pre ? __ldcg(slot_offset + slot) : slot_offset[slot];
-  }
+  const int expert = pre ? __ldcg(slot_expert + slot) : slot_expert[slot];
+  const int count = pre ? __ldcg(slot_count + slot) : slot_count[slot];
+  const int offset = pre ? __ldcg(slot_offset + slot) : slot_offset[slot];
 
   if (expert >= 0) {   // routing gives every used slot count >= 1
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -653,7 +629,7 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     auto chunk = [&](auto nt) {   // one chunk of 8 nt tokens from c0 on
       constexpr int NT = decltype(nt)::value;
       gemm_chunk<MODE, RB, WN, KS, NT, STAGES, XS, RG, FIT>(x, ldx, wp, sp, n_rows, k, u0, u1, rb0, c0, count,
-                                                            offset, tokens, out, red, ring, moe_ring,
+                                                            offset, sorted_token, out, red, ring, moe_ring,
                                                             wait_first, groups, WN * RBM, min(8, T),
                                                             MODE == 1 && signals ? signals + slot : nullptr,
                                                             signal_target);
@@ -680,7 +656,6 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
     if (MODE == 1) ddtree::signal_arrive(signals + gridDim.y);
     else if (expert >= 0) ddtree::signal_arrive(signals + slot);
   }
-  if (ROUTE && MODE == 0) ddtree::grid_dependency_wait();   // this grid completes after the routing's (header)
 
   if constexpr (MODE == 1) {
     if (y == nullptr) return;

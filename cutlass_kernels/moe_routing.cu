@@ -23,7 +23,6 @@
 // correction bias (a weight) may be read before. The next kernel is let in at once (launch_dependents):
 // its blocks wait in their own grid_dependency_wait until this grid has finished.
 #include "device_common.cuh"
-#include "moe_route_common.cuh"
 
 #define MAX_EXPERTS_PER_LANE 16   // experts <= 512
 #define MAX_TOPK 16
@@ -326,6 +325,15 @@ struct RouteSmem {
   int pick_e[NT == 1 ? MAX_TOPK : 32];   // pick r of token t at t * topk + r
   float pick_w[NT == 1 ? MAX_TOPK : 32];
 };
+// Each expert gets a 64-bit key: its choice value mapped to an unsigned integer in the same order (+0 and -0 made
+// equal first; -0 cannot arise from sigmoid + bias anyway), over ~e, so a larger key is a larger value or, on a
+// tie, a lower index: the order route_token's argmax rounds pick in. Experts past E get keys below every real one
+// (high word 0), so every key is distinct and every rank a permutation.
+__device__ __forceinline__ unsigned long long route_key(float choice, int e) {
+  unsigned u = __float_as_uint(choice + 0.0f);   // -0 + +0 = +0: equal values, equal keys
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ((unsigned long long)u << 32) | (0xffffffffu - (unsigned)e);
+}
 // Routes tokens tok0 .. tok0 + nt - 1 (nt <= NT; NT > 1: nt * topk <= 32) with the whole block (thread e = expert e),
 // as route_token does each with a warp:
 //   group limit (n_group > 1): thread (t, g) sums token t's group g's two best choice values, then ranks it among
@@ -390,7 +398,7 @@ __device__ __forceinline__ void route_tokens_block(const float* __restrict__ log
   unsigned long long key[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
-    key[t] = e < E ? moe_route::key(choice[t], e) : moe_route::pad_key(e);
+    key[t] = e < E ? route_key(choice[t], e) : 0xffffffffull - (unsigned)e;
     if (t < nt) sm.key[t][e] = key[t];
   }
   __syncwarp();
@@ -415,7 +423,7 @@ __device__ __forceinline__ void route_tokens_block(const float* __restrict__ log
     int rank = 0;
     for (int j = 0; j < cands; ++j) rank += sm.key[t][j] > ck;
     if (rank < topk) {
-      const int pe = moe_route::key_expert(ck);
+      const int pe = (int)(0xffffffffu - (unsigned)ck);
       sm.pick_e[t * topk + rank] = pe;
       sm.pick_w[t * topk + rank] = sm.score[t][pe];
     }

@@ -374,8 +374,6 @@ MOE_GEMM_VARIANTS = tuple(
                  "2, 4, 1, 1, 1, 4", "2, 4, 1, 2, 1, 4", "2, 4, 1, 4, 1, 4", "2, 2, 1, 2, 1, 2", "2, 4, 1, 2, 1, 2",
                  # RG: each warp streams RG row groups back to back (one pipeline fill per RG groups)
                  "2, 4, 1, 1, 1, 0, 2") + (
-        # ROUTE: T = 1's defaults routing the token themselves (MoeLayer routing "inline")
-        ("2, 4, 1, 1, -3, 1, 1, 0, 1",) if mode else ("2, 4, 1, 1, 1, 0, 1, 0, 1",)) + (
         ("2, 4, 1, 2, 1, 1", "2, 4, 1, 4, 1, 1", "2, 4, 1, 2, 1, 0, 4", "2, 4, 1, 2, 1, 1, 2", "2, 4, 1, 2, 1, 1, 4",
          "2, 4, 1, 1, 1, 1, 4",
          # STAGES -3: three register buffers (two steps in flight per warp), with XS: down at T = 1; with two row

@@ -228,10 +228,10 @@ DEFAULT_VARIANTS = {
 
 
 def variant_params(entry: str) -> tuple[int, ...]:
-    """"moe_w4a16_kernel<0, 2, 4, 1, 1, 3>" -> (MODE, RB, WN, KS, NTMAX, STAGES, XS, RG, FIT, ROUTE); the template's
-    defaults XS = 0, RG = 1, FIT = 0, ROUTE = 0 where the name leaves them out."""
+    """"moe_w4a16_kernel<0, 2, 4, 1, 1, 3>" -> (MODE, RB, WN, KS, NTMAX, STAGES, XS, RG, FIT); the template's
+    defaults XS = 0, RG = 1, FIT = 0 where the name leaves them out."""
     params = tuple(int(v) for v in entry[entry.index("<") + 1:entry.index(">")].split(","))
-    return params + (0, 1, 0, 0)[len(params) - 6:]
+    return params + (0, 1, 0)[len(params) - 6:]
 
 
 def moe_smem_bytes(entry: str, k: int, tokens: int) -> int:
@@ -239,7 +239,7 @@ def moe_smem_bytes(entry: str, k: int, tokens: int) -> int:
     ring (STAGES x 5 RB x 32 lanes x 16 B; none for the register pipelines, STAGES 0, 1 and -D), or with XS the
     activation tile of one token chunk: 8 NTMAX rows (FIT: min(8, tokens)) of k bf16 (XS 1), or of two K pieces of
     k / XS (XS > 1: one read, the next copied)."""
-    _, rb, wn, ks, ntmax, stages, xs, _, fit, _ = variant_params(entry)
+    _, rb, wn, ks, ntmax, stages, xs, _, fit = variant_params(entry)
     if xs:
         row_width = k if xs == 1 else 2 * (k // xs)
         return (min(8, tokens) if fit else 8 * ntmax) * row_width * 2
@@ -253,21 +253,14 @@ def moe_smem_bytes(entry: str, k: int, tokens: int) -> int:
 #     which also groups the picks (warp 0): no ticket, no group_block;
 #   "warp-one": moe_route_one_kernel, T = 1 only, one warp picking the topk experts one after another;
 #   "fused": moe_route_kernel, a warp per token (route_token), the last block groups;
-#   "two": moe_topk_kernel (a warp per token) then moe_group_kernel;
-#   "inline": T = 1 without a group limit: moe_route_blocks_kernel still writes every routing output, but gate_up
-#     and down (the INLINE_VARIANTS, template ROUTE = 1) route the token themselves from the logits, so gate_up starts
-#     without waiting for the routing kernel (moe_int4.cu, "ROUTE"). A/B; bench_moe's default row times the layer
-#     without its routing: H100, 2026-12-06 (36), T = 1 71.2 / 70.0 us against 74.2 / 73.3 (uniform), 71.5 / 72.8
-#     against 74.6 / 75.4 (skewed), the bound for this.
+#   "two": moe_topk_kernel (a warp per token) then moe_group_kernel.
 # Default (default_routing): "blocks" at T = 1, "batch" for 2..ROUTE_BATCH_TOKENS tokens (where T x topk <= 32),
 # "blocks" up to ROUTE_BLOCKS_MAX_TOKENS tokens (the largest T measured), else "two".
 # H100, 2026-12-06 (33), layer graph replay, uniform / skewed: T = 1 blocks 72.7 / 74.5 us against warp-one
 # 75.1 / 77.0 and two 77.0 / 79.2 (the routing kernel 2.3 us against 5.1, traced); T = 2..64 blocks faster than
 # two by 1.3-3.7 us and than fused by 1.1-22.9 us at every T. (34): batch against blocks, T = 1 75.1 / 75.2 against
 # 74.2 / 74.5, T = 2 140.6 / 124.5 against 141.9 / 125.8, T = 4 274.1 / 173.9 against 274.4 / 173.4.
-ROUTINGS = ("blocks", "batch", "warp-one", "fused", "two", "inline")
-# routing "inline": T = 1's default variants with ROUTE = 1 (registered in cutlass_kernels/registry.py)
-INLINE_VARIANTS = ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 0, 1, 0, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1, 1, 0, 1>")
+ROUTINGS = ("blocks", "batch", "warp-one", "fused", "two")
 ROUTE_BLOCKS_MAX_TOKENS = 64
 ROUTE_BATCH_TOKENS = 4   # moe_routing.cu kRouteBatchTokens
 
@@ -662,22 +655,16 @@ class MoeLayer:
         self.route_ticket = cuda.empty((1,), np.int32).fill_bytes(0)
         self.x_slot = None   # the slot-ordered copy of x (made below where a hot tier runs PIPE 6-8)
         self.routing = default_routing(T, topk) if routing is None else routing
-        inline = self.routing == "inline"
-        if (self.routing not in ROUTINGS or (self.routing in ("warp-one", "inline") and T != 1)
-                or (self.routing == "batch" and (T > ROUTE_BATCH_TOKENS or T * topk > 32))
-                or (inline and (n_group > 1 or tiers))):
+        if (self.routing not in ROUTINGS or (self.routing == "warp-one" and T != 1)
+                or (self.routing == "batch" and (T > ROUTE_BATCH_TOKENS or T * topk > 32))):
             raise ValueError(f"routing={self.routing!r} at T = {T}, topk = {topk}: one of {ROUTINGS} ('warp-one' "
-                             f"routes one token, 'inline' one token without a group limit or hot tiers, 'batch' up "
-                             f"to {ROUTE_BATCH_TOKENS} and 32 picks)")
+                             f"routes one token, 'batch' up to {ROUTE_BATCH_TOKENS} and 32 picks)")
         self.fuse_combine = T <= FUSE_COMBINE_MAX_TOKENS if fuse_combine is None else bool(fuse_combine)
         self.early = bool(early)
         self.combine_early = bool(combine_early)
         # signals: block-level hand-offs gate_up -> down -> combine through counters (moe_int4.cu), zeroed by the
         # routing kernel; one per slot (gate_up's arrivals) and one for down's
-        gu_entry, dn_entry = variants or (INLINE_VARIANTS if inline else default_variants(T, w.hidden))
-        if any(bool(variant_params(v)[9]) != inline for v in (gu_entry, dn_entry)):
-            raise ValueError(f"variants {gu_entry}, {dn_entry}: routing 'inline' takes the ROUTE = 1 variants "
-                             f"(e.g. {INLINE_VARIANTS}), the other routings the others")
+        gu_entry, dn_entry = variants or default_variants(T, w.hidden)
         signals_fit = (pdl and self.early and self.routing in ("blocks", "batch") and not self.fuse_combine
                        and not tiers and variant_params(dn_entry)[6] > 0)
         if signals is None:
@@ -699,7 +686,7 @@ class MoeLayer:
             route_launches = [cuda.get_kernel("moe_routing", "moe_route_one_kernel").prepare((1,), (32,), [
                 self.logits, self.bias, I32(E), I32(topk), I32(n_group), I32(topk_group), I32(int(norm_topk_prob)),
                 F32(routed_scaling_factor), self.topk_ids, self.topk_w, *group_outs])]
-        elif self.routing in ("blocks", "inline"):   # inline: the routing outputs for the combine and the caller
+        elif self.routing == "blocks":
             route_k = cuda.get_kernel("moe_routing", "moe_route_blocks_kernel")
             smem = group_smem if T > 1 else 0
             if smem:   # beside the kernel's ~8 KB of static shared memory
@@ -832,7 +819,7 @@ class MoeLayer:
         counts: the slot token counts it reads (default the routing's; with the wgmma path, the cold ones).
         With the layer's signals: gate_up arrives per slot, down waits for signal_target arrivals there."""
         cuda = _cuda()
-        mode, rb, wn, ks, _, stages, xs, rg, _, route = variant_params(entry)
+        mode, rb, wn, ks, _, stages, xs, rg, _ = variant_params(entry)
         rbm = rb // 2 if mode == 0 else rb
         block_rows = 16 * rbm * wn * rg
         if n_rows % block_rows or k % 512:
@@ -857,14 +844,13 @@ class MoeLayer:
             self._combine_tickets = tickets
             tail = [self.topk_w, self.assign_pos, self.shared if self.shared is not None else null, self.y, tickets,
                     I32(self.T), I32(self.topk)]
-        else:   # T for FIT's activation rows, topk for ROUTE
-            tail = [null, null, null, null, null, I32(self.T), I32(self.topk)]
+        else:   # T for FIT's activation rows
+            tail = [null, null, null, null, null, I32(self.T), I32(0)]
         signal_args = [self.signal_counts, I32(signal_target)] if self.signals else [null, I32(0)]
-        route_args = [self.logits, self.bias, I32(self.E)] if route else [null, null, I32(0)]
         return kernel.prepare(grid, (32 * wn * ks,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset,
             self.slot_count if counts is None else counts, self.sorted_token, out, I32(int(early)), *tail,
-            *signal_args, *route_args], smem=smem)
+            *signal_args], smem=smem)
 
     def forward(self, stream=None, stages=None):
         """Launch the layer (or only the named stages, in order on `stream`: 'shared', 'route', 'x_hot',

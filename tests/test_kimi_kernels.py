@@ -476,9 +476,8 @@ def test_moe_layer_small(cuda_device, T, E, hidden, inter, variants):
 def _variant_pairs():
     """(gate_up, down) pairs covering every registry variant: each gate_up with the down of the same
     parameters, each down without such a twin with the first gate_up."""
-    from runtime.kimi_kernels import INLINE_VARIANTS   # (T = 1 with routing "inline": test_moe_inline_routing)
-    gate_up = [v for v in MOE_GEMM_VARIANTS if v.startswith("moe_w4a16_kernel<0") and v not in INLINE_VARIANTS]
-    down = [v for v in MOE_GEMM_VARIANTS if v.startswith("moe_w4a16_kernel<1") and v not in INLINE_VARIANTS]
+    gate_up = [v for v in MOE_GEMM_VARIANTS if v.startswith("moe_w4a16_kernel<0")]
+    down = [v for v in MOE_GEMM_VARIANTS if v.startswith("moe_w4a16_kernel<1")]
     twin = {v: v.replace("<0", "<1", 1) for v in gate_up}
     return ([(g, twin[g] if twin[g] in down else down[0]) for g in gate_up] +
             [(gate_up[0], d) for d in down if d not in twin.values()])
@@ -610,47 +609,6 @@ def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **laye
         assert_close(outs[-1], want, f"MoE T={T} E={E} {layer.variants} {layer_options} run {run}", dtype="bf16",
                      rtol=RTOL, atol=RTOL, scale="mean", slack=slack)
         np.testing.assert_array_equal(outs[-1], outs[0], err_msg=f"run {run} differs from run 0")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("E,topk,hidden,inter", [(384, 8, 1024, 512), (300, 6, 1024, 512), (16, 4, 1024, 512)])
-def test_moe_inline_routing(cuda_device, E, topk, hidden, inter):
-    """T = 1 with gate_up and down routing the token themselves (routing "inline", the ROUTE variants): the same
-    output bits as the "blocks" routing's plan and its routing outputs, over eager launches with new logits (an exact
-    tie in the last), PDL on and off, the folded combine, and graph replay with PDL; E = 300 and 16: a part group of
-    32."""
-    from runtime import cuda
-    from runtime.kimi_kernels import MoeLayer
-    rng = np.random.default_rng(E + topk)
-    dense, w = make_moe(rng, E, hidden, inter)
-    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
-    bias[9] = bias[5]
-    base = MoeLayer(w, 1, bias, topk=topk, routing="blocks")
-    plans = [dict(), dict(pdl=False, early=False), dict(fuse_combine=True)]
-    layers = [MoeLayer(w, 1, bias, topk=topk, routing="inline", **plan) for plan in plans]
-    outs = ("y", "topk_ids", "topk_w", "slot_expert", "slot_offset", "slot_count", "sorted_token", "assign_pos")
-    for trial in range(3):
-        x = to_bf16(round_bf16(rng.standard_normal((1, hidden)).astype(np.float32)))
-        logits = rng.standard_normal((1, E)).astype(np.float32)
-        if trial == 2:
-            logits[:, 5] = logits[:, 9]   # an exact tie: the lower expert id wins, in every block's own pick too
-        for layer in [base] + layers:
-            layer.x.upload(x)
-            layer.logits.upload(logits)
-            for name in ("h", "down_out", *outs):
-                getattr(layer, name).fill_bytes(0xFF)
-            layer.forward()
-        cuda.default_stream().synchronize()
-        for plan, layer in zip(plans, layers):
-            for name in outs:
-                np.testing.assert_array_equal(getattr(layer, name).download(), getattr(base, name).download(),
-                                              err_msg=f"{name}, plan {plan}, trial {trial}")
-        ids, wts = ref.route(logits, bias, topk)
-        want, slack = ref.moe(from_bf16(x), ids, wts, dense["gate"], dense["up"], dense["down"], with_slack=True)
-        assert_close(base.y.download(), want, f"blocks routing, trial {trial}", dtype="bf16", rtol=RTOL, atol=RTOL,
-                     scale="mean", slack=slack)
-    layer = MoeLayer(w, 1, np.zeros(E, np.float32), topk=topk, routing="inline", pdl=True)
-    _check_graph_replay(layer, dense, rng, T=1, E=E, hidden=hidden, topk=topk, trials=3)
 
 
 @pytest.mark.gpu
