@@ -59,14 +59,16 @@ def _records(rows):
 
 
 def test_stalls_per_warp_of_a_block():
-    """Two blocks of a warp-specialized launch: warp 0 (producer) waits 10% / 30% of its cycles, warp 1 (consumer)
-    60% / 80%; a launch with no stall counts gets no line."""
+    """Two working blocks of a warp-specialized launch: warp 0 (producer) waits 10% / 30% of its cycles, warp 1
+    (consumer) 60% / 80%; three blocks that left at once (no waits, few cycles) do not pull the shares to 0; a
+    launch with no stall counts gets no line."""
     rows = [(0, 0, 10, 5, 49, 0, 0, 0, 100, 1000), (0, 0, 10, 5, 49, 0, 0, 1, 600, 1000),
             (0, 0, 10, 5, 49, 1, 1, 0, 300, 1000), (0, 0, 10, 5, 49, 1, 1, 1, 800, 1000),
+            *[(0, 0, 1, 5, 49, 2, b, w, 0, 10) for b in (2, 3, 4) for w in (0, 1)],
             (20, 0, 30, 6, 46, 0, 0, 0)]
     traces = trace.launches(_records(rows))
     lines = trace.stalls(traces).splitlines()
-    assert len(lines) == 1 and "moe_gmma_ws_gate_up" in lines[0] and lines[0].endswith("0:20% 1:70%")
+    assert len(lines) == 1 and "moe_gmma_ws_gate_up" in lines[0] and lines[0].endswith("0:20% 1:69%")
     assert trace.stalls(traces[1:]) == ""
 
 
