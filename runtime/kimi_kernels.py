@@ -286,8 +286,9 @@ FUSE_COMBINE_MAX_TOKENS = 0
 # H100, 2026-12-06 (36), layer graph replay, plain launches (the old default) / PDL + early / PDL + early + signals, us:
 # uniform T = 12 701.6 / 703.5 / 694.1, 16 866.8 / 870.4 / 854.8, 24 1219.2 / 1224.0 / 1213.5, 31 1527.2 / 1533.5 /
 # 1520.7; skewed T = 12 229.5 / 226.9 / 225.3, 16 304.9 / 303.8 / 301.0, 24 380.1 / 383.0 / 378.8, 31 462.6 / 463.8 /
-# 467.6 (session 35: T = 16 893.0 / 883.6 uniform, 312.2 / 309.7 skewed, PDL + early against + signals). T = 25..31
-# stays plain: skewed T = 31 loses 5 us.
+# 467.6 (session 35: T = 16 893.0 / 883.6 uniform, 312.2 / 309.7 skewed, PDL + early against + signals; session 36's
+# call 3, the new default against plain at T = 16 / 24: uniform 882.2 / 1249.8 against 892.7 / 1251.7, skewed 309.4 /
+# 388.5 against 312.7 / 388.5). T = 25..31 stays plain: skewed T = 31 loses 5 us.
 PDL_MAX_TOKENS = 24
 EARLY_MAX_TOKENS = 24
 # moe_combine_kernel reads the routing weights and positions before its dependency wait (they were written three
