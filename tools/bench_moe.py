@@ -213,7 +213,8 @@ def main(argv=None):
                     f"{st['down'] * 1e3:.1f} combine {st['combine'] * 1e3:.1f} us (hot + rest) "
                     f"[{layer.variants[0][16:]}, {layer.variants[1][16:]}] {len(names)} launches"
                     f"{' (combine in down)' if layer.fuse_combine else ''}"
-                    f" | without routing {st['without route'] * 1e3:.1f} us")
+                    f" | without routing{' (nor signals)' if layer.signals else ''} "
+                    f"{st['without route'] * 1e3:.1f} us")
             tt = torch_times.get(f"{kind}/{T}")
             if tt is not None:
                 line += (f" | torch bf16 loop {tt[0] * 1e3:.0f} us ({tt[1] / (tt[0] * 1e-3) / 1e12:.2f} TB/s), "
@@ -322,10 +323,10 @@ def time_plan(weights, T, E, x, logits, plan, iters, one_stream=False, without_r
     eager launch time would be the host's launch overhead for the small kernels); one_stream: also every stage in
     order on one stream, as the stage "one stream" (no side-stream branches); without_route: also the stages after
     the routing in one graph, on the routing outputs of an earlier forward, as the stage "without route" (what the
-    layer would take if its routing cost nothing: a bound for moving the routing into the GEMMs). Own stream; the
-    runtime holds back
-    frees and graph destroys while a capture is open (they would invalidate it), and garbage collection is off
-    around the captures besides, so that no other finalizer runs inside one."""
+    layer would take if its routing cost nothing: a bound for moving the routing into the GEMMs; from the plan
+    without signals where it has them, as the stages alone). Own stream; the runtime holds back frees and graph
+    destroys while a capture is open (they would invalidate it), and garbage collection is off around the captures
+    besides, so that no other finalizer runs inside one."""
     import gc
     from runtime import cuda
     from runtime.bf16 import to_bf16
