@@ -132,9 +132,12 @@ enum TraceCode : unsigned {
   kTraceMlaAttention = 60, kTraceMlaCombine = 61, kTraceMlaHeadGemm = 62, kTraceMlaAttentionGmma = 63,
 };
 #if DDTREE_TRACE
-constexpr int kTraceHeaderWords = 8, kTraceSms = 256, kTraceWarpSlots = 64, kTraceSlotWords = 4, kTraceRecordWords = 7;
-// where the records start: past the header and the table (runtime/cuda/trace.py computes the same)
-constexpr int kTraceRecordsAt = kTraceHeaderWords + kTraceSlotWords * kTraceSms * kTraceWarpSlots;
+// (runtime/cuda/trace.py reads these numbers from this declaration; kTraceRecordsAt: where the records start, past
+// the header and the table, written out so that the host reads the number the device uses)
+constexpr int kTraceHeaderWords = 8, kTraceSms = 256, kTraceWarpSlots = 64, kTraceSlotWords = 4, kTraceRecordWords = 7,
+              kTraceRecordsAt = 65544;
+static_assert(kTraceRecordsAt == kTraceHeaderWords + kTraceSlotWords * kTraceSms * kTraceWarpSlots,
+              "the records start past the header and the whole per-warp-slot table");
 }  // namespace ddtree
 extern "C" {
 __device__ unsigned long long* ddtree_trace_buffer;   // set by the host after the module loads; null: off

@@ -634,7 +634,7 @@ def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
         plans += [dict(signals=True), dict(signals=True, routing="blocks"), dict(signals=True, combine_early=False),
                   dict(signals=True, variants=(default_variants(T, hidden)[0],   # down: two row groups per warp
                                                "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1, 2>"))]
-    else:   # the hand-offs above T = 8 (with PDL and down's early start, off by default there)
+    else:   # the hand-offs above T = 8 (with PDL and down's early start: the default up to T = 24 since session 36)
         plans += [dict(pdl=True, early=True, signals=True)]
     outs = []
     for plan in plans:

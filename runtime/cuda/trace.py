@@ -36,27 +36,14 @@ def _snake(camel: str) -> str:
 
 
 def header_constants(text: str | None = None) -> dict[str, int]:
-    """device_common.cuh's kTraceHeaderWords / kTraceSms / kTraceWarpSlots / kTraceSlotWords / kTraceRecordWords,
-    by name without the kTrace prefix (HeaderWords, Sms, WarpSlots, SlotWords, RecordWords)."""
+    """device_common.cuh's kTraceHeaderWords / kTraceSms / kTraceWarpSlots / kTraceSlotWords / kTraceRecordWords /
+    kTraceRecordsAt, by name without the kTrace prefix (HeaderWords, Sms, WarpSlots, SlotWords, RecordWords,
+    RecordsAt: the word where the records start, which a static_assert there ties to the others)."""
     text = _HEADER.read_text() if text is None else text
     m = re.search(r"constexpr int (kTraceHeaderWords[^;]*);", text)
     if m is None:
         raise ValueError(f"{_HEADER}: no kTraceHeaderWords line")
     return {name: int(v) for name, v in re.findall(r"kTrace(\w+) = (\d+)", m.group(1))}
-
-
-def records_at(text: str | None = None) -> int:
-    """The u64 word where the records start: device_common.cuh's kTraceRecordsAt (the header, then the per-warp-slot
-    table), evaluated from its own expression over header_constants, so that host and device cannot disagree."""
-    text = _HEADER.read_text() if text is None else text
-    m = re.search(r"constexpr int kTraceRecordsAt = ([^;]*);", text)
-    if m is None:
-        raise ValueError(f"{_HEADER}: no kTraceRecordsAt line")
-    k = header_constants(text)
-    terms = [[f.strip() for f in term.split("*")] for term in m.group(1).split("+")]
-    if not all(re.fullmatch(r"kTrace\w+", f) and f[6:] in k for t in terms for f in t):
-        raise ValueError(f"{_HEADER}: kTraceRecordsAt is not a sum of products of the trace constants")
-    return sum(int(np.prod([k[f[6:]] for f in t])) for t in terms)
 
 
 def trace_codes(text: str | None = None) -> dict[int, str]:
@@ -85,7 +72,7 @@ class TraceBuffer:
                             "DDTREE_TRACE=1 (runtime/cuda/trace.py)")
         k = header_constants()
         self.capacity = int(capacity)
-        self._records_at = records_at()
+        self._records_at = k["RecordsAt"]
         self._record_words = k["RecordWords"]
         self.words = memory.empty((self._records_at + self._record_words * self.capacity,), np.uint64)
         header = np.zeros(self._records_at, np.uint64)
