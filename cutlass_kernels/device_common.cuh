@@ -118,6 +118,20 @@ __device__ __forceinline__ uint64_t window_visible64(int p0, int prefix, int end
 #ifndef DDTREE_TRACE
 #define DDTREE_TRACE 0
 #endif
+// The spans a traced build counts in each warp's stall word (NVRTC option -DDDTREE_TRACE_STALLS=mask, from the
+// environment's DDTREE_TRACE_STALLS): a mask of TraceStallSite, the mbarrier ring waits unless set. One mask per
+// build, so one run answers "what share of each warp's cycles goes to these sites" without mixing them.
+#ifndef DDTREE_TRACE_STALLS
+#define DDTREE_TRACE_STALLS 1
+#endif
+enum TraceStallSite : unsigned {
+  kStallRing = 1,        // moe_gmma_ws_kernel: the W ring's mbarrier waits (producer: free buffers; consumers: full)
+  kStallXWait = 2,       // its consumers' cp.async wait for their x stage (and the proxy fence after it)
+  kStallBarrier = 4,     // its consumers' named barrier per stage
+  kStallMmaWait = 8,     // its consumers' wgmma wait for the previous stage's batch
+  kStallPublish = 16,    // its producer's proxy fence and full-barrier arrive after each stage's stores
+  kStallDequant = 32,    // its producer's dequantization and shared stores (work, not a wait)
+};
 // What each instrumented kernel passes to DDTREE_TRACE_WARP: runtime/cuda/trace.py reads the names from here.
 enum TraceCode : unsigned {
   kTraceEmbedding = 1, kTraceRmsnorm = 2, kTraceRope = 3, kTraceRopeQkvCache = 4, kTraceSwiglu = 5, kTraceAdd = 6,
@@ -209,16 +223,24 @@ __device__ __forceinline__ void trace_wait_done() {
     if (slot[1] == 0) slot[1] = trace_now();
   }
 }
-// A wait on other warps of the block: t0 = trace_stall_begin() before it, trace_stall_end(t0) after it (lane 0's
-// cycles in between join the warp's stall count).
-__device__ __forceinline__ long long trace_stall_begin() { return ddtree_trace_buffer != nullptr ? clock64() : 0; }
+// A bracketed span of site SITE: t0 = trace_stall_begin<SITE>() before it, trace_stall_end<SITE>(t0) after it (lane
+// 0's cycles in between join the warp's stall count) when the build counts that site (DDTREE_TRACE_STALLS).
+template <unsigned SITE>
+__device__ __forceinline__ long long trace_stall_begin() {
+  if constexpr ((DDTREE_TRACE_STALLS & SITE) != 0) return ddtree_trace_buffer != nullptr ? clock64() : 0;
+  return 0;
+}
+template <unsigned SITE>
 __device__ __forceinline__ void trace_stall_end(long long t0) {
-  if (ddtree_trace_buffer != nullptr && trace_lane0()) trace_warp_slot(trace_smid())[3] += clock64() - t0;
+  if constexpr ((DDTREE_TRACE_STALLS & SITE) != 0)
+    if (ddtree_trace_buffer != nullptr && trace_lane0()) trace_warp_slot(trace_smid())[3] += clock64() - t0;
 }
 #define DDTREE_TRACE_WARP(code) const ::ddtree::TraceWarp ddtree_trace_warp_(code)
 #else
 __device__ __forceinline__ void trace_wait_done() {}
+template <unsigned SITE>
 __device__ __forceinline__ long long trace_stall_begin() { return 0; }
+template <unsigned SITE>
 __device__ __forceinline__ void trace_stall_end(long long) {}
 #define DDTREE_TRACE_WARP(code) \
   do {                          \

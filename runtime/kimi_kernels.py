@@ -313,8 +313,10 @@ SIGNALS_MIN_TOKENS, SIGNALS_MAX_TOKENS = 2, 24
 # highest priority gained nothing: T = 2 171.7, T = 8 518.1 us.) Since the signals and the batch routing the fork after
 # the routing wins at T = 2..4 (H100, layer + shared MLP, after the routing / at the start, us): 2026-12-06 (34)
 # T = 2 uniform 158.0 / 165.1, skewed 143.7 / 150.7; (35) uniform T = 2 163.7 / 164.6, T = 4 297.7 / 301.2. T = 8 was
-# last timed in (31), where the start won.
-SHARED_FORK_ROUTE_MAX_TOKENS = 4
+# last timed in (31), where the start won. With the signals to T = 24 the fork after the routing wins there too
+# (H100, after the routing / at the start, us): (36) T = 8 uniform 497.2 / 499.7, skewed 228.6 / 231.1; (37) uniform
+# T = 8 / 16 / 24 509.6 / 513.2, 909.7 / 911.5, 1281.7 / 1283.2, skewed 233.3 / 236.5, 344.0 / 344.8, 422.9 / 425.7.
+SHARED_FORK_ROUTE_MAX_TOKENS = 24
 
 
 def default_shared_fork(T: int) -> str:
@@ -374,9 +376,15 @@ GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks
               4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
               7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)",
-              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)"}
-# the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
-_WS_TEMPLATE = {4: "0", 5: "16"}
+              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)",
+              10: "PIPE 5 with 6 W buffers (256-token tiles)",
+              11: "PIPE 5 with 6 W buffers and the offset-free dequantization (256-token tiles)",
+              12: "PIPE 5 with the offset-free dequantization (256-token tiles)"}
+# 10 / 11 / 12: PIPE 5 with a 6-buffer W ring / a 6-buffer ring and the producer's offset-free dequantization / the
+# offset-free dequantization alone (256-token tiles).
+# the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP, W stages, LEAN)
+_WS_TEMPLATE = {4: "0, 4, false", 5: "16, 4, false", 10: "16, 6, false", 11: "16, 6, true", 12: "16, 4, true"}
+_WS_STAGES = {pipe: int(tail.split(", ")[1]) for pipe, tail in _WS_TEMPLATE.items()}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
 GMMA_SLOT_PIPES = (6, 7, 8)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_PIPE = 8
@@ -387,7 +395,8 @@ def _pipe_takes_tile(pipe: int, tile: int) -> bool:
     """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 for 32/64, the
     warp-specialized 4/5 for 128/256."""
     return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64)
-                or (pipe in GMMA_WS_PIPES and tile < 128) or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
+                or (pipe in GMMA_WS_PIPES and tile < 128) or (pipe in (10, 11, 12) and tile != 256)
+                or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
@@ -395,8 +404,9 @@ def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6 (and 7
     at 128-token tiles), 8 for PIPE 7 at 32 / 64, those and PIPE 8's weight ring for PIPE 8; PIPE 4 / 5 below), or
     the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
-    if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
-        return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
+    if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: W stages, 4 x buffers per consumer half, 2 mbarriers a stage
+        stages = _WS_STAGES[pipe]
+        return 1024 + stages * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * stages * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
         buffers = 8 if pipe in (7, 8) and tile <= 64 else 6 if pipe in GMMA_SLOT_PIPES else 4

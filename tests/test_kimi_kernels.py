@@ -556,7 +556,10 @@ def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
     (300, 16, [(64, 256, 5), (16, 64, 3)], False, True),
     (200, 16, [(64, 128, 7), (16, 64, 8)], False, True),
     (300, 16, [(64, 256, 5), (17, 32, 8)], False, True),
-    (300, 16, [(128, 256, 5), (40, 64, 8), (17, 32, 8)], False, True)])
+    (300, 16, [(128, 256, 5), (40, 64, 8), (17, 32, 8)], False, True),
+    (300, 16, [(64, 256, 10), (17, 32, 8)], False, True),
+    (600, 16, [(64, 256, 11), (17, 32, 8)], True, True),
+    (300, 16, [(64, 256, 12), (17, 32, 8)], False, False)])
 @pytest.mark.parametrize("grid_rows", [None, 3])
 def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_rows):
     """Hot slots split between pipelines by token count (each slot in the tier with the largest minimum it
@@ -609,6 +612,41 @@ def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **laye
         assert_close(outs[-1], want, f"MoE T={T} E={E} {layer.variants} {layer_options} run {run}", dtype="bf16",
                      rtol=RTOL, atol=RTOL, scale="mean", slack=slack)
         np.testing.assert_array_equal(outs[-1], outs[0], err_msg=f"run {run} differs from run 0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter", [(1024, 512), (2048, 1024)])
+def test_moe_ws_pipes_same_bits(cuda_device, hidden, inter):
+    """The warp-specialized pipelines' variants (PIPE 10: 6 W buffers; 11: and the offset-free dequantization; 12:
+    that alone) give PIPE 5's output bits: the ring depth changes no arithmetic, and the offset-free weights are
+    PIPE 5's times 2^-3 exactly, undone exactly in the epilogue. T = 600 on 16 experts: chunks of 256 with both
+    consumer halves busy, a partial second half, and (K = 512 .. 2048) 8 to 32 stages per chunk."""
+    from runtime import cuda
+    from runtime.kimi_kernels import MoeLayer
+    if cuda.get_device().arch != "90a":
+        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
+    T, E, topk = 600, 16, 4
+    rng = np.random.default_rng(hidden + inter)
+    dense, w = make_moe(rng, E, hidden, inter)
+    x = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32))
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    ids, wts = ref.route(logits, bias, topk)
+    want, slack = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], None, with_slack=True)
+    outs = {}
+    for pipe in (5, 10, 11, 12):
+        layer = MoeLayer(w, T, bias, topk=topk, gmma_tiers=[(40, 256, pipe)])
+        layer.x.upload(to_bf16(x))
+        layer.logits.upload(logits)
+        for a in (layer.h, layer.down_out, layer.y):
+            a.fill_bytes(0xFF)      # NaN poison
+        layer.forward()
+        outs[pipe] = (layer.h.download(), layer.y.download())
+        assert_close(outs[pipe][1], want, f"PIPE {pipe}", dtype="bf16", rtol=RTOL, atol=RTOL, scale="mean",
+                     slack=slack)
+    for pipe in (10, 11, 12):
+        np.testing.assert_array_equal(outs[pipe][0], outs[5][0], err_msg=f"h: PIPE {pipe} against PIPE 5")
+        np.testing.assert_array_equal(outs[pipe][1], outs[5][1], err_msg=f"y: PIPE {pipe} against PIPE 5")
 
 
 @pytest.mark.gpu
@@ -701,6 +739,7 @@ def test_moe_graph_replay_pdl(cuda_device, T, E, early, combine_early, signals):
     (1, 16, dict(shared_fork="start")), (4, 16, dict(shared_fork="route")), (1, 16, dict(shared_kernel="auto")),
     (6, 16, dict(shared_kernel="gemv", shared_fork="start")), (1, 16, dict(shared_plain_start=False)),
     (1, 16, dict(signals=True)), (4, 16, dict(signals=True, shared_fork="route")),
+    (20, 16, dict()),   # the T = 5..24 default since session 37: the fork after the routing, PDL, early start, signals
     (96, 8, dict(gmma_min_tokens=40, gmma_tile=64, gmma_pipe=3, gmma_overlap=True))])
 def test_moe_layer_shared_mlp(cuda_device, T, E, plan):
     """The shared expert's MLP run by the layer on its side stream (joined before the combine, or before down

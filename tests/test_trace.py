@@ -129,6 +129,27 @@ def test_traced_build_compiles_on_every_arch(family):
                                                nvrtc.build_options(fam, arch), fam.name, arch)
             assert ("%globaltimer" in ptx and "ddtree_trace_buffer" in ptx) == want, (family, arch, want)
             assert ("%clock64" in ptx) == want, (family, arch, want)
+    if family == "moe_int4_sm90":   # every span site counted: more clock reads, still compiles
+        every = dataclasses.replace(traced, options=(*traced.options, "-DDDTREE_TRACE_STALLS=63"))
+        _, ptx_every, _, _ = nvrtc.nvrtc_compile(every.source_path.read_text(), every.source, every.entries,
+                                                 nvrtc.build_options(every, "90a"), every.name, "90a")
+        assert ptx_every.count("%clock64") > ptx.count("%clock64")
+
+
+def test_trace_stalls_option(monkeypatch):
+    """DDTREE_TRACE_STALLS reaches NVRTC only with the traced build; the mask is in the cache key through it."""
+    from cutlass_kernels.registry import FAMILIES
+    from runtime.cuda import nvrtc
+    f = FAMILIES["moe_routing"]
+    monkeypatch.setattr(nvrtc, "TRACE_BUILD", True)
+    monkeypatch.setattr(nvrtc, "TRACE_STALLS", "14")
+    assert "-DDDTREE_TRACE_STALLS=14" in nvrtc.build_options(f, "90a")
+    key14 = nvrtc.cache_key(f, "90a")
+    monkeypatch.setattr(nvrtc, "TRACE_STALLS", "")
+    assert not any("STALLS" in o for o in nvrtc.build_options(f, "90a")) and nvrtc.cache_key(f, "90a") != key14
+    monkeypatch.setattr(nvrtc, "TRACE_BUILD", False)
+    monkeypatch.setattr(nvrtc, "TRACE_STALLS", "14")
+    assert not any("TRACE" in o for o in nvrtc.build_options(f, "90a"))
 
 
 _GPU_SCRIPT = r"""

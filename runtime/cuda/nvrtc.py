@@ -31,6 +31,11 @@ CACHE_FORMAT = "2"  # bump when the cache layout or key recipe changes (2: reloc
 _BASE_OPTIONS = ("-default-device", "-DNDEBUG", "-std=c++17")  # both first two are required by CuTe
 # DDTREE_TRACE=1: every family built with the per-warp timeline stamps (runtime/cuda/trace.py; own cache entries)
 TRACE_BUILD = os.environ.get("DDTREE_TRACE") == "1"
+# with it, DDTREE_TRACE_STALLS=mask: the spans counted in each warp's stall word (device_common.cuh TraceStallSite)
+TRACE_STALLS = os.environ.get("DDTREE_TRACE_STALLS", "")
+if TRACE_STALLS and not TRACE_STALLS.isdigit():
+    raise ValueError(f"DDTREE_TRACE_STALLS={TRACE_STALLS!r}: want a mask of device_common.cuh's TraceStallSite "
+                     "values, a decimal number")
 
 
 def _nvrtc():
@@ -303,7 +308,8 @@ def _family(family):
 
 def build_options(family, arch: str) -> list[str]:
     return [*_BASE_OPTIONS, f"--gpu-architecture=sm_{arch}", *(f"-I{d}" for d in include_dirs()),
-            *family.options, *(("-DDDTREE_TRACE=1",) if TRACE_BUILD else ())]
+            *family.options, *(("-DDDTREE_TRACE=1",) if TRACE_BUILD else ()),
+            *((f"-DDDTREE_TRACE_STALLS={int(TRACE_STALLS)}",) if TRACE_BUILD and TRACE_STALLS else ())]
 
 
 def cache_key(family, arch: str) -> str:

@@ -221,12 +221,15 @@ def residency(traces: list[LaunchTrace]) -> str:
 
 
 def stalls(traces: list[LaunchTrace]) -> str:
-    """For each launch whose kernel counts its ring waits (trace_stall_begin / _end: moe_gmma_ws_kernel), one line:
-    per warp of a block (by its index), its waits' cycles summed over the launch's blocks, as a share of its cycles
-    summed the same way. Summed, not a median over blocks: most blocks of a hot grid find a cold slot and leave at
+    """For each launch whose kernel counts spans (trace_stall_begin / _end: moe_gmma_ws_kernel), one line: per warp
+    of a block (by its index), the counted cycles summed over the launch's blocks, as a share of its cycles summed
+    the same way. Which spans count is the build's DDTREE_TRACE_STALLS mask (device_common.cuh TraceStallSite; the
+    ring waits unless set), printed in the line. Summed, not a median over blocks: most blocks of a hot grid find a cold slot and leave at
     once (skewed T = 256: 10 of 32 block rows work), and their zeros made every median 0 (session 36). A producer
     warp that waits for free buffers is paced by its consumers; consumers that wait for filled ones, by their
     producer."""
+    from .nvrtc import TRACE_STALLS
+    sites = f"DDTREE_TRACE_STALLS={TRACE_STALLS or 1}"
     lines = []
     for i, t in enumerate(traces):
         r = t.records
@@ -236,7 +239,8 @@ def stalls(traces: list[LaunchTrace]) -> str:
         share = [r["stall"][r["warp"] == w].sum(dtype=np.float64) /
                  max(r["cycles"][r["warp"] == w].sum(dtype=np.float64), 1.0) for w in warps]
         per_warp = " ".join(f"{int(w)}:{100 * v:.0f}%" for w, v in zip(warps, share))
-        lines.append(f"{i:3d} {t.name:24s} waits, % of each warp's cycles over the blocks (warp: share) {per_warp}")
+        lines.append(f"{i:3d} {t.name:24s} spans {sites}, % of each warp's cycles over the blocks (warp: share) "
+                     f"{per_warp}")
     return "\n".join(lines)
 
 
