@@ -34,10 +34,9 @@
 //   every buffer index and descriptor offset is a constant: ~98 instructions per stage in SASS, PIPE 6 ~130.
 // - PIPE 8: PIPE 7 with the weights through a shared-memory cp.async ring 8 stages deep instead of the 4-stage
 //   register ring (32- / 64-token tiles; 40 KB more shared memory per block).
-// moe_gmma_ws_kernel<MODE, TN, NSTEP, STAGES, LEAN> (PIPE 4 / 5 = NSTEP 0 / 16 with 4 W stages; PIPE 10 / 11 / 12:
-// NSTEP 16 with 6 stages / 6 stages and the offset-free dequantization / 4 and offset-free): warp-specialized, one
-// warpgroup dequantizing into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each
-// (see its comment below). Traced builds count each warp's cycles in the spans DDTREE_TRACE_STALLS selects
+// moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
+// into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
+// below). Traced builds count each warp's cycles in the spans DDTREE_TRACE_STALLS selects
 // (device_common.cuh TraceStallSite; by default the ring waits: the producer's on free buffers, the consumers' on
 // filled ones).
 // The K order inside each 64-column unit is the repacked (permuted) order for the weights' lanes, but every
@@ -91,30 +90,6 @@ __device__ __forceinline__ void dequant_store(uint32_t tile, uint4 w, uint32_t s
     hi[2 * s + 1] = dequant_bf16x2(nib_to_bf16x2_biased(q >> 12), s_hi);  // nibbles 3, 7: row g + 8
   }
   const int r0 = row, r1 = row + 8;   // r0 % 8 == r1 % 8
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint32_t unit = (uint32_t)((2 * t + h) ^ (r0 & 7)) << 4;
-    st_shared16(tile + r0 * 128 + unit, lo[4 * h], lo[4 * h + 1], lo[4 * h + 2], lo[4 * h + 3]);
-    st_shared16(tile + r1 * 128 + unit, hi[4 * h], hi[4 * h + 1], hi[4 * h + 2], hi[4 * h + 3]);
-  }
-}
-
-// dequant_store's tile from the offset-free conversion (int4_dequant.cuh dequant_word): (q - 8) * s / 8, exactly
-// dequant_store's bf16 weights / 8.
-__device__ __forceinline__ void dequant_store_lean(uint32_t tile, uint4 w, uint32_t sw, int row, int t) {
-  const ddtree::DequantScales sc = ddtree::dequant_scales(sw);
-  uint32_t lo[8], hi[8];   // as dequant_store's
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {   // a[0] / a[2]: row g, columns 16t + 4s + 0, 1 / + 2, 3; a[1] / a[3]: row g + 8
-    uint32_t a[4];
-    ddtree::dequant_word(words[s], sc, a);
-    lo[2 * s] = a[0];
-    hi[2 * s] = a[1];
-    lo[2 * s + 1] = a[2];
-    hi[2 * s + 1] = a[3];
-  }
-  const int r0 = row, r1 = row + 8;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const uint32_t unit = (uint32_t)((2 * t + h) ^ (r0 & 7)) << 4;
@@ -543,13 +518,13 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
 // Warp-specialized variant (moe_gmma_ws_kernel): the RA / SS kernels above issue the dequantization and the
 // wgmma from the same 8 warps, and ncu shows them bound by those warps' own instruction latency (0.3 issued per
 // scheduler per cycle, 1 or 2 warps each), not by the tensor cores. Here warpgroup 0 only dequantizes: each
-// warp two 16-row blocks of the 128-row W tile per 64-k stage into a ring of STAGES shared buffers (full /
+// warp two 16-row blocks of the 128-row W tile per 64-k stage into a ring of WS_STAGES shared buffers (full /
 // empty mbarriers per buffer); warpgroups 1 and 2 only load x and issue wgmma, each for half of the chunk's TN
 // tokens against all 128 rows (two m64 wgmmas per k16: MODE 0 gate and up rows, so SiLU(gate) * up is formed in
 // registers; MODE 1 down rows 0-63 and 64-127). Each consumer warpgroup keeps its own x ring (4 buffers, 2 stages
 // ahead, a 128-thread named barrier per stage) and one wgmma batch in flight.
 namespace moe90 {
-constexpr int WS_THREADS = 384, WS_XBUF = 4, WS_XAHEAD = 2, WS_WAHEAD = 8;
+constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WAHEAD = 8;
 // Registers after setmaxnreg: the CTA's pool is what it launched with (168 per thread at 384 threads, the
 // launch bound), and setmaxnreg.inc waits until the pool has them, so the two sides must fit it exactly or
 // the consumers wait forever (96 / 208 did: 9216 freed, 10240 asked).
@@ -584,14 +559,11 @@ __device__ __forceinline__ void ring_wait(uint32_t bar, uint32_t parity) {
 }  // namespace moe90
 
 // Grid as moe_gmma_kernel; block 384; dynamic smem moe_gmma_smem_bytes (runtime/kimi_kernels.py) = 1024 +
-// STAGES * 16384 (W) + 2 * WS_XBUF * (TN / 2) * 128 (x) + 2 * STAGES * 8 (barriers).
-// STAGES: the W ring's buffers (PIPE 4 / 5: 4; 6 fits a 256-token tile in 227 KB). LEAN: the producer dequantizes
-// offset-free (dequant_word: 9 instructions per 8 weights against dequant_store's 15) into weights / 8, and the
-// epilogue multiplies by DEQUANT_UNDO: the same bf16 outputs bit for bit.
+// WS_STAGES * 16384 (W) + 2 * WS_XBUF * (TN / 2) * 128 (x) + 2 * WS_STAGES * 8 (barriers).
 // NSTEP 0: every wgmma is N = TN / 2 (a half's padding tokens computed too); NSTEP 16: N is the half's token
 // count rounded up to 16 (one stage loop per N, dispatch_n16), so a 133-token expert in a 256-token tile costs
 // 128 + 16 token columns, not 256.
-template <int MODE, int TN, int NSTEP, int STAGES, bool LEAN>
+template <int MODE, int TN, int NSTEP>
 __global__ void __launch_bounds__(moe90::WS_THREADS, 1)
 moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0,
                    const uint4* __restrict__ ws0, const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
@@ -603,7 +575,6 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   using namespace moe90;
   static_assert(TN == 128 || TN == 256, "token tile: two consumer halves of 64 / 128");
   static_assert(NSTEP == 0 || NSTEP == 16, "N step");
-  static_assert(STAGES >= 2 && STAGES <= 8, "W ring");
   constexpr int HN = TN / 2, ACC = HN / 2, X_TILE = HN * 128;
   const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
   const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
@@ -614,14 +585,14 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-  const uint32_t w_ring = smem_base, x_ring = smem_base + STAGES * W_TILE;
-  const uint32_t bars = x_ring + 2 * WS_XBUF * X_TILE;   // full[STAGES], then empty[STAGES]
+  const uint32_t w_ring = smem_base, x_ring = smem_base + WS_STAGES * W_TILE;
+  const uint32_t bars = x_ring + 2 * WS_XBUF * X_TILE;   // full[WS_STAGES], then empty[WS_STAGES]
   const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   if (tid == 0) {
-    for (int b = 0; b < STAGES; ++b) {
+    for (int b = 0; b < WS_STAGES; ++b) {
       mbar_init(bars + 8 * b, 128);                    // full: every producer thread, after its stores
-      mbar_init(bars + 8 * (STAGES + b), 8);        // empty: lane 0 of each consumer warp
+      mbar_init(bars + 8 * (WS_STAGES + b), 8);        // empty: lane 0 of each consumer warp
     }
   }
   __syncthreads();
@@ -639,7 +610,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     const int soff = (g * 2 + (t >> 1)) * 2;
     const uint4* sp0 = ws0 + blk0 * supers * 32 + soff;
     const uint4* sp1 = (MODE == 0 ? ws1 : ws0) + blk1 * supers * 32 + soff;
-    int gs = 0;   // stage counter over all chunks: buffer gs % STAGES, its use number gs / STAGES
+    int gs = 0;   // stage counter over all chunks: buffer gs % WS_STAGES, its use number gs / WS_STAGES
     for (int c0 = c_begin; c0 < c_end; c0 += TN) {
       uint4 w0[WS_WAHEAD], w1[WS_WAHEAD];
       uint32_t s0[WS_WAHEAD], s1[WS_WAHEAD];
@@ -656,17 +627,12 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
         for (int d = 0; d < WS_WAHEAD; ++d, ++gs) {
           const int u = u0 + d;
           if (u >= units) break;
-          const int b = gs % STAGES;
-          ring_wait(bars + 8 * (STAGES + b), ((gs / STAGES) & 1) ^ 1);   // the consumers freed buffer b
+          const int b = gs % WS_STAGES;
+          ring_wait(bars + 8 * (WS_STAGES + b), ((gs / WS_STAGES) & 1) ^ 1);   // the consumers freed buffer b
           const uint32_t tile = w_ring + b * W_TILE;
           const long long t_deq = ddtree::trace_stall_begin<ddtree::kStallDequant>();
-          if constexpr (LEAN) {
-            dequant_store_lean(tile, w0[d], s0[d], 16 * warp + g, t);
-            dequant_store_lean(tile, w1[d], s1[d], 64 + 16 * warp + g, t);
-          } else {
-            dequant_store(tile, w0[d], s0[d], 16 * warp + g, t);
-            dequant_store(tile, w1[d], s1[d], 64 + 16 * warp + g, t);
-          }
+          dequant_store(tile, w0[d], s0[d], 16 * warp + g, t);
+          dequant_store(tile, w1[d], s1[d], 64 + 16 * warp + g, t);
           ddtree::trace_stall_end<ddtree::kStallDequant>(t_deq);
           if (u + WS_WAHEAD < units) {
             w0[d] = load_w(wp0, u + WS_WAHEAD);
@@ -715,9 +681,9 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     }
     if (idle) {   // no tokens in this half: release every stage the producer fills
       for (int u = 0; u < units; ++u, ++gs) {
-        const int b = gs % STAGES;
-        ring_wait(bars + 8 * b, (gs / STAGES) & 1);
-        if (lane == 0) mbar_arrive(bars + 8 * (STAGES + b));
+        const int b = gs % WS_STAGES;
+        ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);
+        if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + b));
       }
       continue;
     }
@@ -731,7 +697,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
       constexpr int N = decltype(n_tokens)::value;
       using ON = typename ddtree::GmmaOp<N>::type;
       for (int u = 0; u < units; ++u, ++gs) {
-        const int b = gs % STAGES;
+        const int b = gs % WS_STAGES;
         const long long t_x = ddtree::trace_stall_begin<ddtree::kStallXWait>();
         ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -739,7 +705,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
         const long long t_bar = ddtree::trace_stall_begin<ddtree::kStallBarrier>();
         named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
         ddtree::trace_stall_end<ddtree::kStallBarrier>(t_bar);
-        ring_wait(bars + 8 * b, (gs / STAGES) & 1);   // W of stage u
+        ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
         const uint32_t wt = w_ring + b * W_TILE;
         const uint64_t da0 = sw128_desc(wt), da1 = sw128_desc(wt + 64 * 128);
         const uint64_t db = sw128_desc(my_x + (u % WS_XBUF) * X_TILE);
@@ -767,7 +733,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
           cute::warpgroup_fence_operand(acc0[i]);
           cute::warpgroup_fence_operand(acc1[i]);
         }
-        if (u > 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + (gs - 1) % STAGES));
+        if (u > 0 && lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
       }
       cute::warpgroup_wait<0>();
 #pragma unroll
@@ -781,7 +747,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     } else {
       dispatch_n16<HN>((valid + 15) / 16, stage_loop);
     }
-    if (lane == 0) mbar_arrive(bars + 8 * (STAGES + (gs - 1) % STAGES));
+    if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
     ddtree::cp_async_wait<0>();
     named_barrier(1 + cw, 128);   // every warp done reading this chunk's x before the next chunk's loads
 
@@ -798,14 +764,13 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const int a = 4 * j + 2 * i + bb;
-          const float undo = LEAN ? ddtree::DEQUANT_UNDO : 1.f;   // exact: a power of two
           if constexpr (MODE == 0) {
             reinterpret_cast<__nv_bfloat16*>(out)[orow + blockIdx.x * 64 + r + 8 * i] =
-                __float2bfloat16_rn(ddtree::silu(acc0[a] * undo) * (acc1[a] * undo));
+                __float2bfloat16_rn(ddtree::silu(acc0[a]) * acc1[a]);
           } else {
             __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(out) + orow + blockIdx.x * 128 + r + 8 * i;
-            o[0] = __float2bfloat16_rn(acc0[a] * undo);
-            o[64] = __float2bfloat16_rn(acc1[a] * undo);
+            o[0] = __float2bfloat16_rn(acc0[a]);
+            o[64] = __float2bfloat16_rn(acc1[a]);
           }
         }
       }

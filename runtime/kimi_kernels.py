@@ -362,9 +362,15 @@ def launch_defaults(T: int, pdl: bool | None, early: bool | None, hot_asked: boo
 #   passes (skewed T = 256: PIPE 4 1127.5 vs PIPE 3 1195.0 us, then PIPE 5 1118.6 vs PIPE 4 1132.3).
 # - T >= 768: also experts of 17..63 tokens, on PIPE 8's 32-token tiles (uniform T = 1024 -12.5%, skewed +1%,
 #   session (13); the same tier on PIPE 7 lost at skewed T = 256..1024, session (12)); at T = 512 it ties.
-GMMA_AUTO_TOKENS = 32
+# - T = 25..31 (H100, 2026-12-07 (37), layer graph replay, us, mma.sync alone / >= 16 tokens on PIPE 8's 32- / 64-token
+#   tiles): skewed T = 25 390.6 / 359.6 / 366.3, 26 408.2 / 375.4, 28 513.2 / 469.9 / 475.7, 31 476.9 / 415.5; uniform
+#   (no hot expert: the empty launches) 1316.1 / 1318.6 / 1318.8, 1299.7 / 1303.2, 1399.3 / 1402.7 / 1400.3, 1569.4 /
+#   1574.8. Below 25 the signals and the early start (which the hot path does not take) win: skewed T = 17 / 20 / 24
+#   347.0 / 365.9 / 386.9 against 370.5 / 369.5 / 393.5. From T = 40 the 64-token tile wins (skewed T = 40 / 48 / 63:
+#   527.7 / 488.6 / 592.9 against 530.9 / 504.5 / 615.9).
+GMMA_AUTO_TOKENS = 25
 # T bound -> hot tiers (min tokens per expert, tokens per pass, PIPE), most tokens first
-GMMA_AUTO = {255: ((16, 64, 8),), 767: ((64, 256, 5),), 1 << 30: ((64, 256, 5), (17, 32, 8))}
+GMMA_AUTO = {31: ((16, 32, 8),), 255: ((16, 64, 8),), 767: ((64, 256, 5),), 1 << 30: ((64, 256, 5), (17, 32, 8))}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
@@ -376,15 +382,9 @@ GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks
               4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
               7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)",
-              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)",
-              10: "PIPE 5 with 6 W buffers (256-token tiles)",
-              11: "PIPE 5 with 6 W buffers and the offset-free dequantization (256-token tiles)",
-              12: "PIPE 5 with the offset-free dequantization (256-token tiles)"}
-# 10 / 11 / 12: PIPE 5 with a 6-buffer W ring / a 6-buffer ring and the producer's offset-free dequantization / the
-# offset-free dequantization alone (256-token tiles).
-# the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP, W stages, LEAN)
-_WS_TEMPLATE = {4: "0, 4, false", 5: "16, 4, false", 10: "16, 6, false", 11: "16, 6, true", 12: "16, 4, true"}
-_WS_STAGES = {pipe: int(tail.split(", ")[1]) for pipe, tail in _WS_TEMPLATE.items()}
+              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)"}
+# the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
+_WS_TEMPLATE = {4: "0", 5: "16"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
 GMMA_SLOT_PIPES = (6, 7, 8)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_PIPE = 8
@@ -395,8 +395,7 @@ def _pipe_takes_tile(pipe: int, tile: int) -> bool:
     """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 for 32/64, the
     warp-specialized 4/5 for 128/256."""
     return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64)
-                or (pipe in GMMA_WS_PIPES and tile < 128) or (pipe in (10, 11, 12) and tile != 256)
-                or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
+                or (pipe in GMMA_WS_PIPES and tile < 128) or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
@@ -404,9 +403,8 @@ def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6 (and 7
     at 128-token tiles), 8 for PIPE 7 at 32 / 64, those and PIPE 8's weight ring for PIPE 8; PIPE 4 / 5 below), or
     the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
-    if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: W stages, 4 x buffers per consumer half, 2 mbarriers a stage
-        stages = _WS_STAGES[pipe]
-        return 1024 + stages * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * stages * 8
+    if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
+        return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
         buffers = 8 if pipe in (7, 8) and tile <= 64 else 6 if pipe in GMMA_SLOT_PIPES else 4

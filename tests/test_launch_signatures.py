@@ -198,7 +198,7 @@ def test_moe_signals_wiring(monkeypatch, T, plan):
     assert combine.args[-2].ptr == base + 4 * n and int(combine.args[-1]) == down.grid[0] * down.grid[1]
 
 
-@pytest.mark.parametrize("T", [1, 31, 32, 64, 255, 256, 767, 768, 1025])
+@pytest.mark.parametrize("T", [1, 24, 25, 31, 32, 64, 255, 256, 767, 768, 1025])
 def test_moe_layer_default_hot_tiers(monkeypatch, T):
     """The default plan's hot tiers are GMMA_AUTO's for T (most tokens first), none below GMMA_AUTO_TOKENS; a
     pipeline asked for alone gets one tier at the first auto tier's minimum, on a tile that pipeline takes."""
@@ -206,6 +206,7 @@ def test_moe_layer_default_hot_tiers(monkeypatch, T):
     E, hidden, inter = 384, 7168, 2048
     w = kk.MoeWeights(E, hidden, inter, *(_FakeArray((1,), np.uint8) for _ in range(6)))
     auto = kk.gmma_auto_tiers(T)
+    assert kk.EARLY_MAX_TOKENS < kk.GMMA_AUTO_TOKENS   # the hot path takes no early start: the ranges must not meet
     layer = kk.MoeLayer(w, T, np.zeros(E, np.float32))
     assert layer.gmma_tiers == (sorted(auto, reverse=True) if T >= kk.GMMA_AUTO_TOKENS else [])
     if T >= kk.GMMA_AUTO_TOKENS:
