@@ -523,7 +523,18 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
 // tokens against all 128 rows (two m64 wgmmas per k16: MODE 0 gate and up rows, so SiLU(gate) * up is formed in
 // registers; MODE 1 down rows 0-63 and 64-127). Each consumer warpgroup keeps its own x ring (4 buffers, 2 stages
 // ahead, a 128-thread named barrier per stage) and one wgmma batch in flight.
+#ifndef DDTREE_WS_PROBE
+#define DDTREE_WS_PROBE 0
+#endif
 namespace moe90 {
+// moe_gmma_ws_kernel's timing probes (NVRTC -DDDTREE_WS_PROBE=mask from the environment's DDTREE_WS_PROBE; 0 in every
+// real build): each leaves one part of the stage out, so a hot stage timed without it bounds what that part costs.
+// The outputs are then wrong; runtime/cuda/nvrtc.py says so when it builds one.
+enum WsProbe : int {
+  kProbeNoDequant = 1,   // the producer skips the dequantization and its stores (loads and the ring hand-off stay)
+  kProbeNoX = 2,         // the consumers issue no x cp.async (the waits and barriers stay)
+  kProbeNoMma = 4,       // the consumers issue no wgmma (the waits, barriers and releases stay)
+};
 constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WAHEAD = 8;
 // Registers after setmaxnreg: the CTA's pool is what it launched with (168 per thread at 384 threads, the
 // launch bound), and setmaxnreg.inc waits until the pool has them, so the two sides must fit it exactly or
@@ -631,8 +642,10 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
           ring_wait(bars + 8 * (WS_STAGES + b), ((gs / WS_STAGES) & 1) ^ 1);   // the consumers freed buffer b
           const uint32_t tile = w_ring + b * W_TILE;
           const long long t_deq = ddtree::trace_stall_begin<ddtree::kStallDequant>();
-          dequant_store(tile, w0[d], s0[d], 16 * warp + g, t);
-          dequant_store(tile, w1[d], s1[d], 64 + 16 * warp + g, t);
+          if constexpr ((DDTREE_WS_PROBE & kProbeNoDequant) == 0) {
+            dequant_store(tile, w0[d], s0[d], 16 * warp + g, t);
+            dequant_store(tile, w1[d], s1[d], 64 + 16 * warp + g, t);
+          }
           ddtree::trace_stall_end<ddtree::kStallDequant>(t_deq);
           if (u + WS_WAHEAD < units) {
             w0[d] = load_w(wp0, u + WS_WAHEAD);
@@ -669,9 +682,11 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     }
     auto load_x = [&](int u) {
       const uint32_t tile = my_x + (u % WS_XBUF) * X_TILE;
+      if constexpr ((DDTREE_WS_PROBE & kProbeNoX) == 0) {
 #pragma unroll
-      for (int j = 0; j < HN / 16; ++j)
-        cp_async16_s(tile + x_off + 2048 * j, xrow[j] + u * 64, h0 + ctid / 8 + 16 * j < count);
+        for (int j = 0; j < HN / 16; ++j)
+          cp_async16_s(tile + x_off + 2048 * j, xrow[j] + u * 64, h0 + ctid / 8 + 16 * j < count);
+      }
     };
     float acc0[ACC], acc1[ACC];
 #pragma unroll
@@ -714,13 +729,15 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
           cute::warpgroup_fence_operand(acc0[i]);
           cute::warpgroup_fence_operand(acc1[i]);
         }
-        cute::warpgroup_arrive();
+        if constexpr ((DDTREE_WS_PROBE & kProbeNoMma) == 0) {
+          cute::warpgroup_arrive();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          ddtree::gmma_ss<ON>(da0 + 2 * kk, db + 2 * kk, acc0, cute::SM90::GMMA::ScaleOut::One,
-                              cuda::std::make_integer_sequence<int, N / 2>{});
-          ddtree::gmma_ss<ON>(da1 + 2 * kk, db + 2 * kk, acc1, cute::SM90::GMMA::ScaleOut::One,
-                              cuda::std::make_integer_sequence<int, N / 2>{});
+          for (int kk = 0; kk < 4; ++kk) {
+            ddtree::gmma_ss<ON>(da0 + 2 * kk, db + 2 * kk, acc0, cute::SM90::GMMA::ScaleOut::One,
+                                cuda::std::make_integer_sequence<int, N / 2>{});
+            ddtree::gmma_ss<ON>(da1 + 2 * kk, db + 2 * kk, acc1, cute::SM90::GMMA::ScaleOut::One,
+                                cuda::std::make_integer_sequence<int, N / 2>{});
+          }
         }
         cute::warpgroup_commit_batch();
         if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (see the barrier)

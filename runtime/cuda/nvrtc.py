@@ -31,11 +31,25 @@ CACHE_FORMAT = "2"  # bump when the cache layout or key recipe changes (2: reloc
 _BASE_OPTIONS = ("-default-device", "-DNDEBUG", "-std=c++17")  # both first two are required by CuTe
 # DDTREE_TRACE=1: every family built with the per-warp timeline stamps (runtime/cuda/trace.py; own cache entries)
 TRACE_BUILD = os.environ.get("DDTREE_TRACE") == "1"
+
+
+def _env_mask(name: str, what: str) -> str:
+    """A diagnostic build option from the environment: '' (unset) or a decimal mask."""
+    value = os.environ.get(name, "")
+    if value and not value.isdigit():
+        raise ValueError(f"{name}={value!r}: want a mask of {what}, a decimal number")
+    return value
+
+
 # with it, DDTREE_TRACE_STALLS=mask: the spans counted in each warp's stall word (device_common.cuh TraceStallSite)
-TRACE_STALLS = os.environ.get("DDTREE_TRACE_STALLS", "")
-if TRACE_STALLS and not TRACE_STALLS.isdigit():
-    raise ValueError(f"DDTREE_TRACE_STALLS={TRACE_STALLS!r}: want a mask of device_common.cuh's TraceStallSite "
-                     "values, a decimal number")
+TRACE_STALLS = _env_mask("DDTREE_TRACE_STALLS", "device_common.cuh's TraceStallSite values")
+# DDTREE_WS_PROBE=mask: timing probes of moe_gmma_ws_kernel that leave out parts of its stage (moe_int4_sm90.cu
+# WsProbe); its outputs are then wrong. Diagnostics only (tools/bench_moe.py's stage times); that family's own
+# cache entries, the others unchanged.
+WS_PROBE = _env_mask("DDTREE_WS_PROBE", "moe_int4_sm90.cu's WsProbe values")
+if WS_PROBE and int(WS_PROBE):
+    print(f"[ddtree] DDTREE_WS_PROBE={WS_PROBE}: moe_gmma_ws_kernel built as a timing probe, its outputs are wrong",
+          file=sys.stderr, flush=True)
 
 
 def _nvrtc():
@@ -309,7 +323,8 @@ def _family(family):
 def build_options(family, arch: str) -> list[str]:
     return [*_BASE_OPTIONS, f"--gpu-architecture=sm_{arch}", *(f"-I{d}" for d in include_dirs()),
             *family.options, *(("-DDDTREE_TRACE=1",) if TRACE_BUILD else ()),
-            *((f"-DDDTREE_TRACE_STALLS={int(TRACE_STALLS)}",) if TRACE_BUILD and TRACE_STALLS else ())]
+            *((f"-DDDTREE_TRACE_STALLS={int(TRACE_STALLS)}",) if TRACE_BUILD and TRACE_STALLS else ()),
+            *((f"-DDDTREE_WS_PROBE={int(WS_PROBE)}",) if WS_PROBE and family.name == "moe_int4_sm90" else ())]
 
 
 def cache_key(family, arch: str) -> str:
