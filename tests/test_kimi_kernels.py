@@ -599,16 +599,23 @@ def test_moe_graph_replay_gmma_hot_experts(cuda_device, plan):
     _check_graph_replay(layer, dense, rng, T=96, E=8, hidden=512, topk=4, trials=2)
 
 
-def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **layer_options):
+def _moe_case(rng, T, E, hidden, inter, shared):
+    """A random MoE layer's inputs: (dense weights, device weights, x, logits, bias, shared output or None, its
+    device copy or None)."""
     from runtime import cuda
-    from runtime.kimi_kernels import MoeLayer
-    rng = np.random.default_rng(T * 1000 + E + hidden)
     dense, w = make_moe(rng, E, hidden, inter)
     x = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32))
     logits = rng.standard_normal((T, E)).astype(np.float32)
     bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
     sh = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32)) if shared else None
     sh_dev = cuda.to_device(to_bf16(sh)) if shared else None
+    return dense, w, x, logits, bias, sh, sh_dev
+
+
+def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **layer_options):
+    from runtime.kimi_kernels import MoeLayer
+    rng = np.random.default_rng(T * 1000 + E + hidden)
+    dense, w, x, logits, bias, sh, sh_dev = _moe_case(rng, T, E, hidden, inter, shared)
     layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, variants=variants, **layer_options)
     layer.x.upload(to_bf16(x))
     layer.logits.upload(logits)
@@ -630,16 +637,10 @@ def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **laye
 def test_moe_launch_plans_same_bits(cuda_device, T, E, shared):
     """Every launch plan (fused or two-kernel routing, combine folded into down or separate, early weight
     start, PDL on or off) gives the same output bits, and matches the float32 reference."""
-    from runtime import cuda
     from runtime.kimi_kernels import MoeLayer, default_variants
     hidden, inter, topk = 1024, 512, 8
     rng = np.random.default_rng(T * 31 + E)
-    dense, w = make_moe(rng, E, hidden, inter)
-    x = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32))
-    logits = rng.standard_normal((T, E)).astype(np.float32)
-    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
-    sh = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32)) if shared else None
-    sh_dev = cuda.to_device(to_bf16(sh)) if shared else None
+    dense, w, x, logits, bias, sh, sh_dev = _moe_case(rng, T, E, hidden, inter, shared)
     plans = [dict(), dict(routing="two", fuse_combine=False, early=False, pdl=False),
              dict(fuse_combine=True), dict(fuse_combine=False), dict(early=False), dict(pdl=False, fuse_combine=True),
              dict(routing="fused", fuse_combine=True, early=True, pdl=True), dict(pdl=True),
