@@ -542,7 +542,7 @@ def test_moe_layer_default_hot_tier_below_32(cuda_device, T):
     PDL): 8 experts, top-4, so some experts pass 16 tokens and some do not: the layer vs the float32 reference,
     twice."""
     from runtime import cuda
-    from runtime.kimi_kernels import MoeLayer, gmma_auto_tiers
+    from runtime.kimi_kernels import gmma_auto_tiers
     if cuda.get_device().arch != "90a":
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
     assert gmma_auto_tiers(T) == ((16, 32, 8),)

@@ -137,24 +137,27 @@ def test_traced_build_compiles_on_every_arch(family):
 
 
 def test_ws_probe_builds(monkeypatch):
-    """DDTREE_WS_PROBE reaches NVRTC (and the cache key) for any build; each probe of moe_gmma_ws_kernel compiles for
+    """DDTREE_WS_PROBE reaches NVRTC (and the cache key) for any build, 0 as unset; each probe of moe_gmma_ws_kernel compiles for
     sm_90a and leaves its part out of the PTX (no wgmma with kProbeNoMma, no cp.async with kProbeNoX)."""
     from cutlass_kernels.registry import FAMILIES
     from runtime.cuda import nvrtc
     f = FAMILIES["moe_int4_sm90"]
     f = dataclasses.replace(f, entries=("moe_gmma_ws_kernel<0, 256, 16>",))
-    monkeypatch.setattr(nvrtc, "WS_PROBE", "")
+    monkeypatch.setattr(nvrtc, "WS_PROBE", 0)
     key = nvrtc.cache_key(f, "90a")
     ptx = {}
-    for mask in ("", "1", "2", "4"):
+    for mask in (0, 1, 2, 4):
         monkeypatch.setattr(nvrtc, "WS_PROBE", mask)
         opts = nvrtc.build_options(f, "90a")
         assert (f"-DDDTREE_WS_PROBE={mask}" in opts) == bool(mask) and (nvrtc.cache_key(f, "90a") == key) != bool(mask)
         _, ptx[mask], _, _ = nvrtc.nvrtc_compile(f.source_path.read_text(), f.source, f.entries, opts, f.name, "90a")
-    assert "wgmma.mma_async" in ptx[""] and "wgmma.mma_async" not in ptx["4"]
-    assert "cp.async.cg.shared" in ptx[""] and "cp.async.cg.shared" not in ptx["2"]
-    assert ptx["1"].count("st.shared.v4") < ptx[""].count("st.shared.v4")
+    assert "wgmma.mma_async" in ptx[0] and "wgmma.mma_async" not in ptx[4]
+    assert "cp.async.cg.shared" in ptx[0] and "cp.async.cg.shared" not in ptx[2]
+    assert ptx[1].count("st.shared.v4") < ptx[0].count("st.shared.v4")
     assert not any("PROBE" in o for o in nvrtc.build_options(FAMILIES["moe_int4"], "90a"))   # its family alone
+    monkeypatch.setenv("DDTREE_WS_PROBE", "0")   # "0" is the real kernel: no option, the unset build's cache entry
+    monkeypatch.setattr(nvrtc, "WS_PROBE", int(nvrtc._env_mask("DDTREE_WS_PROBE", "") or 0))
+    assert nvrtc.cache_key(f, "90a") == key
 
 
 def test_trace_stalls_option(monkeypatch):

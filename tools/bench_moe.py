@@ -557,8 +557,8 @@ def launch_plans(default_fused_combine: bool):
         # PIPE 8: PIPE 7 with the weights 8 stages ahead in a shared-memory ring (4 in registers before)
         ("gmma>=16/ra8", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
         ("gmma>=1/32/ra8", dict(gmma_min_tokens=1, gmma_tile=32, gmma_pipe=8)),
-        # T = 17..31 (below GMMA_AUTO_TOKENS; skewed T = 24 / 31 at 74-78% on mma.sync alone, session 36): experts of
-        # >= 16 tokens on PIPE 8's 32-token tiles
+        # experts of >= 16 tokens on PIPE 8's 32-token tiles: GMMA_AUTO's tier at T = 25..31 since session 37; below
+        # GMMA_AUTO_TOKENS an A/B against the signals and the early start, which it gives up
         ("gmma>=16/32/ra8", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=8)),
         ("tiers64wsn/17ra8-32", dict(gmma_tiers=[(64, 256, 5), (17, 32, 8)])),
         ("tiers64wsn/9ra8-32", dict(gmma_tiers=[(64, 256, 5), (9, 32, 8)])),

@@ -55,7 +55,7 @@ step bench_moe python3 tools/bench_moe.py --torch --no-variants --plans 'no-gmma
 step bench_moe_small python3 tools/bench_moe.py --no-variants --tokens 1,2,4,8 --plans 'nopdl,pdl,dn-x3-rg2,flip-comb,route-two,route-blocks,route-warp,comb-late,gu-nofit,signals,no-signals,signals+dn-x3-rg2,signals+dn-xs2-rg2'
 # T = 9..31: PDL with down's early start and the block-level hand-offs (the default up to T = 24 since session 36;
 # H100: -4..-12 us at T = 12..24, T = 31 skewed +5 us) against plain launches and against PDL + early alone; experts
-# of >= 16 tokens on a wgmma tier below GMMA_AUTO_TOKENS (skewed T = 24 / 31 at 74-78% on mma.sync alone)
+# of >= 16 tokens on a wgmma tier (the default at T = 25..31 since session 37; at T <= 24 it gives up the hand-offs)
 step bench_moe_mid python3 tools/bench_moe.py --no-variants --tokens 12,16,24,31 --plans 'nopdl,no-signals,pdl+early+signals,gmma>=16/32/ra8,gmma>=16/32/ra7'
 # large T: PDL (off by default from T = 16), and each hot expert's tile-token chunks on their own blocks
 step bench_moe_large python3 tools/bench_moe.py --no-variants --tokens 32,128,256,512,1024 --plans 'pdl,par'

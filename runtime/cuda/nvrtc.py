@@ -46,8 +46,8 @@ TRACE_STALLS = _env_mask("DDTREE_TRACE_STALLS", "device_common.cuh's TraceStallS
 # DDTREE_WS_PROBE=mask: timing probes of moe_gmma_ws_kernel that leave out parts of its stage (moe_int4_sm90.cu
 # WsProbe); its outputs are then wrong. Diagnostics only (tools/bench_moe.py's stage times); that family's own
 # cache entries, the others unchanged.
-WS_PROBE = _env_mask("DDTREE_WS_PROBE", "moe_int4_sm90.cu's WsProbe values")
-if WS_PROBE and int(WS_PROBE):
+WS_PROBE = int(_env_mask("DDTREE_WS_PROBE", "moe_int4_sm90.cu's WsProbe values") or 0)   # 0: the real kernel
+if WS_PROBE:
     print(f"[ddtree] DDTREE_WS_PROBE={WS_PROBE}: moe_gmma_ws_kernel built as a timing probe, its outputs are wrong",
           file=sys.stderr, flush=True)
 
@@ -324,7 +324,7 @@ def build_options(family, arch: str) -> list[str]:
     return [*_BASE_OPTIONS, f"--gpu-architecture=sm_{arch}", *(f"-I{d}" for d in include_dirs()),
             *family.options, *(("-DDDTREE_TRACE=1",) if TRACE_BUILD else ()),
             *((f"-DDDTREE_TRACE_STALLS={int(TRACE_STALLS)}",) if TRACE_BUILD and TRACE_STALLS else ()),
-            *((f"-DDDTREE_WS_PROBE={int(WS_PROBE)}",) if WS_PROBE and family.name == "moe_int4_sm90" else ())]
+            *((f"-DDDTREE_WS_PROBE={WS_PROBE}",) if WS_PROBE and family.name == "moe_int4_sm90" else ())]
 
 
 def cache_key(family, arch: str) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .device import driver
 from .errors import CudaError, check
-from .nvrtc import TRACE_BUILD
+from .nvrtc import TRACE_BUILD, TRACE_STALLS
 
 _HEADER = Path(__file__).resolve().parents[2] / "cutlass_kernels" / "device_common.cuh"
 # One record (device_common.cuh's TraceWarp): the u64 words start, wait, end, %gridid, code | SM << 32,
@@ -228,7 +228,6 @@ def stalls(traces: list[LaunchTrace]) -> str:
     cold slot and leave at once (skewed T = 256: 10 of 32 block rows work), and their zeros made every median 0
     (session 36). A producer warp that waits for free buffers is paced by its consumers; consumers that wait for
     filled ones, by their producer."""
-    from .nvrtc import TRACE_STALLS
     sites = f"DDTREE_TRACE_STALLS={TRACE_STALLS or 1}"
     lines = []
     for i, t in enumerate(traces):
