@@ -75,8 +75,13 @@ using cuda::std::uintptr_t;
 
 namespace {
 constexpr int kXPlain = 0, kXRmsNorm = 1, kXSwiGLU = 2;  // XMODE (as dense_linear.cu's)
+
+// Four 8x8 b16 matrices from shared memory (lane l gives the row address of matrix l / 8, row l % 8).
+__device__ __forceinline__ void ldmatrix_x4_s(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
 }  // namespace
-using ddtree::ldmatrix_x4_s;
 
 // NW: W rows per block (wgmma N: a multiple of 16 up to 256). TX: token rows per tile (a multiple of 16 up to 128;
 // warps 0 .. TX/16 - 1 hold them; above 64, two warpgroups). KA: 64-k atoms per stage. STAGES: shared-memory stages.

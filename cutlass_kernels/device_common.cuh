@@ -64,11 +64,6 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, bool
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
-// Four 8x8 b16 matrices from shared memory (lane l gives the row address of matrix l / 8, row l % 8).
-__device__ __forceinline__ void ldmatrix_x4_s(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
 // 4 bytes through L1 (cp.async.cg takes 16 only): the MoE scale words.
 __device__ __forceinline__ void cp_async4_s(unsigned dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");

@@ -45,13 +45,11 @@ template <int TN> struct GmmaRsOp;
     using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,       \
                                                                   cute::SM90::GMMA::Major::K>;     \
   };
-DDTREE_GMMA_RS_OP(16)
 DDTREE_GMMA_RS_OP(32)
 DDTREE_GMMA_RS_OP(48)
 DDTREE_GMMA_RS_OP(64)
 DDTREE_GMMA_RS_OP(80)
 DDTREE_GMMA_RS_OP(96)
-DDTREE_GMMA_RS_OP(112)
 DDTREE_GMMA_RS_OP(128)
 DDTREE_GMMA_RS_OP(192)
 DDTREE_GMMA_RS_OP(256)

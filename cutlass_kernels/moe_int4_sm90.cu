@@ -574,10 +574,7 @@ __device__ __forceinline__ void ring_wait(uint32_t bar, uint32_t parity) {
 // NSTEP 0: every wgmma is N = TN / 2 (a half's padding tokens computed too); NSTEP 16: N is the half's token
 // count rounded up to 16 (one stage loop per N, dispatch_n16), so a 133-token expert in a 256-token tile costs
 // 128 + 16 token columns, not 256.
-// RSA (PIPE 13): the consumers read their weight rows out of the W tile by ldmatrix and issue wgmma with A from
-// registers (RS), so the wgmma fetches only x from shared memory; one k16 step's fragments at a time in two register
-// sets, a commit group per step, and the W buffer goes back to the producer as soon as its last step is read.
-template <int MODE, int TN, int NSTEP, bool RSA = false>
+template <int MODE, int TN, int NSTEP>
 __global__ void __launch_bounds__(moe90::WS_THREADS, 1)
 moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0,
                    const uint4* __restrict__ ws0, const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
@@ -671,8 +668,6 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   const int cw = wg - 1, ctid = tid - 128 * wg, cwarp = warp & 3;
   const uint32_t my_x = x_ring + cw * WS_XBUF * X_TILE;
   const uint32_t x_off = (ctid / 8) * 128 + (((ctid & 7) ^ ((ctid / 8) & 7)) << 4);   // row ctid / 8 + 16 j
-  // RSA: this lane's ldmatrix row of the warp's 16 weight rows (matrices 0-3: rows 0-7 / 8-15 at k 0-7, then k 8-15)
-  const uint32_t a_row = (uint32_t)(16 * cwarp + (lane & 15)) * 128;
   int gs = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += TN) {
     const int h0 = c0 + cw * HN;   // this warpgroup's first token of the chunk
@@ -716,8 +711,6 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     auto stage_loop = [&](auto n_tokens) {
       constexpr int N = decltype(n_tokens)::value;
       using ON = typename ddtree::GmmaOp<N>::type;
-      using ORs = typename ddtree::GmmaRsOp<RSA ? N : 64>::type;
-      uint32_t afrag[2][2][4];   // RSA: [set][rows 0-63 / 64-127] m64k16 fragments
       for (int u = 0; u < units; ++u, ++gs) {
         const int b = gs % WS_STAGES;
         const long long t_x = ddtree::trace_stall_begin<ddtree::kStallXWait>();
@@ -735,46 +728,6 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
         for (int i = 0; i < ACC; ++i) {
           cute::warpgroup_fence_operand(acc0[i]);
           cute::warpgroup_fence_operand(acc1[i]);
-        }
-        if constexpr (RSA) {
-          // Commit group n = one k16 step (sets n & 1): before filling set n & 1, wait<1> after group n - 1 has
-          // retired group n - 2, its last reader. At the stage's end groups up to (u, 2) have retired, so the
-          // barrier of stage u + 1 still finds stage u - 1's x free, as below.
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-            uint32_t(&a0)[4] = afrag[kk & 1][0];
-            uint32_t(&a1)[4] = afrag[kk & 1][1];
-            const uint32_t unit = (uint32_t)((2 * kk + (lane >> 4)) ^ (lane & 7)) << 4;
-            ddtree::ldmatrix_x4_s(a0, wt + a_row + unit);
-            ddtree::ldmatrix_x4_s(a1, wt + 64 * 128 + a_row + unit);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              cute::warpgroup_fence_operand(a0[e]);
-              cute::warpgroup_fence_operand(a1[e]);
-            }
-            cute::warpgroup_arrive();   // the fragments written by ldmatrix before the wgmma reads them
-            if constexpr ((DDTREE_WS_PROBE & kProbeNoMma) == 0) {
-              ddtree::gmma_rs<ORs>(a0, db + 2 * kk, acc0, cuda::std::make_integer_sequence<int, N / 2>{});
-              ddtree::gmma_rs<ORs>(a1, db + 2 * kk, acc1, cuda::std::make_integer_sequence<int, N / 2>{});
-            }
-            cute::warpgroup_commit_batch();
-            if (kk == 3) {
-              // the W buffer's last reads have landed in registers (the wgmma above consumed them): free it
-              __syncwarp();
-              if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + b));
-              if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired
-              ddtree::cp_async_commit();
-            }
-            const long long t_mma = ddtree::trace_stall_begin<ddtree::kStallMmaWait>();
-            cute::warpgroup_wait<1>();
-            ddtree::trace_stall_end<ddtree::kStallMmaWait>(t_mma);
-          }
-#pragma unroll
-          for (int i = 0; i < ACC; ++i) {
-            cute::warpgroup_fence_operand(acc0[i]);
-            cute::warpgroup_fence_operand(acc1[i]);
-          }
-          continue;
         }
         if constexpr ((DDTREE_WS_PROBE & kProbeNoMma) == 0) {
           cute::warpgroup_arrive();
@@ -811,7 +764,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     } else {
       dispatch_n16<HN>((valid + 15) / 16, stage_loop);
     }
-    if (!RSA && lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));   // RSA: freed in the loop
+    if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
     ddtree::cp_async_wait<0>();
     named_barrier(1 + cw, 128);   // every warp done reading this chunk's x before the next chunk's loads
 

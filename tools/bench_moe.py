@@ -584,13 +584,6 @@ def launch_plans(default_fused_combine: bool):
         # gate_up with 32-token weight passes (NTMAX 4, the T > 128 default) at T = 9..31: skewed T = 24 / 31's experts
         # of 17..30 tokens take one pass instead of two (alone, session 37: 237.2 / 258.0 us against 250.2 / 307.8)
         ("gu-nt4", dict(gate_up="0, 2, 4, 1, 4, 3")),
-        # and down's experts of 17..31 tokens in one pass too (NTMAX 4; alone at skewed T = 31, session 37: 157.2 us
-        # default against 151.1 for <1, 2, 4, 1, 2, 1, 4>, the NTMAX 4 one untimed)
-        ("gu-nt4/dn-nt4", dict(gate_up="0, 2, 4, 1, 4, 3", down="1, 2, 4, 1, 4, 1, 1")),
-        # T >= 256: the warp-specialized tier with the weights as wgmma A registers (PIPE 13): if the SS wgmma's
-        # operand fetch bounds PIPE 5's stage (session 37's model), dropping the W operand's fetch speeds it up
-        ("tiers64ws13", dict(gmma_tiers=[(64, 256, 13)])),
-        ("tiers64ws13/17ra8-32", dict(gmma_tiers=[(64, 256, 13), (17, 32, 8)])),
     ]
 
 
