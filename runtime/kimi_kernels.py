@@ -201,10 +201,14 @@ def check_scale_range(scales: np.ndarray, name: str = "scales") -> None:
 #   in session (5), which lost ground with the one-shift dequantization: gate_up alone 72.3 vs 93.2 us); at T = 2
 #   the tile sized to the T rows (FIT: 4 blocks per SM, one wave; H100, 2026-12-06 (34), layer: uniform / skewed
 #   139.8 / 123.1 us against 141.9 / 125.8; it loses at T = 4: 277.8 / 185.0 against 274.4 / 173.4).
-# - gate_up, T = 6..16: the 16-token cp.async ring (one weight pass for an expert of 9-16 tokens; since its ring
-#   keeps two steps in flight it also wins at 6..8: skewed T = 6 -11%, uniform T = 7 -4%; at 3..5 it is ~1%
-#   slower).
-# - gate_up, T = 17..48: still the 16-token ring (session (13): skewed T = 32 / 48 -5 / -2%, uniform within 1%);
+# - gate_up, T = 6..8: the 16-token cp.async ring (since its ring keeps two steps in flight it wins there: skewed
+#   T = 6 -11%, uniform T = 7 -4%; at 3..5 it is ~1% slower).
+# - gate_up, T = 9..24: the 32-token ring with 4 warps (the T > 128 one: one weight pass for an expert of 17-32
+#   tokens; H100, 2026-12-07 (38), layer graph replay against the 16-token ring, us: skewed T = 12 / 16 / 17 / 20 / 24
+#   233.1 / 306.8 / 337.2 / 345.6 / 370.1 against 232.4 / 308.7 / 345.6 / 364.0 / 387.3, uniform 709.5 / 872.3 /
+#   956.2 / 1085.7 / 1238.7 against 719.7 / 883.4 / 964.8 / 1099.4 / 1250.0; at T = 31, where the hot tier takes
+#   the experts of >= 16 tokens, it lost skewed 420.0 / 415.5 and tied uniform 1573.4 / 1573.5).
+# - gate_up, T = 25..48: still the 16-token ring (session (13): skewed T = 32 / 48 -5 / -2%, uniform within 1%);
 #   T = 49..128: the 8-token cp.async ring (the 16-token one loses 2-4% at uniform T = 64..96 and wins 3-5% at
 #   skewed, whose cold experts it sees); T > 128: the 32-token ring (skewed routing leaves experts of up to 63
 #   tokens on mma.sync there).
@@ -219,6 +223,7 @@ DEFAULT_VARIANTS = {
     2: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     5: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
     8: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
+    24: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),
     31: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),
     48: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),

@@ -581,8 +581,8 @@ def launch_plans(default_fused_combine: bool):
         ("tiers128wsn/17ra8-32", dict(gmma_tiers=[(128, 256, 5), (17, 32, 8)])),
         ("tiers128wsn/40ra8/17ra8-32", dict(gmma_tiers=[(128, 256, 5), (40, 64, 8), (17, 32, 8)])),
         ("tiers128wsn/24ra8", dict(gmma_tiers=[(128, 256, 5), (24, 64, 8)])),
-        # gate_up with 32-token weight passes (NTMAX 4, the T > 128 default) at T = 9..31: skewed T = 24 / 31's experts
-        # of 17..30 tokens take one pass instead of two (alone, session 37: 237.2 / 258.0 us against 250.2 / 307.8)
+        # gate_up with 16-token weight passes (NTMAX 2, WN 2): T = 9..24's default before session 38 (still 25..31's)
+        ("gu-nt2", dict(gate_up="0, 2, 2, 1, 2, 3")),
         ("gu-nt4", dict(gate_up="0, 2, 4, 1, 4, 3")),
     ]
 
