@@ -207,7 +207,10 @@ def check_scale_range(scales: np.ndarray, name: str = "scales") -> None:
 #   tokens; H100, 2026-12-07 (38), layer graph replay against the 16-token ring, us: skewed T = 12 / 16 / 17 / 20 / 24
 #   233.1 / 306.8 / 337.2 / 345.6 / 370.1 against 232.4 / 308.7 / 345.6 / 364.0 / 387.3, uniform 709.5 / 872.3 /
 #   956.2 / 1085.7 / 1238.7 against 719.7 / 883.4 / 964.8 / 1099.4 / 1250.0; at T = 31, where the hot tier takes
-#   the experts of >= 16 tokens, it lost skewed 420.0 / 415.5 and tied uniform 1573.4 / 1573.5).
+#   the experts of >= 16 tokens, it lost skewed 420.0 / 415.5 and tied uniform 1573.4 / 1573.5). Again in another
+#   call, against it (us): skewed T = 9 / 12 / 20 / 24 228.8 / 233.3 / 345.9 / 367.1 against 227.5 / 231.8 / 363.8 /
+#   390.9, uniform 525.1 / 710.4 / 1088.3 / 1240.2 against 531.1 / 719.6 / 1101.5 / 1250.5. (Its faster gate_up exposed
+#   a race of the combine with the shared MLP in graph replay, fixed in moe_combine_kernel.)
 # - gate_up, T = 25..48: still the 16-token ring (session (13): skewed T = 32 / 48 -5 / -2%, uniform within 1%);
 #   T = 49..128: the 8-token cp.async ring (the 16-token one loses 2-4% at uniform T = 64..96 and wins 3-5% at
 #   skewed, whose cold experts it sees); T > 128: the 32-token ring (skewed routing leaves experts of up to 63
