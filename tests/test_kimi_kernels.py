@@ -717,8 +717,8 @@ def test_moe_graph_replay_pdl(cuda_device, T, E, early, combine_early, signals):
     (6, 16, dict(shared_kernel="gemv", shared_fork="start")), (1, 16, dict(shared_plain_start=False)),
     (1, 16, dict(signals=True)), (4, 16, dict(signals=True, shared_fork="route")),
     (20, 16, dict()),   # the T = 5..24 default since session 37: the fork after the routing, PDL, early start, signals
-    # gate_up's 32-token ring pinned (the default there since session 38): its earlier combine read the shared output before the shared MLP had
-    # written it in graph replay (NaN, H100, session 38) until the combine's grid wait for the shared output
+    # gate_up's 32-token ring pinned (the default there since session 38): its earlier combine read the shared
+    # output before the shared MLP had written it in graph replay (NaN, H100) until the combine's grid wait for it
     (20, 16, dict(variants=("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"))),
     (96, 8, dict(gmma_min_tokens=40, gmma_tile=64, gmma_pipe=3, gmma_overlap=True))])
 def test_moe_layer_shared_mlp(cuda_device, T, E, plan):
