@@ -684,10 +684,10 @@ moe_w4a16_kernel(const uint16_t* __restrict__ x, int ldx,
 // signals != nullptr (moe_w4a16_kernel's down counter, its signals[gridDim.y]): wait for signal_target arrivals of
 // down's blocks instead of down's grid, then read down_out through L2 (down's other blocks may still be running).
 // With a shared output as well, the grid wait follows the counter's: the shared MLP runs on a side stream joined
-// before this launch, and a graph captured with this launch's programmatic attribute makes that join edge
-// programmatic too, so only griddepcontrol.wait orders its stores before our reads (without it: NaN from the
-// poisoned shared rows in graph replay, H100, session 38). By then every down block has arrived, so the wait is
-// for down's last blocks to retire and for the shared MLP.
+// before this launch, and where a graph captured with this launch's programmatic attribute makes that join edge
+// programmatic too, only griddepcontrol.wait orders its stores before our reads (without it, graph replay once gave
+// NaN from poisoned shared rows: H100, docs/PERF.md session 38; the likely cause, not proven). By then every down
+// block has arrived, so the wait is for down's last blocks to retire and for the shared MLP.
 extern "C" __global__ void moe_combine_kernel(const uint16_t* __restrict__ down_out,
                                               const float* __restrict__ topk_w, const int* __restrict__ assign_pos,
                                               const uint16_t* __restrict__ shared, uint16_t* __restrict__ y, int n,
