@@ -540,7 +540,10 @@ constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WA
 // launch bound), and setmaxnreg.inc waits until the pool has them, so the two sides must fit it exactly or
 // the consumers wait forever (96 / 208 did: 9216 freed, 10240 asked).
 constexpr int WS_PRODUCER_REGS = 120, WS_CONSUMER_REGS = 192;
+// XP: the producer also holds its x rows and issues the copies (120 spilled ~120 bytes), the consumers no x pointers
+constexpr int WS_XP_PRODUCER_REGS = 136, WS_XP_CONSUMER_REGS = 184;
 static_assert(128 * WS_PRODUCER_REGS + 256 * WS_CONSUMER_REGS <= WS_THREADS * 168, "register pool");
+static_assert(128 * WS_XP_PRODUCER_REGS + 256 * WS_XP_CONSUMER_REGS <= WS_THREADS * 168, "register pool (XP)");
 
 using ddtree::mbar_arrive;
 using ddtree::mbar_init;
@@ -574,7 +577,14 @@ __device__ __forceinline__ void ring_wait(uint32_t bar, uint32_t parity) {
 // NSTEP 0: every wgmma is N = TN / 2 (a half's padding tokens computed too); NSTEP 16: N is the half's token
 // count rounded up to 16 (one stage loop per N, dispatch_n16), so a 133-token expert in a 256-token tile costs
 // 128 + 16 token columns, not 256.
-template <int MODE, int TN, int NSTEP>
+// XP (PIPE 14): the producer warpgroup also loads x: each stage buffer holds the W tile and the chunk's x tile
+// [TN][64] (the same 4 x (16 + TN / 8) KB as W's ring and the two halves' x rings), producer thread p copying rows
+// p and p + 128 (the rows past the count skipped: their token columns are never stored) and arriving on the stage's
+// full barrier when its copies land (cp.async.mbarrier.arrive.noinc, counted in the barrier's 256); the consumers
+// keep only wait full -> proxy fence -> wgmma -> release (no x copies, cp.async waits or named barrier: the probes
+// of 2026-12-07 (38) put x at 17% and the barrier at 13-15% of the busy consumer's cycles). The pattern of
+// dense_linear_sm90's weight ring (cp.async arrivals on the full barrier, the reader's fence after its wait).
+template <int MODE, int TN, int NSTEP, bool XP = false>
 __global__ void __launch_bounds__(moe90::WS_THREADS, 1)
 moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0,
                    const uint4* __restrict__ ws0, const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
@@ -596,13 +606,18 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  // XP: stage buffer b = W tile, then x tile [TN][64] at w_ring + b * XP_STAGE + W_TILE
+  constexpr int XP_STAGE = W_TILE + TN * 128;
+  static_assert(!XP || WS_STAGES * XP_STAGE == WS_STAGES * W_TILE + 2 * WS_XBUF * X_TILE, "XP: the same footprint");
   const uint32_t w_ring = smem_base, x_ring = smem_base + WS_STAGES * W_TILE;
   const uint32_t bars = x_ring + 2 * WS_XBUF * X_TILE;   // full[WS_STAGES], then empty[WS_STAGES]
+  auto w_tile = [&](int b) { return w_ring + b * (XP ? XP_STAGE : W_TILE); };
   const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   if (tid == 0) {
     for (int b = 0; b < WS_STAGES; ++b) {
-      mbar_init(bars + 8 * b, 128);                    // full: every producer thread, after its stores
+      mbar_init(bars + 8 * b, XP ? 256 : 128);         // full: every producer thread, after its stores (XP: and
+                                                       // when its x copies land)
       mbar_init(bars + 8 * (WS_STAGES + b), 8);        // empty: lane 0 of each consumer warp
     }
   }
@@ -611,7 +626,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   if (wg == 0) {
     // Producer. Warp w: tile rows 16w .. (row block rb0) and 64 + 16w .. (rb1): MODE 0 the gate and up rows of
     // the block's 64 output rows, MODE 1 down rows.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(XP ? WS_XP_PRODUCER_REGS : WS_PRODUCER_REGS));
     const int row_blocks = n_rows / 16, supers = k / 512;
     const int rb0 = MODE == 0 ? blockIdx.x * 4 + warp : blockIdx.x * 8 + warp;
     const int rb1 = MODE == 0 ? rb0 : rb0 + 4;
@@ -623,6 +638,14 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     const uint4* sp1 = (MODE == 0 ? ws1 : ws0) + blk1 * supers * 32 + soff;
     int gs = 0;   // stage counter over all chunks: buffer gs % WS_STAGES, its use number gs / WS_STAGES
     for (int c0 = c_begin; c0 < c_end; c0 += TN) {
+      // XP: this thread's x rows of the chunk (tile rows tid + 128 j), null past the count
+      constexpr int XP_ROWS = XP ? TN / 128 : 1;
+      const uint16_t* xp_row[XP_ROWS];
+#pragma unroll
+      for (int j = 0; j < XP_ROWS; ++j) {
+        const int i = c0 + tid + 128 * j;
+        xp_row[j] = i >= count ? nullptr : x + (long long)(MODE == 0 ? sorted_token[offset + i] : offset + i) * ldx;
+      }
       uint4 w0[WS_WAHEAD], w1[WS_WAHEAD];
       uint32_t s0[WS_WAHEAD], s1[WS_WAHEAD];
 #pragma unroll
@@ -640,7 +663,20 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
           if (u >= units) break;
           const int b = gs % WS_STAGES;
           ring_wait(bars + 8 * (WS_STAGES + b), ((gs / WS_STAGES) & 1) ^ 1);   // the consumers freed buffer b
-          const uint32_t tile = w_ring + b * W_TILE;
+          const uint32_t tile = w_tile(b);
+          if constexpr (XP) {   // x of stage u first: its copies run while this thread dequantizes
+            if constexpr ((DDTREE_WS_PROBE & kProbeNoX) == 0) {
+#pragma unroll
+              for (int j = 0; j < XP_ROWS; ++j) {
+                const int r = tid + 128 * j;
+                if (xp_row[j] != nullptr)
+#pragma unroll
+                  for (int c = 0; c < 8; ++c)
+                    cp_async16_s(tile + W_TILE + r * 128 + ((c ^ (r & 7)) << 4), xp_row[j] + u * 64 + c * 8, true);
+              }
+            }
+            ddtree::mbar_arrive_cp_async(bars + 8 * b);
+          }
           const long long t_deq = ddtree::trace_stall_begin<ddtree::kStallDequant>();
           if constexpr ((DDTREE_WS_PROBE & kProbeNoDequant) == 0) {
             dequant_store(tile, w0[d], s0[d], 16 * warp + g, t);
@@ -660,13 +696,14 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
         }
       }
     }
+    if constexpr (XP) ddtree::cp_async_wait<0>();   // no copy outlives its thread
     return;
   }
 
   // Consumers: warpgroup cw = wg - 1 takes tokens cw * HN .. + HN - 1 of each chunk.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(XP ? WS_XP_CONSUMER_REGS : WS_CONSUMER_REGS));
   const int cw = wg - 1, ctid = tid - 128 * wg, cwarp = warp & 3;
-  const uint32_t my_x = x_ring + cw * WS_XBUF * X_TILE;
+  const uint32_t my_x = x_ring + cw * WS_XBUF * X_TILE;   // (not XP: XP's x tiles sit in the stage buffers)
   const uint32_t x_off = (ctid / 8) * 128 + (((ctid & 7) ^ ((ctid / 8) & 7)) << 4);   // row ctid / 8 + 16 j
   int gs = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += TN) {
@@ -682,7 +719,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     }
     auto load_x = [&](int u) {
       const uint32_t tile = my_x + (u % WS_XBUF) * X_TILE;
-      if constexpr ((DDTREE_WS_PROBE & kProbeNoX) == 0) {
+      if constexpr (!XP && (DDTREE_WS_PROBE & kProbeNoX) == 0) {
 #pragma unroll
         for (int j = 0; j < HN / 16; ++j)
           cp_async16_s(tile + x_off + 2048 * j, xrow[j] + u * 64, h0 + ctid / 8 + 16 * j < count);
@@ -702,10 +739,12 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
       }
       continue;
     }
+    if constexpr (!XP) {
 #pragma unroll
-    for (int a = 0; a < WS_XAHEAD; ++a) {
-      if (a < units) load_x(a);
-      ddtree::cp_async_commit();
+      for (int a = 0; a < WS_XAHEAD; ++a) {
+        if (a < units) load_x(a);
+        ddtree::cp_async_commit();
+      }
     }
     // The stage loop for wgmma N (a constant inside: a run-time N chosen per wgmma made ptxas serialize them).
     auto stage_loop = [&](auto n_tokens) {
@@ -713,17 +752,21 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
       using ON = typename ddtree::GmmaOp<N>::type;
       for (int u = 0; u < units; ++u, ++gs) {
         const int b = gs % WS_STAGES;
-        const long long t_x = ddtree::trace_stall_begin<ddtree::kStallXWait>();
-        ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        ddtree::trace_stall_end<ddtree::kStallXWait>(t_x);
-        const long long t_bar = ddtree::trace_stall_begin<ddtree::kStallBarrier>();
-        named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
-        ddtree::trace_stall_end<ddtree::kStallBarrier>(t_bar);
-        ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
-        const uint32_t wt = w_ring + b * W_TILE;
+        if constexpr (!XP) {
+          const long long t_x = ddtree::trace_stall_begin<ddtree::kStallXWait>();
+          ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          ddtree::trace_stall_end<ddtree::kStallXWait>(t_x);
+          const long long t_bar = ddtree::trace_stall_begin<ddtree::kStallBarrier>();
+          named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
+          ddtree::trace_stall_end<ddtree::kStallBarrier>(t_bar);
+        }
+        ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u (XP: and its x)
+        // XP: the producer's x copies wrote through the generic proxy, wgmma reads through the async proxy
+        if constexpr (XP) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        const uint32_t wt = w_tile(b);
         const uint64_t da0 = sw128_desc(wt), da1 = sw128_desc(wt + 64 * 128);
-        const uint64_t db = sw128_desc(my_x + (u % WS_XBUF) * X_TILE);
+        const uint64_t db = sw128_desc(XP ? wt + W_TILE + cw * HN * 128 : my_x + (u % WS_XBUF) * X_TILE);
 #pragma unroll
         for (int i = 0; i < ACC; ++i) {
           cute::warpgroup_fence_operand(acc0[i]);
@@ -740,8 +783,10 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
           }
         }
         cute::warpgroup_commit_batch();
-        if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (see the barrier)
-        ddtree::cp_async_commit();
+        if constexpr (!XP) {
+          if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (see the barrier)
+          ddtree::cp_async_commit();
+        }
         const long long t_mma = ddtree::trace_stall_begin<ddtree::kStallMmaWait>();
         cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its W buffer goes back to the producer
         ddtree::trace_stall_end<ddtree::kStallMmaWait>(t_mma);
@@ -765,8 +810,10 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
       dispatch_n16<HN>((valid + 15) / 16, stage_loop);
     }
     if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
-    ddtree::cp_async_wait<0>();
-    named_barrier(1 + cw, 128);   // every warp done reading this chunk's x before the next chunk's loads
+    if constexpr (!XP) {
+      ddtree::cp_async_wait<0>();
+      named_barrier(1 + cw, 128);   // every warp done reading this chunk's x before the next chunk's loads
+    }
 
     // Epilogue: acc[4j + 2i + b] = row 16 cwarp + g + 8i of the m64 tile, token 8j + 2t + b of the half. (Staging
     // the outputs through the x ring for 16-byte stores, as moe_gmma_kernel does, measured no faster here.)

@@ -386,13 +386,16 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # 4: warp-specialized (moe_gmma_ws_kernel: one warpgroup dequantizes into a shared ring, two issue wgmma on
 # half the tile's tokens each; 128/256-token tiles).
 # 5: the same with the wgmma N cut to each half's token count (rounded up to 16) instead of the full half.
+# 14: PIPE 5 with the producer warpgroup loading x too, into the stage buffers beside W: the consumers only wait,
+# issue wgmma and release (256-token tiles).
 GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)",
               4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
               7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)",
-              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)"}
-# the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
-_WS_TEMPLATE = {4: "0", 5: "16"}
+              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)",
+              14: "PIPE 5 with x loaded by the producer beside W (256-token tiles)"}
+# the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP, XP)
+_WS_TEMPLATE = {4: "0", 5: "16", 14: "16, true"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
 GMMA_SLOT_PIPES = (6, 7, 8)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_PIPE = 8
@@ -401,9 +404,10 @@ GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default 
 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
     """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 for 32/64, the
-    warp-specialized 4/5 for 128/256."""
+    warp-specialized 4/5 for 128/256 (14 for 256)."""
     return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64)
-                or (pipe in GMMA_WS_PIPES and tile < 128) or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
+                or (pipe in GMMA_WS_PIPES and tile < 128) or (pipe == 14 and tile != 256)
+                or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
@@ -411,7 +415,8 @@ def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6 (and 7
     at 128-token tiles), 8 for PIPE 7 at 32 / 64, those and PIPE 8's weight ring for PIPE 8; PIPE 4 / 5 below), or
     the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
-    if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
+    if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half (PIPE 14: the same
+        # bytes as 4 stages of W + the chunk's x), 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:

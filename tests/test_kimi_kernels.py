@@ -612,6 +612,36 @@ def _moe_case(rng, T, E, hidden, inter, shared):
     return dense, w, x, logits, bias, sh, sh_dev
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter", [(1024, 512), (2048, 1024)])
+def test_moe_ws_producer_x_same_bits(cuda_device, hidden, inter):
+    """PIPE 14 (the warp-specialized kernel with x loaded by the producer into the stage buffers) against the
+    reference and bit for bit against PIPE 5 (the same x rows, W tiles and k16 steps, only who copies x differs).
+    T = 600 on 16 experts, top-4: 256-token chunks with both consumer halves busy, a partial second half, rows past the
+    count left uncopied, and (K = 512 .. 2048) 8 to 32 stages per chunk, so the ring wraps many times."""
+    from runtime import cuda
+    from runtime.kimi_kernels import MoeLayer
+    if cuda.get_device().arch != "90a":
+        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
+    T, E, topk = 600, 16, 4
+    dense, w, x, logits, bias, _, _ = _moe_case(np.random.default_rng(hidden + inter), T, E, hidden, inter, False)
+    ids, wts = ref.route(logits, bias, topk)
+    want, slack = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], None, with_slack=True)
+    outs = {}
+    for pipe in (5, 14):
+        layer = MoeLayer(w, T, bias, topk=topk, gmma_tiers=[(40, 256, pipe)])
+        layer.x.upload(to_bf16(x))
+        layer.logits.upload(logits)
+        for a in (layer.h, layer.down_out, layer.y):
+            a.fill_bytes(0xFF)      # NaN poison
+        layer.forward()
+        outs[pipe] = (layer.h.download(), layer.y.download())
+        assert_close(outs[pipe][1], want, f"PIPE {pipe}", dtype="bf16", rtol=RTOL, atol=RTOL, scale="mean",
+                     slack=slack)
+    np.testing.assert_array_equal(outs[14][0], outs[5][0], err_msg="h: PIPE 14 against PIPE 5")
+    np.testing.assert_array_equal(outs[14][1], outs[5][1], err_msg="y: PIPE 14 against PIPE 5")
+
+
 def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **layer_options):
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(T * 1000 + E + hidden)

@@ -584,6 +584,10 @@ def launch_plans(default_fused_combine: bool):
         # gate_up with 16-token weight passes (NTMAX 2, WN 2): T = 9..24's default before session 38 (still 25..31's)
         ("gu-nt2", dict(gate_up="0, 2, 2, 1, 2, 3")),
         ("gu-nt4", dict(gate_up="0, 2, 4, 1, 4, 3")),
+        # T >= 256: the warp-specialized tier with x loaded by the producer (PIPE 14): the consumers' chain without x
+        # copies and named barriers (session 38's probes: x 17%, the barrier 13-15% of the busy consumer)
+        ("tiers64ws14", dict(gmma_tiers=[(64, 256, 14)])),
+        ("tiers64ws14/17ra8-32", dict(gmma_tiers=[(64, 256, 14), (17, 32, 8)])),
     ]
 
 
