@@ -532,7 +532,7 @@ namespace moe90 {
 // The outputs are then wrong; runtime/cuda/nvrtc.py says so when it builds one.
 enum WsProbe : int {
   kProbeNoDequant = 1,   // the producer skips the dequantization and its stores (loads and the ring hand-off stay)
-  kProbeNoX = 2,         // the consumers issue no x cp.async (the waits and barriers stay)
+  kProbeNoX = 2,         // no x cp.async (the consumers', XP: the producer's; the waits and barriers stay)
   kProbeNoMma = 4,       // the consumers issue no wgmma (the waits, barriers and releases stay)
 };
 constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WAHEAD = 8;
