@@ -612,6 +612,8 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   const uint32_t w_ring = smem_base, x_ring = smem_base + WS_STAGES * W_TILE;
   const uint32_t bars = x_ring + 2 * WS_XBUF * X_TILE;   // full[WS_STAGES], then empty[WS_STAGES]
   auto w_tile = [&](int b) { return w_ring + b * (XP ? XP_STAGE : W_TILE); };
+  // x's row of the slot's token i (< count): MODE 0 the gathered layer input, MODE 1 h in slot order
+  auto x_row = [&](int i) { return x + (long long)(MODE == 0 ? sorted_token[offset + i] : offset + i) * ldx; };
   const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   if (tid == 0) {
@@ -644,7 +646,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
 #pragma unroll
       for (int j = 0; j < XP_ROWS; ++j) {
         const int i = c0 + tid + 128 * j;
-        xp_row[j] = i >= count ? nullptr : x + (long long)(MODE == 0 ? sorted_token[offset + i] : offset + i) * ldx;
+        xp_row[j] = i >= count ? nullptr : x_row(i);
       }
       uint4 w0[WS_WAHEAD], w1[WS_WAHEAD];
       uint32_t s0[WS_WAHEAD], s1[WS_WAHEAD];
@@ -710,12 +712,13 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     const int h0 = c0 + cw * HN;   // this warpgroup's first token of the chunk
     const bool idle = h0 >= count;
     const int valid = min(HN, count - h0);   // its tokens in this chunk (NSTEP 16: the wgmma N)
-    const uint16_t* xrow[HN / 16];
+    const uint16_t* xrow[HN / 16];   // (not XP) past the count: row 0, copied as zeros
+    if constexpr (!XP) {
 #pragma unroll
-    for (int j = 0; j < HN / 16; ++j) {
-      const int i = h0 + ctid / 8 + 16 * j;
-      const int row = i >= count ? 0 : MODE == 0 ? sorted_token[offset + i] : offset + i;
-      xrow[j] = x + (long long)row * ldx + (ctid & 7) * 8;
+      for (int j = 0; j < HN / 16; ++j) {
+        const int i = h0 + ctid / 8 + 16 * j;
+        xrow[j] = (i >= count ? x : x_row(i)) + (ctid & 7) * 8;
+      }
     }
     auto load_x = [&](int u) {
       const uint32_t tile = my_x + (u % WS_XBUF) * X_TILE;
