@@ -532,7 +532,7 @@ namespace moe90 {
 // The outputs are then wrong; runtime/cuda/nvrtc.py says so when it builds one.
 enum WsProbe : int {
   kProbeNoDequant = 1,   // the producer skips the dequantization and its stores (loads and the ring hand-off stay)
-  kProbeNoX = 2,         // no x cp.async (the consumers', XP: the producer's; the waits and barriers stay)
+  kProbeNoX = 2,         // the consumers issue no x cp.async (the waits and barriers stay)
   kProbeNoMma = 4,       // the consumers issue no wgmma (the waits, barriers and releases stay)
 };
 constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WAHEAD = 8;
@@ -540,10 +540,14 @@ constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WA
 // launch bound), and setmaxnreg.inc waits until the pool has them, so the two sides must fit it exactly or
 // the consumers wait forever (96 / 208 did: 9216 freed, 10240 asked).
 constexpr int WS_PRODUCER_REGS = 120, WS_CONSUMER_REGS = 192;
-// XP: the producer also holds its x rows and issues the copies (120 spilled ~120 bytes), the consumers no x pointers
-constexpr int WS_XP_PRODUCER_REGS = 136, WS_XP_CONSUMER_REGS = 184;
 static_assert(128 * WS_PRODUCER_REGS + 256 * WS_CONSUMER_REGS <= WS_THREADS * 168, "register pool");
-static_assert(128 * WS_XP_PRODUCER_REGS + 256 * WS_XP_CONSUMER_REGS <= WS_THREADS * 168, "register pool (XP)");
+// SLIM (PIPE 15, 128-token tiles): the block launched with 112 registers a thread (43008 of the SM's 65536) and
+// ~129 KB of shared memory, so one cold mma.sync block (128 threads x 144-160 registers, <= 64 KB) fits beside it:
+// the hot and cold chains on their two streams can share each SM instead of taking turns (PERF.md, session 39).
+// The producer keeps 4 stages of weights in flight instead of 8; the consumers' accumulators are 2 x 32 floats.
+constexpr int WS_SLIM_REGS = 112, WS_SLIM_WAHEAD = 4, WS_SLIM_PRODUCER_REGS = 80, WS_SLIM_CONSUMER_REGS = 128;
+static_assert(128 * WS_SLIM_PRODUCER_REGS + 256 * WS_SLIM_CONSUMER_REGS <= WS_THREADS * WS_SLIM_REGS,
+              "register pool (SLIM)");
 
 using ddtree::mbar_arrive;
 using ddtree::mbar_init;
@@ -577,15 +581,8 @@ __device__ __forceinline__ void ring_wait(uint32_t bar, uint32_t parity) {
 // NSTEP 0: every wgmma is N = TN / 2 (a half's padding tokens computed too); NSTEP 16: N is the half's token
 // count rounded up to 16 (one stage loop per N, dispatch_n16), so a 133-token expert in a 256-token tile costs
 // 128 + 16 token columns, not 256.
-// XP (PIPE 14): the producer warpgroup also loads x: each stage buffer holds the W tile and the chunk's x tile
-// [TN][64] (the same 4 x (16 + TN / 8) KB as W's ring and the two halves' x rings), producer thread p copying rows
-// p and p + 128 (the rows past the count skipped: their token columns are never stored) and arriving on the stage's
-// full barrier when its copies land (cp.async.mbarrier.arrive.noinc, counted in the barrier's 256); the consumers
-// keep only wait full -> proxy fence -> wgmma -> release (no x copies, cp.async waits or named barrier: the probes
-// of 2026-12-07 (38) put x at 17% and the barrier at 13-15% of the busy consumer's cycles). The pattern of
-// dense_linear_sm90's weight ring (cp.async arrivals on the full barrier, the reader's fence after its wait).
-template <int MODE, int TN, int NSTEP, bool XP = false>
-__global__ void __launch_bounds__(moe90::WS_THREADS, 1)
+template <int MODE, int TN, int NSTEP, bool SLIM = false>
+__global__ void __launch_bounds__(moe90::WS_THREADS, 1) __maxnreg__(SLIM ? moe90::WS_SLIM_REGS : 168)
 moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0,
                    const uint4* __restrict__ ws0, const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
                    int n_rows, int k, const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
@@ -596,6 +593,8 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   using namespace moe90;
   static_assert(TN == 128 || TN == 256, "token tile: two consumer halves of 64 / 128");
   static_assert(NSTEP == 0 || NSTEP == 16, "N step");
+  static_assert(!SLIM || TN == 128, "SLIM: 128-token tiles (the consumers' accumulators fit 128 registers)");
+  constexpr int WAHEAD = SLIM ? WS_SLIM_WAHEAD : WS_WAHEAD;
   constexpr int HN = TN / 2, ACC = HN / 2, X_TILE = HN * 128;
   const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
   const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
@@ -606,20 +605,13 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-  // XP: stage buffer b = W tile, then x tile [TN][64] at w_ring + b * XP_STAGE + W_TILE
-  constexpr int XP_STAGE = W_TILE + TN * 128;
-  static_assert(!XP || WS_STAGES * XP_STAGE == WS_STAGES * W_TILE + 2 * WS_XBUF * X_TILE, "XP: the same footprint");
   const uint32_t w_ring = smem_base, x_ring = smem_base + WS_STAGES * W_TILE;
   const uint32_t bars = x_ring + 2 * WS_XBUF * X_TILE;   // full[WS_STAGES], then empty[WS_STAGES]
-  auto w_tile = [&](int b) { return w_ring + b * (XP ? XP_STAGE : W_TILE); };
-  // x's row of the slot's token i (< count): MODE 0 the gathered layer input, MODE 1 h in slot order
-  auto x_row = [&](int i) { return x + (long long)(MODE == 0 ? sorted_token[offset + i] : offset + i) * ldx; };
   const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   if (tid == 0) {
     for (int b = 0; b < WS_STAGES; ++b) {
-      mbar_init(bars + 8 * b, XP ? 256 : 128);         // full: every producer thread, after its stores (XP: and
-                                                       // when its x copies land)
+      mbar_init(bars + 8 * b, 128);                    // full: every producer thread, after its stores
       mbar_init(bars + 8 * (WS_STAGES + b), 8);        // empty: lane 0 of each consumer warp
     }
   }
@@ -628,7 +620,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   if (wg == 0) {
     // Producer. Warp w: tile rows 16w .. (row block rb0) and 64 + 16w .. (rb1): MODE 0 the gate and up rows of
     // the block's 64 output rows, MODE 1 down rows.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(XP ? WS_XP_PRODUCER_REGS : WS_PRODUCER_REGS));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(SLIM ? WS_SLIM_PRODUCER_REGS : WS_PRODUCER_REGS));
     const int row_blocks = n_rows / 16, supers = k / 512;
     const int rb0 = MODE == 0 ? blockIdx.x * 4 + warp : blockIdx.x * 8 + warp;
     const int rb1 = MODE == 0 ? rb0 : rb0 + 4;
@@ -640,56 +632,35 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     const uint4* sp1 = (MODE == 0 ? ws1 : ws0) + blk1 * supers * 32 + soff;
     int gs = 0;   // stage counter over all chunks: buffer gs % WS_STAGES, its use number gs / WS_STAGES
     for (int c0 = c_begin; c0 < c_end; c0 += TN) {
-      // XP: this thread's x rows of the chunk (tile rows tid + 128 j), null past the count
-      constexpr int XP_ROWS = XP ? TN / 128 : 1;
-      const uint16_t* xp_row[XP_ROWS];
+      uint4 w0[WAHEAD], w1[WAHEAD];
+      uint32_t s0[WAHEAD], s1[WAHEAD];
 #pragma unroll
-      for (int j = 0; j < XP_ROWS; ++j) {
-        const int i = c0 + tid + 128 * j;
-        xp_row[j] = i >= count ? nullptr : x_row(i);
-      }
-      uint4 w0[WS_WAHEAD], w1[WS_WAHEAD];
-      uint32_t s0[WS_WAHEAD], s1[WS_WAHEAD];
-#pragma unroll
-      for (int d = 0; d < WS_WAHEAD; ++d)
+      for (int d = 0; d < WAHEAD; ++d)
         if (d < units) {
           w0[d] = load_w(wp0, d);
           w1[d] = load_w(wp1, d);
           s0[d] = load_scale(sp0, d);
           s1[d] = load_scale(sp1, d);
         }
-      for (int u0 = 0; u0 < units; u0 += WS_WAHEAD) {
+      for (int u0 = 0; u0 < units; u0 += WAHEAD) {
 #pragma unroll
-        for (int d = 0; d < WS_WAHEAD; ++d, ++gs) {
+        for (int d = 0; d < WAHEAD; ++d, ++gs) {
           const int u = u0 + d;
           if (u >= units) break;
           const int b = gs % WS_STAGES;
           ring_wait(bars + 8 * (WS_STAGES + b), ((gs / WS_STAGES) & 1) ^ 1);   // the consumers freed buffer b
-          const uint32_t tile = w_tile(b);
-          if constexpr (XP) {   // x of stage u first: its copies run while this thread dequantizes
-            if constexpr ((DDTREE_WS_PROBE & kProbeNoX) == 0) {
-#pragma unroll
-              for (int j = 0; j < XP_ROWS; ++j) {
-                const int r = tid + 128 * j;
-                if (xp_row[j] != nullptr)
-#pragma unroll
-                  for (int c = 0; c < 8; ++c)
-                    cp_async16_s(tile + W_TILE + r * 128 + ((c ^ (r & 7)) << 4), xp_row[j] + u * 64 + c * 8, true);
-              }
-            }
-            ddtree::mbar_arrive_cp_async(bars + 8 * b);
-          }
+          const uint32_t tile = w_ring + b * W_TILE;
           const long long t_deq = ddtree::trace_stall_begin<ddtree::kStallDequant>();
           if constexpr ((DDTREE_WS_PROBE & kProbeNoDequant) == 0) {
             dequant_store(tile, w0[d], s0[d], 16 * warp + g, t);
             dequant_store(tile, w1[d], s1[d], 64 + 16 * warp + g, t);
           }
           ddtree::trace_stall_end<ddtree::kStallDequant>(t_deq);
-          if (u + WS_WAHEAD < units) {
-            w0[d] = load_w(wp0, u + WS_WAHEAD);
-            w1[d] = load_w(wp1, u + WS_WAHEAD);
-            s0[d] = load_scale(sp0, u + WS_WAHEAD);
-            s1[d] = load_scale(sp1, u + WS_WAHEAD);
+          if (u + WAHEAD < units) {
+            w0[d] = load_w(wp0, u + WAHEAD);
+            w1[d] = load_w(wp1, u + WAHEAD);
+            s0[d] = load_scale(sp0, u + WAHEAD);
+            s1[d] = load_scale(sp1, u + WAHEAD);
           }
           const long long t_pub = ddtree::trace_stall_begin<ddtree::kStallPublish>();
           asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared -> the consumers' wgmma
@@ -698,31 +669,29 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
         }
       }
     }
-    if constexpr (XP) ddtree::cp_async_wait<0>();   // no copy outlives its thread
     return;
   }
 
   // Consumers: warpgroup cw = wg - 1 takes tokens cw * HN .. + HN - 1 of each chunk.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(XP ? WS_XP_CONSUMER_REGS : WS_CONSUMER_REGS));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(SLIM ? WS_SLIM_CONSUMER_REGS : WS_CONSUMER_REGS));
   const int cw = wg - 1, ctid = tid - 128 * wg, cwarp = warp & 3;
-  const uint32_t my_x = x_ring + cw * WS_XBUF * X_TILE;   // (not XP: XP's x tiles sit in the stage buffers)
+  const uint32_t my_x = x_ring + cw * WS_XBUF * X_TILE;
   const uint32_t x_off = (ctid / 8) * 128 + (((ctid & 7) ^ ((ctid / 8) & 7)) << 4);   // row ctid / 8 + 16 j
   int gs = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += TN) {
     const int h0 = c0 + cw * HN;   // this warpgroup's first token of the chunk
     const bool idle = h0 >= count;
     const int valid = min(HN, count - h0);   // its tokens in this chunk (NSTEP 16: the wgmma N)
-    const uint16_t* xrow[HN / 16];   // (not XP) past the count: row 0, copied as zeros
-    if constexpr (!XP) {
+    const uint16_t* xrow[HN / 16];
 #pragma unroll
-      for (int j = 0; j < HN / 16; ++j) {
-        const int i = h0 + ctid / 8 + 16 * j;
-        xrow[j] = (i >= count ? x : x_row(i)) + (ctid & 7) * 8;
-      }
+    for (int j = 0; j < HN / 16; ++j) {
+      const int i = h0 + ctid / 8 + 16 * j;
+      const int row = i >= count ? 0 : MODE == 0 ? sorted_token[offset + i] : offset + i;
+      xrow[j] = x + (long long)row * ldx + (ctid & 7) * 8;
     }
     auto load_x = [&](int u) {
       const uint32_t tile = my_x + (u % WS_XBUF) * X_TILE;
-      if constexpr (!XP && (DDTREE_WS_PROBE & kProbeNoX) == 0) {
+      if constexpr ((DDTREE_WS_PROBE & kProbeNoX) == 0) {
 #pragma unroll
         for (int j = 0; j < HN / 16; ++j)
           cp_async16_s(tile + x_off + 2048 * j, xrow[j] + u * 64, h0 + ctid / 8 + 16 * j < count);
@@ -742,12 +711,10 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
       }
       continue;
     }
-    if constexpr (!XP) {
 #pragma unroll
-      for (int a = 0; a < WS_XAHEAD; ++a) {
-        if (a < units) load_x(a);
-        ddtree::cp_async_commit();
-      }
+    for (int a = 0; a < WS_XAHEAD; ++a) {
+      if (a < units) load_x(a);
+      ddtree::cp_async_commit();
     }
     // The stage loop for wgmma N (a constant inside: a run-time N chosen per wgmma made ptxas serialize them).
     auto stage_loop = [&](auto n_tokens) {
@@ -755,21 +722,17 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
       using ON = typename ddtree::GmmaOp<N>::type;
       for (int u = 0; u < units; ++u, ++gs) {
         const int b = gs % WS_STAGES;
-        if constexpr (!XP) {
-          const long long t_x = ddtree::trace_stall_begin<ddtree::kStallXWait>();
-          ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          ddtree::trace_stall_end<ddtree::kStallXWait>(t_x);
-          const long long t_bar = ddtree::trace_stall_begin<ddtree::kStallBarrier>();
-          named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
-          ddtree::trace_stall_end<ddtree::kStallBarrier>(t_bar);
-        }
-        ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u (XP: and its x)
-        // XP: the producer's x copies wrote through the generic proxy, wgmma reads through the async proxy
-        if constexpr (XP) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        const uint32_t wt = w_tile(b);
+        const long long t_x = ddtree::trace_stall_begin<ddtree::kStallXWait>();
+        ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        ddtree::trace_stall_end<ddtree::kStallXWait>(t_x);
+        const long long t_bar = ddtree::trace_stall_begin<ddtree::kStallBarrier>();
+        named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
+        ddtree::trace_stall_end<ddtree::kStallBarrier>(t_bar);
+        ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
+        const uint32_t wt = w_ring + b * W_TILE;
         const uint64_t da0 = sw128_desc(wt), da1 = sw128_desc(wt + 64 * 128);
-        const uint64_t db = sw128_desc(XP ? wt + W_TILE + cw * HN * 128 : my_x + (u % WS_XBUF) * X_TILE);
+        const uint64_t db = sw128_desc(my_x + (u % WS_XBUF) * X_TILE);
 #pragma unroll
         for (int i = 0; i < ACC; ++i) {
           cute::warpgroup_fence_operand(acc0[i]);
@@ -786,10 +749,8 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
           }
         }
         cute::warpgroup_commit_batch();
-        if constexpr (!XP) {
-          if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (see the barrier)
-          ddtree::cp_async_commit();
-        }
+        if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (see the barrier)
+        ddtree::cp_async_commit();
         const long long t_mma = ddtree::trace_stall_begin<ddtree::kStallMmaWait>();
         cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its W buffer goes back to the producer
         ddtree::trace_stall_end<ddtree::kStallMmaWait>(t_mma);
@@ -813,10 +774,8 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
       dispatch_n16<HN>((valid + 15) / 16, stage_loop);
     }
     if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
-    if constexpr (!XP) {
-      ddtree::cp_async_wait<0>();
-      named_barrier(1 + cw, 128);   // every warp done reading this chunk's x before the next chunk's loads
-    }
+    ddtree::cp_async_wait<0>();
+    named_barrier(1 + cw, 128);   // every warp done reading this chunk's x before the next chunk's loads
 
     // Epilogue: acc[4j + 2i + b] = row 16 cwarp + g + 8i of the m64 tile, token 8j + 2t + b of the half. (Staging
     // the outputs through the x ring for 16-byte stores, as moe_gmma_kernel does, measured no faster here.)
