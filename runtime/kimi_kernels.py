@@ -832,14 +832,19 @@ class MoeLayer:
         # moe_gmma_kernel walks rows y, y + gridDim.y, ..: gmma_grid_rows caps the grid (fewer empty blocks when
         # most of the P // min_tokens possible hot slots are cold); the WS kernel takes one row per block
         grid_y = n_items if ws or not self.gmma_grid_rows else min(n_items, self.gmma_grid_rows)
+        grid_x = n_rows // (64 if mode == 0 else 128)
+        if pipe == GMMA_SLIM_PIPE:   # persistent: at most one block per SM walks the grid's items
+            if items is not None:
+                raise ValueError("PIPE 15 walks the slot rows in their order; it takes no parallel chunks")
+            grid_x, grid_y = min(cuda.get_device().sm_count, grid_x * n_items), 1
         smem = moe_gmma_smem_bytes(tn, pipe)
         kernel.set_max_dynamic_smem(smem)
         if pipe == GMMA_SLIM_PIPE:   # room for a cold block's shared memory beside it
             kernel.prefer_max_shared()
         null = np.uint64(0)
-        return kernel.prepare((n_rows // (64 if mode == 0 else 128), grid_y), (384 if ws else 256,), [
+        return kernel.prepare((grid_x, grid_y), (384 if ws else 256,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset, self.slot_count,
-            self.sorted_token, out, I32(min_count), I32(top), *(() if ws else (I32(n_items),)),
+            self.sorted_token, out, I32(min_count), I32(top), I32(n_items),
             *(items if items is not None else (null, null))], smem=smem)
 
     def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None,
