@@ -541,15 +541,6 @@ constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WA
 // the consumers wait forever (96 / 208 did: 9216 freed, 10240 asked).
 constexpr int WS_PRODUCER_REGS = 120, WS_CONSUMER_REGS = 192;
 static_assert(128 * WS_PRODUCER_REGS + 256 * WS_CONSUMER_REGS <= WS_THREADS * 168, "register pool");
-// SLIM (PIPE 15, 128-token tiles): the block launched with 112 registers a thread (43008 of the SM's 65536) and
-// ~129 KB of shared memory, so one cold mma.sync block (128 threads x 144-160 registers, <= 64 KB) fits beside it,
-// and the grid persistent (at most one block per SM, walking the work items), since the block scheduler starts no
-// block of a later kernel while an earlier one has blocks queued: the hot and cold chains on their two streams can
-// then share each SM instead of taking turns (PERF.md, session 39). The producer keeps 4 stages of weights in
-// flight instead of 8; the consumers' accumulators are 2 x 32 floats.
-constexpr int WS_SLIM_REGS = 112, WS_SLIM_WAHEAD = 4, WS_SLIM_PRODUCER_REGS = 80, WS_SLIM_CONSUMER_REGS = 128;
-static_assert(128 * WS_SLIM_PRODUCER_REGS + 256 * WS_SLIM_CONSUMER_REGS <= WS_THREADS * WS_SLIM_REGS,
-              "register pool (SLIM)");
 
 using ddtree::mbar_arrive;
 using ddtree::mbar_init;
@@ -578,54 +569,30 @@ __device__ __forceinline__ void ring_wait(uint32_t bar, uint32_t parity) {
 }
 }  // namespace moe90
 
-// Grid as moe_gmma_kernel (SLIM: (min(SMs, items), 1) walking the n_items slot rows); block 384; dynamic smem
-// moe_gmma_smem_bytes (runtime/kimi_kernels.py) = 1024 + WS_STAGES * 16384 (W) + 2 * WS_XBUF * (TN / 2) * 128 (x)
-// + 2 * WS_STAGES * 8 (barriers).
+// Grid as moe_gmma_kernel; block 384; dynamic smem moe_gmma_smem_bytes (runtime/kimi_kernels.py) = 1024 +
+// WS_STAGES * 16384 (W) + 2 * WS_XBUF * (TN / 2) * 128 (x) + 2 * WS_STAGES * 8 (barriers).
 // NSTEP 0: every wgmma is N = TN / 2 (a half's padding tokens computed too); NSTEP 16: N is the half's token
 // count rounded up to 16 (one stage loop per N, dispatch_n16), so a 133-token expert in a 256-token tile costs
 // 128 + 16 token columns, not 256.
-template <int MODE, int TN, int NSTEP, bool SLIM = false>
-__global__ void __launch_bounds__(moe90::WS_THREADS, 1) __maxnreg__(SLIM ? moe90::WS_SLIM_REGS : 168)
+template <int MODE, int TN, int NSTEP>
+__global__ void __launch_bounds__(moe90::WS_THREADS, 1)
 moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0,
                    const uint4* __restrict__ ws0, const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
                    int n_rows, int k, const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
                    const int* __restrict__ slot_count, const int* __restrict__ sorted_token, void* __restrict__ out,
-                   int min_count, int max_count, int n_items, const int* __restrict__ item_slot,
+                   int min_count, int max_count, const int* __restrict__ item_slot,
                    const int* __restrict__ item_chunk) {
   DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGmmaWsGateUp : ddtree::kTraceMoeGmmaWsDown);
   using namespace moe90;
   static_assert(TN == 128 || TN == 256, "token tile: two consumer halves of 64 / 128");
   static_assert(NSTEP == 0 || NSTEP == 16, "N step");
-  static_assert(!SLIM || TN == 128, "SLIM: 128-token tiles (the consumers' accumulators fit 128 registers)");
-  constexpr int WAHEAD = SLIM ? WS_SLIM_WAHEAD : WS_WAHEAD;
   constexpr int HN = TN / 2, ACC = HN / 2, X_TILE = HN * 128;
-  if constexpr (!SLIM) {   // one work item (blockIdx): leave at once where it is another kernel's slot
-    const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
-    const int expert = slot_expert[slot], count = slot_count[slot];
-    if (expert < 0 || count < min_count || count >= max_count) return;
-  }
+  const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
+  const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
+  if (expert < 0 || count < min_count || count >= max_count) return;   // another kernel's slot
+  const int c_begin = item_slot != nullptr ? item_chunk[blockIdx.y] * TN : 0;
+  const int c_end = item_slot != nullptr ? min(count, c_begin + TN) : count;
   const int units = k / 64;
-  // The block's work items (column tile, slot row): its own blockIdx, or (SLIM, a persistent grid of at most one
-  // block per SM, so that no hot block waits in the scheduler's queue ahead of the cold kernel's: session 39's
-  // trace) items blockIdx.x, + gridDim.x, .. of the col_tiles x n_items grid, row by row. Rows come most tokens
-  // first (the routing's slot order), so without item_slot the first row below min_count ends the walk.
-  const int col_tiles = n_rows / (MODE == 0 ? 64 : 128);
-  struct Item { int col, expert, count, offset, c_begin, c_end; };
-  auto item_at = [&](int i, Item& w) -> int {   // 1: work, 0: another tier's slot, -1: no more work
-    if (SLIM && i >= col_tiles * n_items) return -1;
-    const int row = SLIM ? i / col_tiles : blockIdx.y;
-    const int slot = item_slot != nullptr ? item_slot[row] : row;
-    w.col = SLIM ? i % col_tiles : blockIdx.x;
-    w.expert = slot_expert[slot];
-    w.count = slot_count[slot];
-    w.offset = slot_offset[slot];
-    w.c_begin = item_slot != nullptr ? item_chunk[row] * TN : 0;
-    w.c_end = item_slot != nullptr ? min(w.count, w.c_begin + TN) : w.count;
-    if (!SLIM) return 1;   // checked above
-    if (w.expert < 0 || w.count < min_count) return item_slot == nullptr ? -1 : 0;
-    return w.count >= max_count ? 0 : 1;
-  };
-  const int first_item = SLIM ? blockIdx.x : 0, item_step = SLIM ? gridDim.x : 1;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
@@ -644,203 +611,186 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   if (wg == 0) {
     // Producer. Warp w: tile rows 16w .. (row block rb0) and 64 + 16w .. (rb1): MODE 0 the gate and up rows of
     // the block's 64 output rows, MODE 1 down rows.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(SLIM ? WS_SLIM_PRODUCER_REGS : WS_PRODUCER_REGS));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS));
     const int row_blocks = n_rows / 16, supers = k / 512;
-    int gs = 0;   // stage counter over all items and chunks: buffer gs % WS_STAGES, its use number gs / WS_STAGES
-    Item w;
-    for (int it = first_item;; it += item_step) {
-      const int got = item_at(it, w);
-      if (got < 0) break;
-      if (got > 0) {
-        const int rb0 = MODE == 0 ? w.col * 4 + warp : w.col * 8 + warp;
-        const int rb1 = MODE == 0 ? rb0 : rb0 + 4;
-        const long long blk0 = (long long)w.expert * row_blocks + rb0, blk1 = (long long)w.expert * row_blocks + rb1;
-        const uint4* wp0 = wq0 + blk0 * units * 32 + lane;
-        const uint4* wp1 = (MODE == 0 ? wq1 : wq0) + blk1 * units * 32 + lane;
-        const int soff = (g * 2 + (t >> 1)) * 2;
-        const uint4* sp0 = ws0 + blk0 * supers * 32 + soff;
-        const uint4* sp1 = (MODE == 0 ? ws1 : ws0) + blk1 * supers * 32 + soff;
-        for (int c0 = w.c_begin; c0 < w.c_end; c0 += TN) {
-          uint4 w0[WAHEAD], w1[WAHEAD];
-          uint32_t s0[WAHEAD], s1[WAHEAD];
+    const int rb0 = MODE == 0 ? blockIdx.x * 4 + warp : blockIdx.x * 8 + warp;
+    const int rb1 = MODE == 0 ? rb0 : rb0 + 4;
+    const long long blk0 = (long long)expert * row_blocks + rb0, blk1 = (long long)expert * row_blocks + rb1;
+    const uint4* wp0 = wq0 + blk0 * units * 32 + lane;
+    const uint4* wp1 = (MODE == 0 ? wq1 : wq0) + blk1 * units * 32 + lane;
+    const int soff = (g * 2 + (t >> 1)) * 2;
+    const uint4* sp0 = ws0 + blk0 * supers * 32 + soff;
+    const uint4* sp1 = (MODE == 0 ? ws1 : ws0) + blk1 * supers * 32 + soff;
+    int gs = 0;   // stage counter over all chunks: buffer gs % WS_STAGES, its use number gs / WS_STAGES
+    for (int c0 = c_begin; c0 < c_end; c0 += TN) {
+      uint4 w0[WS_WAHEAD], w1[WS_WAHEAD];
+      uint32_t s0[WS_WAHEAD], s1[WS_WAHEAD];
 #pragma unroll
-          for (int d = 0; d < WAHEAD; ++d)
-            if (d < units) {
-              w0[d] = load_w(wp0, d);
-              w1[d] = load_w(wp1, d);
-              s0[d] = load_scale(sp0, d);
-              s1[d] = load_scale(sp1, d);
-            }
-          for (int u0 = 0; u0 < units; u0 += WAHEAD) {
+      for (int d = 0; d < WS_WAHEAD; ++d)
+        if (d < units) {
+          w0[d] = load_w(wp0, d);
+          w1[d] = load_w(wp1, d);
+          s0[d] = load_scale(sp0, d);
+          s1[d] = load_scale(sp1, d);
+        }
+      for (int u0 = 0; u0 < units; u0 += WS_WAHEAD) {
 #pragma unroll
-            for (int d = 0; d < WAHEAD; ++d, ++gs) {
-              const int u = u0 + d;
-              if (u >= units) break;
-              const int b = gs % WS_STAGES;
-              ring_wait(bars + 8 * (WS_STAGES + b), ((gs / WS_STAGES) & 1) ^ 1);   // the consumers freed buffer b
-              const uint32_t tile = w_ring + b * W_TILE;
-              const long long t_deq = ddtree::trace_stall_begin<ddtree::kStallDequant>();
-              if constexpr ((DDTREE_WS_PROBE & kProbeNoDequant) == 0) {
-                dequant_store(tile, w0[d], s0[d], 16 * warp + g, t);
-                dequant_store(tile, w1[d], s1[d], 64 + 16 * warp + g, t);
-              }
-              ddtree::trace_stall_end<ddtree::kStallDequant>(t_deq);
-              if (u + WAHEAD < units) {
-                w0[d] = load_w(wp0, u + WAHEAD);
-                w1[d] = load_w(wp1, u + WAHEAD);
-                s0[d] = load_scale(sp0, u + WAHEAD);
-                s1[d] = load_scale(sp1, u + WAHEAD);
-              }
-              const long long t_pub = ddtree::trace_stall_begin<ddtree::kStallPublish>();
-              asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared -> the consumers' wgmma
-              mbar_arrive(bars + 8 * b);
-              ddtree::trace_stall_end<ddtree::kStallPublish>(t_pub);
-            }
+        for (int d = 0; d < WS_WAHEAD; ++d, ++gs) {
+          const int u = u0 + d;
+          if (u >= units) break;
+          const int b = gs % WS_STAGES;
+          ring_wait(bars + 8 * (WS_STAGES + b), ((gs / WS_STAGES) & 1) ^ 1);   // the consumers freed buffer b
+          const uint32_t tile = w_ring + b * W_TILE;
+          const long long t_deq = ddtree::trace_stall_begin<ddtree::kStallDequant>();
+          if constexpr ((DDTREE_WS_PROBE & kProbeNoDequant) == 0) {
+            dequant_store(tile, w0[d], s0[d], 16 * warp + g, t);
+            dequant_store(tile, w1[d], s1[d], 64 + 16 * warp + g, t);
           }
+          ddtree::trace_stall_end<ddtree::kStallDequant>(t_deq);
+          if (u + WS_WAHEAD < units) {
+            w0[d] = load_w(wp0, u + WS_WAHEAD);
+            w1[d] = load_w(wp1, u + WS_WAHEAD);
+            s0[d] = load_scale(sp0, u + WS_WAHEAD);
+            s1[d] = load_scale(sp1, u + WS_WAHEAD);
+          }
+          const long long t_pub = ddtree::trace_stall_begin<ddtree::kStallPublish>();
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // st.shared -> the consumers' wgmma
+          mbar_arrive(bars + 8 * b);
+          ddtree::trace_stall_end<ddtree::kStallPublish>(t_pub);
         }
       }
-      if (!SLIM) break;
     }
     return;
   }
 
   // Consumers: warpgroup cw = wg - 1 takes tokens cw * HN .. + HN - 1 of each chunk.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(SLIM ? WS_SLIM_CONSUMER_REGS : WS_CONSUMER_REGS));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
   const int cw = wg - 1, ctid = tid - 128 * wg, cwarp = warp & 3;
   const uint32_t my_x = x_ring + cw * WS_XBUF * X_TILE;
   const uint32_t x_off = (ctid / 8) * 128 + (((ctid & 7) ^ ((ctid / 8) & 7)) << 4);   // row ctid / 8 + 16 j
   int gs = 0;
-  Item w;
-  for (int it = first_item;; it += item_step) {
-    const int got = item_at(it, w);
-    if (got < 0) break;
-    if (got > 0) {
-      const int count = w.count, offset = w.offset;
-      for (int c0 = w.c_begin; c0 < w.c_end; c0 += TN) {
-        const int h0 = c0 + cw * HN;   // this warpgroup's first token of the chunk
-        const bool idle = h0 >= count;
-        const int valid = min(HN, count - h0);   // its tokens in this chunk (NSTEP 16: the wgmma N)
-        const uint16_t* xrow[HN / 16];
+  for (int c0 = c_begin; c0 < c_end; c0 += TN) {
+    const int h0 = c0 + cw * HN;   // this warpgroup's first token of the chunk
+    const bool idle = h0 >= count;
+    const int valid = min(HN, count - h0);   // its tokens in this chunk (NSTEP 16: the wgmma N)
+    const uint16_t* xrow[HN / 16];
 #pragma unroll
-        for (int j = 0; j < HN / 16; ++j) {
-          const int i = h0 + ctid / 8 + 16 * j;
-          const int row = i >= count ? 0 : MODE == 0 ? sorted_token[offset + i] : offset + i;
-          xrow[j] = x + (long long)row * ldx + (ctid & 7) * 8;
-        }
-        auto load_x = [&](int u) {
-          const uint32_t tile = my_x + (u % WS_XBUF) * X_TILE;
-          if constexpr ((DDTREE_WS_PROBE & kProbeNoX) == 0) {
+    for (int j = 0; j < HN / 16; ++j) {
+      const int i = h0 + ctid / 8 + 16 * j;
+      const int row = i >= count ? 0 : MODE == 0 ? sorted_token[offset + i] : offset + i;
+      xrow[j] = x + (long long)row * ldx + (ctid & 7) * 8;
+    }
+    auto load_x = [&](int u) {
+      const uint32_t tile = my_x + (u % WS_XBUF) * X_TILE;
+      if constexpr ((DDTREE_WS_PROBE & kProbeNoX) == 0) {
 #pragma unroll
-            for (int j = 0; j < HN / 16; ++j)
-              cp_async16_s(tile + x_off + 2048 * j, xrow[j] + u * 64, h0 + ctid / 8 + 16 * j < count);
-          }
-        };
-        float acc0[ACC], acc1[ACC];
+        for (int j = 0; j < HN / 16; ++j)
+          cp_async16_s(tile + x_off + 2048 * j, xrow[j] + u * 64, h0 + ctid / 8 + 16 * j < count);
+      }
+    };
+    float acc0[ACC], acc1[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) {
+      acc0[i] = 0.f;
+      acc1[i] = 0.f;
+    }
+    if (idle) {   // no tokens in this half: release every stage the producer fills
+      for (int u = 0; u < units; ++u, ++gs) {
+        const int b = gs % WS_STAGES;
+        ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);
+        if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + b));
+      }
+      continue;
+    }
+#pragma unroll
+    for (int a = 0; a < WS_XAHEAD; ++a) {
+      if (a < units) load_x(a);
+      ddtree::cp_async_commit();
+    }
+    // The stage loop for wgmma N (a constant inside: a run-time N chosen per wgmma made ptxas serialize them).
+    auto stage_loop = [&](auto n_tokens) {
+      constexpr int N = decltype(n_tokens)::value;
+      using ON = typename ddtree::GmmaOp<N>::type;
+      for (int u = 0; u < units; ++u, ++gs) {
+        const int b = gs % WS_STAGES;
+        const long long t_x = ddtree::trace_stall_begin<ddtree::kStallXWait>();
+        ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        ddtree::trace_stall_end<ddtree::kStallXWait>(t_x);
+        const long long t_bar = ddtree::trace_stall_begin<ddtree::kStallBarrier>();
+        named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
+        ddtree::trace_stall_end<ddtree::kStallBarrier>(t_bar);
+        ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
+        const uint32_t wt = w_ring + b * W_TILE;
+        const uint64_t da0 = sw128_desc(wt), da1 = sw128_desc(wt + 64 * 128);
+        const uint64_t db = sw128_desc(my_x + (u % WS_XBUF) * X_TILE);
 #pragma unroll
         for (int i = 0; i < ACC; ++i) {
-          acc0[i] = 0.f;
-          acc1[i] = 0.f;
+          cute::warpgroup_fence_operand(acc0[i]);
+          cute::warpgroup_fence_operand(acc1[i]);
         }
-        if (idle) {   // no tokens in this half: release every stage the producer fills
-          for (int u = 0; u < units; ++u, ++gs) {
-            const int b = gs % WS_STAGES;
-            ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);
-            if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + b));
+        if constexpr ((DDTREE_WS_PROBE & kProbeNoMma) == 0) {
+          cute::warpgroup_arrive();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            ddtree::gmma_ss<ON>(da0 + 2 * kk, db + 2 * kk, acc0, cute::SM90::GMMA::ScaleOut::One,
+                                cuda::std::make_integer_sequence<int, N / 2>{});
+            ddtree::gmma_ss<ON>(da1 + 2 * kk, db + 2 * kk, acc1, cute::SM90::GMMA::ScaleOut::One,
+                                cuda::std::make_integer_sequence<int, N / 2>{});
           }
-          continue;
         }
+        cute::warpgroup_commit_batch();
+        if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (see the barrier)
+        ddtree::cp_async_commit();
+        const long long t_mma = ddtree::trace_stall_begin<ddtree::kStallMmaWait>();
+        cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its W buffer goes back to the producer
+        ddtree::trace_stall_end<ddtree::kStallMmaWait>(t_mma);
 #pragma unroll
-        for (int a = 0; a < WS_XAHEAD; ++a) {
-          if (a < units) load_x(a);
-          ddtree::cp_async_commit();
+        for (int i = 0; i < ACC; ++i) {
+          cute::warpgroup_fence_operand(acc0[i]);
+          cute::warpgroup_fence_operand(acc1[i]);
         }
-        // The stage loop for wgmma N (a constant inside: a run-time N chosen per wgmma made ptxas serialize them).
-        auto stage_loop = [&](auto n_tokens) {
-          constexpr int N = decltype(n_tokens)::value;
-          using ON = typename ddtree::GmmaOp<N>::type;
-          for (int u = 0; u < units; ++u, ++gs) {
-            const int b = gs % WS_STAGES;
-            const long long t_x = ddtree::trace_stall_begin<ddtree::kStallXWait>();
-            ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            ddtree::trace_stall_end<ddtree::kStallXWait>(t_x);
-            const long long t_bar = ddtree::trace_stall_begin<ddtree::kStallBarrier>();
-            named_barrier(1 + cw, 128);               // the warpgroup's x of stage u; its wgmma of u - 2 retired
-            ddtree::trace_stall_end<ddtree::kStallBarrier>(t_bar);
-            ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
-            const uint32_t wt = w_ring + b * W_TILE;
-            const uint64_t da0 = sw128_desc(wt), da1 = sw128_desc(wt + 64 * 128);
-            const uint64_t db = sw128_desc(my_x + (u % WS_XBUF) * X_TILE);
-#pragma unroll
-            for (int i = 0; i < ACC; ++i) {
-              cute::warpgroup_fence_operand(acc0[i]);
-              cute::warpgroup_fence_operand(acc1[i]);
-            }
-            if constexpr ((DDTREE_WS_PROBE & kProbeNoMma) == 0) {
-              cute::warpgroup_arrive();
-#pragma unroll
-              for (int kk = 0; kk < 4; ++kk) {
-                ddtree::gmma_ss<ON>(da0 + 2 * kk, db + 2 * kk, acc0, cute::SM90::GMMA::ScaleOut::One,
-                                    cuda::std::make_integer_sequence<int, N / 2>{});
-                ddtree::gmma_ss<ON>(da1 + 2 * kk, db + 2 * kk, acc1, cute::SM90::GMMA::ScaleOut::One,
-                                    cuda::std::make_integer_sequence<int, N / 2>{});
-              }
-            }
-            cute::warpgroup_commit_batch();
-            if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (see the barrier)
-            ddtree::cp_async_commit();
-            const long long t_mma = ddtree::trace_stall_begin<ddtree::kStallMmaWait>();
-            cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its W buffer goes back to the producer
-            ddtree::trace_stall_end<ddtree::kStallMmaWait>(t_mma);
-#pragma unroll
-            for (int i = 0; i < ACC; ++i) {
-              cute::warpgroup_fence_operand(acc0[i]);
-              cute::warpgroup_fence_operand(acc1[i]);
-            }
-            if (u > 0 && lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
-          }
-          cute::warpgroup_wait<0>();
-#pragma unroll
-          for (int i = 0; i < ACC; ++i) {
-            cute::warpgroup_fence_operand(acc0[i]);
-            cute::warpgroup_fence_operand(acc1[i]);
-          }
-        };
-        if constexpr (NSTEP == 0) {
-          stage_loop(cuda::std::integral_constant<int, HN>{});
-        } else {
-          dispatch_n16<HN>((valid + 15) / 16, stage_loop);
-        }
-        if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
-        ddtree::cp_async_wait<0>();
-        named_barrier(1 + cw, 128);   // every warp done reading this chunk's x before the next chunk's loads
-
-        // Epilogue: acc[4j + 2i + b] = row 16 cwarp + g + 8i of the m64 tile, token 8j + 2t + b of the half. (Staging
-        // the outputs through the x ring for 16-byte stores, as moe_gmma_kernel does, measured no faster here.)
-        const int r = cwarp * 16 + g;
-#pragma unroll
-        for (int j = 0; j < HN / 8; ++j)
-#pragma unroll
-          for (int bb = 0; bb < 2; ++bb) {
-            const int tok = h0 + 8 * j + 2 * t + bb;
-            if (tok >= count) continue;
-            const long long orow = (long long)(offset + tok) * n_rows;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              const int a = 4 * j + 2 * i + bb;
-              if constexpr (MODE == 0) {
-                reinterpret_cast<__nv_bfloat16*>(out)[orow + w.col * 64 + r + 8 * i] =
-                    __float2bfloat16_rn(ddtree::silu(acc0[a]) * acc1[a]);
-              } else {
-                __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(out) + orow + w.col * 128 + r + 8 * i;
-                o[0] = __float2bfloat16_rn(acc0[a]);
-                o[64] = __float2bfloat16_rn(acc1[a]);
-              }
-            }
-          }
+        if (u > 0 && lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
       }
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) {
+        cute::warpgroup_fence_operand(acc0[i]);
+        cute::warpgroup_fence_operand(acc1[i]);
+      }
+    };
+    if constexpr (NSTEP == 0) {
+      stage_loop(cuda::std::integral_constant<int, HN>{});
+    } else {
+      dispatch_n16<HN>((valid + 15) / 16, stage_loop);
     }
-    if (!SLIM) break;
+    if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
+    ddtree::cp_async_wait<0>();
+    named_barrier(1 + cw, 128);   // every warp done reading this chunk's x before the next chunk's loads
+
+    // Epilogue: acc[4j + 2i + b] = row 16 cwarp + g + 8i of the m64 tile, token 8j + 2t + b of the half. (Staging
+    // the outputs through the x ring for 16-byte stores, as moe_gmma_kernel does, measured no faster here.)
+    const int r = cwarp * 16 + g;
+#pragma unroll
+    for (int j = 0; j < HN / 8; ++j)
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) {
+        const int tok = h0 + 8 * j + 2 * t + bb;
+        if (tok >= count) continue;
+        const long long orow = (long long)(offset + tok) * n_rows;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int a = 4 * j + 2 * i + bb;
+          if constexpr (MODE == 0) {
+            reinterpret_cast<__nv_bfloat16*>(out)[orow + blockIdx.x * 64 + r + 8 * i] =
+                __float2bfloat16_rn(ddtree::silu(acc0[a]) * acc1[a]);
+          } else {
+            __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(out) + orow + blockIdx.x * 128 + r + 8 * i;
+            o[0] = __float2bfloat16_rn(acc0[a]);
+            o[64] = __float2bfloat16_rn(acc1[a]);
+          }
+        }
+      }
   }
 }
 

@@ -386,18 +386,14 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # 4: warp-specialized (moe_gmma_ws_kernel: one warpgroup dequantizes into a shared ring, two issue wgmma on
 # half the tile's tokens each; 128/256-token tiles).
 # 5: the same with the wgmma N cut to each half's token count (rounded up to 16) instead of the full half.
-# 15: PIPE 5 slimmed to fit one cold mma.sync block beside it on an SM (112 registers a thread, 128-token tiles, the
-# carveout at maximum shared memory), so that the hot and cold chains on their two streams share the SMs.
 GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)",
               4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
               7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)",
-              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)",
-              15: "PIPE 5 slimmed to share an SM with a cold block (128-token tiles)"}
+              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)"}
 # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
-_WS_TEMPLATE = {4: "0", 5: "16", 15: "16, true"}
+_WS_TEMPLATE = {4: "0", 5: "16"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
-GMMA_SLIM_PIPE = 15   # the warp-specialized pipeline that leaves room for a cold block on its SM
 GMMA_SLOT_PIPES = (6, 7, 8)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_PIPE = 8
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
@@ -405,10 +401,9 @@ GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default 
 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
     """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 for 32/64, the
-    warp-specialized 4/5 for 128/256, 15 for 128."""
+    warp-specialized 4/5 for 128/256."""
     return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64)
-                or (pipe in GMMA_WS_PIPES and tile < 128) or (pipe == GMMA_SLIM_PIPE and tile != 128)
-                or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
+                or (pipe in GMMA_WS_PIPES and tile < 128) or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
@@ -551,8 +546,7 @@ class MoeLayer:
     default GMMA_PIPE; gmma_overlap (default GMMA_OVERLAP unless the combine is folded into down): the hot
     chain (gate_up_hot -> down_hot) on a second stream, forked after the routing and joined before the
     combine, so the compute-bound wgmma kernels run beside the memory-bound mma.sync ones (both are captured
-    as parallel graph branches); "cold": the cold chain (gate_up -> down) on the second stream instead, the hot
-    one right after the routing on the layer's stream (dispatched first where the routing's successor runs first).
+    as parallel graph branches).
     Default "auto": GMMA_AUTO's tiers of (min tokens, tile, pipeline) by T, from GMMA_AUTO_TOKENS tokens on,
     where the kernel runs; None turns it off. gmma_tiers (instead of gmma_min_tokens / gmma_tile / gmma_pipe):
     several (min tokens, tile, pipeline) tiers, e.g. [(64, 256, 4), (16, 64, 3)]: each slot runs in the tier with
@@ -574,7 +568,7 @@ class MoeLayer:
                  early: bool | None = None, combine_early: bool | None = None,
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
-                 gmma_overlap: bool | str | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None,
+                 gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None,
                  signals: bool | None = None):
         cuda = _cuda()
         w = self.weights = weights
@@ -807,12 +801,7 @@ class MoeLayer:
         if gmma_overlap and self.fuse_combine:
             raise ValueError("gmma_overlap: the combine folded into the cold down GEMM would not wait for the "
                              "hot chain; use the separate combine (fuse_combine=False)")
-        if gmma_overlap not in (True, False, "cold"):
-            raise ValueError(f"gmma_overlap: True, False or 'cold', not {gmma_overlap!r}")
         self.gmma_overlap = bool(gmma_overlap) and bool(tiers)
-        # the stages that run on the side stream: the hot chain's, or ("cold") the mma.sync GEMMs
-        self._side_stages = {"gate_up", "down"} if gmma_overlap == "cold" else {n for n, _ in self.stages
-                                                                                 if n.endswith("_hot")}
         if self.gmma_overlap:   # a side stream and the fork / join events, made once
             self._side = cuda.Stream()
             self._fork, self._join = cuda.Event(timing=False), cuda.Event(timing=False)
@@ -832,19 +821,12 @@ class MoeLayer:
         # moe_gmma_kernel walks rows y, y + gridDim.y, ..: gmma_grid_rows caps the grid (fewer empty blocks when
         # most of the P // min_tokens possible hot slots are cold); the WS kernel takes one row per block
         grid_y = n_items if ws or not self.gmma_grid_rows else min(n_items, self.gmma_grid_rows)
-        grid_x = n_rows // (64 if mode == 0 else 128)
-        if pipe == GMMA_SLIM_PIPE:   # persistent: at most one block per SM walks the grid's items
-            if items is not None:
-                raise ValueError("PIPE 15 walks the slot rows in their order; it takes no parallel chunks")
-            grid_x, grid_y = min(cuda.get_device().sm_count, grid_x * n_items), 1
         smem = moe_gmma_smem_bytes(tn, pipe)
         kernel.set_max_dynamic_smem(smem)
-        if pipe == GMMA_SLIM_PIPE:   # room for a cold block's shared memory beside it
-            kernel.prefer_max_shared()
         null = np.uint64(0)
-        return kernel.prepare((grid_x, grid_y), (384 if ws else 256,), [
+        return kernel.prepare((n_rows // (64 if mode == 0 else 128), grid_y), (384 if ws else 256,), [
             x, I32(ldx), q0, s0, q1, s1, I32(n_rows), I32(k), self.slot_expert, self.slot_offset, self.slot_count,
-            self.sorted_token, out, I32(min_count), I32(top), I32(n_items),
+            self.sorted_token, out, I32(min_count), I32(top), *(() if ws else (I32(n_items),)),
             *(items if items is not None else (null, null))], smem=smem)
 
     def _gemm_launch(self, entry, x, ldx, q0, s0, q1, s1, n_rows, k, out, early=False, combine=False, counts=None,
@@ -893,8 +875,8 @@ class MoeLayer:
         with the wgmma hot-expert path (x_hot with PIPE 6-8), 'combine' unless it is folded into down).
         The whole layer: with shared_mlp, 'shared' on a side stream forked first (shared_fork "start") or after the
         routing ("route") and joined before the stage that reads .shared (the combine, or down where the combine is
-        folded into it); with gmma_overlap, the _hot stages (gmma_overlap "cold": gate_up and down) on another side
-        stream forked after the routing and joined before the combine."""
+        folded into it); with gmma_overlap, the _hot stages on another side stream forked after the routing and joined
+        before the combine."""
         if stages is not None:
             if self.signals and {"down", "combine"} & set(stages) and not _SIGNAL_STAGES <= set(stages):
                 # down / combine without the stages before them would wait for arrivals that never come
@@ -916,18 +898,18 @@ class MoeLayer:
             fork_shared()
             shared_pending = False
         reads_shared = "down" if self.fuse_combine else "combine"
-        side_forked = False
+        hot_forked = False
         for name, launch in self.stages:
             if name == "shared":
                 continue
             if name != "route" and shared_pending:   # shared_fork "route": forked once the routing is queued
                 fork_shared()
                 shared_pending = False
-            if self.gmma_overlap and name != "route" and not side_forked:
-                self._fork.record(stream)   # one chain after the routing, beside the other
+            if self.gmma_overlap and name != "route" and not hot_forked:
+                self._fork.record(stream)   # the hot chain after the routing, beside gate_up / down
                 self._side.wait(self._fork)
-                side_forked = True
-            if self.gmma_overlap and name in self._side_stages:
+                hot_forked = True
+            if self.gmma_overlap and name.endswith("_hot"):
                 launch(self._side)
                 continue
             if name == "combine" and self.gmma_overlap:

@@ -584,14 +584,6 @@ def launch_plans(default_fused_combine: bool):
         # gate_up with 16-token weight passes (NTMAX 2, WN 2): T = 9..24's default before session 38 (still 25..31's)
         ("gu-nt2", dict(gate_up="0, 2, 2, 1, 2, 3")),
         ("gu-nt4", dict(gate_up="0, 2, 4, 1, 4, 3")),
-        # T >= 256: the hot tier slimmed to share each SM with a cold block (PIPE 15, 128-token tiles), the hot chain
-        # on the side stream (the default overlap), or the cold chain there ("cold"), or one stream; PIPE 5 at the
-        # same tiles; the default tier with the cold chain on the side stream
-        ("tiers64ws15", dict(gmma_tiers=[(64, 128, 15)])),
-        ("tiers64ws15/cold", dict(gmma_tiers=[(64, 128, 15)], gmma_overlap="cold")),
-        ("tiers64ws15/serial", dict(gmma_tiers=[(64, 128, 15)], gmma_overlap=False)),
-        ("tiers64ws5-128", dict(gmma_tiers=[(64, 128, 5)])),
-        ("tiers64ws5/cold", dict(gmma_tiers=[(64, 256, 5)], gmma_overlap="cold")),
     ]
 
 

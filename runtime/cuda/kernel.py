@@ -132,15 +132,6 @@ class Kernel:
                                          int(nbytes)), f"cuFuncSetAttribute(max dynamic smem, {self})")
         self.max_dynamic_smem = int(nbytes)
 
-    def prefer_max_shared(self):
-        """Ask for the largest shared-memory carveout on the SMs this kernel's blocks start on (a hint the driver
-        applies when it configures an idle SM), so that blocks of other kernels find shared memory beside it."""
-        drv = driver()
-        with _capture_relaxed():
-            check(drv.cuFuncSetAttribute(
-                self.function, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                int(drv.CUshared_carveout.CU_SHAREDMEM_CARVEOUT_MAX_SHARED)), f"cuFuncSetAttribute(carveout, {self})")
-
     def attribute(self, name: str) -> int:
         """e.g. attribute("NUM_REGS"), "MAX_THREADS_PER_BLOCK", "LOCAL_SIZE_BYTES"."""
         drv = driver()
