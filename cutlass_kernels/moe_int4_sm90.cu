@@ -574,13 +574,7 @@ __device__ __forceinline__ void ring_wait(uint32_t bar, uint32_t parity) {
 // NSTEP 0: every wgmma is N = TN / 2 (a half's padding tokens computed too); NSTEP 16: N is the half's token
 // count rounded up to 16 (one stage loop per N, dispatch_n16), so a 133-token expert in a 256-token tile costs
 // 128 + 16 token columns, not 256.
-// ROWS (PIPE 16, 256-token tiles): the consumers split the tile by weight rows instead of tokens: warpgroup cw takes
-// rows 64 cw .. 64 cw + 63 (MODE 0: cw 0 the gate rows, cw 1 the up rows) against every token of the chunk (wgmma N =
-// the chunk's token count rounded up to 16, up to 256), so both work on every expert (by tokens, an expert of <= 128
-// tokens leaves one idle) and each W row block is read by one wgmma, not two; the x tile is one ring for both, each
-// loading half of its rows, published by a 256-thread barrier. MODE 0 hands the gate accumulators to the up warpgroup
-// through the x ring after the chunk's last stage for SiLU(gate) * up.
-template <int MODE, int TN, int NSTEP, bool ROWS = false>
+template <int MODE, int TN, int NSTEP>
 __global__ void __launch_bounds__(moe90::WS_THREADS, 1)
 moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0,
                    const uint4* __restrict__ ws0, const uint4* __restrict__ wq1, const uint4* __restrict__ ws1,
@@ -592,7 +586,6 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   using namespace moe90;
   static_assert(TN == 128 || TN == 256, "token tile: two consumer halves of 64 / 128");
   static_assert(NSTEP == 0 || NSTEP == 16, "N step");
-  static_assert(!ROWS || (TN == 256 && NSTEP == 16), "ROWS: 256-token tiles, N per token count");
   constexpr int HN = TN / 2, ACC = HN / 2, X_TILE = HN * 128;
   const int slot = item_slot != nullptr ? item_slot[blockIdx.y] : blockIdx.y;
   const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
@@ -676,108 +669,6 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
   const uint32_t my_x = x_ring + cw * WS_XBUF * X_TILE;
   const uint32_t x_off = (ctid / 8) * 128 + (((ctid & 7) ^ ((ctid / 8) & 7)) << 4);   // row ctid / 8 + 16 j
   int gs = 0;
-  if constexpr (ROWS) {
-    constexpr int X_BUF = TN * 128;   // one x tile [TN][64] per ring buffer, rows cw * HN .. loaded by warpgroup cw
-    const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-    float* gate_xch = reinterpret_cast<float*>(smem_raw + (x_ring - raw));   // MODE 0: gate's accumulators
-    for (int c0 = c_begin; c0 < c_end; c0 += TN) {
-      const int valid = min(TN, count - c0);
-      const uint16_t* xrow[HN / 16];
-#pragma unroll
-      for (int j = 0; j < HN / 16; ++j) {
-        const int i = c0 + cw * HN + ctid / 8 + 16 * j;
-        const int row = i >= count ? 0 : MODE == 0 ? sorted_token[offset + i] : offset + i;
-        xrow[j] = x + (long long)row * ldx + (ctid & 7) * 8;
-      }
-      auto load_x = [&](int u) {
-        const uint32_t tile = x_ring + (u % WS_XBUF) * X_BUF + cw * HN * 128;
-#pragma unroll
-        for (int j = 0; j < HN / 16; ++j)
-          cp_async16_s(tile + x_off + 2048 * j, xrow[j] + u * 64, c0 + cw * HN + ctid / 8 + 16 * j < count);
-      };
-      float acc[TN / 2];
-#pragma unroll
-      for (int i = 0; i < TN / 2; ++i) acc[i] = 0.f;
-#pragma unroll
-      for (int a = 0; a < WS_XAHEAD; ++a) {
-        if (a < units) load_x(a);
-        ddtree::cp_async_commit();
-      }
-      auto stage_loop = [&](auto n_tokens) {
-        constexpr int N = decltype(n_tokens)::value;
-        using ON = typename ddtree::GmmaOp<N>::type;
-        for (int u = 0; u < units; ++u, ++gs) {
-          const int b = gs % WS_STAGES;
-          ddtree::cp_async_wait<WS_XAHEAD - 1>();   // this thread's x of stage u
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          named_barrier(1, 256);   // both halves of stage u's x; both warpgroups' wgmma of u - 2 retired
-          ring_wait(bars + 8 * b, (gs / WS_STAGES) & 1);   // W of stage u
-          const uint64_t da = sw128_desc(w_ring + b * W_TILE + cw * 64 * 128);
-          const uint64_t db = sw128_desc(x_ring + (u % WS_XBUF) * X_BUF);
-#pragma unroll
-          for (int i = 0; i < N / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-          cute::warpgroup_arrive();
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            ddtree::gmma_ss<ON>(da + 2 * kk, db + 2 * kk, acc, cute::SM90::GMMA::ScaleOut::One,
-                                cuda::std::make_integer_sequence<int, N / 2>{});
-          cute::warpgroup_commit_batch();
-          if (u + WS_XAHEAD < units) load_x(u + WS_XAHEAD);   // buffer of stage u - 2, retired (the barrier)
-          ddtree::cp_async_commit();
-          cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its W buffer goes back to the producer
-#pragma unroll
-          for (int i = 0; i < N / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-          if (u > 0 && lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
-        }
-        cute::warpgroup_wait<0>();
-#pragma unroll
-        for (int i = 0; i < N / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-      };
-      dispatch_n16<TN>((valid + 15) / 16, stage_loop);
-      if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
-      ddtree::cp_async_wait<0>();
-      named_barrier(1, 256);   // both warpgroups done with this chunk's x ring (MODE 0 reuses it below)
-      // acc[4j + 2i + b] = row 16 cwarp + g + 8i of the warpgroup's 64 rows, token 8j + 2t + b of the chunk
-      const int r = cwarp * 16 + g;
-      if constexpr (MODE == 0) {
-        if (cw == 0) {
-#pragma unroll
-          for (int i = 0; i < TN / 2; ++i) gate_xch[i * 128 + ctid] = acc[i];
-        }
-        named_barrier(1, 256);
-        if (cw == 1) {
-#pragma unroll
-          for (int j = 0; j < TN / 8; ++j)
-#pragma unroll
-            for (int bb = 0; bb < 2; ++bb) {
-              const int tok = c0 + 8 * j + 2 * t + bb;
-              if (tok >= count) continue;
-              const long long orow = (long long)(offset + tok) * n_rows;
-#pragma unroll
-              for (int i = 0; i < 2; ++i) {
-                const int a = 4 * j + 2 * i + bb;
-                reinterpret_cast<__nv_bfloat16*>(out)[orow + blockIdx.x * 64 + r + 8 * i] =
-                    __float2bfloat16_rn(ddtree::silu(gate_xch[a * 128 + ctid]) * acc[a]);
-              }
-            }
-        }
-        named_barrier(1, 256);   // the gate values read before the next chunk's x lands there
-      } else {
-#pragma unroll
-        for (int j = 0; j < TN / 8; ++j)
-#pragma unroll
-          for (int bb = 0; bb < 2; ++bb) {
-            const int tok = c0 + 8 * j + 2 * t + bb;
-            if (tok >= count) continue;
-            __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(out) + (long long)(offset + tok) * n_rows +
-                               blockIdx.x * 128 + 64 * cw + r;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) o[8 * i] = __float2bfloat16_rn(acc[4 * j + 2 * i + bb]);
-          }
-      }
-    }
-    return;
-  }
   for (int c0 = c_begin; c0 < c_end; c0 += TN) {
     const int h0 = c0 + cw * HN;   // this warpgroup's first token of the chunk
     const bool idle = h0 >= count;

@@ -386,15 +386,13 @@ GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # 4: warp-specialized (moe_gmma_ws_kernel: one warpgroup dequantizes into a shared ring, two issue wgmma on
 # half the tile's tokens each; 128/256-token tiles).
 # 5: the same with the wgmma N cut to each half's token count (rounded up to 16) instead of the full half.
-# 16: PIPE 5 with the consumers split by weight rows instead of tokens (each all the chunk's tokens; 256-token tiles).
 GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks per SM (64/128-token tiles)",
               4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
               7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)",
-              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)",
-              16: "PIPE 5 with the consumers split by rows, not tokens (256-token tiles)"}
+              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)"}
 # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
-_WS_TEMPLATE = {4: "0", 5: "16", 16: "16, true"}
+_WS_TEMPLATE = {4: "0", 5: "16"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
 GMMA_SLOT_PIPES = (6, 7, 8)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_PIPE = 8
@@ -403,10 +401,9 @@ GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default 
 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
     """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 for 32/64, the
-    warp-specialized 4/5 for 128/256, 16 for 256."""
+    warp-specialized 4/5 for 128/256."""
     return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64)
-                or (pipe in GMMA_WS_PIPES and tile < 128) or (pipe == 16 and tile != 256)
-                or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
+                or (pipe in GMMA_WS_PIPES and tile < 128) or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:

@@ -570,8 +570,7 @@ def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
     (300, 16, [(64, 256, 5), (16, 64, 3)], False, True),
     (200, 16, [(64, 128, 7), (16, 64, 8)], False, True),
     (300, 16, [(64, 256, 5), (17, 32, 8)], False, True),
-    (300, 16, [(128, 256, 5), (40, 64, 8), (17, 32, 8)], False, True),
-    (300, 16, [(64, 256, 16), (17, 32, 8)], False, True)])
+    (300, 16, [(128, 256, 5), (40, 64, 8), (17, 32, 8)], False, True)])
 @pytest.mark.parametrize("grid_rows", [None, 3])
 def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_rows):
     """Hot slots split between pipelines by token count (each slot in the tier with the largest minimum it
@@ -611,36 +610,6 @@ def _moe_case(rng, T, E, hidden, inter, shared):
     sh = round_bf16(rng.standard_normal((T, hidden)).astype(np.float32)) if shared else None
     sh_dev = cuda.to_device(to_bf16(sh)) if shared else None
     return dense, w, x, logits, bias, sh, sh_dev
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("hidden,inter", [(1024, 512), (2048, 1024)])
-def test_moe_ws_rows_same_bits(cuda_device, hidden, inter):
-    """PIPE 16 (the warp-specialized kernel with its consumers split by weight rows: each all of the chunk's tokens)
-    against the reference and bit for bit against PIPE 5 (the same operands and k16 steps per output). T = 600 on 16
-    experts, top-4: chunks of 256 tokens and partial ones (N from 16 to 256), and (K = 512 .. 2048) 8 to 32 stages
-    per chunk, so the ring wraps many times; MODE 0's gate values cross warpgroups through shared memory."""
-    from runtime import cuda
-    from runtime.kimi_kernels import MoeLayer
-    if cuda.get_device().arch != "90a":
-        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
-    T, E, topk = 600, 16, 4
-    dense, w, x, logits, bias, _, _ = _moe_case(np.random.default_rng(hidden + inter), T, E, hidden, inter, False)
-    ids, wts = ref.route(logits, bias, topk)
-    want, slack = ref.moe(x, ids, wts, dense["gate"], dense["up"], dense["down"], None, with_slack=True)
-    outs = {}
-    for pipe in (5, 16):
-        layer = MoeLayer(w, T, bias, topk=topk, gmma_tiers=[(40, 256, pipe)])
-        layer.x.upload(to_bf16(x))
-        layer.logits.upload(logits)
-        for a in (layer.h, layer.down_out, layer.y):
-            a.fill_bytes(0xFF)      # NaN poison
-        layer.forward()
-        outs[pipe] = (layer.h.download(), layer.y.download())
-        assert_close(outs[pipe][1], want, f"PIPE {pipe}", dtype="bf16", rtol=RTOL, atol=RTOL, scale="mean",
-                     slack=slack)
-    np.testing.assert_array_equal(outs[16][0], outs[5][0], err_msg="h: PIPE 16 against PIPE 5")
-    np.testing.assert_array_equal(outs[16][1], outs[5][1], err_msg="y: PIPE 16 against PIPE 5")
 
 
 def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **layer_options):

@@ -584,10 +584,6 @@ def launch_plans(default_fused_combine: bool):
         # gate_up with 16-token weight passes (NTMAX 2, WN 2): T = 9..24's default before session 38 (still 25..31's)
         ("gu-nt2", dict(gate_up="0, 2, 2, 1, 2, 3")),
         ("gu-nt4", dict(gate_up="0, 2, 4, 1, 4, 3")),
-        # T >= 256: the warp-specialized tier with its consumers split by weight rows (PIPE 16: both work on every
-        # expert; by tokens an expert of <= 128 tokens leaves one idle)
-        ("tiers64ws16", dict(gmma_tiers=[(64, 256, 16)])),
-        ("tiers64ws16/17ra8-32", dict(gmma_tiers=[(64, 256, 16), (17, 32, 8)])),
     ]
 
 
