@@ -80,6 +80,20 @@ def test_peak_blocks_per_sm():
     assert trace.residency([gate_up]).split()[-2:] == ["2x1", "1x1"]
 
 
+def test_shared_sm_time():
+    """Launch 9 (two blocks on SM 0, 0..10 and 5..15 us, merged; one on SM 1, 0..10) beside launch 8 (SM 0 12..30,
+    SM 1 nothing but a block that left at once): 25 SM-us of 9's, 3 of them shared. The 1 us block is not counted."""
+    us = 1000
+    rows = [(0, 0, 10 * us, 9, 49, 0, 0, 0), (5 * us, 0, 15 * us, 9, 49, 0, 1, 0), (0, 0, 10 * us, 9, 49, 1, 2, 0),
+            (12 * us, 0, 30 * us, 8, 44, 0, 0, 0), (0, 0, 1 * us, 8, 44, 1, 1, 0)]
+    traces = trace.launches(_records(rows))
+    hot = [t for t in traces if t.grid == 9]
+    cold = [t for t in traces if t.grid == 8]
+    assert trace.shared_sm_time(hot, cold) == (25.0, 3.0)
+    assert trace.shared_sm_time(cold, hot) == (18.0, 3.0)
+    assert trace.shared_sm_time(hot, cold, min_block_us=0.5) == (25.0, 4.0)
+
+
 def test_launch_summaries_from_records():
     t0 = 10_000_000
     rows = [  # launch 7 (routing-like: one warp), then launch 9 waiting on it (PDL) on two SMs, then launch 8

@@ -62,6 +62,12 @@ def report(label: str, us_off: float, us: float, records: np.ndarray, width: int
     waits = trace.stalls(traces)
     if waits:
         print(waits)
+    hot = [t for t in traces if t.name.startswith("moe_gmma")]
+    cold = [t for t in traces if t.name in ("moe_gate_up", "moe_down")]
+    if hot and cold:   # the MoE layer's two chains: do their blocks share SMs (session 39)?
+        total, both = trace.shared_sm_time(hot, cold)
+        print(f"hot tier (moe_gmma*) blocks: {total:.0f} SM-us, {both:.0f} of them beside a cold GEMM block "
+              f"({100 * both / total:.1f}%)")
     print(trace.timeline(traces, width))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

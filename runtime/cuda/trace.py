@@ -214,6 +214,47 @@ def peak_blocks_per_sm(trace: LaunchTrace) -> dict[int, int]:
     return dict(sorted(peaks.items(), reverse=True))
 
 
+def _block_spans(traces: list[LaunchTrace], min_block_ns: int) -> dict[int, list[list[int]]]:
+    """{SM: the merged [start, end) ns spans when a block of these launches lived there}, blocks shorter than
+    min_block_ns left out."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for t in traces:
+        r = t.records
+        for sm, block in {(int(a), int(b)) for a, b in zip(r["sm"], r["block"])}:
+            b = r[(r["sm"] == sm) & (r["block"] == block)]
+            start, end = int(b["start"].min()), int(b["end"].max())
+            if end - start >= min_block_ns:
+                spans.setdefault(sm, []).append((start, end))
+    merged: dict[int, list[list[int]]] = {}
+    for sm, iv in spans.items():
+        out: list[list[int]] = []
+        for start, end in sorted(iv):
+            if out and start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], end)
+            else:
+                out.append([start, end])
+        merged[sm] = out
+    return merged
+
+
+def shared_sm_time(first: list[LaunchTrace], second: list[LaunchTrace], min_block_us: float = 2.0):
+    """(SM-us with a block of `first` resident, of those the SM-us with a block of `second` resident too): how much
+    of one set of launches ran beside the other on the same SMs (session 39: the MoE hot tier's blocks beside the
+    cold GEMMs'). Blocks shorter than min_block_us (those that find no work and leave) are not counted."""
+    a, b = _block_spans(first, int(min_block_us * 1e3)), _block_spans(second, int(min_block_us * 1e3))
+    total = sum(end - start for iv in a.values() for start, end in iv)
+    both = 0
+    for sm, ia in a.items():
+        ib, i, j = b.get(sm, []), 0, 0
+        while i < len(ia) and j < len(ib):
+            both += max(0, min(ia[i][1], ib[j][1]) - max(ia[i][0], ib[j][0]))
+            if ia[i][1] < ib[j][1]:
+                i += 1
+            else:
+                j += 1
+    return total / 1e3, both / 1e3
+
+
 def residency(traces: list[LaunchTrace]) -> str:
     """One line per launch: its peak blocks per SM, as 'blocks x SMs' pairs (peak_blocks_per_sm)."""
     return "\n".join(f"{i:3d} {t.name:24s} " + " ".join(f"{n}x{sms}" for n, sms in peak_blocks_per_sm(t).items())
