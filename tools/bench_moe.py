@@ -581,6 +581,10 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64wsn/16ra8/rows32", dict(gmma_tiers=[(64, 256, 5), (16, 64, 8)], gmma_grid_rows=32)),
         ("tiers128wsn/16ra8/rows32", dict(gmma_tiers=[(128, 256, 5), (16, 64, 8)], gmma_grid_rows=32)),
         ("tiers64wsn/17ra8-32/rows32", dict(gmma_tiers=[(64, 256, 5), (17, 32, 8)], gmma_grid_rows=32)),
+        # T = 256..1024 (session 40): experts of 16..63 tokens in 64-token PIPE 8 tiles, 9..15 (or 9..32) in 32-token ones
+        ("tiers64wsn/16ra8/9ra8-32/rows32", dict(gmma_tiers=[(64, 256, 5), (16, 64, 8), (9, 32, 8)], gmma_grid_rows=32)),
+        ("tiers64wsn/33ra8/9ra8-32/rows32", dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=32)),
+        ("tiers64wsn/9ra8-32/rows32", dict(gmma_tiers=[(64, 256, 5), (9, 32, 8)], gmma_grid_rows=32)),
         # T >= 256: the warp-specialized tier from 128 tokens, PIPE 8 below it (64- and / or 32-token tiles)
         ("tiers128wsn/17ra8-32", dict(gmma_tiers=[(128, 256, 5), (17, 32, 8)])),
         ("tiers128wsn/40ra8/17ra8-32", dict(gmma_tiers=[(128, 256, 5), (40, 64, 8), (17, 32, 8)])),
