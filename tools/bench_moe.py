@@ -585,6 +585,12 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64wsn/16ra8/9ra8-32/rows32", dict(gmma_tiers=[(64, 256, 5), (16, 64, 8), (9, 32, 8)], gmma_grid_rows=32)),
         ("tiers64wsn/33ra8/9ra8-32/rows32", dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=32)),
         ("tiers64wsn/9ra8-32/rows32", dict(gmma_tiers=[(64, 256, 5), (9, 32, 8)], gmma_grid_rows=32)),
+        ("tiers64wsn/16ra8/rows64", dict(gmma_tiers=[(64, 256, 5), (16, 64, 8)], gmma_grid_rows=64)),
+        ("tiers64wsn/33ra8/9ra8-32", dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (9, 32, 8)])),
+        ("tiers64wsn/33ra8/9ra8-32/rows64", dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=64)),
+        ("tiers64wsn/33ra8/9ra8-32/rows128",
+         dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=128)),
+        ("gmma>=16/ra8/rows64", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8, gmma_grid_rows=64)),
         # T >= 256: the warp-specialized tier from 128 tokens, PIPE 8 below it (64- and / or 32-token tiles)
         ("tiers128wsn/17ra8-32", dict(gmma_tiers=[(128, 256, 5), (17, 32, 8)])),
         ("tiers128wsn/40ra8/17ra8-32", dict(gmma_tiers=[(128, 256, 5), (40, 64, 8), (17, 32, 8)])),
