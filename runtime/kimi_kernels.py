@@ -376,9 +376,24 @@ def launch_defaults(T: int, pdl: bool | None, early: bool | None, hot_asked: boo
 #   1574.8. Below 25 the signals and the early start (which the hot path does not take) win: skewed T = 17 / 20 / 24
 #   347.0 / 365.9 / 386.9 against 370.5 / 369.5 / 393.5. From T = 40 the 64-token tile wins (skewed T = 40 / 48 / 63:
 #   527.7 / 488.6 / 592.9 against 530.9 / 504.5 / 615.9).
+# - T >= 256 (H100, 2026-12-07 (40), layer graph replay, us; default before = >= 64 tokens on PIPE 5, from T = 768
+#   also 17..63 on PIPE 8's 32-token tiles; each change at one T measured against that default in the same run):
+#   T = 256..511: also experts of 16..63 tokens on PIPE 8's 64-token tiles, the PIPE 8 grid capped at 32 block rows
+#   (gmma_grid_rows): skewed T = 256 / 384 1118.3 / 1379.2 against 1193.5 / 1457.3, uniform 3236.5 / 3402.0 against
+#   3237.8 / 3368.4. T >= 512: experts of 33..63 tokens on 64-token tiles and 9..32 on 32-token ones, 64 block rows
+#   (to T = 767) or 128: skewed T = 512 / 640 / 767 1550.3 / 1802.9 / 2117.2 against 1608.7 / 1841.8 / 2191.1, uniform
+#   3426.6 / 3459.7 / 3506.1 against 3519.5 / 3731.2 / 4039.8; T = 1024 (128 rows) skewed 2473.7 against 2518.0,
+#   uniform 3609.0 against 3646.8. The 16..63 tiers lose at uniform T >= 640 (3667.5 / 3841.2 / 3989.6 at 640 / 767 /
+#   1024: half-empty 64-token tiles on every expert); the row cap saves the empty blocks of the P // min possible
+#   slots under skewed routing but serializes the walk under uniform routing at T >= 640 (hence 64 / 128 there).
+#   Below T = 256 these tiers lose (skewed T = 128 / 192: +6 / +5%). Not measured on the H200, where the tensor
+#   cores are the same and the memory 1.4x faster (session 13 there: the 17..63 tier +0.6% at skewed T = 256).
 GMMA_AUTO_TOKENS = 25
 # T bound -> hot tiers (min tokens per expert, tokens per pass, PIPE), most tokens first
-GMMA_AUTO = {31: ((16, 32, 8),), 255: ((16, 64, 8),), 767: ((64, 256, 5),), 1 << 30: ((64, 256, 5), (17, 32, 8))}
+GMMA_AUTO = {31: ((16, 32, 8),), 255: ((16, 64, 8),), 511: ((64, 256, 5), (16, 64, 8)),
+             1 << 30: ((64, 256, 5), (33, 64, 8), (9, 32, 8))}
+# T bound -> the default plan's gmma_grid_rows (None: one block row per possibly hot slot)
+GMMA_AUTO_GRID_ROWS = {255: None, 511: 32, 767: 64, 1 << 30: 128}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
@@ -437,6 +452,11 @@ def _without_pdl(launch):
 def gmma_auto_tiers(tokens: int) -> tuple[tuple[int, int, int], ...]:
     """GMMA_AUTO's hot tiers (min tokens, tile, pipeline) for a T bucket, most tokens first."""
     return next(GMMA_AUTO[bound] for bound in sorted(GMMA_AUTO) if tokens <= bound)
+
+
+def gmma_auto_grid_rows(tokens: int) -> int | None:
+    """GMMA_AUTO_GRID_ROWS for a T bucket: the block-row cap of the default plan's moe_gmma_kernel tiers."""
+    return next(GMMA_AUTO_GRID_ROWS[bound] for bound in sorted(GMMA_AUTO_GRID_ROWS) if tokens <= bound)
 
 
 # Preferred over DEFAULT_VARIANTS' gate_up where hidden splits into its activation pieces (T bounds as there): the
@@ -552,7 +572,8 @@ class MoeLayer:
     several (min tokens, tile, pipeline) tiers, e.g. [(64, 256, 4), (16, 64, 3)]: each slot runs in the tier with
     the largest minimum it reaches, slots below every minimum on mma.sync. gmma_grid_rows: at most that many block
     rows in the hot grids of moe_gmma_kernel (not the warp-specialized one), each walking every
-    gmma_grid_rows-th slot and stopping at the first cold one (default: one row per possibly hot slot).
+    gmma_grid_rows-th slot and stopping at the first cold one (None: one row per possibly hot slot; default "auto":
+    GMMA_AUTO_GRID_ROWS by T with GMMA_AUTO's tiers, else None).
     signals: down's blocks wait for their own slot's gate_up blocks, and the combine for down's blocks, through
     counters (moe_int4.cu) instead of for the previous kernel's whole grid; plans with PDL, down's early start, the
     block routings and an XS down variant (default: on there from SIGNALS_MIN_TOKENS to SIGNALS_MAX_TOKENS tokens).
@@ -568,7 +589,7 @@ class MoeLayer:
                  early: bool | None = None, combine_early: bool | None = None,
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
-                 gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | None = None,
+                 gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | str | None = "auto",
                  signals: bool | None = None):
         cuda = _cuda()
         w = self.weights = weights
@@ -608,6 +629,8 @@ class MoeLayer:
                 tiers = []
             elif auto_tiers is not None:
                 tiers = sorted(auto_tiers, reverse=True)
+                if gmma_grid_rows == "auto":
+                    gmma_grid_rows = gmma_auto_grid_rows(T)
             else:
                 tiers = [(gmma_min_tokens, gmma_tile, default_pipe if gmma_pipe is None else int(gmma_pipe))]
         for m, tile, pipe in tiers:
@@ -620,6 +643,8 @@ class MoeLayer:
                                   for p in sorted(GMMA_PIPES))
                 raise ValueError(f"gmma_pipe={pipe} with gmma_tile={tile}: want one of {sorted(GMMA_PIPES)} "
                                  f"with a token tile it is built for ({tiles})")
+        if gmma_grid_rows == "auto":   # tiers asked for by name: one block row per possibly hot slot
+            gmma_grid_rows = None
         if gmma_grid_rows is not None and int(gmma_grid_rows) < 1:
             raise ValueError(f"gmma_grid_rows={gmma_grid_rows}: want >= 1 block rows (or None: one per slot)")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):

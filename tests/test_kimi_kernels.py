@@ -550,6 +550,20 @@ def test_moe_layer_default_hot_tier_below_32(cuda_device, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T,E", [(300, 64), (600, 64), (800, 96)])
+def test_moe_layer_default_hot_tiers_from_256(cuda_device, T, E):
+    """The default plan from T = 256 (GMMA_AUTO: PIPE 5 for experts of >= 64 tokens, PIPE 8 below in two or three tiers,
+    its grids capped at GMMA_AUTO_GRID_ROWS block rows): top-4 of 64 / 96 experts puts slots in every tier; the layer
+    vs the float32 reference, twice."""
+    from runtime import cuda
+    from runtime.kimi_kernels import gmma_auto_grid_rows, gmma_auto_tiers
+    if cuda.get_device().arch != "90a":
+        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
+    assert len(gmma_auto_tiers(T)) >= 2 and gmma_auto_grid_rows(T) is not None
+    _check_moe(T, E, 1024, 512, None, topk=4, runs=2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pipe,tile", [(7, 32), (7, 64), (7, 128), (8, 32), (8, 64)])
 def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
     """PIPE 7 / 8 at K = 2048 / 1024 (32 / 16 units): both GEMMs run unchecked steady-state stage groups before
@@ -570,7 +584,8 @@ def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
     (300, 16, [(64, 256, 5), (16, 64, 3)], False, True),
     (200, 16, [(64, 128, 7), (16, 64, 8)], False, True),
     (300, 16, [(64, 256, 5), (17, 32, 8)], False, True),
-    (300, 16, [(128, 256, 5), (40, 64, 8), (17, 32, 8)], False, True)])
+    (300, 16, [(128, 256, 5), (40, 64, 8), (17, 32, 8)], False, True),
+    (600, 64, [(64, 256, 5), (33, 64, 8), (9, 32, 8)], False, True)])
 @pytest.mark.parametrize("grid_rows", [None, 3])
 def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_rows):
     """Hot slots split between pipelines by token count (each slot in the tier with the largest minimum it

@@ -210,8 +210,32 @@ def test_moe_layer_default_hot_tiers(monkeypatch, T):
     layer = kk.MoeLayer(w, T, np.zeros(E, np.float32))
     assert layer.gmma_tiers == (sorted(auto, reverse=True) if T >= kk.GMMA_AUTO_TOKENS else [])
     if T >= kk.GMMA_AUTO_TOKENS:
-        (m, tile, pipe), = kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_pipe=7).gmma_tiers
+        assert layer.gmma_grid_rows == kk.gmma_auto_grid_rows(T)
+        asked = kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_pipe=7)
+        (m, tile, pipe), = asked.gmma_tiers
         assert (m, pipe) == (auto[0][0], 7) and kk._pipe_takes_tile(7, tile)
+        assert asked.gmma_grid_rows is None   # the row cap belongs to GMMA_AUTO's tiers
+        named = kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_tiers=auto)
+        assert named.gmma_grid_rows is None
+
+
+@pytest.mark.parametrize("T,rows", [(255, None), (256, 32), (511, 32), (512, 64), (767, 64), (768, 128)])
+def test_moe_layer_default_grid_rows(monkeypatch, T, rows):
+    """GMMA_AUTO_GRID_ROWS by T bucket, and the hot grids it caps: each non-WS tier's grid has at most that many block
+    rows, the warp-specialized tier one row per possibly hot slot."""
+    prepared = []
+    monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda(prepared))
+    E, hidden, inter = 384, 7168, 2048
+    w = kk.MoeWeights(E, hidden, inter, *(_FakeArray((1,), np.uint8) for _ in range(6)))
+    layer = kk.MoeLayer(w, T, np.zeros(E, np.float32))
+    assert kk.gmma_auto_grid_rows(T) == rows and layer.gmma_grid_rows == rows
+    P = T * kk.KIMI_TOPK
+    hot = [launch for name, launch in layer.stages if name in ("gate_up_hot", "down_hot")]
+    assert len(hot) == 2 * len(layer.gmma_tiers)
+    for launch, (m, tile, pipe) in zip(hot, 2 * list(layer.gmma_tiers)):
+        possible = min(layer.num_slots, P // m)
+        want = possible if pipe in kk.GMMA_WS_PIPES or rows is None else min(possible, rows)
+        assert launch.grid[1] == want, (T, m, pipe, launch.grid)
 
 
 @pytest.mark.parametrize("variants", [

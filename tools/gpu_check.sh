@@ -42,10 +42,11 @@ step bench_tree python3 tools/bench_tree.py
 # attention: the decode kernel, the tree-verify kernel and its wgmma twin (sm_90a) at every budget, same run
 step bench_dense python3 tools/bench_dense.py --quick --peer --attn-kernels decode tree gmma
 # the default plan against: no wgmma hot path, PIPE 7 on the hot experts (the T <= 255 default before PIPE 8),
-# the warp-specialized tier alone (the T >= 256 default before the PIPE 8 tier), that tier with PIPE 8 for 16..63
-# tokens, and every expert on PIPE 8's 32-token tiles (PERF.md session 13) (all plans: `--plans ''`, ~1 hour);
-# --torch: the torch bf16 per-expert loop first, in its own process, for the speedup column
-step bench_moe python3 tools/bench_moe.py --torch --no-variants --plans 'no-gmma,gmma>=16/ra7,gmma>=64/256/wsn,tiers64wsn/16ra8,gmma>=1/32/ra8'
+# the warp-specialized tier alone (the T = 256..767 default before session 40), that tier with PIPE 8 for 17..63
+# tokens on 32-token tiles (the T >= 768 default before session 40), and every expert on PIPE 8's 32-token tiles (PERF.md
+# session 13) (all plans: `--plans ''`, ~1 hour); --torch: the torch bf16 per-expert loop first, in its own process, for
+# the speedup column
+step bench_moe python3 tools/bench_moe.py --torch --no-variants --plans 'no-gmma,gmma>=16/ra7,gmma>=64/256/wsn,tiers64wsn/17ra8-32,gmma>=1/32/ra8'
 # small T (PERF.md sessions 26-27; the default is PDL + down's early weight start up to T = 8): plain launches,
 # PDL without the early start, down in one wave at T = 1 (three buffers, two row groups), the combine folded into down;
 # the routing (session 34's default: "batch" at T = 2..4, else "blocks"): moe_topk + moe_group, the block per token,
