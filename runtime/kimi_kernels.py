@@ -464,13 +464,16 @@ def gmma_auto_grid_rows(tokens: int) -> int | None:
 # 219.0 -> 211.7 and 220.3 -> 213.7 us, T = 8 380.4 -> 365.6 and 382.5 -> 370.8; skewed T = 4 149.9 -> 150.5, T = 8
 # 182.6 -> 167.1; but T = 2 +2.5..5.9% and T = 16 +0.9..9%. H100: T = 3..5 even (within 0.3%); T = 6 / 7 / 8
 # uniform -4.5 / +1.3 / -2.8%, skewed +3.0 / -5.6 / -2.6%.
-# T = 49..511: the same 7 pieces with 16-token chunks, where the hot tiers (GMMA_AUTO) leave the mma.sync chain experts
-# of <= 15 tokens. H100, 2026-12-07 (40), layer graph replay against the table's <0, 2, 2, 1, 1, 3> (T <= 128) /
-# <0, 2, 4, 1, 4, 3>, us: skewed T = 64 / 128 / 192 / 255 / 256 / 384 / 511 603.3 / 772.8 / 981.5 / 1104.8 / 1118.1 /
-# 1376.4 / 1643.1 against 637.4 / 794.9 / 985.5 / 1112.2 / 1128.4 / 1379.8 / 1648.0, uniform 2279.6 / 2869.2 / 3076.1 /
-# 3141.1 / 3150.2 / 3239.2 / 3347.4 against 2290.1 / 2882.5 / 3147.7 / 3248.7 / 3244.2 / 3403.9 / 3494.8; from T = 512
-# (cold experts of <= 8 tokens) within 1% either way.
-GATE_UP_PIECES = {8: "moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 7>", 48: None, 511: "moe_w4a16_kernel<0, 2, 4, 1, 2, 1, 7>"}
+# T = 25..511: the same 7 pieces with 16-token chunks, where the hot tiers (GMMA_AUTO) leave the mma.sync chain experts
+# of <= 15 tokens. H100, 2026-12-07 (40), layer graph replay against the table's <0, 2, 2, 1, 2, 3> (T <= 48) /
+# <0, 2, 2, 1, 1, 3> (T <= 128) / <0, 2, 4, 1, 4, 3>, us: skewed T = 64 / 128 / 192 / 255 / 256 / 384 / 511 603.3 /
+# 772.8 / 981.5 / 1104.8 / 1118.1 / 1376.4 / 1643.1 against 637.4 / 794.9 / 985.5 / 1112.2 / 1128.4 / 1379.8 / 1648.0,
+# uniform 2279.6 / 2869.2 / 3076.1 / 3141.1 / 3150.2 / 3239.2 / 3347.4 against 2290.1 / 2882.5 / 3147.7 / 3248.7 /
+# 3244.2 / 3403.9 / 3494.8; T = 25 / 28 / 32 / 40 / 48 skewed 346.0 / 453.0 / 412.6 / 515.5 / 473.4 against 350.8 /
+# 458.5 / 421.2 / 515.2 / 478.3, uniform 1280.2 / 1359.1 / 1545.7 / 1736.3 / 2031.7 against 1283.2 / 1357.8 / 1549.3 /
+# 1741.2 / 2042.5. Not below 25 (signals, no hot tier): skewed T = 12 / 16 / 20 / 24 -2.1 / -0.5 / +1.3 / +1.8%. From
+# T = 512 (cold experts of <= 8 tokens) within 1% either way.
+GATE_UP_PIECES = {8: "moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 7>", 24: None, 511: "moe_w4a16_kernel<0, 2, 4, 1, 2, 1, 7>"}
 GATE_UP_PIECES_MIN_TOKENS = 3
 
 

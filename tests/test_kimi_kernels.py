@@ -313,14 +313,14 @@ def test_moe_launch_defaults():
 
 
 def test_default_variants_take_gate_up_pieces_where_hidden_splits():
-    """T = 3..8 and 49..511 take GATE_UP_PIECES' gate_up where hidden splits into its pieces (Kimi's 7168), the table's
+    """T = 3..8 and 25..511 take GATE_UP_PIECES' gate_up where hidden splits into its pieces (Kimi's 7168), the table's
     elsewhere; every default is a compiled variant that fits its K."""
     from runtime import kimi_kernels as kk
     for T in (*range(1, 60), 127, 128, 129, 255, 256, 511, 512, 767, 768, 1024, 1025):
         table = kk.default_variants(T)
         kimi = kk.default_variants(T, 7168)
         assert kk.default_variants(T, 1024) == table   # 1024 is no whole number of 7 x 256
-        pieces = kk.GATE_UP_PIECES[8] if 3 <= T <= 8 else kk.GATE_UP_PIECES[511] if 49 <= T <= 511 else None
+        pieces = kk.GATE_UP_PIECES[8] if 3 <= T <= 8 else kk.GATE_UP_PIECES[511] if 25 <= T <= 511 else None
         assert kimi == ((pieces, table[1]) if pieces else table)
         for entry, k in zip(kimi, (7168, 2048)):
             assert entry in MOE_GEMM_VARIANTS and kk.variant_fits(entry, k)
@@ -512,7 +512,7 @@ def test_moe_layer_real_shape_subset(cuda_device, T, variants):
 def test_moe_layer_real_shape_default_with_hot_tier(cuda_device):
     """Kimi K2 shapes at T = 64, top-2 of 10 experts (~13 tokens each): the default plan splits them between the hot
     tier (>= 16 tokens, wgmma where it runs) and the mma.sync chain, whose gate_up stages x in 7 pieces
-    (GATE_UP_PIECES at T = 49..511) in chunks of up to 16 tokens."""
+    (GATE_UP_PIECES at T = 25..511) in chunks of up to 16 tokens."""
     from runtime.kimi_kernels import GATE_UP_PIECES, default_variants
     assert default_variants(64, 7168)[0] == GATE_UP_PIECES[511]
     _check_moe(64, 10, 7168, 2048, None, topk=2, shared=True)
