@@ -590,6 +590,13 @@ def launch_plans(default_fused_combine: bool):
         ("tiers64wsn/33ra8/9ra8-32/rows32", dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=32)),
         ("tiers64wsn/9ra8-32/rows32", dict(gmma_tiers=[(64, 256, 5), (9, 32, 8)], gmma_grid_rows=32)),
         ("tiers64wsn/16ra8/rows64", dict(gmma_tiers=[(64, 256, 5), (16, 64, 8)], gmma_grid_rows=64)),
+        # T = 32..255: a 32-token PIPE 8 tier for experts of 9..15 tokens below GMMA_AUTO's (16, 64, 8)
+        ("gmma>=16/ra8/9ra8-32", dict(gmma_tiers=[(16, 64, 8), (9, 32, 8)])),
+        ("gmma>=16/ra8/9ra8-32/rows32", dict(gmma_tiers=[(16, 64, 8), (9, 32, 8)], gmma_grid_rows=32)),
+        # T >= 512: the warp-specialized tier from 96 / 128 tokens above GMMA_AUTO's PIPE 8 tiers
+        ("tiers96wsn/33ra8/9ra8-32/rows64", dict(gmma_tiers=[(96, 256, 5), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=64)),
+        ("tiers128wsn/33ra8/9ra8-32/rows64",
+         dict(gmma_tiers=[(128, 256, 5), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=64)),
         ("tiers64wsn/33ra8/9ra8-32", dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (9, 32, 8)])),
         ("tiers64wsn/33ra8/9ra8-32/rows64", dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=64)),
         ("tiers64wsn/33ra8/9ra8-32/rows128",
