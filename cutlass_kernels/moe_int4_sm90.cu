@@ -374,13 +374,14 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   // row y is slot y and runs all of its token chunks in turn; else it is item y, one TN-token chunk
   // (item_chunk[y]) of slot item_slot[y], so a hot expert's chunks run on blocks side by side. Slots are sorted
   // by count, most first (items by slot): the first slot below min_count ends the block's rows.
-  // PIPE 17: the first row from y on (stepping gridDim.y) that this loop runs, or n_items: the block's next item
+  // PIPE 17: the first row from y on (stepping gridDim.y) that runs a chunk, or n_items: the block's next item (an
+  // item past its slot's last chunk runs none: the items are laid out for the most tokens a slot can have)
   auto runnable_row = [&](int y) {
     for (; y < n_items; y += gridDim.y) {
       const int slot = item_slot != nullptr ? item_slot[y] : y;
       const int count = slot_count[slot];
       if (slot_expert[slot] < 0 || count < min_count) return n_items;
-      if (count < max_count) return y;
+      if (count < max_count && (item_slot == nullptr || item_chunk[y] * TN < count)) return y;
     }
     return n_items;
   };
