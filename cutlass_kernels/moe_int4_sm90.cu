@@ -186,9 +186,11 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // next_wp / next_sp (SMEM_W, PIPE 17): the block's next work item's weights (null: none). The refills past this item's
 // last stage load that item's stages 0 .. W_RING - 1 instead (stage s into slot s % W_RING, which is the slot just
 // read, since units % W_RING == 0), so its first weights are in flight through this item's tail and epilogue; that
-// item's mainloop then runs with prefetched = true and skips its own first W_RING copies.
+// item's mainloop then runs with prefetched = true and skips its own first W_RING copies. NEXT (the PIPE 17 build):
+// only the checked tail groups take that path; the steady state stops a group earlier, where each refill is in range,
+// and copies without a check.
 template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, bool SMEM_W = false,
-          class LoadX>
+          bool NEXT = false, class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x,
                                                          const uint4* next_wp = nullptr,
@@ -207,17 +209,14 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   // SMEM_W: this lane's 16 bytes of ring slot i at w_ring + i * 4096, its scale word at s_ring + i * 1024
   const uint32_t w_ring = smem_base + BUFFERS * X_TILE + 16 * threadIdx.x;
   const uint32_t s_ring = smem_base + BUFFERS * X_TILE + moe90::W_RING * moe90::THREADS * 16 + 4 * threadIdx.x;
-  auto load_stage = [&](int slot, int u) {   // SMEM_W: slot = u % W_RING; u >= units: the next item's u - units
+  // SMEM_W: slot = u % W_RING; w / s: this item's weights, or (NEXT) the next item's
+  auto copy_stage = [&](int slot, const uint4* w, const uint4* s, int u) {
+    ddtree::cp_async16_s(w_ring + slot * (moe90::THREADS * 16), w + u * 32, true);
+    ddtree::cp_async4_s(s_ring + slot * (moe90::THREADS * 4), moe90::scale_word(s, u));
+  };
+  auto load_stage = [&](int slot, int u) {
     if constexpr (SMEM_W) {
-      const uint4* w = wp;
-      const uint4* s = sp;
-      if (u >= units) {   // (only where the caller checked next_wp)
-        w = next_wp;
-        s = next_sp;
-        u -= units;
-      }
-      ddtree::cp_async16_s(w_ring + slot * (moe90::THREADS * 16), w + u * 32, true);
-      ddtree::cp_async4_s(s_ring + slot * (moe90::THREADS * 4), moe90::scale_word(s, u));
+      copy_stage(slot, wp, sp, u);
     } else {
       wr[slot] = moe90::load_w(wp, u);
       s0r[slot] = moe90::load_scale(sp, u);
@@ -240,7 +239,8 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   };
   // the refill of stage u's slot: this item's stage u, or past its end the next item's (where there is one)
   auto refill = [&](int slot, int u) {
-    if (u < units || (SMEM_W && next_wp != nullptr)) load_stage(slot, u);
+    if (u < units) load_stage(slot, u);
+    else if (NEXT && next_wp != nullptr) copy_stage(slot, next_wp, next_sp, u - units);
   };
   if (!prefetched) {
 #pragma unroll
@@ -292,7 +292,9 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
           // stage u + 1 from its slot, then stage u + 1 + LEAD into the same slot
           const int slot = phase >= 0 ? (phase + d + 1) % moe90::W_RING : (u + 1) % moe90::W_RING;
           dequant(slot, a_frag[(d + 1) & 1]);
-          refill(slot, u + 1 + LEAD);
+          if constexpr (NEXT && !CHECKED) load_stage(slot, u + 1 + LEAD);   // in range: the steady state's bound
+          else if constexpr (NEXT) refill(slot, u + 1 + LEAD);
+          else if (u + 1 + LEAD < units) load_stage(slot, u + 1 + LEAD);
         } else {
           const int slot = (d + 1) % W_AHEAD;
           dequant(slot, a_frag[(d + 1) & 1]);
@@ -312,7 +314,8 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
     // units; its copies check themselves), u + X_AHEAD < units), BUFFERS / W_AHEAD of them per iteration so that
     // every buffer index is a constant once unrolled.
     constexpr int G = BUFFERS % W_AHEAD == 0 ? BUFFERS / W_AHEAD : 1;
-    for (; u0 + G * W_AHEAD + (SMEM_W ? 0 : W_AHEAD) < units && u0 + G * W_AHEAD - 1 + X_AHEAD < units;
+    // (NEXT: also its copies' bound, u + 1 + LEAD < units, so they need no check and the next item's are the tail's)
+    for (; u0 + G * W_AHEAD + (SMEM_W ? (NEXT ? LEAD : 0) : W_AHEAD) < units && u0 + G * W_AHEAD - 1 + X_AHEAD < units;
          u0 += G * W_AHEAD) {
 #pragma unroll
       for (int i = 0; i < G; ++i)
@@ -449,7 +452,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         const int next_expert = c0 + TN < c_end ? expert : y_next >= n_items ? -1
                               : slot_expert[item_slot != nullptr ? item_slot[y_next] : y_next];
         const uint4* next_wp = next_expert >= 0 ? weights_of(next_expert) : nullptr;
-        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, true>(
+        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, true, true>(
             acc, wp, sp, t, units, smem_base, load_x, next_wp, next_expert >= 0 ? scales_of(next_expert) : nullptr,
             prefetched);
         prefetched = next_wp != nullptr;
