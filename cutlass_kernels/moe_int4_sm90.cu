@@ -34,9 +34,6 @@
 //   every buffer index and descriptor offset is a constant: ~98 instructions per stage in SASS, PIPE 6 ~130.
 // - PIPE 8: PIPE 7 with the weights through a shared-memory cp.async ring 8 stages deep instead of the 4-stage
 //   register ring (32- / 64-token tiles; 40 KB more shared memory per block).
-// - PIPE 17: PIPE 8 with the block's next work item (the slot's next chunk or the block's next hot slot) found before
-//   each mainloop and its first 8 weight stages copied during this item's last 8, so they land through this item's
-//   tail and epilogue instead of after them (the per-item fill that a short K, down's 32 stages, pays most).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
 // below). Traced builds count each warp's cycles in the spans DDTREE_TRACE_STALLS selects
@@ -183,18 +180,10 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // A lane reads back only what it copied itself, so its own cp.async wait suffices (no barrier); it refills the
 // slot its dequantization has just read. The copies check their bound in every stage (a compare), so the steady
 // state ends as PIPE 7's.
-// next_wp / next_sp (SMEM_W, PIPE 17): the block's next work item's weights (null: none). The refills past this item's
-// last stage load that item's stages 0 .. W_RING - 1 instead (stage s into slot s % W_RING, which is the slot just
-// read, since units % W_RING == 0), so its first weights are in flight through this item's tail and epilogue; that
-// item's mainloop then runs with prefetched = true and skips its own first W_RING copies. NEXT (the PIPE 17 build):
-// only the checked tail groups take that path; the steady state stops a group earlier, where each refill is in range,
-// and copies without a check.
 template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, bool SMEM_W = false,
-          bool NEXT = false, class LoadX>
+          class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
-                                                         int units, uint32_t smem_base, LoadX&& load_x,
-                                                         const uint4* next_wp = nullptr,
-                                                         const uint4* next_sp = nullptr, bool prefetched = false) {
+                                                         int units, uint32_t smem_base, LoadX&& load_x) {
   static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
                 "ring sizes");
   static_assert(!SMEM_W || (SLOT && SPLIT && BUFFERS == moe90::W_RING && moe90::W_RING >= X_AHEAD + 1),
@@ -209,14 +198,10 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   // SMEM_W: this lane's 16 bytes of ring slot i at w_ring + i * 4096, its scale word at s_ring + i * 1024
   const uint32_t w_ring = smem_base + BUFFERS * X_TILE + 16 * threadIdx.x;
   const uint32_t s_ring = smem_base + BUFFERS * X_TILE + moe90::W_RING * moe90::THREADS * 16 + 4 * threadIdx.x;
-  // SMEM_W: slot = u % W_RING; w / s: this item's weights, or (NEXT) the next item's
-  auto copy_stage = [&](int slot, const uint4* w, const uint4* s, int u) {
-    ddtree::cp_async16_s(w_ring + slot * (moe90::THREADS * 16), w + u * 32, true);
-    ddtree::cp_async4_s(s_ring + slot * (moe90::THREADS * 4), moe90::scale_word(s, u));
-  };
-  auto load_stage = [&](int slot, int u) {
+  auto load_stage = [&](int slot, int u) {   // SMEM_W: slot = u % W_RING
     if constexpr (SMEM_W) {
-      copy_stage(slot, wp, sp, u);
+      ddtree::cp_async16_s(w_ring + slot * (moe90::THREADS * 16), wp + u * 32, true);
+      ddtree::cp_async4_s(s_ring + slot * (moe90::THREADS * 4), moe90::scale_word(sp, u));
     } else {
       wr[slot] = moe90::load_w(wp, u);
       s0r[slot] = moe90::load_scale(sp, u);
@@ -237,16 +222,9 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a);
     }
   };
-  // the refill of stage u's slot: this item's stage u, or past its end the next item's (where there is one)
-  auto refill = [&](int slot, int u) {
-    if (u < units) load_stage(slot, u);
-    else if (NEXT && next_wp != nullptr) copy_stage(slot, next_wp, next_sp, u - units);
-  };
-  if (!prefetched) {
 #pragma unroll
-    for (int d = 0; d < LEAD; ++d)
-      if (d < units) load_stage(d, d);
-  }
+  for (int d = 0; d < LEAD; ++d)
+    if (d < units) load_stage(d, d);
 #pragma unroll
   for (int a = 0; a < X_AHEAD; ++a) {
     if (a < units) load_x(smem_base + a * X_TILE, a);
@@ -260,7 +238,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages 0 .. PAIR - 1 (SMEM_W: and the weights of 0 .. LEAD - 1)
   if constexpr (SMEM_W) {
     dequant(0, a_frag[0]);
-    refill(0, LEAD);   // into the slot just read; the group of stage 0
+    if (LEAD < units) load_stage(0, LEAD);   // into the slot just read; the group of stage 0
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
   __syncthreads();
@@ -292,9 +270,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
           // stage u + 1 from its slot, then stage u + 1 + LEAD into the same slot
           const int slot = phase >= 0 ? (phase + d + 1) % moe90::W_RING : (u + 1) % moe90::W_RING;
           dequant(slot, a_frag[(d + 1) & 1]);
-          if constexpr (NEXT && !CHECKED) load_stage(slot, u + 1 + LEAD);   // in range: the steady state's bound
-          else if constexpr (NEXT) refill(slot, u + 1 + LEAD);
-          else if (u + 1 + LEAD < units) load_stage(slot, u + 1 + LEAD);
+          if (u + 1 + LEAD < units) load_stage(slot, u + 1 + LEAD);
         } else {
           const int slot = (d + 1) % W_AHEAD;
           dequant(slot, a_frag[(d + 1) & 1]);
@@ -314,8 +290,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
     // units; its copies check themselves), u + X_AHEAD < units), BUFFERS / W_AHEAD of them per iteration so that
     // every buffer index is a constant once unrolled.
     constexpr int G = BUFFERS % W_AHEAD == 0 ? BUFFERS / W_AHEAD : 1;
-    // (NEXT: also its copies' bound, u + 1 + LEAD < units, so they need no check and the next item's are the tail's)
-    for (; u0 + G * W_AHEAD + (SMEM_W ? (NEXT ? LEAD : 0) : W_AHEAD) < units && u0 + G * W_AHEAD - 1 + X_AHEAD < units;
+    for (; u0 + G * W_AHEAD + (SMEM_W ? 0 : W_AHEAD) < units && u0 + G * W_AHEAD - 1 + X_AHEAD < units;
          u0 += G * W_AHEAD) {
 #pragma unroll
       for (int i = 0; i < G; ++i)
@@ -346,13 +321,10 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGmmaGateUp : ddtree::kTraceMoeGmmaDown);
   using namespace moe90;
   static_assert(TN == 32 || TN == 64 || TN == 128 || TN == 256, "token tile");
-  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8) || PIPE == 17, "pipeline");
+  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8), "pipeline");
   static_assert(TN != 32 || PIPE >= 6, "32-token tiles: PIPE 6 / 7 / 8 only (PIPE 3's lost to its 64: PERF.md)");
   static_assert((PIPE != 3 && PIPE < 6) || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
-  // PIPE 17: PIPE 8 with the next work item's first weights loaded during this one's last stages (the mainloop's
-  // next_wp); the block finds its next item before each mainloop
-  constexpr bool SMEM_W = PIPE == 8 || PIPE == 17, PREFETCH = PIPE == 17;
-  static_assert(!SMEM_W || TN <= 64, "PIPE 8: 32- / 64-token tiles (its weight ring beside the 8-buffer x ring)");
+  static_assert(PIPE != 8 || TN <= 64, "PIPE 8: 32- / 64-token tiles (its weight ring beside the 8-buffer x ring)");
   constexpr bool SLOT = PIPE >= 6;   // otherwise PIPE 3's pipeline
   constexpr bool SPLIT = PIPE >= 7;   // PIPE 7: PIPE 6 with the steady-state stages unchecked, an 8-buffer x ring
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
@@ -368,7 +340,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   constexpr int BUFFERS = SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
   // PIPE 8: x 5 stages ahead (the most its 8 buffers allow): a cp.async wait covers every older group, the
   // weights' too, so this distance, not the weight ring's depth, is how long any of its loads may take
-  constexpr int X_AHEAD = SMEM_W ? 5 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
+  constexpr int X_AHEAD = PIPE == 8 ? 5 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
@@ -377,18 +349,6 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   // row y is slot y and runs all of its token chunks in turn; else it is item y, one TN-token chunk
   // (item_chunk[y]) of slot item_slot[y], so a hot expert's chunks run on blocks side by side. Slots are sorted
   // by count, most first (items by slot): the first slot below min_count ends the block's rows.
-  // PIPE 17: the first row from y on (stepping gridDim.y) that runs a chunk, or n_items: the block's next item (an
-  // item past its slot's last chunk runs none: the items are laid out for the most tokens a slot can have)
-  auto runnable_row = [&](int y) {
-    for (; y < n_items; y += gridDim.y) {
-      const int slot = item_slot != nullptr ? item_slot[y] : y;
-      const int count = slot_count[slot];
-      if (slot_expert[slot] < 0 || count < min_count) return n_items;
-      if (count < max_count && (item_slot == nullptr || item_chunk[y] * TN < count)) return y;
-    }
-    return n_items;
-  };
-  bool prefetched = false;   // PIPE 17: this item's first W_RING weight stages came with the previous item's tail
   for (int y = blockIdx.y; y < n_items; y += gridDim.y) {
     const int slot = item_slot != nullptr ? item_slot[y] : y;
     const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
@@ -408,19 +368,11 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
     // This warp's 16-row block of the 128-row tile (MODE 0: warps 0-3 gate, 4-7 the same rows of up).
     const int rb = MODE == 0 ? blockIdx.x * 4 + (warp & 3) : blockIdx.x * 8 + warp;
     const bool second = MODE == 0 && warp >= 4;
-    // the lane's weights and scales of expert e's row block rb
-    auto weights_of = [&](int e) {
-      return (second ? wq1 : wq0) + ((long long)e * row_blocks + rb) * units * 32 + lane;
-    };
+    const long long blk = (long long)expert * row_blocks + rb;
+    const uint4* wp = (second ? wq1 : wq0) + blk * units * 32 + lane;
     // PIPE 0 / 1 / 6: the scale word of the lane's own group (t >> 1); PIPE 2 / 3: both groups' (sp, sp + 2)
-    auto scales_of = [&](int e) {
-      return (second ? ws1 : ws0) + ((long long)e * row_blocks + rb) * supers * 32 +
-             (g * 2 + (RA && !SLOT ? 0 : t >> 1)) * 2;
-    };
-    const uint4* wp = weights_of(expert);
-    const uint4* sp = scales_of(expert);
+    const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (RA && !SLOT ? 0 : t >> 1)) * 2;
     const int wrow = warp * 16 + g;   // this lane's first row in the W tile
-    const int y_next = PREFETCH ? runnable_row(y + gridDim.y) : n_items;
 
     for (int c0 = c_begin; c0 < c_end; c0 += TN) {
       // x chunks of this thread: rows i = tid / 8 + 32 j, 16-byte unit tid % 8 of the 64-k stage. The row
@@ -447,17 +399,8 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         acc[i] = 0.f;
         cute::warpgroup_fence_operand(acc[i]);
       }
-      if constexpr (PREFETCH) {
-        // the next item: this slot's next chunk (the same weights again), else row y_next's slot, else none
-        const int next_expert = c0 + TN < c_end ? expert : y_next >= n_items ? -1
-                              : slot_expert[item_slot != nullptr ? item_slot[y_next] : y_next];
-        const uint4* next_wp = next_expert >= 0 ? weights_of(next_expert) : nullptr;
-        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, true, true>(
-            acc, wp, sp, t, units, smem_base, load_x, next_wp, next_expert >= 0 ? scales_of(next_expert) : nullptr,
-            prefetched);
-        prefetched = next_wp != nullptr;
-      } else if constexpr (RA) {
-        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, SMEM_W>(
+      if constexpr (RA) {
+        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, PIPE == 8>(
             acc, wp, sp, t, units, smem_base, load_x);
       } else {
         // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
@@ -523,9 +466,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
           }
         }
       }
-      // Every x copy has landed (PIPE 17: the mainloop's last wait did that; the groups still in flight hold only the
-      // next item's weights, in the weight ring, which the epilogue's staging does not reach)
-      if constexpr (!PREFETCH) ddtree::cp_async_wait<0>();
+      ddtree::cp_async_wait<0>();
 
       // Epilogue: acc[4j + 2i + b] = W row 16 (warp % 4) + g + 8i of the warpgroup's 64, token 8j + 2t + b.
       const int r_wg = (warp & 3) * 16 + g;

@@ -534,8 +534,7 @@ def test_moe_layer_largest_bucket(cuda_device, gmma):
                                     (True, 2, False), (False, 3, False), (False, 3, True), (True, 2, True),
                                     (False, 4, False), (True, 4, False), (False, 4, True), (False, 5, False),
                                     (True, 5, True), (False, 6, False), (True, 6, True), (False, 7, False),
-                                    (True, 7, True), (False, 8, False), (True, 8, True), (False, 17, False),
-                                    (True, 17, True)]
+                                    (True, 7, True), (False, 8, False), (True, 8, True)]
     if _pipe_takes_tile(pipe, tile)])
 def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe, overlap):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
@@ -578,7 +577,7 @@ def test_moe_layer_default_hot_tiers_from_256(cuda_device, T, E):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipe,tile", [(7, 32), (7, 64), (7, 128), (8, 32), (8, 64), (17, 32), (17, 64)])
+@pytest.mark.parametrize("pipe,tile", [(7, 32), (7, 64), (7, 128), (8, 32), (8, 64)])
 def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
     """PIPE 7 / 8 at K = 2048 / 1024 (32 / 16 units): both GEMMs run unchecked steady-state stage groups before
     the checked tail (at the other tests' K = 512 down has no steady group), every expert hot: the layer vs the
@@ -587,20 +586,6 @@ def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
     if cuda.get_device().arch != "90a":
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
     _check_moe(150, 8, 2048, 1024, None, topk=4, gmma_min_tokens=1, gmma_tile=tile, gmma_pipe=pipe, runs=2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tile,grid_rows,parallel", [(32, 3, False), (64, 2, False), (32, 5, True), (64, None, False)])
-def test_moe_layer_gmma_pipe17_prefetch(cuda_device, tile, grid_rows, parallel):
-    """PIPE 17 copies the block's next item's first weight stages during the current item's last ones: every expert
-    hot at K = 2048 / 1024 (down's 16 units: every refill of the last 8 stages is the next item's), ~75 tokens per expert
-    (several chunks a slot: the same weights again), blocks walking 2..5 rows of slots or (slot, chunk) items, or one
-    row a slot (the prefetch of a slot's next chunk only): the layer vs the float32 reference, twice."""
-    from runtime import cuda
-    if cuda.get_device().arch != "90a":
-        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
-    _check_moe(150, 8, 2048, 1024, None, topk=4, gmma_min_tokens=1, gmma_tile=tile, gmma_pipe=17, runs=2,
-               gmma_grid_rows=grid_rows, gmma_parallel_chunks=parallel)
 
 
 @pytest.mark.gpu
@@ -613,8 +598,7 @@ def test_moe_layer_gmma_pipe17_prefetch(cuda_device, tile, grid_rows, parallel):
     (200, 16, [(64, 128, 7), (16, 64, 8)], False, True),
     (300, 16, [(64, 256, 5), (17, 32, 8)], False, True),
     (300, 16, [(128, 256, 5), (40, 64, 8), (17, 32, 8)], False, True),
-    (600, 64, [(64, 256, 5), (33, 64, 8), (9, 32, 8)], False, True),
-    (600, 64, [(64, 256, 5), (33, 64, 17), (9, 32, 17)], False, True)])
+    (600, 64, [(64, 256, 5), (33, 64, 8), (9, 32, 8)], False, True)])
 @pytest.mark.parametrize("grid_rows", [None, 3])
 def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_rows):
     """Hot slots split between pipelines by token count (each slot in the tier with the largest minimum it

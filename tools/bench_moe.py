@@ -593,15 +593,6 @@ def launch_plans(default_fused_combine: bool):
         # T = 32..255: a 32-token PIPE 8 tier for experts of 9..15 tokens below GMMA_AUTO's (16, 64, 8)
         ("gmma>=16/ra8/9ra8-32", dict(gmma_tiers=[(16, 64, 8), (9, 32, 8)])),
         ("gmma>=16/ra8/9ra8-32/rows32", dict(gmma_tiers=[(16, 64, 8), (9, 32, 8)], gmma_grid_rows=32)),
-        # PIPE 17 (PIPE 8 with the next item's first weights copied during the current item's tail) in GMMA_AUTO's tiers
-        ("gmma>=16/32/ra17", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=17)),
-        ("gmma>=16/ra17", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=17)),
-        ("gmma>=16/ra17/rows32", dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=17, gmma_grid_rows=32)),
-        ("tiers64wsn/16ra17/rows32", dict(gmma_tiers=[(64, 256, 5), (16, 64, 17)], gmma_grid_rows=32)),
-        ("tiers64wsn/33ra17/9ra17-32/rows64", dict(gmma_tiers=[(64, 256, 5), (33, 64, 17), (9, 32, 17)], gmma_grid_rows=64)),
-        ("tiers64wsn/33ra17/9ra17-32/rows128",
-         dict(gmma_tiers=[(64, 256, 5), (33, 64, 17), (9, 32, 17)], gmma_grid_rows=128)),
-        ("tiers64wsn/33ra17/9ra17-32/rows32", dict(gmma_tiers=[(64, 256, 5), (33, 64, 17), (9, 32, 17)], gmma_grid_rows=32)),
         # T >= 512: the warp-specialized tier from 96 / 128 tokens above GMMA_AUTO's PIPE 8 tiers
         ("tiers96wsn/33ra8/9ra8-32/rows64", dict(gmma_tiers=[(96, 256, 5), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=64)),
         ("tiers128wsn/33ra8/9ra8-32/rows64",
