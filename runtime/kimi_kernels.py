@@ -214,7 +214,8 @@ def check_scale_range(scales: np.ndarray, name: str = "scales") -> None:
 # - gate_up, T = 25..48: still the 16-token ring (session (13): skewed T = 32 / 48 -5 / -2%, uniform within 1%);
 #   T = 49..128: the 8-token cp.async ring (the 16-token one loses 2-4% at uniform T = 64..96 and wins 3-5% at
 #   skewed, whose cold experts it sees); T > 128: the 32-token ring (skewed routing leaves experts of up to 63
-#   tokens on mma.sync there).
+#   tokens on mma.sync there). Where hidden splits into 7 pieces (Kimi's 7168), GATE_UP_PIECES replaces these at
+#   T = 3..8 and 25..511 (since session 40's hot tiers leave mma.sync experts of <= 15 tokens from T = 25).
 # - down, T = 1: activations staged in shared memory (XS) with three register buffers (loses at T = 2..8); T =
 #   2..8: XS, two buffers; T = 9..31: XS, 16-token chunks (session (14), whole layer: skewed T = 16 / 24 -2 / -8%,
 #   uniform within 1%; from T = 32, where the hot experts leave mma.sync, it lost 3-4% at skewed T = 32..48);
