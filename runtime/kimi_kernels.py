@@ -221,7 +221,11 @@ def check_scale_range(scales: np.ndarray, name: str = "scales") -> None:
 #   uniform within 1%; from T = 32, where the hot experts leave mma.sync, it lost 3-4% at skewed T = 32..48);
 #   T = 32..128: XS, four row groups per warp; T = 129..768: XS, 16-token chunks; T > 768:
 #   the 32-token cp.async ring (uniform T = 1024 -9%, skewed +1%; it loses at T = 512, so the 768 bound lies
-#   between the measured sizes).
+#   between the measured sizes) until session 40, whose hot tiers leave mma.sync experts of <= 8 tokens there: XS,
+#   four row groups per warp (H100, 2026-12-07 (40), layer graph replay against the ring, us: skewed T = 769 / 896 /
+#   1024 2022.3 / 2304.4 / 2426.8 against 2041.6 / 2339.7 / 2450.6, uniform 3531.6 / 3564.5 / 3614.7 against 3523.1 /
+#   3572.5 / 3643.2; at T = 1024 in two more calls skewed -1.0 / -1.1%, uniform -1.7 / -1.2%; at T = 512 / 767 it
+#   was mixed, uniform 767 +0.7 / +1.4%).
 DEFAULT_VARIANTS = {
     1: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, -3, 1>"),
     2: ("moe_w4a16_kernel<0, 2, 4, 1, 1, 1, 1, 1, 1>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1>"),
@@ -232,7 +236,7 @@ DEFAULT_VARIANTS = {
     48: ("moe_w4a16_kernel<0, 2, 2, 1, 2, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     128: ("moe_w4a16_kernel<0, 2, 2, 1, 1, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
     768: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 2, 1, 1>"),
-    1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 4, 3>"),
+    1 << 30: ("moe_w4a16_kernel<0, 2, 4, 1, 4, 3>", "moe_w4a16_kernel<1, 2, 4, 1, 1, 1, 1, 4>"),
 }
 
 
