@@ -50,7 +50,24 @@ using cuda::std::uint64_t;
 #include "device_common.cuh"
 #include "int4_dequant.cuh"
 
+#ifndef DDTREE_WS_PROBE
+#define DDTREE_WS_PROBE 0
+#endif
 namespace moe90 {
+// Timing probes of the wgmma MoE kernels (NVRTC -DDDTREE_WS_PROBE=mask from the environment's DDTREE_WS_PROBE; 0 in
+// every real build): each leaves one part of the stage out, so a hot stage timed without it bounds what that part
+// costs. The outputs are then wrong; runtime/cuda/nvrtc.py says so when it builds one.
+enum WsProbe : int {
+  // moe_gmma_ws_kernel (PIPE 4 / 5)
+  kProbeNoDequant = 1,   // the producer skips the dequantization and its stores (loads and the ring hand-off stay)
+  kProbeNoX = 2,         // the consumers issue no x cp.async (the waits and barriers stay)
+  kProbeNoMma = 4,       // the consumers issue no wgmma (the waits, barriers and releases stay)
+  // moe_gmma_kernel's register-A pipelines in slot order (PIPE 6 / 7 / 8)
+  kProbeRaNoDequant = 8,   // the A fragments are the loaded weight words as they are (one xor keeps the scale load)
+  kProbeRaNoX = 16,        // no x cp.async (the waits and barriers stay)
+  kProbeRaNoMma = 32,      // no wgmma (the arrive / commit / wait stay)
+  kProbeRaNoStore = 64,    // the epilogue's global stores left out (its shared-memory staging stays)
+};
 constexpr int THREADS = 256;
 constexpr int W_RING = 8;   // PIPE 8's shared weight ring: stages (16 + 4 bytes per thread each)
 constexpr int W_TILE = 128 * 128;   // 128 rows x 64 k bf16
@@ -127,6 +144,15 @@ __device__ __forceinline__ void dequant_slot(const uint4& w, uint32_t sw, uint32
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
   for (int s = 0; s < 4; ++s) ddtree::dequant_word(words[s], ds, a[s]);
+}
+// The kProbeRaNoDequant probe's stand-in: the loaded words as the fragments (one xor uses the scale word, so its load
+// stays), no dequantization.
+__device__ __forceinline__ void probe_frag(const uint4& w, uint32_t sw, uint32_t (&a)[4][4]) {
+  const uint32_t words[4] = {w.x ^ sw, w.y, w.z, w.w};
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[s][i] = words[(s + i) & 3];
 }
 
 // PIPE 2: the lane's 16 bytes dequantized straight into wgmma A fragments (m64k16, the mma.sync m16n8k16 A
@@ -215,9 +241,17 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
                    : "r"(w_ring + slot * (moe90::THREADS * 16)) : "memory");
       asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw) : "r"(s_ring + slot * (moe90::THREADS * 4)) : "memory");
-      moe90::dequant_slot(w, sw, a);
+      if constexpr ((DDTREE_WS_PROBE & moe90::kProbeRaNoDequant) != 0) {
+        moe90::probe_frag(w, sw, a);
+      } else {
+        moe90::dequant_slot(w, sw, a);
+      }
     } else if constexpr (SLOT) {
-      moe90::dequant_slot(wr[slot], s0r[slot], a);
+      if constexpr ((DDTREE_WS_PROBE & moe90::kProbeRaNoDequant) != 0) {
+        moe90::probe_frag(wr[slot], s0r[slot], a);
+      } else {
+        moe90::dequant_slot(wr[slot], s0r[slot], a);
+      }
     } else {
       moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a);
     }
@@ -255,9 +289,11 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 #pragma unroll
       for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
       cute::warpgroup_arrive();
+      if constexpr ((DDTREE_WS_PROBE & moe90::kProbeRaNoMma) == 0) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        ddtree::gmma_rs<Op>(a_frag[d & 1][kk], db + 2 * kk, acc, cuda::std::make_integer_sequence<int, ACC>{});
+        for (int kk = 0; kk < 4; ++kk)
+          ddtree::gmma_rs<Op>(a_frag[d & 1][kk], db + 2 * kk, acc, cuda::std::make_integer_sequence<int, ACC>{});
+      }
       cute::warpgroup_commit_batch();
       const int xbuf = phase >= 0 ? (phase + d + X_AHEAD) % BUFFERS : (u + X_AHEAD) % BUFFERS;
       if (!CHECKED || u + X_AHEAD < units) load_x(smem_base + xbuf * X_TILE, u + X_AHEAD);
@@ -389,9 +425,11 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       // one register plus the constant 4096 j (the compiler did not see that and swizzled per j, every stage).
       const uint32_t x_off = (tid / 8) * 128 + (((tid & 7) ^ ((tid / 8) & 7)) << 4);
       auto load_x = [&](uint32_t tile, int u) {
+        if constexpr (!RA || (DDTREE_WS_PROBE & kProbeRaNoX) == 0) {
 #pragma unroll
-        for (int j = 0; j < TN / 32; ++j)
-          cp_async16_s(tile + x_off + 4096 * j, xrow[j] + u * 64, c0 + tid / 8 + 32 * j < count);
+          for (int j = 0; j < TN / 32; ++j)
+            cp_async16_s(tile + x_off + 4096 * j, xrow[j] + u * 64, c0 + tid / 8 + 32 * j < count);
+        }
       };
       float acc[ACC];
 #pragma unroll
@@ -499,14 +537,16 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                 __float2bfloat16_rn(ddtree::silu(gate) * stg[tok * LD + r]);
           });
         __syncthreads();
-        moe90::store_rows<64, HLD>(hs, reinterpret_cast<__nv_bfloat16*>(out) + (long long)(offset + c0) * n_rows +
+        if constexpr ((DDTREE_WS_PROBE & kProbeRaNoStore) == 0 || !RA)
+          moe90::store_rows<64, HLD>(hs, reinterpret_cast<__nv_bfloat16*>(out) + (long long)(offset + c0) * n_rows +
                                    blockIdx.x * 64, n_rows, rows, tid);
       } else {
         constexpr int HLD = 128 + 8;
         __nv_bfloat16* const hs = reinterpret_cast<__nv_bfloat16*>(stg);
         for_each_output([&](int tok, int r, float v) { hs[tok * HLD + wg * 64 + r] = __float2bfloat16_rn(v); });
         __syncthreads();
-        moe90::store_rows<128, HLD>(hs, reinterpret_cast<__nv_bfloat16*>(out) + (long long)(offset + c0) * n_rows +
+        if constexpr ((DDTREE_WS_PROBE & kProbeRaNoStore) == 0 || !RA)
+          moe90::store_rows<128, HLD>(hs, reinterpret_cast<__nv_bfloat16*>(out) + (long long)(offset + c0) * n_rows +
                                     blockIdx.x * 128, n_rows, rows, tid);
       }
       __syncthreads();   // the staging (stage buffers) is free again for the next chunk
@@ -523,18 +563,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
 // tokens against all 128 rows (two m64 wgmmas per k16: MODE 0 gate and up rows, so SiLU(gate) * up is formed in
 // registers; MODE 1 down rows 0-63 and 64-127). Each consumer warpgroup keeps its own x ring (4 buffers, 2 stages
 // ahead, a 128-thread named barrier per stage) and one wgmma batch in flight.
-#ifndef DDTREE_WS_PROBE
-#define DDTREE_WS_PROBE 0
-#endif
 namespace moe90 {
-// moe_gmma_ws_kernel's timing probes (NVRTC -DDDTREE_WS_PROBE=mask from the environment's DDTREE_WS_PROBE; 0 in every
-// real build): each leaves one part of the stage out, so a hot stage timed without it bounds what that part costs.
-// The outputs are then wrong; runtime/cuda/nvrtc.py says so when it builds one.
-enum WsProbe : int {
-  kProbeNoDequant = 1,   // the producer skips the dequantization and its stores (loads and the ring hand-off stay)
-  kProbeNoX = 2,         // the consumers issue no x cp.async (the waits and barriers stay)
-  kProbeNoMma = 4,       // the consumers issue no wgmma (the waits, barriers and releases stay)
-};
 constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_XBUF = 4, WS_XAHEAD = 2, WS_WAHEAD = 8;
 // Registers after setmaxnreg: the CTA's pool is what it launched with (168 per thread at 384 threads, the
 // launch bound), and setmaxnreg.inc waits until the pool has them, so the two sides must fit it exactly or

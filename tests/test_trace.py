@@ -174,6 +174,26 @@ def test_ws_probe_builds(monkeypatch):
     assert nvrtc.cache_key(f, "90a") == key
 
 
+def test_ra_probe_builds(monkeypatch):
+    """The register-A probes (DDTREE_WS_PROBE 8 / 16 / 32 / 64) of moe_gmma_kernel's PIPE 8 compile for sm_90a and leave
+    their part out of the PTX: no wgmma, no x cp.async (the weights' 16-byte copies stay), fewer global stores, and
+    no dequantization's bf16x2 fma; each probe build leaves the others' parts in."""
+    from cutlass_kernels.registry import FAMILIES
+    from runtime.cuda import nvrtc
+    f = dataclasses.replace(FAMILIES["moe_int4_sm90"], entries=("moe_gmma_kernel<1, 32, 8>",))
+    ptx = {}
+    for mask in (0, 8, 16, 32, 64):
+        monkeypatch.setattr(nvrtc, "WS_PROBE", mask)
+        opts = nvrtc.build_options(f, "90a")
+        _, ptx[mask], _, _ = nvrtc.nvrtc_compile(f.source_path.read_text(), f.source, f.entries, opts, f.name, "90a")
+    wgmma, fma = "wgmma.mma_async", "fma.rn.bf16x2"
+    stores = {m: ptx[m].count("st.global") for m in ptx}
+    assert ptx[0].count(wgmma) and not ptx[32].count(wgmma) and ptx[8].count(wgmma) == ptx[0].count(wgmma)
+    assert ptx[0].count(fma) and not ptx[8].count(fma) and ptx[16].count(fma) == ptx[0].count(fma)
+    assert 0 < ptx[16].count("cp.async.cg") < ptx[0].count("cp.async.cg")
+    assert stores[64] < stores[0] == stores[8] == stores[16] == stores[32]
+
+
 def test_trace_stalls_option(monkeypatch):
     """DDTREE_TRACE_STALLS reaches NVRTC only with the traced build; the mask is in the cache key through it."""
     from cutlass_kernels.registry import FAMILIES
