@@ -659,8 +659,9 @@ class MoeLayer:
                                  f"with a token tile it is built for ({tiles})")
         if gmma_grid_rows == "auto":   # tiers asked for by name: one block row per possibly hot slot
             gmma_grid_rows = None
-        if gmma_grid_rows is not None and int(gmma_grid_rows) < 1:
-            raise ValueError(f"gmma_grid_rows={gmma_grid_rows}: want >= 1 block rows (or None: one per slot)")
+        if gmma_grid_rows is not None and (isinstance(gmma_grid_rows, str) or int(gmma_grid_rows) < 1):
+            raise ValueError(f"gmma_grid_rows={gmma_grid_rows!r}: want >= 1 block rows (or None: one per slot; "
+                             f"'auto': GMMA_AUTO_GRID_ROWS)")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
             raise ValueError(f"shared expert output must be bf16 [T, hidden] = [{T}, {w.hidden}], got "
                              f"{shared.dtype} {shared.shape}")
