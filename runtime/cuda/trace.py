@@ -193,18 +193,27 @@ def table(traces: list[LaunchTrace]) -> str:
     return "\n".join(lines)
 
 
-def peak_blocks_per_sm(trace: LaunchTrace) -> dict[int, int]:
-    """{the most blocks of this launch on one SM at once: how many SMs had that}. A block lives from its first
-    warp's start to its last warp's end; where another kernel shares the SMs, this shows how many of the launch's
-    blocks fit beside it (session 33: one routed gate_up block beside each narrow shared-MLP block, not three)."""
+def block_lives(trace: LaunchTrace) -> dict[int, list[tuple[int, int]]]:
+    """{SM: the (start, end) ns of each of this launch's blocks there}: a block lives from its first warp's start to
+    its last warp's end."""
     r = trace.records
-    peaks: dict[int, int] = {}
+    lives: dict[int, list[tuple[int, int]]] = {}
     for sm in np.unique(r["sm"]):
         on = r[r["sm"] == sm]
-        events = []   # (time, +1 block starts / -1 block ends); ends first at a tie
         for block in np.unique(on["block"]):
             b = on[on["block"] == block]
-            events += [(int(b["start"].min()), 1), (int(b["end"].max()), -1)]
+            lives.setdefault(int(sm), []).append((int(b["start"].min()), int(b["end"].max())))
+    return lives
+
+
+def peak_blocks_per_sm(trace: LaunchTrace) -> dict[int, int]:
+    """{the most blocks of this launch on one SM at once: how many SMs had that} (block_lives); where another kernel
+    shares the SMs, this shows how many of the launch's blocks fit beside it (session 33: one routed gate_up block
+    beside each narrow shared-MLP block, not three)."""
+    peaks: dict[int, int] = {}
+    for lives in block_lives(trace).values():
+        # (time, +1 block starts / -1 block ends); ends first at a tie
+        events = [(start, 1) for start, _ in lives] + [(end, -1) for _, end in lives]
         events.sort(key=lambda ev: (ev[0], ev[1]))
         live = peak = 0
         for _, step in events:
@@ -219,12 +228,8 @@ def _block_spans(traces: list[LaunchTrace], min_block_ns: int) -> dict[int, list
     min_block_ns left out."""
     spans: dict[int, list[tuple[int, int]]] = {}
     for t in traces:
-        r = t.records
-        for sm, block in {(int(a), int(b)) for a, b in zip(r["sm"], r["block"])}:
-            b = r[(r["sm"] == sm) & (r["block"] == block)]
-            start, end = int(b["start"].min()), int(b["end"].max())
-            if end - start >= min_block_ns:
-                spans.setdefault(sm, []).append((start, end))
+        for sm, lives in block_lives(t).items():
+            spans.setdefault(sm, []).extend((start, end) for start, end in lives if end - start >= min_block_ns)
     merged: dict[int, list[list[int]]] = {}
     for sm, iv in spans.items():
         out: list[list[int]] = []
