@@ -145,14 +145,18 @@ __device__ __forceinline__ void dequant_slot(const uint4& w, uint32_t sw, uint32
 #pragma unroll
   for (int s = 0; s < 4; ++s) ddtree::dequant_word(words[s], ds, a[s]);
 }
-// The kProbeRaNoDequant probe's stand-in: the loaded words as the fragments (one xor uses the scale word, so its load
-// stays), no dequantization.
-__device__ __forceinline__ void probe_frag(const uint4& w, uint32_t sw, uint32_t (&a)[4][4]) {
-  const uint32_t words[4] = {w.x ^ sw, w.y, w.z, w.w};
+// The slot-order A fragments: dequant_slot, or in the kProbeRaNoDequant probe build the loaded words as they are (one
+// xor uses the scale word, so its load stays).
+__device__ __forceinline__ void slot_frag(const uint4& w, uint32_t sw, uint32_t (&a)[4][4]) {
+  if constexpr ((DDTREE_WS_PROBE & kProbeRaNoDequant) != 0) {
+    const uint32_t words[4] = {w.x ^ sw, w.y, w.z, w.w};
 #pragma unroll
-  for (int s = 0; s < 4; ++s)
+    for (int s = 0; s < 4; ++s)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[s][i] = words[(s + i) & 3];
+      for (int i = 0; i < 4; ++i) a[s][i] = words[(s + i) & 3];
+  } else {
+    dequant_slot(w, sw, a);
+  }
 }
 
 // PIPE 2: the lane's 16 bytes dequantized straight into wgmma A fragments (m64k16, the mma.sync m16n8k16 A
@@ -241,17 +245,9 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
                    : "r"(w_ring + slot * (moe90::THREADS * 16)) : "memory");
       asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw) : "r"(s_ring + slot * (moe90::THREADS * 4)) : "memory");
-      if constexpr ((DDTREE_WS_PROBE & moe90::kProbeRaNoDequant) != 0) {
-        moe90::probe_frag(w, sw, a);
-      } else {
-        moe90::dequant_slot(w, sw, a);
-      }
+      moe90::slot_frag(w, sw, a);
     } else if constexpr (SLOT) {
-      if constexpr ((DDTREE_WS_PROBE & moe90::kProbeRaNoDequant) != 0) {
-        moe90::probe_frag(wr[slot], s0r[slot], a);
-      } else {
-        moe90::dequant_slot(wr[slot], s0r[slot], a);
-      }
+      moe90::slot_frag(wr[slot], s0r[slot], a);
     } else {
       moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a);
     }
