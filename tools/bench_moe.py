@@ -483,11 +483,11 @@ def launch_plans(default_fused_combine: bool):
         # T = 129..768, down with 32-token chunks (experts of 17..32 tokens in one pass instead of two, 33..64 in two
         # instead of 3-4): the activations staged whole (128 KB) or in 4 K pieces (64 KB, as the default's 16-token tile)
         ("dn-xs4", dict(down="1, 2, 4, 1, 4, 1, 1")),
+        ("dn-xs4-4", dict(down="1, 2, 4, 1, 4, 1, 4")),
         # session 40: the cold chain under the T >= 256 hot tiers (cold experts of <= 15 tokens, <= 8 from T = 512)
         ("gu-xs7-2+dn-xs-rg4", dict(gate_up="0, 2, 4, 1, 2, 1, 7", down="1, 2, 4, 1, 1, 1, 1, 4")),
         ("gu-xs7+dn-xs-rg4", dict(gate_up="0, 2, 4, 1, 1, 1, 7", down="1, 2, 4, 1, 1, 1, 1, 4")),
         ("gu-xs7-2+dn-xs2-rg2", dict(gate_up="0, 2, 4, 1, 2, 1, 7", down="1, 2, 4, 1, 2, 1, 1, 2")),
-        ("dn-xs4-4", dict(down="1, 2, 4, 1, 4, 1, 4")),
         ("gu-s0", dict(gate_up="0, 2, 4, 1, 1, 0")),
         ("gu-s1", dict(gate_up="0, 2, 4, 1, 1, 1")),
         ("gu-ring1", dict(gate_up="0, 2, 2, 1, 1, 3")),
