@@ -131,6 +131,10 @@ enum TraceStallSite : unsigned {
   kStallMmaWait = 8,     // its consumers' wgmma wait for the previous stage's batch
   kStallPublish = 16,    // its producer's proxy fence and full-barrier arrive after each stage's stores
   kStallDequant = 32,    // its producer's dequantization and shared stores (work, not a wait)
+  kStallRaFill = 64,       // moe_gmma_kernel (register A): an item's start, from its slot lookups to the end of the
+                           // mainloop's first barrier (the pipeline fill: the first stage's weights and x landed)
+  kStallRaEpilogue = 128,  // moe_gmma_kernel (register A): the epilogue, from the mainloop's end to the barrier that
+                           // frees the staging for the next item
 };
 // What each instrumented kernel passes to DDTREE_TRACE_WARP: runtime/cuda/trace.py reads the names from here.
 enum TraceCode : unsigned {

@@ -210,10 +210,12 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // A lane reads back only what it copied itself, so its own cp.async wait suffices (no barrier); it refills the
 // slot its dequantization has just read. The copies check their bound in every stage (a compare), so the steady
 // state ends as PIPE 7's.
+// fill_t0: the traced build's start of the item's fill span (ddtree::kStallRaFill), ended at the first barrier.
 template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, bool SMEM_W = false,
           class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
-                                                         int units, uint32_t smem_base, LoadX&& load_x) {
+                                                         int units, uint32_t smem_base, LoadX&& load_x,
+                                                         long long fill_t0) {
   static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
                 "ring sizes");
   static_assert(!SMEM_W || (SLOT && SPLIT && BUFFERS == moe90::W_RING && moe90::W_RING >= X_AHEAD + 1),
@@ -272,6 +274,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
   __syncthreads();
+  ddtree::trace_stall_end<ddtree::kStallRaFill>(fill_t0);
   // W_AHEAD stages, unrolled (ring slot, A set and barrier placement are constants). CHECKED: the bound checks
   // of the last groups; without them (SPLIT, the steady state) every check below holds by the loop's bound.
   auto stage_group = [&](int u0, auto checked, int phase) {   // phase: u0 % BUFFERS when a constant, else -1
@@ -382,6 +385,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   // (item_chunk[y]) of slot item_slot[y], so a hot expert's chunks run on blocks side by side. Slots are sorted
   // by count, most first (items by slot): the first slot below min_count ends the block's rows.
   for (int y = blockIdx.y; y < n_items; y += gridDim.y) {
+    long long fill_t0 = ddtree::trace_stall_begin<ddtree::kStallRaFill>();   // traced builds (RA): the item's fill
     const int slot = item_slot != nullptr ? item_slot[y] : y;
     const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
     if (expert < 0 || count < min_count) break;   // the mma.sync kernel's slot, and so are all later ones
@@ -407,6 +411,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
     const int wrow = warp * 16 + g;   // this lane's first row in the W tile
 
     for (int c0 = c_begin; c0 < c_end; c0 += TN) {
+      if (c0 != c_begin) fill_t0 = ddtree::trace_stall_begin<ddtree::kStallRaFill>();   // the next chunk's fill
       // x chunks of this thread: rows i = tid / 8 + 32 j, 16-byte unit tid % 8 of the 64-k stage. The row
       // addresses once per chunk: looking sorted_token up inside load_x put a dependent global load in front of
       // every stage's cp.async.
@@ -435,7 +440,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       }
       if constexpr (RA) {
         gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, PIPE == 8>(
-            acc, wp, sp, t, units, smem_base, load_x);
+            acc, wp, sp, t, units, smem_base, load_x, fill_t0);
       } else {
         // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
         // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with
@@ -500,6 +505,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
           }
         }
       }
+      const long long epilogue_t0 = ddtree::trace_stall_begin<ddtree::kStallRaEpilogue>();
       ddtree::cp_async_wait<0>();
 
       // Epilogue: acc[4j + 2i + b] = W row 16 (warp % 4) + g + 8i of the warpgroup's 64, token 8j + 2t + b.
@@ -546,6 +552,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
                                     blockIdx.x * 128, n_rows, rows, tid);
       }
       __syncthreads();   // the staging (stage buffers) is free again for the next chunk
+      ddtree::trace_stall_end<ddtree::kStallRaEpilogue>(epilogue_t0);
     }
   }
 }

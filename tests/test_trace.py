@@ -194,6 +194,21 @@ def test_ra_probe_builds(monkeypatch):
     assert stores[64] < stores[0] == stores[8] == stores[16] == stores[32]
 
 
+def test_ra_trace_spans():
+    """The register-A kernel's traced spans (kStallRaFill = 64, kStallRaEpilogue = 128) each add clock reads to PIPE 8's
+    traced build over the default mask (ring waits, which it has none of); sm_90a."""
+    from cutlass_kernels.registry import FAMILIES
+    from runtime.cuda import nvrtc
+    f = dataclasses.replace(FAMILIES["moe_int4_sm90"], entries=("moe_gmma_kernel<1, 32, 8>",))
+    clocks = {}
+    for mask in (1, 64, 128):
+        fam = dataclasses.replace(f, options=(*f.options, "-DDDTREE_TRACE=1", f"-DDDTREE_TRACE_STALLS={mask}"))
+        _, ptx, _, _ = nvrtc.nvrtc_compile(fam.source_path.read_text(), fam.source, fam.entries,
+                                           nvrtc.build_options(fam, "90a"), fam.name, "90a")
+        clocks[mask] = ptx.count("%clock64")
+    assert clocks[64] > clocks[1] and clocks[128] > clocks[1], clocks
+
+
 def test_trace_stalls_option(monkeypatch):
     """DDTREE_TRACE_STALLS reaches NVRTC only with the traced build; the mask is in the cache key through it."""
     from cutlass_kernels.registry import FAMILIES

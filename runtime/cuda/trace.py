@@ -267,7 +267,8 @@ def residency(traces: list[LaunchTrace]) -> str:
 
 
 def stalls(traces: list[LaunchTrace]) -> str:
-    """For each launch whose kernel counts spans (trace_stall_begin / _end: moe_gmma_ws_kernel), one line: per warp
+    """For each launch whose kernel counts spans (trace_stall_begin / _end: moe_gmma_ws_kernel's waits, moe_gmma_kernel's
+    item fill and epilogue), one line: per warp
     of a block (by its index), the counted cycles summed over the launch's blocks, as a share of its cycles summed
     the same way. Which spans count is the build's DDTREE_TRACE_STALLS mask (device_common.cuh TraceStallSite; the
     ring waits unless set), printed in the line. Summed, not a median over blocks: most blocks of a hot grid find a
