@@ -34,10 +34,9 @@
 //   every buffer index and descriptor offset is a constant: ~98 instructions per stage in SASS, PIPE 6 ~130.
 // - PIPE 8: PIPE 7 with the weights through a shared-memory cp.async ring 8 stages deep instead of the 4-stage
 //   register ring (32- / 64-token tiles; 40 KB more shared memory per block).
-// - PIPE 18: PIPE 8 with a shorter item fill (traced at uniform T = 767 / 1024: 19% of the down's warp cycles, 8% of
-//   gate_up's, between an item's slot lookups and its first stage). The first 8 weight stages are copied in the x
-//   groups of their stages (the first wait lands 3 of them, not 8), and after each item's mainloop the block's next
-//   item's first 8 weight stages are copied before the epilogue, so they land while it runs.
+// - PIPE 19: PIPE 8 with its weight and scale copies marked L2::evict_first, so the streamed weights (read once) are
+//   what L2 gives up first, not the x rows that the expert's other column blocks read again (ncu, uniform T = 1024:
+//   PIPE 8's L2 hit rate 20-23%, and 6-9% more DRAM bytes than the weights, outputs and one read of x).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
 // below). Traced builds count each warp's cycles in the spans DDTREE_TRACE_STALLS selects
@@ -95,19 +94,19 @@ __device__ __forceinline__ const uint32_t* scale_word(const uint4* sp, int u) {
   return reinterpret_cast<const uint32_t*>(sp + (u / 8) * 32 + ((u / 4) & 1)) + (u & 3);
 }
 __device__ __forceinline__ uint32_t load_scale(const uint4* sp, int u) { return *scale_word(sp, u); }
-// PIPE 8 / 18: this thread's 16 weight bytes and its scale word of unit u into slot `slot` of the shared weight ring
-// (its own bytes of slot i at w_ring + i * 4096, its scale word at s_ring + i * 1024).
+// PIPE 8 / 19: this thread's 16 weight bytes and its scale word of unit u into slot `slot` of the shared weight ring
+// (its own bytes of slot i at w_ring + i * 4096, its scale word at s_ring + i * 1024); EVICT_FIRST (PIPE 19): with
+// the L2 policy `policy` (ddtree::l2_evict_first_policy).
+template <bool EVICT_FIRST>
 __device__ __forceinline__ void ring_copy(uint32_t w_ring, uint32_t s_ring, int slot, const uint4* wp, const uint4* sp,
-                                          int u) {
-  ddtree::cp_async16_s(w_ring + slot * (THREADS * 16), wp + u * 32, true);
-  ddtree::cp_async4_s(s_ring + slot * (THREADS * 4), scale_word(sp, u));
-}
-// The ring lies past the x buffers (x_bytes of them): this thread's weight bytes and scale words of slot 0.
-__device__ __forceinline__ uint32_t w_ring_of(uint32_t smem_base, int x_bytes) {
-  return smem_base + x_bytes + 16 * threadIdx.x;
-}
-__device__ __forceinline__ uint32_t s_ring_of(uint32_t smem_base, int x_bytes) {
-  return smem_base + x_bytes + W_RING * THREADS * 16 + 4 * threadIdx.x;
+                                          int u, uint64_t policy) {
+  if constexpr (EVICT_FIRST) {
+    ddtree::cp_async16_s_l2(w_ring + slot * (THREADS * 16), wp + u * 32, policy);
+    ddtree::cp_async4_s_l2(s_ring + slot * (THREADS * 4), scale_word(sp, u), policy);
+  } else {
+    ddtree::cp_async16_s(w_ring + slot * (THREADS * 16), wp + u * 32, true);
+    ddtree::cp_async4_s(s_ring + slot * (THREADS * 4), scale_word(sp, u));
+  }
 }
 
 // Dequantize one lane's 16 bytes (rows g, g + 8 of the warp's row block; columns 16t .. 16t + 15) into the
@@ -228,21 +227,18 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // A lane reads back only what it copied itself, so its own cp.async wait suffices (no barrier); it refills the
 // slot its dequantization has just read. The copies check their bound in every stage (a compare), so the steady
 // state ends as PIPE 7's.
-// STAGGER (PIPE 18): the first W_RING weight stages go into the x groups of their stages (stage s + 1 with x of stage
-// s, stage 0 with stage 1; the rest with the last), so the first wait lands 3 of them instead of all; w_ready: the
-// caller has already copied them, in a group older than these (the next item's, before the last epilogue).
+// EVICT_FIRST (PIPE 19): SMEM_W's copies marked L2::evict_first.
 // fill_t0: the traced build's start of the item's fill span (ddtree::kStallRaFill), ended at the first barrier.
 template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, bool SMEM_W = false,
-          bool STAGGER = false, class LoadX>
+          bool EVICT_FIRST = false, class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x,
-                                                         long long fill_t0, bool w_ready = false) {
+                                                         long long fill_t0) {
   static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
                 "ring sizes");
   static_assert(!SMEM_W || (SLOT && SPLIT && BUFFERS == moe90::W_RING && moe90::W_RING >= X_AHEAD + 1),
                 "PIPE 8: PIPE 7 with an 8-buffer x ring, the weights' wait covered by x's");
-  // STAGGER: stage s (>= 1) lands with x of stage s - 1 at the latest, which every wait before dequant(s) covers
-  static_assert(!STAGGER || (SMEM_W && PAIR == 2 && moe90::W_RING > X_AHEAD + 1), "PIPE 18: PIPE 8's rings");
+  static_assert(!EVICT_FIRST || SMEM_W, "PIPE 19: PIPE 8's shared weight ring");
   using Op = typename ddtree::GmmaRsOp<TN>::type;
   constexpr int X_TILE = TN * 128, ACC = TN / 2;
   // the weights' lead in stages: the depth of the register ring or of the shared one
@@ -251,11 +247,12 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   // scale words of the unit's column groups 0 and 1 (SLOT: s0r is the lane's own group, s1r unused)
   uint32_t s0r[SMEM_W ? 1 : W_AHEAD], s1r[SMEM_W ? 1 : W_AHEAD];
   // SMEM_W: this lane's 16 bytes of ring slot i at w_ring + i * 4096, its scale word at s_ring + i * 1024
-  const uint32_t w_ring = moe90::w_ring_of(smem_base, BUFFERS * X_TILE);
-  const uint32_t s_ring = moe90::s_ring_of(smem_base, BUFFERS * X_TILE);
+  const uint32_t w_ring = smem_base + BUFFERS * X_TILE + 16 * threadIdx.x;
+  const uint32_t s_ring = smem_base + BUFFERS * X_TILE + moe90::W_RING * moe90::THREADS * 16 + 4 * threadIdx.x;
+  const uint64_t policy = EVICT_FIRST ? ddtree::l2_evict_first_policy() : 0;
   auto load_stage = [&](int slot, int u) {   // SMEM_W: slot = u % W_RING
     if constexpr (SMEM_W) {
-      moe90::ring_copy(w_ring, s_ring, slot, wp, sp, u);
+      moe90::ring_copy<EVICT_FIRST>(w_ring, s_ring, slot, wp, sp, u, policy);
     } else {
       wr[slot] = moe90::load_w(wp, u);
       s0r[slot] = moe90::load_scale(sp, u);
@@ -276,20 +273,11 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a);
     }
   };
-  if constexpr (!STAGGER) {
 #pragma unroll
-    for (int d = 0; d < LEAD; ++d)
-      if (d < units) load_stage(d, d);
-  }
+  for (int d = 0; d < LEAD; ++d)
+    if (d < units) load_stage(d, d);
 #pragma unroll
   for (int a = 0; a < X_AHEAD; ++a) {
-    if constexpr (STAGGER) {   // group a: weight stages a + 1 (group 0: 0 and 1; the last group: the rest)
-      if (!w_ready) {
-#pragma unroll
-        for (int d = a == 0 ? 0 : a + 1; d <= (a == X_AHEAD - 1 ? LEAD - 1 : a + 1); ++d)
-          if (d < units) load_stage(d, d);
-      }
-    }
     if (a < units) load_x(smem_base + a * X_TILE, a);
     ddtree::cp_async_commit();
   }
@@ -387,13 +375,12 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGmmaGateUp : ddtree::kTraceMoeGmmaDown);
   using namespace moe90;
   static_assert(TN == 32 || TN == 64 || TN == 128 || TN == 256, "token tile");
-  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8) || PIPE == 18, "pipeline");
+  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8) || PIPE == 19, "pipeline");
   static_assert(TN != 32 || PIPE >= 6, "32-token tiles: PIPE 6 / 7 / 8 only (PIPE 3's lost to its 64: PERF.md)");
   static_assert((PIPE != 3 && PIPE < 6) || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
-  static_assert((PIPE != 8 && PIPE != 18) || TN <= 64,
-                "PIPE 8 / 18: 32- / 64-token tiles (its weight ring beside the 8-buffer x ring)");
-  constexpr bool SMEM_W = PIPE == 8 || PIPE == 18;   // the weights through a shared cp.async ring
-  constexpr bool PREFETCH = PIPE == 18;              // the next item's first weight stages before the epilogue
+  static_assert((PIPE != 8 && PIPE != 19) || TN <= 64,
+                "PIPE 8 / 19: 32- / 64-token tiles (its weight ring beside the 8-buffer x ring)");
+  constexpr bool SMEM_W = PIPE == 8 || PIPE == 19;   // the weights through a shared cp.async ring
   constexpr bool SLOT = PIPE >= 6;   // otherwise PIPE 3's pipeline
   constexpr bool SPLIT = PIPE >= 7;   // PIPE 7: PIPE 6 with the steady-state stages unchecked, an 8-buffer x ring
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
@@ -418,24 +405,12 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   // row y is slot y and runs all of its token chunks in turn; else it is item y, one TN-token chunk
   // (item_chunk[y]) of slot item_slot[y], so a hot expert's chunks run on blocks side by side. Slots are sorted
   // by count, most first (items by slot): the first slot below min_count ends the block's rows.
-  bool w_ready = false;   // PREFETCH: this item's first weight stages were copied before the last epilogue
   for (int y = blockIdx.y; y < n_items; y += gridDim.y) {
     long long fill_t0 = ddtree::trace_stall_begin<ddtree::kStallRaFill>();   // traced builds (RA): the item's fill
     const int slot = item_slot != nullptr ? item_slot[y] : y;
     const int expert = slot_expert[slot], count = slot_count[slot], offset = slot_offset[slot];
     if (expert < 0 || count < min_count) break;   // the mma.sync kernel's slot, and so are all later ones
     if (count >= max_count) continue;              // a higher tier's slot
-    int next_expert = -1;   // PREFETCH: the expert of the block's next item (the rows above, as this loop finds it)
-    if constexpr (PREFETCH) {
-      for (int yn = y + gridDim.y; yn < n_items; yn += gridDim.y) {
-        const int sn = item_slot != nullptr ? item_slot[yn] : yn;
-        const int en = slot_expert[sn], cn = slot_count[sn];
-        if (en < 0 || cn < min_count) break;
-        if (cn >= max_count) continue;
-        next_expert = en;
-        break;
-      }
-    }
     const int c_begin = item_slot != nullptr ? item_chunk[y] * TN : 0;
     const int c_end = item_slot != nullptr ? min(count, c_begin + TN) : count;
 
@@ -450,14 +425,10 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
     // This warp's 16-row block of the 128-row tile (MODE 0: warps 0-3 gate, 4-7 the same rows of up).
     const int rb = MODE == 0 ? blockIdx.x * 4 + (warp & 3) : blockIdx.x * 8 + warp;
     const bool second = MODE == 0 && warp >= 4;
-    // this lane's packed weights and scale words of expert e (PIPE 0 / 1 / 6: the scale word of the lane's own group
-    // (t >> 1); PIPE 2 / 3: both groups' (sp, sp + 2))
-    auto weights_of = [&](int e) { return (second ? wq1 : wq0) + ((long long)e * row_blocks + rb) * units * 32 + lane; };
-    auto scales_of = [&](int e) {
-      return (second ? ws1 : ws0) + ((long long)e * row_blocks + rb) * supers * 32 + (g * 2 + (RA && !SLOT ? 0 : t >> 1)) * 2;
-    };
-    const uint4* wp = weights_of(expert);
-    const uint4* sp = scales_of(expert);
+    const long long blk = (long long)expert * row_blocks + rb;
+    const uint4* wp = (second ? wq1 : wq0) + blk * units * 32 + lane;
+    // PIPE 0 / 1 / 6: the scale word of the lane's own group (t >> 1); PIPE 2 / 3: both groups' (sp, sp + 2)
+    const uint4* sp = (second ? ws1 : ws0) + blk * supers * 32 + (g * 2 + (RA && !SLOT ? 0 : t >> 1)) * 2;
     const int wrow = warp * 16 + g;   // this lane's first row in the W tile
 
     for (int c0 = c_begin; c0 < c_end; c0 += TN) {
@@ -489,8 +460,8 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         cute::warpgroup_fence_operand(acc[i]);
       }
       if constexpr (RA) {
-        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, SMEM_W, PREFETCH>(
-            acc, wp, sp, t, units, smem_base, load_x, fill_t0, w_ready);
+        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, SMEM_W, PIPE == 19>(
+            acc, wp, sp, t, units, smem_base, load_x, fill_t0);
       } else {
         // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
         // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with
@@ -557,18 +528,6 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       }
       const long long epilogue_t0 = ddtree::trace_stall_begin<ddtree::kStallRaEpilogue>();
       ddtree::cp_async_wait<0>();
-      if constexpr (PREFETCH) {   // the next chunk's (this expert's) or next item's first weight stages, in one group
-        const int e_next = c0 + TN < c_end ? expert : next_expert;   // the ring slots are free: read by their lanes
-        w_ready = e_next >= 0;
-        if (w_ready) {
-          const uint4 *wn = weights_of(e_next), *sn = scales_of(e_next);
-#pragma unroll
-          for (int d = 0; d < W_RING; ++d)
-            if (d < units)
-              ring_copy(w_ring_of(smem_base, BUFFERS * X_TILE), s_ring_of(smem_base, BUFFERS * X_TILE), d, wn, sn, d);
-        }
-        ddtree::cp_async_commit();
-      }
 
       // Epilogue: acc[4j + 2i + b] = W row 16 (warp % 4) + g + 8i of the warpgroup's 64, token 8j + 2t + b.
       const int r_wg = (warp & 3) * 16 + g;
