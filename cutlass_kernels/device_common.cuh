@@ -68,22 +68,6 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, bool
 __device__ __forceinline__ void cp_async4_s(unsigned dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
-// An L2 cache policy that marks the lines an access brings in as the first to go (createpolicy, fraction 1), for
-// cp_async16_s_l2 / cp_async4_s_l2: data read once (streamed weights) should not push out data read again.
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-// cp_async16_s (always valid) / cp_async4_s with an L2 cache policy.
-__device__ __forceinline__ void cp_async16_s_l2(unsigned dst, const void* src, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "l"(policy)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async4_s_l2(unsigned dst, const void* src, uint64_t policy) {
-  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "l"(policy)
-               : "memory");
-}
 // "memory": the compiler must not move shared-memory reads of a copy's destination above the wait that
 // lands it, nor reads of a slot below the copy that overwrites it (moe_int4's per-lane ring has no barrier).
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }

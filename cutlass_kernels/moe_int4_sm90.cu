@@ -34,9 +34,6 @@
 //   every buffer index and descriptor offset is a constant: ~98 instructions per stage in SASS, PIPE 6 ~130.
 // - PIPE 8: PIPE 7 with the weights through a shared-memory cp.async ring 8 stages deep instead of the 4-stage
 //   register ring (32- / 64-token tiles; 40 KB more shared memory per block).
-// - PIPE 19: PIPE 8 with its weight and scale copies marked L2::evict_first, so the streamed weights (read once) are
-//   what L2 gives up first, not the x rows that the expert's other column blocks read again (ncu, uniform T = 1024:
-//   PIPE 8's L2 hit rate 20-23%, and 6-9% more DRAM bytes than the weights, outputs and one read of x).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
 // below). Traced builds count each warp's cycles in the spans DDTREE_TRACE_STALLS selects
@@ -94,20 +91,6 @@ __device__ __forceinline__ const uint32_t* scale_word(const uint4* sp, int u) {
   return reinterpret_cast<const uint32_t*>(sp + (u / 8) * 32 + ((u / 4) & 1)) + (u & 3);
 }
 __device__ __forceinline__ uint32_t load_scale(const uint4* sp, int u) { return *scale_word(sp, u); }
-// PIPE 8 / 19: this thread's 16 weight bytes and its scale word of unit u into slot `slot` of the shared weight ring
-// (its own bytes of slot i at w_ring + i * 4096, its scale word at s_ring + i * 1024); EVICT_FIRST (PIPE 19): with
-// the L2 policy `policy` (ddtree::l2_evict_first_policy).
-template <bool EVICT_FIRST>
-__device__ __forceinline__ void ring_copy(uint32_t w_ring, uint32_t s_ring, int slot, const uint4* wp, const uint4* sp,
-                                          int u, uint64_t policy) {
-  if constexpr (EVICT_FIRST) {
-    ddtree::cp_async16_s_l2(w_ring + slot * (THREADS * 16), wp + u * 32, policy);
-    ddtree::cp_async4_s_l2(s_ring + slot * (THREADS * 4), scale_word(sp, u), policy);
-  } else {
-    ddtree::cp_async16_s(w_ring + slot * (THREADS * 16), wp + u * 32, true);
-    ddtree::cp_async4_s(s_ring + slot * (THREADS * 4), scale_word(sp, u));
-  }
-}
 
 // Dequantize one lane's 16 bytes (rows g, g + 8 of the warp's row block; columns 16t .. 16t + 15) into the
 // swizzled W tile: row R = 16 w + g (+ 8), 16-byte units 2t, 2t + 1 of the 128-byte row.
@@ -227,10 +210,9 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // A lane reads back only what it copied itself, so its own cp.async wait suffices (no barrier); it refills the
 // slot its dequantization has just read. The copies check their bound in every stage (a compare), so the steady
 // state ends as PIPE 7's.
-// EVICT_FIRST (PIPE 19): SMEM_W's copies marked L2::evict_first.
 // fill_t0: the traced build's start of the item's fill span (ddtree::kStallRaFill), ended at the first barrier.
 template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, bool SMEM_W = false,
-          bool EVICT_FIRST = false, class LoadX>
+          class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x,
                                                          long long fill_t0) {
@@ -238,7 +220,6 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
                 "ring sizes");
   static_assert(!SMEM_W || (SLOT && SPLIT && BUFFERS == moe90::W_RING && moe90::W_RING >= X_AHEAD + 1),
                 "PIPE 8: PIPE 7 with an 8-buffer x ring, the weights' wait covered by x's");
-  static_assert(!EVICT_FIRST || SMEM_W, "PIPE 19: PIPE 8's shared weight ring");
   using Op = typename ddtree::GmmaRsOp<TN>::type;
   constexpr int X_TILE = TN * 128, ACC = TN / 2;
   // the weights' lead in stages: the depth of the register ring or of the shared one
@@ -249,10 +230,10 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   // SMEM_W: this lane's 16 bytes of ring slot i at w_ring + i * 4096, its scale word at s_ring + i * 1024
   const uint32_t w_ring = smem_base + BUFFERS * X_TILE + 16 * threadIdx.x;
   const uint32_t s_ring = smem_base + BUFFERS * X_TILE + moe90::W_RING * moe90::THREADS * 16 + 4 * threadIdx.x;
-  const uint64_t policy = EVICT_FIRST ? ddtree::l2_evict_first_policy() : 0;
   auto load_stage = [&](int slot, int u) {   // SMEM_W: slot = u % W_RING
     if constexpr (SMEM_W) {
-      moe90::ring_copy<EVICT_FIRST>(w_ring, s_ring, slot, wp, sp, u, policy);
+      ddtree::cp_async16_s(w_ring + slot * (moe90::THREADS * 16), wp + u * 32, true);
+      ddtree::cp_async4_s(s_ring + slot * (moe90::THREADS * 4), moe90::scale_word(sp, u));
     } else {
       wr[slot] = moe90::load_w(wp, u);
       s0r[slot] = moe90::load_scale(sp, u);
@@ -375,12 +356,10 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGmmaGateUp : ddtree::kTraceMoeGmmaDown);
   using namespace moe90;
   static_assert(TN == 32 || TN == 64 || TN == 128 || TN == 256, "token tile");
-  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8) || PIPE == 19, "pipeline");
+  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8), "pipeline");
   static_assert(TN != 32 || PIPE >= 6, "32-token tiles: PIPE 6 / 7 / 8 only (PIPE 3's lost to its 64: PERF.md)");
   static_assert((PIPE != 3 && PIPE < 6) || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
-  static_assert((PIPE != 8 && PIPE != 19) || TN <= 64,
-                "PIPE 8 / 19: 32- / 64-token tiles (its weight ring beside the 8-buffer x ring)");
-  constexpr bool SMEM_W = PIPE == 8 || PIPE == 19;   // the weights through a shared cp.async ring
+  static_assert(PIPE != 8 || TN <= 64, "PIPE 8: 32- / 64-token tiles (its weight ring beside the 8-buffer x ring)");
   constexpr bool SLOT = PIPE >= 6;   // otherwise PIPE 3's pipeline
   constexpr bool SPLIT = PIPE >= 7;   // PIPE 7: PIPE 6 with the steady-state stages unchecked, an 8-buffer x ring
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
@@ -396,7 +375,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   constexpr int BUFFERS = SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
   // PIPE 8: x 5 stages ahead (the most its 8 buffers allow): a cp.async wait covers every older group, the
   // weights' too, so this distance, not the weight ring's depth, is how long any of its loads may take
-  constexpr int X_AHEAD = SMEM_W ? 5 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
+  constexpr int X_AHEAD = PIPE == 8 ? 5 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
@@ -460,7 +439,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         cute::warpgroup_fence_operand(acc[i]);
       }
       if constexpr (RA) {
-        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, SMEM_W, PIPE == 19>(
+        gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, PIPE == 8>(
             acc, wp, sp, t, units, smem_base, load_x, fill_t0);
       } else {
         // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages

@@ -410,20 +410,19 @@ GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks
               4: "warp-specialized (128/256-token tiles)", 5: "warp-specialized, N per token count",
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
               7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)",
-              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)",
-              19: "PIPE 8 with its weight copies marked L2::evict_first (32/64-token tiles)"}
+              8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)"}
 # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
 _WS_TEMPLATE = {4: "0", 5: "16"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
-GMMA_SLOT_PIPES = (6, 7, 8, 19)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
+GMMA_SLOT_PIPES = (6, 7, 8)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_PIPE = 8
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
-    """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 / 19 for 32/64,
-    the warp-specialized 4/5 for 128/256."""
-    return not ((pipe in (3, 6, 7) and tile > 128) or (pipe in (8, 19) and tile > 64)
+    """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 for 32/64, the
+    warp-specialized 4/5 for 128/256."""
+    return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64)
                 or (pipe in GMMA_WS_PIPES and tile < 128) or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
@@ -436,8 +435,8 @@ def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
-        buffers = 8 if pipe in (7, 8, 19) and tile <= 64 else 6 if pipe in GMMA_SLOT_PIPES else 4
-        weight_ring = 8 * 256 * (16 + 4) if pipe in (8, 19) else 0   # PIPE 8 / 19: 8 stages of 16 + 4 bytes a thread
+        buffers = 8 if pipe in (7, 8) and tile <= 64 else 6 if pipe in GMMA_SLOT_PIPES else 4
+        weight_ring = 8 * 256 * (16 + 4) if pipe == 8 else 0   # PIPE 8: 8 stages of 16 + 4 bytes per thread
         return 1024 + max(buffers * tile * 128 + weight_ring, staging)
     return 1024 + max((2 + pipe) * (128 * 128 + tile * 128), staging)
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens

@@ -606,12 +606,6 @@ def launch_plans(default_fused_combine: bool):
         ("tiers128wsn/17ra8-32", dict(gmma_tiers=[(128, 256, 5), (17, 32, 8)])),
         ("tiers128wsn/40ra8/17ra8-32", dict(gmma_tiers=[(128, 256, 5), (40, 64, 8), (17, 32, 8)])),
         ("tiers128wsn/24ra8", dict(gmma_tiers=[(128, 256, 5), (24, 64, 8)])),
-        # session 41: PIPE 19 (PIPE 8 with its weight copies L2::evict_first) in GMMA_AUTO's tiers and rows per T bucket
-        ("pipe19-32", dict(gmma_tiers=[(16, 32, 19)])),   # T = 25..31
-        ("pipe19", dict(gmma_tiers=[(16, 64, 19)])),   # T = 32..255
-        ("pipe19/rows32", dict(gmma_tiers=[(64, 256, 5), (16, 64, 19)], gmma_grid_rows=32)),   # T = 256..511
-        ("pipe19/rows64", dict(gmma_tiers=[(64, 256, 5), (33, 64, 19), (9, 32, 19)], gmma_grid_rows=64)),   # 512..767
-        ("pipe19/rows128", dict(gmma_tiers=[(64, 256, 5), (33, 64, 19), (9, 32, 19)], gmma_grid_rows=128)),   # 768..
         # gate_up with 16-token weight passes (NTMAX 2, WN 2): T = 9..24's default before session 38 (still 25..31's)
         ("gu-nt2", dict(gate_up="0, 2, 2, 1, 2, 3")),
         ("gu-nt4", dict(gate_up="0, 2, 4, 1, 4, 3")),
