@@ -268,12 +268,12 @@ def residency(traces: list[LaunchTrace]) -> str:
 
 def stalls(traces: list[LaunchTrace]) -> str:
     """For each launch whose kernel counts spans (trace_stall_begin / _end: moe_gmma_ws_kernel's waits,
-    moe_gmma_kernel's item fill and epilogue), one line: per warp of a block (by its index), the counted cycles summed
-    over the launch's blocks, as a share of its cycles summed the same way. Which spans count is the build's
-    DDTREE_TRACE_STALLS mask (device_common.cuh TraceStallSite; the ring waits unless set), printed in the line. Summed, not a median over blocks: most blocks of a hot grid find a
-    cold slot and leave at once (skewed T = 256: 10 of 32 block rows work), and their zeros made every median 0
-    (session 36). A producer warp that waits for free buffers is paced by its consumers; consumers that wait for
-    filled ones, by their producer."""
+    moe_gmma_kernel's item fill and epilogue), one line: per warp of a block (by its index), the counted cycles
+    summed over the launch's blocks, as a share of its cycles summed the same way. Which spans count is the build's
+    DDTREE_TRACE_STALLS mask (device_common.cuh TraceStallSite; the ring waits unless set), printed in the line.
+    Summed, not a median over blocks: most blocks of a hot grid find a cold slot and leave at once (skewed T = 256:
+    10 of 32 block rows work), and their zeros made every median 0 (session 36). A producer warp that waits for free
+    buffers is paced by its consumers; consumers that wait for filled ones, by their producer."""
     sites = f"DDTREE_TRACE_STALLS={TRACE_STALLS or 1}"
     lines = []
     for i, t in enumerate(traces):
