@@ -456,12 +456,14 @@ def _without_pdl(launch):
 
 def gmma_auto_tiers(tokens: int) -> tuple[tuple[int, int, int], ...]:
     """GMMA_AUTO's hot tiers (min tokens, tile, pipeline) for a T bucket, most tokens first."""
-    return next(GMMA_AUTO[bound] for bound in sorted(GMMA_AUTO) if tokens <= bound)
+    from .cuda.graph import bucket_for
+    return GMMA_AUTO[bucket_for(tokens, GMMA_AUTO)]
 
 
 def gmma_auto_grid_rows(tokens: int) -> int | None:
     """GMMA_AUTO_GRID_ROWS for a T bucket: the block-row cap of the default plan's moe_gmma_kernel tiers."""
-    return next(GMMA_AUTO_GRID_ROWS[bound] for bound in sorted(GMMA_AUTO_GRID_ROWS) if tokens <= bound)
+    from .cuda.graph import bucket_for
+    return GMMA_AUTO_GRID_ROWS[bucket_for(tokens, GMMA_AUTO_GRID_ROWS)]
 
 
 # Preferred over DEFAULT_VARIANTS' gate_up where hidden splits into its activation pieces (T bounds as there): the
@@ -492,7 +494,8 @@ def variant_fits(entry: str, k: int) -> bool:
 def default_variants(tokens: int, hidden: int | None = None) -> tuple[str, str]:
     """(gate_up, down) entries for T tokens: DEFAULT_VARIANTS, with GATE_UP_PIECES' gate_up (None: none for that T
     bucket) where hidden (gate_up's K) splits into its pieces (hidden None: DEFAULT_VARIANTS alone)."""
-    gate_up, down = next(DEFAULT_VARIANTS[b] for b in sorted(DEFAULT_VARIANTS) if tokens <= b)
+    from .cuda.graph import bucket_for
+    gate_up, down = DEFAULT_VARIANTS[bucket_for(tokens, DEFAULT_VARIANTS)]
     if hidden is not None and tokens >= GATE_UP_PIECES_MIN_TOKENS:
         pieces = next((GATE_UP_PIECES[b] for b in sorted(GATE_UP_PIECES) if tokens <= b), None)
         if pieces is not None and variant_fits(pieces, hidden):
