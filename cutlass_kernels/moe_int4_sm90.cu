@@ -34,6 +34,10 @@
 //   every buffer index and descriptor offset is a constant: ~98 instructions per stage in SASS, PIPE 6 ~130.
 // - PIPE 8: PIPE 7 with the weights through a shared-memory cp.async ring 8 stages deep instead of the 4-stage
 //   register ring (32- / 64-token tiles; 40 KB more shared memory per block).
+// - PIPE 20: PIPE 8 at 128- / 256-token tiles (two blocks / one block per SM) for the experts that make the layer
+//   compute-bound: x 2 stages ahead in 4 buffers, and the wgmma N cut to the chunk's tokens rounded up to 32 (one
+//   main loop per N). The register-A wgmma reads only x from shared memory, where the warp-specialized PIPE 5
+//   also stores and re-reads the dequantized weights there.
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
 // below). Traced builds count each warp's cycles in the spans DDTREE_TRACE_STALLS selects
@@ -71,6 +75,10 @@ enum WsProbe : int {
 constexpr int THREADS = 256;
 constexpr int W_RING = 8;   // PIPE 8's shared weight ring: stages (16 + 4 bytes per thread each)
 constexpr int W_TILE = 128 * 128;   // 128 rows x 64 k bf16
+// moe_gmma_kernel's blocks per SM (its launch bound): PIPE 3 / 6 / 7 / 8 and PIPE 20's 128-token tiles share an SM
+__host__ __device__ constexpr int gmma_blocks_per_sm(int pipe, int tn) {
+  return pipe == 3 || (pipe >= 6 && !(pipe == 20 && tn == 256)) ? 2 : 1;
+}
 
 
 using ddtree::cp_async16_s;
@@ -158,6 +166,20 @@ __device__ __forceinline__ void slot_frag(const uint4& w, uint32_t sw, uint32_t 
     dequant_slot(w, sw, a);
   }
 }
+// f(integral_constant<int, STEP n>) for n = 1 .. MAXN / STEP (a switch unrolled at compile time): a wgmma N that
+// must be a constant, chosen per token chunk.
+template <int STEP, int MAXN, int N = STEP, class F>
+__device__ __forceinline__ void dispatch_n(int n, F&& f) {
+  if constexpr (N < MAXN) {
+    if (n * STEP <= N) {
+      f(cuda::std::integral_constant<int, N>{});
+      return;
+    }
+    dispatch_n<STEP, MAXN, N + STEP>(n, f);
+  } else {
+    f(cuda::std::integral_constant<int, MAXN>{});
+  }
+}
 
 // PIPE 2: the lane's 16 bytes dequantized straight into wgmma A fragments (m64k16, the mma.sync m16n8k16 A
 // layout per warp). Lane t of a quad holds columns 16t .. 16t + 15 of the unit, i.e. all of k16 step t for rows
@@ -210,18 +232,20 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // A lane reads back only what it copied itself, so its own cp.async wait suffices (no barrier); it refills the
 // slot its dequantization has just read. The copies check their bound in every stage (a compare), so the steady
 // state ends as PIPE 7's.
+// N: the wgmma's token columns (PIPE 20: the chunk's tokens rounded up, at most TN; the x buffers stay TN rows).
 // fill_t0: the traced build's start of the item's fill span (ddtree::kStallRaFill), ended at the first barrier.
 template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, bool SMEM_W = false,
-          class LoadX>
+          int N = TN, class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x,
                                                          long long fill_t0) {
   static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
                 "ring sizes");
-  static_assert(!SMEM_W || (SLOT && SPLIT && BUFFERS == moe90::W_RING && moe90::W_RING >= X_AHEAD + 1),
-                "PIPE 8: PIPE 7 with an 8-buffer x ring, the weights' wait covered by x's");
-  using Op = typename ddtree::GmmaRsOp<TN>::type;
-  constexpr int X_TILE = TN * 128, ACC = TN / 2;
+  static_assert(!SMEM_W || (SLOT && SPLIT && moe90::W_RING % BUFFERS == 0 && moe90::W_RING >= X_AHEAD + 1),
+                "PIPE 8 / 20: PIPE 7 with an x ring of 8 / 4 buffers, the weights' wait covered by x's");
+  static_assert(N % 32 == 0 && N <= TN, "wgmma N: whole 32-row groups of the x tile");
+  using Op = typename ddtree::GmmaRsOp<N>::type;
+  constexpr int X_TILE = TN * 128, ACC = N / 2;
   // the weights' lead in stages: the depth of the register ring or of the shared one
   constexpr int LEAD = SMEM_W ? moe90::W_RING : W_AHEAD;
   uint4 wr[SMEM_W ? 1 : W_AHEAD];
@@ -277,7 +301,8 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   ddtree::trace_stall_end<ddtree::kStallRaFill>(fill_t0);
   // W_AHEAD stages, unrolled (ring slot, A set and barrier placement are constants). CHECKED: the bound checks
   // of the last groups; without them (SPLIT, the steady state) every check below holds by the loop's bound.
-  auto stage_group = [&](int u0, auto checked, int phase) {   // phase: u0 % BUFFERS when a constant, else -1
+  // phase: u0 % PERIOD when a constant, else -1 (PERIOD: the x ring, or SMEM_W the weight ring, a multiple of it)
+  auto stage_group = [&](int u0, auto checked, int phase) {
     constexpr bool CHECKED = decltype(checked)::value;
 #pragma unroll
     for (int d = 0; d < W_AHEAD; ++d) {
@@ -322,14 +347,15 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   int u0 = 0;
   if constexpr (SPLIT) {
     // Groups whose last stage u0 + W_AHEAD - 1 passes every check (u + 1 + W_AHEAD < units (SMEM_W: u + 1 <
-    // units; its copies check themselves), u + X_AHEAD < units), BUFFERS / W_AHEAD of them per iteration so that
-    // every buffer index is a constant once unrolled.
-    constexpr int G = BUFFERS % W_AHEAD == 0 ? BUFFERS / W_AHEAD : 1;
+    // units; its copies check themselves), u + X_AHEAD < units), PERIOD / W_AHEAD of them per iteration so that
+    // every buffer and ring index is a constant once unrolled.
+    constexpr int PERIOD = SMEM_W ? moe90::W_RING : BUFFERS;
+    constexpr int G = PERIOD % W_AHEAD == 0 ? PERIOD / W_AHEAD : 1;
     for (; u0 + G * W_AHEAD + (SMEM_W ? 0 : W_AHEAD) < units && u0 + G * W_AHEAD - 1 + X_AHEAD < units;
          u0 += G * W_AHEAD) {
 #pragma unroll
       for (int i = 0; i < G; ++i)
-        stage_group(u0 + i * W_AHEAD, cuda::std::false_type{}, G * W_AHEAD == BUFFERS ? i * W_AHEAD : -1);
+        stage_group(u0 + i * W_AHEAD, cuda::std::false_type{}, G * W_AHEAD == PERIOD ? i * W_AHEAD : -1);
     }
   }
   for (; u0 < units; u0 += W_AHEAD) stage_group(u0, cuda::std::true_type{}, -1);
@@ -343,10 +369,10 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 // Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + the larger of
 // the stage buffers ((2 + PIPE) * (16384 + TN * 128) for PIPE 0 / 1, 4 * TN * 128 for PIPE 2 / 3, 6 * TN * 128
 // for PIPE 6 and PIPE 7 at 128-token tiles, 8 * TN * 128 for PIPE 7 at 32 / 64, that + 8 * 256 * 20 (the
-// weight ring) for PIPE 8) and the epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416
+// weight ring) for PIPE 8, 4 * TN * 128 + the weight ring for PIPE 20) and the epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416
 // bytes; MODE 1 TN * 272) (moe_gmma_smem_bytes in kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
-__global__ void __launch_bounds__(moe90::THREADS, PIPE == 3 || PIPE >= 6 ? 2 : 1)
+__global__ void __launch_bounds__(moe90::THREADS, moe90::gmma_blocks_per_sm(PIPE, TN))
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                 const uint4* __restrict__ wq1, const uint4* __restrict__ ws1, int n_rows, int k,
                 const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
@@ -356,10 +382,11 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGmmaGateUp : ddtree::kTraceMoeGmmaDown);
   using namespace moe90;
   static_assert(TN == 32 || TN == 64 || TN == 128 || TN == 256, "token tile");
-  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8), "pipeline");
+  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8) || PIPE == 20, "pipeline");
   static_assert(TN != 32 || PIPE >= 6, "32-token tiles: PIPE 6 / 7 / 8 only (PIPE 3's lost to its 64: PERF.md)");
-  static_assert((PIPE != 3 && PIPE < 6) || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
+  static_assert(gmma_blocks_per_sm(PIPE, TN) == 1 || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
   static_assert(PIPE != 8 || TN <= 64, "PIPE 8: 32- / 64-token tiles (its weight ring beside the 8-buffer x ring)");
+  static_assert(PIPE != 20 || TN >= 128, "PIPE 20: 128- / 256-token tiles");
   constexpr bool SLOT = PIPE >= 6;   // otherwise PIPE 3's pipeline
   constexpr bool SPLIT = PIPE >= 7;   // PIPE 7: PIPE 6 with the steady-state stages unchecked, an 8-buffer x ring
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
@@ -368,14 +395,17 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   // register A (PIPE 3: the same with two blocks per SM, 4 stages ahead; PIPE 6: PIPE 3 in slot order)
   constexpr bool RA = PIPE >= 2;
   constexpr int P = SLOT ? 3 : PIPE;
-  constexpr int W_AHEAD = P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
-  // PIPE 6: x 3 stages ahead in 6 buffers, a barrier every second stage (PAIR; gmma_register_a_mainloop)
-  constexpr int PAIR = SLOT ? 2 : 1;
+  // (PIPE 20: the stages per unrolled group; its weights are W_RING ahead)
+  constexpr int W_AHEAD = P == 0 ? 1 : P == 3 && TN == 128 && PIPE != 20 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
+  // PIPE 6: x 3 stages ahead in 6 buffers, a barrier every second stage (PAIR; gmma_register_a_mainloop);
+  // PIPE 20: 2 ahead in 4 (what shared memory holds beside the weight ring at 128- / 256-token tiles), a barrier
+  // every stage
+  constexpr int PAIR = PIPE == 20 ? 1 : SLOT ? 2 : 1;
   // (PIPE 7: 8 buffers up to 64-token tiles, so the buffer index is a mask)
-  constexpr int BUFFERS = SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
+  constexpr int BUFFERS = PIPE == 20 ? 4 : SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
   // PIPE 8: x 5 stages ahead (the most its 8 buffers allow): a cp.async wait covers every older group, the
   // weights' too, so this distance, not the weight ring's depth, is how long any of its loads may take
-  constexpr int X_AHEAD = PIPE == 8 ? 5 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
+  constexpr int X_AHEAD = PIPE == 8 ? 5 : PIPE == 20 ? 2 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
@@ -425,20 +455,31 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
       // Row i's unit c lands at i * 128 + ((c ^ (i % 8)) << 4); i % 8 is the same for every j, so the offset is
       // one register plus the constant 4096 j (the compiler did not see that and swizzled per j, every stage).
       const uint32_t x_off = (tid / 8) * 128 + (((tid & 7) ^ ((tid / 8) & 7)) << 4);
-      auto load_x = [&](uint32_t tile, int u) {
+      // the chunk's first n_rows rows (a constant, a multiple of 32: PIPE 20's wgmma N) of stage u's x
+      auto load_x_rows = [&](uint32_t tile, int u, auto n_rows) {
         if constexpr (!RA || (DDTREE_WS_PROBE & kProbeRaNoX) == 0) {
 #pragma unroll
-          for (int j = 0; j < TN / 32; ++j)
+          for (int j = 0; j < decltype(n_rows)::value / 32; ++j)
             cp_async16_s(tile + x_off + 4096 * j, xrow[j] + u * 64, c0 + tid / 8 + 32 * j < count);
         }
       };
+      auto load_x = [&](uint32_t tile, int u) { load_x_rows(tile, u, cuda::std::integral_constant<int, TN>{}); };
       float acc[ACC];
 #pragma unroll
       for (int i = 0; i < ACC; ++i) {
         acc[i] = 0.f;
         cute::warpgroup_fence_operand(acc[i]);
       }
-      if constexpr (RA) {
+      if constexpr (PIPE == 20) {
+        // the wgmma N (and the x rows loaded): the chunk's tokens rounded up to 32, so an expert's last chunk
+        // of 72 tokens costs 96 token columns, not TN
+        dispatch_n<32, TN>((min(TN, count - c0) + 31) / 32, [&](auto n_cols) {
+          constexpr int N = decltype(n_cols)::value;
+          gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, true, N>(
+              acc, wp, sp, t, units, smem_base,
+              [&](uint32_t tile, int u) { load_x_rows(tile, u, n_cols); }, fill_t0);
+        });
+      } else if constexpr (RA) {
         gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, PIPE == 8>(
             acc, wp, sp, t, units, smem_base, load_x, fill_t0);
       } else {
@@ -577,19 +618,6 @@ static_assert(128 * WS_PRODUCER_REGS + 256 * WS_CONSUMER_REGS <= WS_THREADS * 16
 using ddtree::mbar_arrive;
 using ddtree::mbar_init;
 using ddtree::mbar_wait;
-// f(integral_constant<int, 16 n16>) for n16 = 1 .. MAXN / 16 (a switch unrolled at compile time).
-template <int MAXN, int N = 16, class F>
-__device__ __forceinline__ void dispatch_n16(int n16, F&& f) {
-  if constexpr (N < MAXN) {
-    if (n16 * 16 <= N) {
-      f(cuda::std::integral_constant<int, N>{});
-      return;
-    }
-    dispatch_n16<MAXN, N + 16>(n16, f);
-  } else {
-    f(cuda::std::integral_constant<int, MAXN>{});
-  }
-}
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -604,7 +632,7 @@ __device__ __forceinline__ void ring_wait(uint32_t bar, uint32_t parity) {
 // Grid as moe_gmma_kernel; block 384; dynamic smem moe_gmma_smem_bytes (runtime/kimi_kernels.py) = 1024 +
 // WS_STAGES * 16384 (W) + 2 * WS_XBUF * (TN / 2) * 128 (x) + 2 * WS_STAGES * 8 (barriers).
 // NSTEP 0: every wgmma is N = TN / 2 (a half's padding tokens computed too); NSTEP 16: N is the half's token
-// count rounded up to 16 (one stage loop per N, dispatch_n16), so a 133-token expert in a 256-token tile costs
+// count rounded up to 16 (one stage loop per N, dispatch_n), so a 133-token expert in a 256-token tile costs
 // 128 + 16 token columns, not 256.
 template <int MODE, int TN, int NSTEP>
 __global__ void __launch_bounds__(moe90::WS_THREADS, 1)
@@ -794,7 +822,7 @@ moe_gmma_ws_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restr
     if constexpr (NSTEP == 0) {
       stage_loop(cuda::std::integral_constant<int, HN>{});
     } else {
-      dispatch_n16<HN>((valid + 15) / 16, stage_loop);
+      dispatch_n<16, HN>((valid + 15) / 16, stage_loop);
     }
     if (lane == 0) mbar_arrive(bars + 8 * (WS_STAGES + (gs - 1) % WS_STAGES));
     ddtree::cp_async_wait<0>();

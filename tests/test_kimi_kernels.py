@@ -534,7 +534,8 @@ def test_moe_layer_largest_bucket(cuda_device, gmma):
                                     (True, 2, False), (False, 3, False), (False, 3, True), (True, 2, True),
                                     (False, 4, False), (True, 4, False), (False, 4, True), (False, 5, False),
                                     (True, 5, True), (False, 6, False), (True, 6, True), (False, 7, False),
-                                    (True, 7, True), (False, 8, False), (True, 8, True)]
+                                    (True, 7, True), (False, 8, False), (True, 8, True), (False, 20, False),
+                                    (True, 20, True)]
     if _pipe_takes_tile(pipe, tile)])
 def test_moe_layer_gmma_hot_experts(cuda_device, T, E, min_tokens, tile, parallel, pipe, overlap):
     """Experts with >= min_tokens tokens on the wgmma kernel (several token chunks of `tile` at T = 200 / 64,
@@ -577,9 +578,9 @@ def test_moe_layer_default_hot_tiers_from_256(cuda_device, T, E):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipe,tile", [(7, 32), (7, 64), (7, 128), (8, 32), (8, 64)])
+@pytest.mark.parametrize("pipe,tile", [(7, 32), (7, 64), (7, 128), (8, 32), (8, 64), (20, 128), (20, 256)])
 def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
-    """PIPE 7 / 8 at K = 2048 / 1024 (32 / 16 units): both GEMMs run unchecked steady-state stage groups before
+    """PIPE 7 / 8 / 20 at K = 2048 / 1024 (32 / 16 units): both GEMMs run unchecked steady-state stage groups before
     the checked tail (at the other tests' K = 512 down has no steady group), every expert hot: the layer vs the
     float32 reference, twice."""
     from runtime import cuda
@@ -599,7 +600,9 @@ def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
     (300, 16, [(64, 256, 5), (17, 32, 8)], False, True),
     (300, 16, [(128, 256, 5), (40, 64, 8), (17, 32, 8)], False, True),
     (600, 64, [(64, 256, 5), (33, 64, 8), (9, 32, 8)], False, True),
-    (300, 16, [(64, 256, 5), (17, 32, 8)], True, True)])
+    (300, 16, [(64, 256, 5), (17, 32, 8)], True, True),
+    (600, 64, [(64, 256, 20), (33, 64, 8), (9, 32, 8)], False, True),
+    (300, 16, [(64, 128, 20), (17, 32, 8)], True, True)])
 @pytest.mark.parametrize("grid_rows", [None, 3])
 def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_rows):
     """Hot slots split between pipelines by token count (each slot in the tier with the largest minimum it
@@ -610,6 +613,21 @@ def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
     _check_moe(T, E, 1024, 512, None, topk=4, gmma_tiers=tiers, runs=2, gmma_parallel_chunks=parallel,
                gmma_overlap=overlap, gmma_grid_rows=grid_rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile,parallel", [(256, False), (256, True), (128, False)])
+def test_moe_layer_gmma_pipe20_chunk_widths(cuda_device, tile, parallel):
+    """PIPE 20 cuts each chunk's wgmma N to its tokens rounded up to 32: skewed routing at T = 1000 (16 experts, top-4,
+    ~60..600 tokens each) gives last chunks of many widths. Every expert on PIPE 20 against the float32 reference,
+    and bit for bit against PIPE 8's 64-token tiles (the same products summed in the same order)."""
+    from runtime import cuda
+    if cuda.get_device().arch != "90a":
+        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
+    y20 = _check_moe(1000, 16, 1024, 512, None, topk=4, skew=True, gmma_tiers=[(1, tile, 20)],
+                     gmma_parallel_chunks=parallel)
+    y8 = _check_moe(1000, 16, 1024, 512, None, topk=4, skew=True, gmma_tiers=[(1, 64, 8)])
+    np.testing.assert_array_equal(y20, y8, err_msg="PIPE 20 differs from PIPE 8")
 
 
 @pytest.mark.gpu
@@ -641,10 +659,15 @@ def _moe_case(rng, T, E, hidden, inter, shared):
     return dense, w, x, logits, bias, sh, sh_dev
 
 
-def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **layer_options):
+def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, skew=False, **layer_options):
+    """The layer vs the float32 reference on fresh random data, outputs NaN-poisoned before each of `runs` forwards,
+    every run the same bits; returns the output. skew: Zipf-like expert popularity added to the logits (experts
+    from a few tokens to several hundred)."""
     from runtime.kimi_kernels import MoeLayer
     rng = np.random.default_rng(T * 1000 + E + hidden)
     dense, w, x, logits, bias, sh, sh_dev = _moe_case(rng, T, E, hidden, inter, shared)
+    if skew:
+        logits += -np.log1p(np.arange(E, dtype=np.float32))[rng.permutation(E)][None, :]
     layer = MoeLayer(w, T, bias, topk=topk, shared=sh_dev, variants=variants, **layer_options)
     layer.x.upload(to_bf16(x))
     layer.logits.upload(logits)
@@ -659,6 +682,7 @@ def _check_moe(T, E, hidden, inter, variants, topk, shared=False, runs=1, **laye
         assert_close(outs[-1], want, f"MoE T={T} E={E} {layer.variants} {layer_options} run {run}", dtype="bf16",
                      rtol=RTOL, atol=RTOL, scale="mean", slack=slack)
         np.testing.assert_array_equal(outs[-1], outs[0], err_msg=f"run {run} differs from run 0")
+    return outs[0]
 
 
 @pytest.mark.gpu
