@@ -35,8 +35,8 @@
 // - PIPE 8: PIPE 7 with the weights through a shared-memory cp.async ring 8 stages deep instead of the 4-stage
 //   register ring (32- / 64-token tiles; 40 KB more shared memory per block).
 // - PIPE 20: PIPE 8 at 128- / 256-token tiles (two blocks / one block per SM) for the experts that make the layer
-//   compute-bound: x 2 stages ahead in 4 buffers, and the wgmma N cut to the chunk's tokens rounded up to 32 (one
-//   main loop per N). The register-A wgmma reads only x from shared memory, where the warp-specialized PIPE 5
+//   compute-bound: x 4 stages ahead in 6 buffers and a 6-stage weight ring at 256 (2 ahead in 4, 8-stage ring at
+//   128), and the wgmma N cut to the chunk's tokens rounded up to 32 (one main loop per N). The register-A wgmma reads only x from shared memory, where the warp-specialized PIPE 5
 //   also stores and re-reads the dequantized weights there.
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
@@ -224,36 +224,36 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 // in flight). Buffer reuse: x of stage u + X_AHEAD goes into the buffer stage u + X_AHEAD - BUFFERS read, which
 // every warpgroup retired (wait<1> of stage u - 1 - PAIR at the latest) before the last barrier, PAIR - 1
 // stages before u at most: BUFFERS >= X_AHEAD + 1 + PAIR. (Units come in multiples of 8: k % 512 == 0.)
-// SMEM_W (PIPE 8): the packed weights and scale words go through a shared-memory ring of W_RING stages instead of
-// registers, each lane's own 16 + 4 bytes per stage by cp.async in the stage's x group, loaded W_RING stages ahead
+// SMEM_W (PIPE 8 / 20): the packed weights and scale words go through a shared-memory ring of WR stages instead of
+// registers, each lane's own 16 + 4 bytes per stage by cp.async in the stage's x group, loaded WR stages ahead
 // (twice PIPE 7's register ring, which left the weights arriving late: PERF.md session 12). How long a copy may
 // take is set by x's distance X_AHEAD, since each cp.async wait also covers every older group; the ring only has
-// to reach past it (W_RING >= X_AHEAD + 1: the wait that lands x of a stage has landed the next stage's weights).
+// to reach past it (WR >= X_AHEAD + 1: the wait that lands x of a stage has landed the next stage's weights).
 // A lane reads back only what it copied itself, so its own cp.async wait suffices (no barrier); it refills the
 // slot its dequantization has just read. The copies check their bound in every stage (a compare), so the steady
 // state ends as PIPE 7's.
 // N: the wgmma's token columns (PIPE 20: the chunk's tokens rounded up, at most TN; the x buffers stay TN rows).
 // fill_t0: the traced build's start of the item's fill span (ddtree::kStallRaFill), ended at the first barrier.
 template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, bool SMEM_W = false,
-          int N = TN, class LoadX>
+          int N = TN, int WR = moe90::W_RING, class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x,
                                                          long long fill_t0) {
   static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
                 "ring sizes");
-  static_assert(!SMEM_W || (SLOT && SPLIT && moe90::W_RING % BUFFERS == 0 && moe90::W_RING >= X_AHEAD + 1),
+  static_assert(!SMEM_W || (SLOT && SPLIT && WR % BUFFERS == 0 && WR >= X_AHEAD + 1),
                 "PIPE 8 / 20: PIPE 7 with an x ring of 8 / 4 buffers, the weights' wait covered by x's");
   static_assert(N % 32 == 0 && N <= TN, "wgmma N: whole 32-row groups of the x tile");
   using Op = typename ddtree::GmmaRsOp<N>::type;
   constexpr int X_TILE = TN * 128, ACC = N / 2;
   // the weights' lead in stages: the depth of the register ring or of the shared one
-  constexpr int LEAD = SMEM_W ? moe90::W_RING : W_AHEAD;
+  constexpr int LEAD = SMEM_W ? WR : W_AHEAD;
   uint4 wr[SMEM_W ? 1 : W_AHEAD];
   // scale words of the unit's column groups 0 and 1 (SLOT: s0r is the lane's own group, s1r unused)
   uint32_t s0r[SMEM_W ? 1 : W_AHEAD], s1r[SMEM_W ? 1 : W_AHEAD];
   // SMEM_W: this lane's 16 bytes of ring slot i at w_ring + i * 4096, its scale word at s_ring + i * 1024
   const uint32_t w_ring = smem_base + BUFFERS * X_TILE + 16 * threadIdx.x;
-  const uint32_t s_ring = smem_base + BUFFERS * X_TILE + moe90::W_RING * moe90::THREADS * 16 + 4 * threadIdx.x;
+  const uint32_t s_ring = smem_base + BUFFERS * X_TILE + WR * moe90::THREADS * 16 + 4 * threadIdx.x;
   auto load_stage = [&](int slot, int u) {   // SMEM_W: slot = u % W_RING
     if constexpr (SMEM_W) {
       ddtree::cp_async16_s(w_ring + slot * (moe90::THREADS * 16), wp + u * 32, true);
@@ -328,7 +328,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       if (!CHECKED || u + 1 < units) {
         if constexpr (SMEM_W) {
           // stage u + 1 from its slot, then stage u + 1 + LEAD into the same slot
-          const int slot = phase >= 0 ? (phase + d + 1) % moe90::W_RING : (u + 1) % moe90::W_RING;
+          const int slot = phase >= 0 ? (phase + d + 1) % WR : (u + 1) % WR;
           dequant(slot, a_frag[(d + 1) & 1]);
           if (u + 1 + LEAD < units) load_stage(slot, u + 1 + LEAD);
         } else {
@@ -349,7 +349,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
     // Groups whose last stage u0 + W_AHEAD - 1 passes every check (u + 1 + W_AHEAD < units (SMEM_W: u + 1 <
     // units; its copies check themselves), u + X_AHEAD < units), PERIOD / W_AHEAD of them per iteration so that
     // every buffer and ring index is a constant once unrolled.
-    constexpr int PERIOD = SMEM_W ? moe90::W_RING : BUFFERS;
+    constexpr int PERIOD = SMEM_W ? WR : BUFFERS;
     constexpr int G = PERIOD % W_AHEAD == 0 ? PERIOD / W_AHEAD : 1;
     for (; u0 + G * W_AHEAD + (SMEM_W ? 0 : W_AHEAD) < units && u0 + G * W_AHEAD - 1 + X_AHEAD < units;
          u0 += G * W_AHEAD) {
@@ -369,7 +369,8 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 // Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + the larger of
 // the stage buffers ((2 + PIPE) * (16384 + TN * 128) for PIPE 0 / 1, 4 * TN * 128 for PIPE 2 / 3, 6 * TN * 128
 // for PIPE 6 and PIPE 7 at 128-token tiles, 8 * TN * 128 for PIPE 7 at 32 / 64, that + 8 * 256 * 20 (the
-// weight ring) for PIPE 8, 4 * TN * 128 + the weight ring for PIPE 20) and the epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416
+// weight ring) for PIPE 8, 6 * TN * 128 + 6 * 256 * 20 for PIPE 20 at TN 256 (4 * TN * 128 + the 8-stage ring at
+// 128)) and the epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416
 // bytes; MODE 1 TN * 272) (moe_gmma_smem_bytes in kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
 __global__ void __launch_bounds__(moe90::THREADS, moe90::gmma_blocks_per_sm(PIPE, TN))
@@ -395,17 +396,20 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   // register A (PIPE 3: the same with two blocks per SM, 4 stages ahead; PIPE 6: PIPE 3 in slot order)
   constexpr bool RA = PIPE >= 2;
   constexpr int P = SLOT ? 3 : PIPE;
-  // (PIPE 20: the stages per unrolled group; its weights are W_RING ahead)
-  constexpr int W_AHEAD = P == 0 ? 1 : P == 3 && TN == 128 && PIPE != 20 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
+  // (PIPE 20: the stages per unrolled group; its weights are W_RING_20 ahead)
+  constexpr int W_AHEAD = PIPE == 20 ? (TN == 256 ? 2 : 4)
+                          : P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
   // PIPE 6: x 3 stages ahead in 6 buffers, a barrier every second stage (PAIR; gmma_register_a_mainloop);
-  // PIPE 20: 2 ahead in 4 (what shared memory holds beside the weight ring at 128- / 256-token tiles), a barrier
-  // every stage
+  // PIPE 20 (a barrier every stage): 256-token tiles 4 ahead in 6 buffers beside a 6-stage weight ring (223 KB),
+  // 128-token tiles (two blocks per SM) 2 ahead in 4 beside the 8-stage ring
   constexpr int PAIR = PIPE == 20 ? 1 : SLOT ? 2 : 1;
   // (PIPE 7: 8 buffers up to 64-token tiles, so the buffer index is a mask)
-  constexpr int BUFFERS = PIPE == 20 ? 4 : SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
+  constexpr int BUFFERS = PIPE == 20 ? (TN == 256 ? 6 : 4) : SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
   // PIPE 8: x 5 stages ahead (the most its 8 buffers allow): a cp.async wait covers every older group, the
-  // weights' too, so this distance, not the weight ring's depth, is how long any of its loads may take
-  constexpr int X_AHEAD = PIPE == 8 ? 5 : PIPE == 20 ? 2 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
+  // weights' too, so this distance less PAIR, not the weight ring's depth, is how many stages any of its loads
+  // have to land (PIPE 20 at 2 ahead left them one stage: PERF.md session 42)
+  constexpr int X_AHEAD = PIPE == 8 ? 5 : PIPE == 20 ? (TN == 256 ? 4 : 2) : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
+  constexpr int W_RING_20 = TN == 256 ? 6 : W_RING;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
@@ -475,7 +479,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         // of 72 tokens costs 96 token columns, not TN
         dispatch_n<32, TN>((min(TN, count - c0) + 31) / 32, [&](auto n_cols) {
           constexpr int N = decltype(n_cols)::value;
-          gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, true, N>(
+          gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, true, N, W_RING_20>(
               acc, wp, sp, t, units, smem_base,
               [&](uint32_t tile, int u) { load_x_rows(tile, u, n_cols); }, fill_t0);
         });

@@ -411,8 +411,8 @@ GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
               7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)",
               8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)",
-              20: "PIPE 8 at 128/256-token tiles (2 / 1 blocks per SM), x 2 stages ahead in 4 buffers, the wgmma N "
-                  "cut to each chunk's tokens (rounded up to 32)"}
+              20: "PIPE 8 at 128/256-token tiles (2 / 1 blocks per SM), x 2 / 4 stages ahead in 4 / 6 buffers, the "
+                  "wgmma N cut to each chunk's tokens (rounded up to 32)"}
 # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
 _WS_TEMPLATE = {4: "0", 5: "16"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
@@ -431,14 +431,15 @@ def _pipe_takes_tile(pipe: int, tile: int) -> bool:
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6 (and 7
-    at 128-token tiles), 8 for PIPE 7 at 32 / 64, those and PIPE 8's weight ring for PIPE 8, 4 and the weight ring
-    for PIPE 20; PIPE 4 / 5 below), or the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
+    at 128-token tiles), 8 for PIPE 7 at 32 / 64, those and PIPE 8's weight ring for PIPE 8, 6 and a 6-stage ring
+    for PIPE 20 at 256-token tiles, 4 and the 8-stage ring at 128; PIPE 4 / 5 below), or the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
     if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
-        buffers = 8 if pipe in (7, 8) and tile <= 64 else 6 if pipe in (6, 7) else 4
-        weight_ring = 8 * 256 * (16 + 4) if pipe in (8, 20) else 0   # 8 stages of 16 + 4 bytes per thread
+        buffers = 8 if pipe in (7, 8) and tile <= 64 else 6 if pipe in (6, 7) or (pipe, tile) == (20, 256) else 4
+        ring = 6 if (pipe, tile) == (20, 256) else 8   # PIPE 8 / 20's weight ring: stages of 16 + 4 bytes per thread
+        weight_ring = ring * 256 * (16 + 4) if pipe in (8, 20) else 0
         return 1024 + max(buffers * tile * 128 + weight_ring, staging)
     return 1024 + max((2 + pipe) * (128 * 128 + tile * 128), staging)
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens
