@@ -34,9 +34,9 @@
 //   every buffer index and descriptor offset is a constant: ~98 instructions per stage in SASS, PIPE 6 ~130.
 // - PIPE 8: PIPE 7 with the weights through a shared-memory cp.async ring 8 stages deep instead of the 4-stage
 //   register ring (32- / 64-token tiles; 40 KB more shared memory per block).
-// - PIPE 20: PIPE 8 at 128- / 256-token tiles (two blocks / one block per SM) for the experts that make the layer
-//   compute-bound: x 4 stages ahead in 6 buffers and a 6-stage weight ring at 256 (2 ahead in 4, 8-stage ring at
-//   128), and the wgmma N cut to the chunk's tokens rounded up to 32 (one main loop per N). The register-A wgmma reads only x from shared memory, where the warp-specialized PIPE 5
+// - PIPE 20: PIPE 8 at 256-token tiles (one block per SM) for the experts that make the layer compute-bound: x 4
+//   stages ahead in 6 buffers, a 6-stage weight ring, and the wgmma N cut to the chunk's tokens rounded up to 32
+//   (one main loop per N). The register-A wgmma reads only x from shared memory, where the warp-specialized PIPE 5
 //   also stores and re-reads the dequantized weights there.
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
@@ -75,10 +75,9 @@ enum WsProbe : int {
 constexpr int THREADS = 256;
 constexpr int W_RING = 8;   // PIPE 8's shared weight ring: stages (16 + 4 bytes per thread each)
 constexpr int W_TILE = 128 * 128;   // 128 rows x 64 k bf16
-// moe_gmma_kernel's blocks per SM (its launch bound): PIPE 3 / 6 / 7 / 8 and PIPE 20's 128-token tiles share an SM
-__host__ __device__ constexpr int gmma_blocks_per_sm(int pipe, int tn) {
-  return pipe == 3 || (pipe >= 6 && !(pipe == 20 && tn == 256)) ? 2 : 1;
-}
+// moe_gmma_kernel's blocks per SM (its launch bound): two for PIPE 3 / 6 / 7 / 8, one for the others (PIPE 20 fills
+// an SM's registers and shared memory)
+__host__ __device__ constexpr int gmma_blocks_per_sm(int pipe) { return pipe == 3 || (pipe >= 6 && pipe <= 8) ? 2 : 1; }
 
 
 using ddtree::cp_async16_s;
@@ -369,11 +368,10 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 // Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + the larger of
 // the stage buffers ((2 + PIPE) * (16384 + TN * 128) for PIPE 0 / 1, 4 * TN * 128 for PIPE 2 / 3, 6 * TN * 128
 // for PIPE 6 and PIPE 7 at 128-token tiles, 8 * TN * 128 for PIPE 7 at 32 / 64, that + 8 * 256 * 20 (the
-// weight ring) for PIPE 8, 6 * TN * 128 + 6 * 256 * 20 for PIPE 20 at TN 256 (4 * TN * 128 + the 8-stage ring at
-// 128)) and the epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416
+// weight ring) for PIPE 8, 6 * TN * 128 + 6 * 256 * 20 for PIPE 20) and the epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416
 // bytes; MODE 1 TN * 272) (moe_gmma_smem_bytes in kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
-__global__ void __launch_bounds__(moe90::THREADS, moe90::gmma_blocks_per_sm(PIPE, TN))
+__global__ void __launch_bounds__(moe90::THREADS, moe90::gmma_blocks_per_sm(PIPE))
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
                 const uint4* __restrict__ wq1, const uint4* __restrict__ ws1, int n_rows, int k,
                 const int* __restrict__ slot_expert, const int* __restrict__ slot_offset,
@@ -385,9 +383,9 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   static_assert(TN == 32 || TN == 64 || TN == 128 || TN == 256, "token tile");
   static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8) || PIPE == 20, "pipeline");
   static_assert(TN != 32 || PIPE >= 6, "32-token tiles: PIPE 6 / 7 / 8 only (PIPE 3's lost to its 64: PERF.md)");
-  static_assert(gmma_blocks_per_sm(PIPE, TN) == 1 || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
+  static_assert(gmma_blocks_per_sm(PIPE) == 1 || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
   static_assert(PIPE != 8 || TN <= 64, "PIPE 8: 32- / 64-token tiles (its weight ring beside the 8-buffer x ring)");
-  static_assert(PIPE != 20 || TN >= 128, "PIPE 20: 128- / 256-token tiles");
+  static_assert(PIPE != 20 || TN == 256, "PIPE 20: 256-token tiles (at 128, two blocks per SM, it lost: PERF.md 42)");
   constexpr bool SLOT = PIPE >= 6;   // otherwise PIPE 3's pipeline
   constexpr bool SPLIT = PIPE >= 7;   // PIPE 7: PIPE 6 with the steady-state stages unchecked, an 8-buffer x ring
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
@@ -397,19 +395,17 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   constexpr bool RA = PIPE >= 2;
   constexpr int P = SLOT ? 3 : PIPE;
   // (PIPE 20: the stages per unrolled group; its weights are W_RING_20 ahead)
-  constexpr int W_AHEAD = PIPE == 20 ? (TN == 256 ? 2 : 4)
-                          : P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
+  constexpr int W_AHEAD = PIPE == 20 ? 2 : P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
   // PIPE 6: x 3 stages ahead in 6 buffers, a barrier every second stage (PAIR; gmma_register_a_mainloop);
-  // PIPE 20 (a barrier every stage): 256-token tiles 4 ahead in 6 buffers beside a 6-stage weight ring (223 KB),
-  // 128-token tiles (two blocks per SM) 2 ahead in 4 beside the 8-stage ring
+  // PIPE 20 (a barrier every stage): 4 ahead in 6 buffers beside a 6-stage weight ring (223 KB)
   constexpr int PAIR = PIPE == 20 ? 1 : SLOT ? 2 : 1;
   // (PIPE 7: 8 buffers up to 64-token tiles, so the buffer index is a mask)
-  constexpr int BUFFERS = PIPE == 20 ? (TN == 256 ? 6 : 4) : SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
+  constexpr int BUFFERS = PIPE == 20 ? 6 : SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
   // PIPE 8: x 5 stages ahead (the most its 8 buffers allow): a cp.async wait covers every older group, the
   // weights' too, so this distance less PAIR, not the weight ring's depth, is how many stages any of its loads
   // have to land (PIPE 20 at 2 ahead left them one stage: PERF.md session 42)
-  constexpr int X_AHEAD = PIPE == 8 ? 5 : PIPE == 20 ? (TN == 256 ? 4 : 2) : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
-  constexpr int W_RING_20 = TN == 256 ? 6 : W_RING;
+  constexpr int X_AHEAD = PIPE == 8 ? 5 : PIPE == 20 ? 4 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
+  constexpr int W_RING_20 = 6;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;

@@ -404,7 +404,7 @@ MOE_GMMA_VARIANTS = tuple(f"moe_gmma_kernel<{mode}, {tn}, {pipe}>" for mode in (
     f"moe_gmma_kernel<{mode}, {tn}, {pipe}>" for mode in (0, 1) for tn in (64, 128) for pipe in (3, 6, 7)) + tuple(
     f"moe_gmma_kernel<{mode}, 32, {pipe}>" for mode in (0, 1) for pipe in (6, 7)) + tuple(
     f"moe_gmma_kernel<{mode}, {tn}, 8>" for mode in (0, 1) for tn in (32, 64)) + tuple(
-    f"moe_gmma_kernel<{mode}, {tn}, 20>" for mode in (0, 1) for tn in (128, 256)) + tuple(
+    f"moe_gmma_kernel<{mode}, 256, 20>" for mode in (0, 1)) + tuple(
     f"moe_gmma_ws_kernel<{mode}, {tn}, {nstep}>" for mode in (0, 1) for tn in (128, 256) for nstep in (0, 16))
 register(KernelFamily(
     name="moe_int4_sm90",

@@ -395,8 +395,13 @@ def launch_defaults(T: int, pdl: bool | None, early: bool | None, hot_asked: boo
 #   cores are the same and the memory 1.4x faster (session 13 there: the 17..63 tier +0.6% at skewed T = 256).
 GMMA_AUTO_TOKENS = 25
 # T bound -> hot tiers (min tokens per expert, tokens per pass, PIPE), most tokens first
-GMMA_AUTO = {31: ((16, 32, 8),), 255: ((16, 64, 8),), 511: ((64, 256, 5), (16, 64, 8)),
-             1 << 30: ((64, 256, 5), (33, 64, 8), (9, 32, 8))}
+# - From T = 256 the experts of >= 64 tokens on PIPE 20 (PIPE 8 at 256-token tiles) instead of the warp-specialized
+#   PIPE 5 (H100, 2026-12-07 (42), layer graph replay, us, same run, PIPE 20 / PIPE 5): skewed T = 256 / 384 / 512 /
+#   767 / 1024 1131.9 / 1393.3 / 1564.7 / 2091.4 / 2397.9 against 1146.6 / 1396.7 / 1573.4 / 2147.8 / 2447.3 (hot
+#   down -8..-11%), uniform T = 1024 (no expert of 64 tokens: the empty launches) 3732.6 against 3704.8. Below 256
+#   it loses (skewed T = 128: 865.6 against 794.0 with PIPE 8's 64-token tiles on every expert of >= 16 tokens).
+GMMA_AUTO = {31: ((16, 32, 8),), 255: ((16, 64, 8),), 511: ((64, 256, 20), (16, 64, 8)),
+             1 << 30: ((64, 256, 20), (33, 64, 8), (9, 32, 8))}
 # T bound -> the default plan's gmma_grid_rows (None: one block row per possibly hot slot)
 GMMA_AUTO_GRID_ROWS = {255: None, 511: 32, 767: 64, 1 << 30: 128}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
@@ -411,8 +416,8 @@ GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks
               6: "register A in slot order (no fragment shuffles; x copied into slot order), 2 blocks per SM",
               7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)",
               8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)",
-              20: "PIPE 8 at 128/256-token tiles (2 / 1 blocks per SM), x 2 / 4 stages ahead in 4 / 6 buffers, the "
-                  "wgmma N cut to each chunk's tokens (rounded up to 32)"}
+              20: "PIPE 8 at 256-token tiles (one block per SM), x 4 stages ahead in 6 buffers, the wgmma N cut to "
+                  "each chunk's tokens (rounded up to 32)"}
 # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
 _WS_TEMPLATE = {4: "0", 5: "16"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
@@ -423,8 +428,8 @@ GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default 
 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
     """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 for 32/64, the
-    warp-specialized 4/5 and PIPE 20 for 128/256."""
-    return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64) or (pipe == 20 and tile < 128)
+    warp-specialized 4/5 for 128/256, PIPE 20 for 256."""
+    return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64) or (pipe == 20 and tile != 256)
                 or (pipe in GMMA_WS_PIPES and tile < 128) or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
@@ -432,13 +437,13 @@ def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6 (and 7
     at 128-token tiles), 8 for PIPE 7 at 32 / 64, those and PIPE 8's weight ring for PIPE 8, 6 and a 6-stage ring
-    for PIPE 20 at 256-token tiles, 4 and the 8-stage ring at 128; PIPE 4 / 5 below), or the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
+    for PIPE 20; PIPE 4 / 5 below), or the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
     if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
-        buffers = 8 if pipe in (7, 8) and tile <= 64 else 6 if pipe in (6, 7) or (pipe, tile) == (20, 256) else 4
-        ring = 6 if (pipe, tile) == (20, 256) else 8   # PIPE 8 / 20's weight ring: stages of 16 + 4 bytes per thread
+        buffers = 8 if pipe in (7, 8) and tile <= 64 else 6 if pipe in GMMA_SLOT_PIPES else 4
+        ring = 6 if pipe == 20 else 8   # PIPE 8 / 20's weight ring: stages of 16 + 4 bytes per thread
         weight_ring = ring * 256 * (16 + 4) if pipe in (8, 20) else 0
         return 1024 + max(buffers * tile * 128 + weight_ring, staging)
     return 1024 + max((2 + pipe) * (128 * 128 + tile * 128), staging)

@@ -566,9 +566,9 @@ def test_moe_layer_default_hot_tier_below_32(cuda_device, T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E", [(300, 64), (600, 64), (800, 96)])
 def test_moe_layer_default_hot_tiers_from_256(cuda_device, T, E):
-    """The default plan from T = 256 (GMMA_AUTO: PIPE 5 for experts of >= 64 tokens, PIPE 8 below in two or three tiers,
-    its grids capped at GMMA_AUTO_GRID_ROWS block rows): top-4 of 64 / 96 experts puts slots in every tier; the layer
-    vs the float32 reference, twice."""
+    """The default plan from T = 256 (GMMA_AUTO: PIPE 20 for experts of >= 64 tokens, PIPE 8 below in two or three
+    tiers, its grids capped at GMMA_AUTO_GRID_ROWS block rows): top-4 of 64 / 96 experts puts slots in every tier; the
+    layer vs the float32 reference, twice."""
     from runtime import cuda
     from runtime.kimi_kernels import gmma_auto_grid_rows, gmma_auto_tiers
     if cuda.get_device().arch != "90a":
@@ -578,7 +578,7 @@ def test_moe_layer_default_hot_tiers_from_256(cuda_device, T, E):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipe,tile", [(7, 32), (7, 64), (7, 128), (8, 32), (8, 64), (20, 128), (20, 256)])
+@pytest.mark.parametrize("pipe,tile", [(7, 32), (7, 64), (7, 128), (8, 32), (8, 64), (20, 256)])
 def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
     """PIPE 7 / 8 / 20 at K = 2048 / 1024 (32 / 16 units): both GEMMs run unchecked steady-state stage groups before
     the checked tail (at the other tests' K = 512 down has no steady group), every expert hot: the layer vs the
@@ -602,7 +602,7 @@ def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
     (600, 64, [(64, 256, 5), (33, 64, 8), (9, 32, 8)], False, True),
     (300, 16, [(64, 256, 5), (17, 32, 8)], True, True),
     (600, 64, [(64, 256, 20), (33, 64, 8), (9, 32, 8)], False, True),
-    (300, 16, [(64, 128, 20), (17, 32, 8)], True, True)])
+    (300, 16, [(64, 256, 20), (17, 32, 8)], True, True)])
 @pytest.mark.parametrize("grid_rows", [None, 3])
 def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_rows):
     """Hot slots split between pipelines by token count (each slot in the tier with the largest minimum it
@@ -616,15 +616,15 @@ def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile,parallel", [(256, False), (256, True), (128, False)])
-def test_moe_layer_gmma_pipe20_chunk_widths(cuda_device, tile, parallel):
+@pytest.mark.parametrize("parallel", [False, True])
+def test_moe_layer_gmma_pipe20_chunk_widths(cuda_device, parallel):
     """PIPE 20 cuts each chunk's wgmma N to its tokens rounded up to 32: skewed routing at T = 1000 (16 experts, top-4,
     ~60..600 tokens each) gives last chunks of many widths. Every expert on PIPE 20 against the float32 reference,
     and bit for bit against PIPE 8's 64-token tiles (the same products summed in the same order)."""
     from runtime import cuda
     if cuda.get_device().arch != "90a":
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
-    y20 = _check_moe(1000, 16, 1024, 512, None, topk=4, skew=True, gmma_tiers=[(1, tile, 20)],
+    y20 = _check_moe(1000, 16, 1024, 512, None, topk=4, skew=True, gmma_tiers=[(1, 256, 20)],
                      gmma_parallel_chunks=parallel)
     y8 = _check_moe(1000, 16, 1024, 512, None, topk=4, skew=True, gmma_tiers=[(1, 64, 8)])
     np.testing.assert_array_equal(y20, y8, err_msg="PIPE 20 differs from PIPE 8")

@@ -121,7 +121,7 @@ def _checking_cuda(prepared):
     (128, dict(gmma_min_tokens=16, gmma_tile=64, gmma_pipe=8)),
     (1025, dict(gmma_tiers=[(64, 256, 5), (1, 32, 8)])),
     (1025, dict(gmma_tiers=[(64, 256, 20), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=128)),
-    (256, dict(gmma_tiers=[(64, 128, 20), (16, 64, 8)], gmma_parallel_chunks=True)),
+    (256, dict(gmma_tiers=[(64, 256, 20), (16, 64, 8)], gmma_parallel_chunks=True)),
 ])
 def test_moe_layer_launches_match_kernel_signatures(monkeypatch, T, plan):
     prepared = []

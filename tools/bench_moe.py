@@ -383,7 +383,7 @@ def select_plans(plans, spec: str):
 def launch_plans(default_fused_combine: bool, T: int):
     """(label, MoeLayer keyword arguments) at T tokens: the plan before issue 7's launch work, then one change at a
     time."""
-    from runtime.kimi_kernels import gmma_auto_grid_rows
+    from runtime.kimi_kernels import gmma_auto_grid_rows, gmma_auto_tiers
     rows = gmma_auto_grid_rows(T)   # the default plan's grid cap for T, given to tiers named below where noted
     before = dict(routing="two", fuse_combine=False, early=False, pdl=False, gmma_min_tokens=None)
     return [
@@ -541,22 +541,10 @@ def launch_plans(default_fused_combine: bool, T: int):
         ("tiers49ra7/16ra7-32", dict(gmma_tiers=[(49, 64, 7), (16, 32, 7)])),
         ("gmma>=16/32/ra7", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7)),
         ("gmma>=16/32/ra7/par", dict(gmma_min_tokens=16, gmma_tile=32, gmma_pipe=7, gmma_parallel_chunks=True)),
-        # PIPE 20 (PIPE 8 at 128- / 256-token tiles, wgmma N per chunk) for the experts of >= 64 tokens instead of the
-        # warp-specialized tier (T >= 256), or beside PIPE 8's 64-token tier (T < 256); chunks in turn or side by side;
-        # the default grid cap for T
-        ("t20-256", dict(gmma_tiers=[(64, 256, 20), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=rows)),
-        ("t20-256/par", dict(gmma_tiers=[(64, 256, 20), (33, 64, 8), (9, 32, 8)], gmma_parallel_chunks=True,
-                             gmma_grid_rows=rows)),
-        ("t20-128", dict(gmma_tiers=[(64, 128, 20), (33, 64, 8), (9, 32, 8)], gmma_grid_rows=rows)),
-        ("t20-128/par", dict(gmma_tiers=[(64, 128, 20), (33, 64, 8), (9, 32, 8)], gmma_parallel_chunks=True,
-                             gmma_grid_rows=rows)),
-        ("t20-256/16", dict(gmma_tiers=[(64, 256, 20), (16, 64, 8)], gmma_grid_rows=rows)),
-        ("t20-128/16", dict(gmma_tiers=[(64, 128, 20), (16, 64, 8)], gmma_grid_rows=rows)),
-        ("t20-128/16/par", dict(gmma_tiers=[(64, 128, 20), (16, 64, 8)], gmma_parallel_chunks=True,
-                                gmma_grid_rows=rows)),
-        # the default tiers at T >= 768, each hot expert's chunks side by side (the A/B for the /par rows above)
-        ("def/par", dict(gmma_tiers=[(64, 256, 5), (33, 64, 8), (9, 32, 8)], gmma_parallel_chunks=True,
-                         gmma_grid_rows=rows)),
+        # T >= 256: the experts of >= 64 tokens on the warp-specialized PIPE 5 (the default there before PIPE 20,
+        # session 42), the other tiers and the grid cap as the default's
+        *([("ws5", dict(gmma_tiers=[(64, 256, 5), *gmma_auto_tiers(T)[1:]], gmma_grid_rows=rows))]
+          if T >= 256 else []),
         # the routing (kimi_kernels.ROUTINGS) against the default: moe_topk + moe_group (two kernels); one warp
         # (T = 1); a block per token, the last one grouping; up to 4 tokens in one block that groups them (T <= 4);
         # a warp per token, the last block grouping
