@@ -44,9 +44,10 @@ step bench_dense python3 tools/bench_dense.py --quick --peer --attn-kernels deco
 # the default plan against: no wgmma hot path, PIPE 7 on the hot experts (the T <= 255 default before PIPE 8),
 # the warp-specialized tier alone (the T = 256..767 default before session 40), that tier with PIPE 8 for 17..63
 # tokens on 32-token tiles (the T >= 768 default before session 40), and every expert on PIPE 8's 32-token tiles (PERF.md
-# session 13) (all plans: `--plans ''`, ~1 hour); --torch: the torch bf16 per-expert loop first, in its own process, for
+# session 13), and at T >= 256 the default's tiers with PIPE 5 on the experts of >= 64 tokens (the default before
+# session 42) (all plans: `--plans ''`, ~1 hour); --torch: the torch bf16 per-expert loop first, in its own process, for
 # the speedup column
-step bench_moe python3 tools/bench_moe.py --torch --no-variants --plans 'no-gmma,gmma>=16/ra7,gmma>=64/256/wsn,tiers64wsn/17ra8-32,gmma>=1/32/ra8'
+step bench_moe python3 tools/bench_moe.py --torch --no-variants --plans 'no-gmma,gmma>=16/ra7,gmma>=64/256/wsn,tiers64wsn/17ra8-32,gmma>=1/32/ra8,ws5'
 # small T (PERF.md sessions 26-27; the default is PDL + down's early weight start up to T = 8): plain launches,
 # PDL without the early start, down in one wave at T = 1 (three buffers, two row groups), the combine folded into down;
 # the routing (session 34's default: "batch" at T = 2..4, else "blocks"): moe_topk + moe_group, the block per token,
@@ -65,8 +66,7 @@ step bench_moe_shared python3 tools/bench_moe.py --no-variants --no-plans --shar
 # per-warp timelines (tools/trace_timeline.py: traced kernel builds): the layer + shared MLP at small T, and a 2-layer
 # Qwen3-8B-shaped AR / verify step; records into $OUT/trace
 step trace_moe python3 tools/trace_timeline.py moe --tokens 1,2,8 --shared 1 --out "$OUT/trace"
-# skewed T = 256: the warp-specialized hot tier beside the cold chain, and its warps' ring waits (producer- or
-# consumer-paced: PERF.md session 35, next item 5)
+# skewed T = 256: the hot tiers (PIPE 20 on >= 64 tokens since session 42) beside the cold chain
 step trace_moe_hot python3 tools/trace_timeline.py moe --tokens 256 --routing skewed --out "$OUT/trace"
 step trace_step python3 tools/trace_timeline.py step --random qwen3-8b --layers 2 --prefix 1024 --budgets 0,16,64 --out "$OUT/trace"
 step bench_stream_rows python3 -m tools.bench_stream_rows
