@@ -241,7 +241,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
                 "ring sizes");
   static_assert(!SMEM_W || (SLOT && SPLIT && WR % BUFFERS == 0 && WR >= X_AHEAD + 1),
-                "PIPE 8 / 20: PIPE 7 with an x ring of 8 / 4 buffers, the weights' wait covered by x's");
+                "PIPE 8 / 20: PIPE 7 with an x ring of 8 / 6 buffers, the weights' wait covered by x's");
   static_assert(N % 32 == 0 && N <= TN, "wgmma N: whole 32-row groups of the x tile");
   using Op = typename ddtree::GmmaRsOp<N>::type;
   constexpr int X_TILE = TN * 128, ACC = N / 2;
@@ -253,7 +253,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   // SMEM_W: this lane's 16 bytes of ring slot i at w_ring + i * 4096, its scale word at s_ring + i * 1024
   const uint32_t w_ring = smem_base + BUFFERS * X_TILE + 16 * threadIdx.x;
   const uint32_t s_ring = smem_base + BUFFERS * X_TILE + WR * moe90::THREADS * 16 + 4 * threadIdx.x;
-  auto load_stage = [&](int slot, int u) {   // SMEM_W: slot = u % W_RING
+  auto load_stage = [&](int slot, int u) {   // SMEM_W: slot = u % WR
     if constexpr (SMEM_W) {
       ddtree::cp_async16_s(w_ring + slot * (moe90::THREADS * 16), wp + u * 32, true);
       ddtree::cp_async4_s(s_ring + slot * (moe90::THREADS * 4), moe90::scale_word(sp, u));
@@ -368,8 +368,8 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
 // Grid (n_rows / (MODE 0 ? 64 : 128), up to n_items rows: slots or items); dynamic smem 1024 + the larger of
 // the stage buffers ((2 + PIPE) * (16384 + TN * 128) for PIPE 0 / 1, 4 * TN * 128 for PIPE 2 / 3, 6 * TN * 128
 // for PIPE 6 and PIPE 7 at 128-token tiles, 8 * TN * 128 for PIPE 7 at 32 / 64, that + 8 * 256 * 20 (the
-// weight ring) for PIPE 8, 6 * TN * 128 + 6 * 256 * 20 for PIPE 20) and the epilogue staging (MODE 0: up as float [TN][68] + h as bf16 [TN][72] = TN * 416
-// bytes; MODE 1 TN * 272) (moe_gmma_smem_bytes in kimi_kernels.py).
+// weight ring) for PIPE 8, 6 * TN * 128 + 6 * 256 * 20 for PIPE 20) and the epilogue staging (MODE 0: up as float
+// [TN][68] + h as bf16 [TN][72] = TN * 416 bytes; MODE 1 TN * 272) (moe_gmma_smem_bytes in kimi_kernels.py).
 template <int MODE, int TN, int PIPE>
 __global__ void __launch_bounds__(moe90::THREADS, moe90::gmma_blocks_per_sm(PIPE))
 moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict__ wq0, const uint4* __restrict__ ws0,
@@ -395,7 +395,8 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   constexpr bool RA = PIPE >= 2;
   constexpr int P = SLOT ? 3 : PIPE;
   // (PIPE 20: the stages per unrolled group; its weights are W_RING_20 ahead)
-  constexpr int W_AHEAD = PIPE == 20 ? 2 : P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
+  constexpr int W_AHEAD =
+      PIPE == 20 ? 2 : P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
   // PIPE 6: x 3 stages ahead in 6 buffers, a barrier every second stage (PAIR; gmma_register_a_mainloop);
   // PIPE 20 (a barrier every stage): 4 ahead in 6 buffers beside a 6-stage weight ring (223 KB)
   constexpr int PAIR = PIPE == 20 ? 1 : SLOT ? 2 : 1;
