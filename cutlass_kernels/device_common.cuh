@@ -126,11 +126,13 @@ __device__ __forceinline__ uint64_t window_visible64(int p0, int prefix, int end
 #endif
 enum TraceStallSite : unsigned {
   kStallRing = 1,        // moe_gmma_ws_kernel: the W ring's mbarrier waits (producer: free buffers; consumers: full)
-  kStallXWait = 2,       // its consumers' cp.async wait for their x stage (and the proxy fence after it)
-  kStallBarrier = 4,     // its consumers' named barrier per stage
-  kStallMmaWait = 8,     // its consumers' wgmma wait for the previous stage's batch
+  kStallXWait = 2,       // its consumers' cp.async wait for their x stage (and the proxy fence after it); in
+                         // moe_gmma_kernel's register-A main loop the same wait before each stage barrier
+  kStallBarrier = 4,     // its consumers' named barrier per stage; register A: the block barrier per stage
+  kStallMmaWait = 8,     // its consumers' wgmma wait for the previous stage's batch; register A: the same wait
   kStallPublish = 16,    // its producer's proxy fence and full-barrier arrive after each stage's stores
-  kStallDequant = 32,    // its producer's dequantization and shared stores (work, not a wait)
+  kStallDequant = 32,    // its producer's dequantization and shared stores (work, not a wait); register A: the
+                         // next stage's weight read, dequantization into A registers and its ring refill copy
   kStallRaFill = 64,       // moe_gmma_kernel (register A): an item's start, from its slot lookups to the end of the
                            // mainloop's first barrier (the pipeline fill: the first stage's weights and x landed)
   kStallRaEpilogue = 128,  // moe_gmma_kernel (register A): the epilogue, from the mainloop's end to the barrier that

@@ -321,9 +321,12 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       const int xbuf = phase >= 0 ? (phase + d + X_AHEAD) % BUFFERS : (u + X_AHEAD) % BUFFERS;
       if (!CHECKED || u + X_AHEAD < units) load_x(smem_base + xbuf * X_TILE, u + X_AHEAD);
       ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
+      const long long t_mma = ddtree::trace_stall_begin<ddtree::kStallMmaWait>();
       cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its A set and x buffer are free
 #pragma unroll
       for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
+      ddtree::trace_stall_end<ddtree::kStallMmaWait>(t_mma);
+      const long long t_dq = ddtree::trace_stall_begin<ddtree::kStallDequant>();
       if (!CHECKED || u + 1 < units) {
         if constexpr (SMEM_W) {
           // stage u + 1 from its slot, then stage u + 1 + LEAD into the same slot
@@ -336,10 +339,15 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
           if (!CHECKED || u + 1 + W_AHEAD < units) load_stage(slot, u + 1 + W_AHEAD);
         }
       }
+      ddtree::trace_stall_end<ddtree::kStallDequant>(t_dq);
       if (d % PAIR == PAIR - 1) {   // u0 is a multiple of PAIR
+        const long long t_x = ddtree::trace_stall_begin<ddtree::kStallXWait>();
         ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages u + 1 .. u + PAIR has landed
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        ddtree::trace_stall_end<ddtree::kStallXWait>(t_x);
+        const long long t_bar = ddtree::trace_stall_begin<ddtree::kStallBarrier>();
         __syncthreads();
+        ddtree::trace_stall_end<ddtree::kStallBarrier>(t_bar);
       }
     }
   };

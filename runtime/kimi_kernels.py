@@ -404,6 +404,11 @@ GMMA_AUTO = {31: ((16, 32, 8),), 255: ((16, 64, 8),), 511: ((64, 256, 20), (16, 
              1 << 30: ((64, 256, 20), (33, 64, 8), (9, 32, 8))}
 # T bound -> the default plan's gmma_grid_rows (None: one block row per possibly hot slot)
 GMMA_AUTO_GRID_ROWS = {255: None, 511: 32, 767: 64, 1 << 30: 128}
+# The default plan's cap on the block rows of its 256-token tier (PIPE 20, one block per SM), below the one above:
+# at uniform T >= 512 no expert reaches its 64 tokens, and each of the P // 64 rows x column tiles launched is an
+# empty block of 223 KB that exits (PERF.md session 42: +0.8% at uniform T = 1024 against PIPE 5's tier). Under
+# skewed routing the bench's T = 1024 has 23 such experts; past 32 a block row walks two slots.
+GMMA_AUTO_WIDE_GRID_ROWS = 32
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
@@ -598,7 +603,8 @@ class MoeLayer:
     the largest minimum it reaches, slots below every minimum on mma.sync. gmma_grid_rows: at most that many block
     rows in the hot grids of moe_gmma_kernel (not the warp-specialized one), each walking every
     gmma_grid_rows-th slot and stopping at the first cold one (None: one row per possibly hot slot; default "auto":
-    GMMA_AUTO_GRID_ROWS by T with GMMA_AUTO's tiers, else None).
+    GMMA_AUTO_GRID_ROWS by T with GMMA_AUTO's tiers, their 256-token tier at most GMMA_AUTO_WIDE_GRID_ROWS, else
+    None).
     signals: down's blocks wait for their own slot's gate_up blocks, and the combine for down's blocks, through
     counters (moe_int4.cu) instead of for the previous kernel's whole grid; plans with PDL, down's early start, the
     block routings and an XS down variant (default: on there from SIGNALS_MIN_TOKENS to SIGNALS_MAX_TOKENS tokens).
@@ -628,6 +634,7 @@ class MoeLayer:
                              f"(divides E, <= 32), topk_group={topk_group} (1..n_group)")
         if np.asarray(bias).size != E:
             raise ValueError(f"bias has {np.asarray(bias).size} entries, want E = {E}")
+        wide_grid_rows = None   # the default plan's cap on its 256-token tier (GMMA_AUTO_WIDE_GRID_ROWS)
         if gmma_tiers is not None:
             if gmma_min_tokens != "auto" or gmma_tile is not None or gmma_pipe is not None:
                 raise ValueError("gmma_tiers replaces gmma_min_tokens / gmma_tile / gmma_pipe: give one or the other")
@@ -656,6 +663,7 @@ class MoeLayer:
                 tiers = sorted(auto_tiers, reverse=True)
                 if gmma_grid_rows == "auto":
                     gmma_grid_rows = gmma_auto_grid_rows(T)
+                    wide_grid_rows = GMMA_AUTO_WIDE_GRID_ROWS
             else:
                 tiers = [(gmma_min_tokens, gmma_tile, default_pipe if gmma_pipe is None else int(gmma_pipe))]
         for m, tile, pipe in tiers:
@@ -788,6 +796,7 @@ class MoeLayer:
         self.gmma_tiers = tiers
         self.gmma_min_tokens = tiers[-1][0] if tiers else None
         self.gmma_grid_rows = gmma_grid_rows
+        self.gmma_wide_grid_rows = wide_grid_rows
         counts = self.slot_count   # what the mma.sync kernels see
         hot_launches = []          # (tier args) per tier
         if tiers:
@@ -870,8 +879,10 @@ class MoeLayer:
         kernel = cuda.get_kernel("moe_int4_sm90", entry)
         n_items = rows if items is None else items[0].shape[0]
         # moe_gmma_kernel walks rows y, y + gridDim.y, ..: gmma_grid_rows caps the grid (fewer empty blocks when
-        # most of the P // min_tokens possible hot slots are cold); the WS kernel takes one row per block
-        grid_y = n_items if ws or not self.gmma_grid_rows else min(n_items, self.gmma_grid_rows)
+        # most of the P // min_tokens possible hot slots are cold), and the default plan's 256-token tier has a
+        # cap of its own; the WS kernel takes one row per block
+        caps = [] if ws else [c for c in (self.gmma_grid_rows, self.gmma_wide_grid_rows if tn == 256 else None) if c]
+        grid_y = min([n_items, *caps])
         smem = moe_gmma_smem_bytes(tn, pipe)
         kernel.set_max_dynamic_smem(smem)
         null = np.uint64(0)

@@ -213,18 +213,22 @@ def test_moe_layer_default_hot_tiers(monkeypatch, T):
     assert layer.gmma_tiers == (sorted(auto, reverse=True) if T >= kk.GMMA_AUTO_TOKENS else [])
     if T >= kk.GMMA_AUTO_TOKENS:
         assert layer.gmma_grid_rows == kk.gmma_auto_grid_rows(T)
+        assert layer.gmma_wide_grid_rows == kk.GMMA_AUTO_WIDE_GRID_ROWS
         asked = kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_pipe=7)
         (m, tile, pipe), = asked.gmma_tiers
         assert (m, pipe) == (auto[0][0], 7) and kk._pipe_takes_tile(7, tile)
-        assert asked.gmma_grid_rows is None   # the row cap belongs to GMMA_AUTO's tiers
+        # the row caps belong to GMMA_AUTO's tiers
+        assert asked.gmma_grid_rows is None and asked.gmma_wide_grid_rows is None
         named = kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_tiers=auto)
-        assert named.gmma_grid_rows is None
+        assert named.gmma_grid_rows is None and named.gmma_wide_grid_rows is None
 
 
-@pytest.mark.parametrize("T,rows", [(255, None), (256, 32), (511, 32), (512, 64), (767, 64), (768, 128)])
+@pytest.mark.parametrize("T,rows", [(255, None), (256, 32), (511, 32), (512, 64), (767, 64), (768, 128),
+                                    (1024, 128)])
 def test_moe_layer_default_grid_rows(monkeypatch, T, rows):
     """GMMA_AUTO_GRID_ROWS by T bucket, and the hot grids it caps: each non-WS tier's grid has at most that many block
-    rows, the warp-specialized tier one row per possibly hot slot."""
+    rows (the 256-token tier at most GMMA_AUTO_WIDE_GRID_ROWS), the warp-specialized tier one row per possibly hot
+    slot."""
     prepared = []
     monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda(prepared))
     E, hidden, inter = 384, 7168, 2048
@@ -237,7 +241,11 @@ def test_moe_layer_default_grid_rows(monkeypatch, T, rows):
     for launch, (m, tile, pipe) in zip(hot, 2 * list(layer.gmma_tiers)):
         possible = min(layer.num_slots, P // m)
         want = possible if pipe in kk.GMMA_WS_PIPES or rows is None else min(possible, rows)
+        if tile == 256 and pipe not in kk.GMMA_WS_PIPES:
+            want = min(want, kk.GMMA_AUTO_WIDE_GRID_ROWS)
         assert launch.grid[1] == want, (T, m, pipe, launch.grid)
+    if T >= 512:   # P // 64 possible slots of the 256-token tier, more than its cap
+        assert hot[0].grid[1] == kk.GMMA_AUTO_WIDE_GRID_ROWS < min(layer.num_slots, P // 64)
 
 
 @pytest.mark.parametrize("variants", [
