@@ -263,17 +263,13 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       if constexpr (!SLOT) s1r[slot] = moe90::load_scale(sp + 2, u);
     }
   };
-  // SMEM_W: the lane's own 16 bytes and scale word of ring slot `slot`
-  auto read_slot = [&](int slot, uint4& w, uint32_t& sw) {
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
-                 : "r"(w_ring + slot * (moe90::THREADS * 16)) : "memory");
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw) : "r"(s_ring + slot * (moe90::THREADS * 4)) : "memory");
-  };
   auto dequant = [&](int slot, uint32_t (&a)[4][4]) {
     if constexpr (SMEM_W) {
       uint4 w;
       uint32_t sw;
-      read_slot(slot, w, sw);
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                   : "r"(w_ring + slot * (moe90::THREADS * 16)) : "memory");
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw) : "r"(s_ring + slot * (moe90::THREADS * 4)) : "memory");
       moe90::slot_frag(w, sw, a);
     } else if constexpr (SLOT) {
       moe90::slot_frag(wr[slot], s0r[slot], a);
@@ -313,14 +309,6 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       if (CHECKED && u >= units) break;
       const int buf = phase >= 0 ? (phase + d) % BUFFERS : u % BUFFERS;
       const uint64_t db = ddtree::sw128_desc(smem_base + buf * X_TILE);
-      // SMEM_W: stage u + 1's weights read from the ring now, so that the shared-memory latency (long behind the
-      // wgmma's operand reads) passes during this stage's wgmma issue, x copies and wgmma wait rather than before
-      // the dequantization. The last cp.async wait, the one the read after the wgmma wait relied on, landed them.
-      const int w_slot = phase >= 0 ? (phase + d + 1) % WR : (u + 1) % WR;
-      uint4 w_next;
-      uint32_t sw_next;
-      if constexpr (SMEM_W)
-        if (!CHECKED || u + 1 < units) read_slot(w_slot, w_next, sw_next);
 #pragma unroll
       for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
       cute::warpgroup_arrive();
@@ -341,9 +329,10 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       const long long t_dq = ddtree::trace_stall_begin<ddtree::kStallDequant>();
       if (!CHECKED || u + 1 < units) {
         if constexpr (SMEM_W) {
-          // stage u + 1 from the words read above, then stage u + 1 + LEAD into the same slot
-          moe90::slot_frag(w_next, sw_next, a_frag[(d + 1) & 1]);
-          if (u + 1 + LEAD < units) load_stage(w_slot, u + 1 + LEAD);
+          // stage u + 1 from its slot, then stage u + 1 + LEAD into the same slot
+          const int slot = phase >= 0 ? (phase + d + 1) % WR : (u + 1) % WR;
+          dequant(slot, a_frag[(d + 1) & 1]);
+          if (u + 1 + LEAD < units) load_stage(slot, u + 1 + LEAD);
         } else {
           const int slot = (d + 1) % W_AHEAD;
           dequant(slot, a_frag[(d + 1) & 1]);
