@@ -603,8 +603,9 @@ class MoeLayer:
     the largest minimum it reaches, slots below every minimum on mma.sync. gmma_grid_rows: at most that many block
     rows in the hot grids of moe_gmma_kernel (not the warp-specialized one), each walking every
     gmma_grid_rows-th slot and stopping at the first cold one (None: one row per possibly hot slot; default "auto":
-    GMMA_AUTO_GRID_ROWS by T with GMMA_AUTO's tiers, their 256-token tier at most GMMA_AUTO_WIDE_GRID_ROWS, else
-    None).
+    GMMA_AUTO_GRID_ROWS by T with GMMA_AUTO's tiers, else None). gmma_wide_grid_rows: a further cap on the
+    256-token tiers of moe_gmma_kernel (one block per SM; default "auto": GMMA_AUTO_WIDE_GRID_ROWS with GMMA_AUTO's
+    tiers, else None).
     signals: down's blocks wait for their own slot's gate_up blocks, and the combine for down's blocks, through
     counters (moe_int4.cu) instead of for the previous kernel's whole grid; plans with PDL, down's early start, the
     block routings and an XS down variant (default: on there from SIGNALS_MIN_TOKENS to SIGNALS_MAX_TOKENS tokens).
@@ -621,6 +622,7 @@ class MoeLayer:
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
                  gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | str | None = "auto",
+                 gmma_wide_grid_rows: int | str | None = "auto",
                  signals: bool | None = None):
         cuda = _cuda()
         w = self.weights = weights
@@ -634,7 +636,11 @@ class MoeLayer:
                              f"(divides E, <= 32), topk_group={topk_group} (1..n_group)")
         if np.asarray(bias).size != E:
             raise ValueError(f"bias has {np.asarray(bias).size} entries, want E = {E}")
-        wide_grid_rows = None   # the default plan's cap on its 256-token tier (GMMA_AUTO_WIDE_GRID_ROWS)
+        # the cap on the 256-token tier's rows: asked for, or "auto": the default plan's GMMA_AUTO_WIDE_GRID_ROWS
+        wide_grid_rows = None if gmma_wide_grid_rows == "auto" else gmma_wide_grid_rows
+        if wide_grid_rows is not None and (isinstance(wide_grid_rows, str) or int(wide_grid_rows) < 1):
+            raise ValueError(f"gmma_wide_grid_rows={gmma_wide_grid_rows!r}: want >= 1 block rows (or None: no cap of "
+                             f"its own; 'auto': GMMA_AUTO_WIDE_GRID_ROWS with the default tiers)")
         if gmma_tiers is not None:
             if gmma_min_tokens != "auto" or gmma_tile is not None or gmma_pipe is not None:
                 raise ValueError("gmma_tiers replaces gmma_min_tokens / gmma_tile / gmma_pipe: give one or the other")
@@ -663,6 +669,7 @@ class MoeLayer:
                 tiers = sorted(auto_tiers, reverse=True)
                 if gmma_grid_rows == "auto":
                     gmma_grid_rows = gmma_auto_grid_rows(T)
+                if gmma_wide_grid_rows == "auto":
                     wide_grid_rows = GMMA_AUTO_WIDE_GRID_ROWS
             else:
                 tiers = [(gmma_min_tokens, gmma_tile, default_pipe if gmma_pipe is None else int(gmma_pipe))]

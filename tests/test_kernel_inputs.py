@@ -201,6 +201,8 @@ def test_kimi_entry_points():
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_grid_rows=0)
     with pytest.raises(ValueError, match="gmma_grid_rows='many'"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_grid_rows="many")
+    with pytest.raises(ValueError, match="gmma_wide_grid_rows=0"):
+        kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, gmma_wide_grid_rows=0)
     with pytest.raises(ValueError, match="early=True"):
         kk.MoeLayer(w, 4, np.zeros(8, np.float32), topk=4, gmma_min_tokens=32, early=True)
     kv = fake((100, 576))

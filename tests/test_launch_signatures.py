@@ -246,6 +246,11 @@ def test_moe_layer_default_grid_rows(monkeypatch, T, rows):
         assert launch.grid[1] == want, (T, m, pipe, launch.grid)
     if T >= 512:   # P // 64 possible slots of the 256-token tier, more than its cap
         assert hot[0].grid[1] == kk.GMMA_AUTO_WIDE_GRID_ROWS < min(layer.num_slots, P // 64)
+        prepared.clear()
+        asked = kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_wide_grid_rows=8)   # only the 256-token tier
+        hot_asked = [launch for name, launch in asked.stages if name in ("gate_up_hot", "down_hot")]
+        n = len(asked.gmma_tiers)   # gate_up_hot per tier, then down_hot per tier; the 256-token tier first
+        assert [launch.grid[1] for launch in hot_asked] == [8 if i % n == 0 else hot[i].grid[1] for i in range(2 * n)]
 
 
 @pytest.mark.parametrize("variants", [
