@@ -322,3 +322,20 @@ def test_two_block_moe_gmma_pipelines_fit_two_blocks_per_sm():
             if kk._pipe_takes_tile(pipe, tile):
                 need = kk.moe_gmma_smem_bytes(tile, pipe) + reserved
                 assert 2 * need <= sm_smem, f"PIPE {pipe}, {tile}-token tile: 2 x {need} bytes > {sm_smem}"
+
+
+@pytest.mark.parametrize("plan", ["p20", "ws5", "p8"])
+def test_bench_hot_gemm_plans_put_every_token_on_one_hot_expert(monkeypatch, plan):
+    """tools/bench_hot_gemm.py: its logits route every token to expert 0 (the numpy reference routing, top-1), and
+    each plan's tier builds one hot gate_up and one hot down launch at the Kimi shapes with 8 experts."""
+    from runtime.kimi_reference import route
+    from tools import bench_hot_gemm as bh
+    T = 512
+    ids, _ = route(bh.one_expert_logits(T), np.zeros(bh.EXPERTS, np.float32), topk=1)
+    assert (ids == 0).all()
+    prepared = []
+    monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda(prepared))
+    w = kk.MoeWeights(bh.EXPERTS, bh.HIDDEN, bh.INTER, *(_FakeArray((1,), np.uint8) for _ in range(6)))
+    layer = kk.MoeLayer(w, T, np.zeros(bh.EXPERTS, np.float32), topk=1, gmma_tiers=[bh.PLANS[plan]])
+    hot = [name for name, _ in layer.stages if name.endswith("_hot") and name != "x_hot"]
+    assert hot == ["gate_up_hot", "down_hot"]
