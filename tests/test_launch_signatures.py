@@ -325,17 +325,19 @@ def test_two_block_moe_gmma_pipelines_fit_two_blocks_per_sm():
 
 
 @pytest.mark.parametrize("plan", ["p20", "ws5", "p8"])
-def test_bench_hot_gemm_plans_put_every_token_on_one_hot_expert(monkeypatch, plan):
-    """tools/bench_hot_gemm.py: its logits route every token to expert 0 (the numpy reference routing, top-1), and
-    each plan's tier builds one hot gate_up and one hot down launch at the Kimi shapes with 8 experts."""
+def test_bench_hot_gemm_plans_put_every_token_on_every_expert(monkeypatch, plan):
+    """tools/bench_hot_gemm.py: top-8 of 8 experts puts all T tokens on each expert (the numpy reference routing), and
+    each plan's tier builds one hot gate_up and one hot down launch at the Kimi shapes, a block row per expert."""
     from runtime.kimi_reference import route
     from tools import bench_hot_gemm as bh
     T = 512
-    ids, _ = route(bh.one_expert_logits(T), np.zeros(bh.EXPERTS, np.float32), topk=1)
-    assert (ids == 0).all()
+    logits = np.random.default_rng(T).standard_normal((T, bh.EXPERTS)).astype(np.float32)
+    ids, _ = route(logits, np.zeros(bh.EXPERTS, np.float32), topk=bh.EXPERTS)
+    assert (np.sort(ids, axis=1) == np.arange(bh.EXPERTS)).all()
     prepared = []
     monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda(prepared))
     w = kk.MoeWeights(bh.EXPERTS, bh.HIDDEN, bh.INTER, *(_FakeArray((1,), np.uint8) for _ in range(6)))
-    layer = kk.MoeLayer(w, T, np.zeros(bh.EXPERTS, np.float32), topk=1, gmma_tiers=[bh.PLANS[plan]])
-    hot = [name for name, _ in layer.stages if name.endswith("_hot") and name != "x_hot"]
-    assert hot == ["gate_up_hot", "down_hot"]
+    layer = kk.MoeLayer(w, T, np.zeros(bh.EXPERTS, np.float32), topk=bh.EXPERTS, gmma_tiers=[bh.PLANS[plan]])
+    hot = [(name, launch) for name, launch in layer.stages if name in ("gate_up_hot", "down_hot")]
+    assert [name for name, _ in hot] == ["gate_up_hot", "down_hot"]
+    assert all(launch.grid[1] == bh.EXPERTS for _, launch in hot)

@@ -1,15 +1,17 @@
-"""Benchmark the MoE layer's wgmma hot-expert GEMMs against cuBLAS's dense bf16 GEMM of the same shape.
+"""Benchmark the MoE layer's wgmma hot-expert GEMMs against cuBLAS's batched bf16 GEMM of the same shapes.
 
-The ceiling the hot tier is measured against (docs/PERF.md, sessions 42-43): T tokens all routed to one expert
-(8 experts of the Kimi K2.x shape, top-1), so the layer's gate_up_hot stage is one INT4 W4A16 GEMM [T, 7168] x
-[7168 -> 2 x 2048] (+ SiLU(gate) * up) and down_hot one [T, 2048] x [2048 -> 7168], each graph-replayed alone
-(tools/bench_moe.time_plan). Per plan: the hot tier forced onto one pipeline (PIPE 20 / PIPE 5 at 256-token tiles,
-PIPE 8 at 64). The peer: torch bf16 matmuls x @ W^T of the same shapes (cuBLAS), timed in a child process (torch and
-the runtime's CUDA wheels clash in one process on the device image), in the same device session.
-Prints per T: time and TFLOP/s of each, ours / cuBLAS as a rate ratio, and the INT4 weights' read floor.
+The ceiling the hot tier is measured against (docs/PERF.md, session 43): T tokens on each of 8 experts of the Kimi
+K2.x shape (top-8 of 8: every token picks every expert), so the layer's gate_up_hot stage is 8 INT4 W4A16 GEMMs
+[T, 7168] x [7168 -> 2 x 2048] (+ SiLU(gate) * up) and down_hot 8 GEMMs [T, 2048] x [2048 -> 7168], each stage
+graph-replayed alone (tools/bench_moe.time_plan); 8 experts give 256 / 448 column blocks, enough to fill the GPU
+as a skewed layer's hot experts do (one expert alone gives 32 / 56). Per plan: the hot tier forced onto one
+pipeline (PIPE 20 / PIPE 5 at 256-token tiles, PIPE 8 at 64). The peer: torch.bmm of the same 8 bf16 GEMMs (cuBLAS),
+timed in a child process (torch and the runtime's CUDA wheels clash in one process on the device image), in the
+same device session. Prints per T: time and TFLOP/s of each, ours / cuBLAS as a rate ratio, and the read floor of
+the 8 experts' INT4 weights.
 
     python -m tools.bench_hot_gemm [--tokens 64,128,256,512,1024,2048] [--plans p20,ws5,p8] [--no-torch]
-    python -m tools.bench_hot_gemm --torch-only F    # the torch matmuls alone (the child), JSON into F
+    python -m tools.bench_hot_gemm --torch-only F    # the torch GEMMs alone (the child), JSON into F
 """
 from __future__ import annotations
 
@@ -25,28 +27,22 @@ PLANS = {"p20": (64, 256, 20), "ws5": (64, 256, 5), "p8": (16, 64, 8)}
 
 
 def gemm_flops(T: int) -> dict[str, float]:
-    """Multiply-adds x 2 of the two GEMMs at T tokens (gate_up: both halves)."""
-    return {"gate_up": 2.0 * T * HIDDEN * 2 * INTER, "down": 2.0 * T * INTER * HIDDEN}
-
-
-def one_expert_logits(T: int) -> np.ndarray:
-    """Router logits that send every token to expert 0 (top-1): a margin of 8 over N(0, 1) noise."""
-    logits = np.random.default_rng(T).standard_normal((T, EXPERTS)).astype(np.float32)
-    logits[:, 0] += 8.0
-    return logits
+    """Multiply-adds x 2 of each stage's 8 GEMMs at T tokens an expert (gate_up: both halves)."""
+    return {"gate_up": 2.0 * EXPERTS * T * HIDDEN * 2 * INTER, "down": 2.0 * EXPERTS * T * INTER * HIDDEN}
 
 
 def torch_main(tokens: list[int], path: str, iters: int) -> int:
-    """cuBLAS (torch bf16 matmul) at the hot GEMMs' shapes: {T: {gemm: seconds}} into `path`."""
+    """cuBLAS (torch.bmm, bf16) at the hot stages' shapes, 8 experts: {T: {gemm: seconds}} into `path`."""
     import torch
-    w_gu = torch.randn((2 * INTER, HIDDEN), dtype=torch.bfloat16, device="cuda") * 0.02
-    w_dn = torch.randn((HIDDEN, INTER), dtype=torch.bfloat16, device="cuda") * 0.02
+    w_gu = torch.randn((EXPERTS, 2 * INTER, HIDDEN), dtype=torch.bfloat16, device="cuda") * 0.02
+    w_dn = torch.randn((EXPERTS, HIDDEN, INTER), dtype=torch.bfloat16, device="cuda") * 0.02
     out = {}
     for T in tokens:
-        x = torch.randn((T, HIDDEN), dtype=torch.bfloat16, device="cuda")
-        h = torch.randn((T, INTER), dtype=torch.bfloat16, device="cuda")
+        x = torch.randn((EXPERTS, T, HIDDEN), dtype=torch.bfloat16, device="cuda")
+        h = torch.randn((EXPERTS, T, INTER), dtype=torch.bfloat16, device="cuda")
         row = {}
-        for name, fn in (("gate_up", lambda: x @ w_gu.T), ("down", lambda: h @ w_dn.T)):
+        for name, fn in (("gate_up", lambda: torch.bmm(x, w_gu.transpose(1, 2))),
+                         ("down", lambda: torch.bmm(h, w_dn.transpose(1, 2)))):
             for _ in range(5):
                 fn()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -103,20 +99,20 @@ def main(argv=None) -> int:
     print(f"measured read bandwidth: {bw / 1e12:.3f} TB/s")
     rng = np.random.default_rng(0)
     weights = make_weights(EXPERTS, HIDDEN, INTER, rng)
-    # one expert's INT4 weights + scales of each GEMM: what it reads at least once
-    w_bytes = {"gate_up": (weights.gate_q.nbytes + weights.gate_s.nbytes + weights.up_q.nbytes + weights.up_s.nbytes)
-               / EXPERTS, "down": (weights.down_q.nbytes + weights.down_s.nbytes) / EXPERTS}
+    # the 8 experts' INT4 weights + scales of each stage: what it reads at least once
+    w_bytes = {"gate_up": weights.gate_q.nbytes + weights.gate_s.nbytes + weights.up_q.nbytes + weights.up_s.nbytes,
+               "down": weights.down_q.nbytes + weights.down_s.nbytes}
     rows = []
     for T in tokens:
         x = rng.standard_normal((T, HIDDEN)).astype(np.float32)
-        logits = one_expert_logits(T)
+        logits = np.random.default_rng(T).standard_normal((T, EXPERTS)).astype(np.float32)   # top-8 of 8: all
         times = {}
         for label in plans:
             tier = PLANS[label]
             if T < tier[0]:
                 continue
             try:
-                _, stages = time_plan(weights, T, EXPERTS, x, logits, dict(topk=1, gmma_tiers=[tier]), args.iters)
+                _, stages = time_plan(weights, T, EXPERTS, x, logits, dict(topk=EXPERTS, gmma_tiers=[tier]), args.iters)
             except Exception as e:   # report, keep the other plans
                 print(f"T={T} {label}: failed ({type(e).__name__}: {e})", flush=True)
                 continue
@@ -124,12 +120,13 @@ def main(argv=None) -> int:
             times[label] = {"gate_up": stages["gate_up_hot"], "down": stages["down_hot"]}
         rows.append((T, times))
     flops_unit = 1e12
-    print("\nhot GEMMs, T tokens on one expert, graph replay of the stage alone: us (TFLOP/s); 'vs cuBLAS' = our "
-          "rate / cuBLAS's bf16 rate at the same shape; 'floor' = the INT4 weights read once at the measured "
-          "bandwidth")
+    print(f"\nhot stages, T tokens on each of {EXPERTS} experts, graph replay of the stage alone: us (TFLOP/s); "
+          f"'vs cuBLAS' = our rate / cuBLAS's (torch.bmm, bf16) at the same shapes; 'floor' = the experts' INT4 weights "
+          f"read once at the measured bandwidth")
     for gemm in ("gate_up", "down"):
-        print(f"\n{gemm}: [T, {HIDDEN if gemm == 'gate_up' else INTER}] -> {2 * INTER if gemm == 'gate_up' else HIDDEN}"
-              f", weights {w_bytes[gemm] / 1e6:.1f} MB, floor {w_bytes[gemm] / bw * 1e6:.1f} us")
+        print(f"\n{gemm}: {EXPERTS} x [T, {HIDDEN if gemm == 'gate_up' else INTER}] -> "
+              f"{2 * INTER if gemm == 'gate_up' else HIDDEN}, weights {w_bytes[gemm] / 1e6:.1f} MB, "
+              f"floor {w_bytes[gemm] / bw * 1e6:.1f} us")
         print(f"{'T':>5s} {'cuBLAS bf16':>18s} " + " ".join(f"{p:>18s} {'vs cuBLAS':>9s}" for p in plans))
         for T, times in rows:
             fl = gemm_flops(T)[gemm]
