@@ -63,6 +63,8 @@ step bench_moe_mid python3 tools/bench_moe.py --no-variants --tokens 12,16,24,31
 step bench_moe_large python3 tools/bench_moe.py --no-variants --tokens 32,128,256,512,1024 --plans 'pdl,par'
 # the layer computing the shared expert's bf16 MLP (88 MB) on its side stream, against one stream and the two alone
 step bench_moe_shared python3 tools/bench_moe.py --no-variants --no-plans --shared 1 --tokens 1,2,4,8,16,64,256
+# the hot tiers' GEMMs (8 experts x T tokens) against cuBLAS's batched bf16 GEMM of the same shapes (torch child)
+step bench_hot_gemm python3 -m tools.bench_hot_gemm
 # per-warp timelines (tools/trace_timeline.py: traced kernel builds): the layer + shared MLP at small T, and a 2-layer
 # Qwen3-8B-shaped AR / verify step; records into $OUT/trace
 step trace_moe python3 tools/trace_timeline.py moe --tokens 1,2,8 --shared 1 --out "$OUT/trace"
