@@ -34,6 +34,7 @@ def gemm_flops(T: int) -> dict[str, float]:
 def torch_main(tokens: list[int], path: str, iters: int) -> int:
     """cuBLAS (torch.bmm, bf16) at the hot stages' shapes, 8 experts: {T: {gemm: seconds}} into `path`."""
     import torch
+    from tools.torch_timing import torch_seconds
     w_gu = torch.randn((EXPERTS, 2 * INTER, HIDDEN), dtype=torch.bfloat16, device="cuda") * 0.02
     w_dn = torch.randn((EXPERTS, HIDDEN, INTER), dtype=torch.bfloat16, device="cuda") * 0.02
     out = {}
@@ -43,15 +44,7 @@ def torch_main(tokens: list[int], path: str, iters: int) -> int:
         row = {}
         for name, fn in (("gate_up", lambda: torch.bmm(x, w_gu.transpose(1, 2))),
                          ("down", lambda: torch.bmm(h, w_dn.transpose(1, 2)))):
-            for _ in range(5):
-                fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            row[name] = start.elapsed_time(end) / iters * 1e-3
+            row[name] = torch_seconds(fn, iters, warmup=5)
         out[str(T)] = row
     with open(path, "w") as f:
         json.dump(out, f)

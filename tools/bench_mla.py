@@ -24,17 +24,10 @@ from tools.read_bandwidth import read_bandwidth
 def bf16_matmul_rate() -> float:
     try:
         import torch
+        from tools.torch_timing import torch_seconds
         a = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
         b = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
-        for _ in range(3):
-            a @ b
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(10):
-            a @ b
-        e.record()
-        e.synchronize()
-        return 2 * 8192 ** 3 * 10 / (s.elapsed_time(e) * 1e-3)
+        return 2 * 8192 ** 3 / torch_seconds(lambda: a @ b, 10)
     except Exception as ex:
         print(f"(torch matmul rate not measured: {type(ex).__name__}; using 790 TFLOP/s)")
         return 790e12

@@ -99,6 +99,7 @@ class TorchLoop:
         self.inter = inter
 
     def time_ms(self, ids, w, iters=5):
+        from tools.torch_timing import torch_seconds
         torch = self.torch
         T = ids.shape[0]
         x = torch.randn((T, self.w1.shape[2]), dtype=torch.bfloat16, device="cuda")
@@ -119,15 +120,7 @@ class TorchLoop:
                 y.index_add_(0, tok, (h @ self.w2[e].T).float() * we[:, None])
             return y
 
-        for _ in range(2):
-            run()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters, len(experts) * 3 * self.inter * x.shape[1] * 2
+        return torch_seconds(run, iters, warmup=2) * 1e3, len(experts) * 3 * self.inter * x.shape[1] * 2
 
 
 def main(argv=None):
