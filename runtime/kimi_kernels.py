@@ -406,8 +406,10 @@ GMMA_AUTO = {31: ((16, 32, 8),), 255: ((16, 64, 8),), 511: ((64, 256, 20), (16, 
 GMMA_AUTO_GRID_ROWS = {255: None, 511: 32, 767: 64, 1 << 30: 128}
 # The default plan's cap on the block rows of its 256-token tier (PIPE 20, one block per SM), below the one above:
 # at uniform T >= 512 no expert reaches its 64 tokens, and each of the P // 64 rows x column tiles launched is an
-# empty block of 223 KB that exits (PERF.md session 42: +0.8% at uniform T = 1024 against PIPE 5's tier). Under
-# skewed routing the bench's T = 1024 has 23 such experts; past 32 a block row walks two slots.
+# empty block of 223 KB that exits. H100, PERF.md session 43, layer graph replay against no cap of its own: uniform
+# T = 512 / 767 / 1024 -0.9 / -2.8 / -2.2% (a second run -0.6 / -2.0 / +0.5%), skewed -0.4..-1.5%; 16 or 8 rows
+# were no better (skewed +0.4..+2.1%). Under skewed routing the bench's T = 1024 has 23 such experts; past 32 a block
+# row walks two slots.
 GMMA_AUTO_WIDE_GRID_ROWS = 32
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
