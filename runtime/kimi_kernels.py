@@ -440,6 +440,12 @@ def _pipe_takes_tile(pipe: int, tile: int) -> bool:
                 or (pipe in GMMA_WS_PIPES and tile < 128) or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
+def _check_grid_rows(name: str, rows, other_values: str) -> None:
+    """A block-row cap of MoeLayer: None or an int >= 1 (the "auto" default resolved before this)."""
+    if rows is not None and (isinstance(rows, str) or int(rows) < 1):
+        raise ValueError(f"{name}={rows!r}: want >= 1 block rows (or {other_values})")
+
+
 def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6 (and 7
@@ -640,9 +646,8 @@ class MoeLayer:
             raise ValueError(f"bias has {np.asarray(bias).size} entries, want E = {E}")
         # the cap on the 256-token tier's rows: asked for, or "auto": the default plan's GMMA_AUTO_WIDE_GRID_ROWS
         wide_grid_rows = None if gmma_wide_grid_rows == "auto" else gmma_wide_grid_rows
-        if wide_grid_rows is not None and (isinstance(wide_grid_rows, str) or int(wide_grid_rows) < 1):
-            raise ValueError(f"gmma_wide_grid_rows={gmma_wide_grid_rows!r}: want >= 1 block rows (or None: no cap of "
-                             f"its own; 'auto': GMMA_AUTO_WIDE_GRID_ROWS with the default tiers)")
+        _check_grid_rows("gmma_wide_grid_rows", wide_grid_rows,
+                         "None: no cap of its own; 'auto': GMMA_AUTO_WIDE_GRID_ROWS with the default tiers")
         if gmma_tiers is not None:
             if gmma_min_tokens != "auto" or gmma_tile is not None or gmma_pipe is not None:
                 raise ValueError("gmma_tiers replaces gmma_min_tokens / gmma_tile / gmma_pipe: give one or the other")
@@ -687,9 +692,7 @@ class MoeLayer:
                                  f"with a token tile it is built for ({tiles})")
         if gmma_grid_rows == "auto":   # tiers asked for by name: one block row per possibly hot slot
             gmma_grid_rows = None
-        if gmma_grid_rows is not None and (isinstance(gmma_grid_rows, str) or int(gmma_grid_rows) < 1):
-            raise ValueError(f"gmma_grid_rows={gmma_grid_rows!r}: want >= 1 block rows (or None: one per slot; "
-                             f"'auto': GMMA_AUTO_GRID_ROWS)")
+        _check_grid_rows("gmma_grid_rows", gmma_grid_rows, "None: one per slot; 'auto': GMMA_AUTO_GRID_ROWS")
         if shared is not None and (shared.dtype != np.uint16 or tuple(shared.shape) != (T, w.hidden)):
             raise ValueError(f"shared expert output must be bf16 [T, hidden] = [{T}, {w.hidden}], got "
                              f"{shared.dtype} {shared.shape}")

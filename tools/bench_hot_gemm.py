@@ -126,7 +126,7 @@ def main(argv=None) -> int:
             t_peer = peer.get(str(T), {}).get(gemm, float("nan"))
             cells = [f"{t_peer * 1e6:8.1f} ({fl / t_peer / flops_unit:6.1f})"]
             for p in plans:
-                t = times.get(p, {}).get(gemm) if p in times else None
+                t = times.get(p, {}).get(gemm)
                 if t is None:
                     cells.append(f"{'-':>18s} {'-':>9s}")
                     continue
