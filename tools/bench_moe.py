@@ -376,7 +376,7 @@ def select_plans(plans, spec: str):
 def launch_plans(default_fused_combine: bool, T: int):
     """(label, MoeLayer keyword arguments) at T tokens: the plan before issue 7's launch work, then one change at a
     time."""
-    from runtime.kimi_kernels import gmma_auto_grid_rows, gmma_auto_tiers
+    from runtime.kimi_kernels import GMMA_AUTO_WIDE_GRID_ROWS, gmma_auto_grid_rows, gmma_auto_tiers
     rows = gmma_auto_grid_rows(T)   # the default plan's grid cap for T, given to tiers named below where noted
     before = dict(routing="two", fuse_combine=False, early=False, pdl=False, gmma_min_tokens=None)
     return [
@@ -541,6 +541,9 @@ def launch_plans(default_fused_combine: bool, T: int):
         # the default's tiers without the cap on the 256-token tier's rows (GMMA_AUTO_WIDE_GRID_ROWS; the default
         # before session 43): one block row per possibly hot slot up to GMMA_AUTO_GRID_ROWS
         *([("wide-rows-all", dict(gmma_tiers=gmma_auto_tiers(T), gmma_grid_rows=rows))] if T >= 256 else []),
+        # PIPE 21 (PIPE 20 with mbarrier hand-offs, no block barrier per stage) in the default's 256-token tier
+        *([("p21", dict(gmma_tiers=[(64, 256, 21), *gmma_auto_tiers(T)[1:]], gmma_grid_rows=rows,
+                        gmma_wide_grid_rows=GMMA_AUTO_WIDE_GRID_ROWS))] if T >= 256 else []),
         ("wide-rows8", dict(gmma_wide_grid_rows=8)),
         ("wide-rows16", dict(gmma_wide_grid_rows=16)),
         # the routing (kimi_kernels.ROUTINGS) against the default: moe_topk + moe_group (two kernels); one warp
