@@ -245,7 +245,7 @@ template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bo
           int N = TN, int WR = moe90::W_RING, bool MBAR = false, class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x,
-                                                         long long fill_t0, moe90::XRingBars& xr) {
+                                                         long long fill_t0, moe90::XRingBars* xr) {
   static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
                 "ring sizes");
   static_assert(!SMEM_W || (SLOT && SPLIT && WR % BUFFERS == 0 && WR >= X_AHEAD + 1),
@@ -285,24 +285,20 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a);
     }
   };
-  // MBAR (PIPE 21): the x ring's mbarriers (moe90::XRingBars) past the weight ring; xr.parity bit b is buffer b's
+  // MBAR (PIPE 21): the x ring's mbarriers (moe90::XRingBars) past the weight ring; xr->parity bit b is buffer b's
   // next full phase, bit 16 + b the empty phase its next refill waits for
   const uint32_t bars = smem_base + BUFFERS * X_TILE + WR * moe90::THREADS * 20;
-  // x of stage u into buffer b. MBAR: once every warp has released the buffer, then this thread's arrival on its
+  // MBAR: x of stage u into buffer b once every warp has released the buffer, then this thread's arrival on its
   // full barrier when its copies (and all its earlier ones, the weight ring's) have landed; no cp.async groups.
   auto fill_x = [&](int b, int u) {
-    if constexpr (MBAR) {
-      ddtree::mbar_wait(bars + 8 * (BUFFERS + b), (xr.parity >> (16 + b)) & 1u);
-      xr.parity ^= 1u << (16 + b);
-      load_x(smem_base + b * X_TILE, u);
-      ddtree::mbar_arrive_cp_async(bars + 8 * b);
-    } else {
-      load_x(smem_base + b * X_TILE, u);
-    }
+    ddtree::mbar_wait(bars + 8 * (BUFFERS + b), (xr->parity >> (16 + b)) & 1u);
+    xr->parity ^= 1u << (16 + b);
+    load_x(smem_base + b * X_TILE, u);
+    ddtree::mbar_arrive_cp_async(bars + 8 * b);
   };
   auto wait_x = [&](int b) {   // MBAR: every thread's copies into buffer b have landed (and this thread's weights)
-    ddtree::mbar_wait(bars + 8 * b, (xr.parity >> b) & 1u);
-    xr.parity ^= 1u << b;
+    ddtree::mbar_wait(bars + 8 * b, (xr->parity >> b) & 1u);
+    xr->parity ^= 1u << b;
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
   };
   auto release_x = [&](int b) {   // MBAR: this warp's wgmma reading buffer b have retired
@@ -313,8 +309,12 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
     if (d < units) load_stage(d, d);
 #pragma unroll
   for (int a = 0; a < X_AHEAD; ++a) {
-    if (a < units) fill_x(a, a);
-    if constexpr (!MBAR) ddtree::cp_async_commit();
+    if constexpr (MBAR) {
+      if (a < units) fill_x(a, a);
+    } else {
+      if (a < units) load_x(smem_base + a * X_TILE, a);
+      ddtree::cp_async_commit();
+    }
   }
   uint32_t a_frag[2][4][4];
   if constexpr (!SMEM_W) {
@@ -356,8 +356,12 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       }
       cute::warpgroup_commit_batch();
       const int xbuf = phase >= 0 ? (phase + d + X_AHEAD) % BUFFERS : (u + X_AHEAD) % BUFFERS;
-      if (!CHECKED || u + X_AHEAD < units) fill_x(xbuf, u + X_AHEAD);
-      if constexpr (!MBAR) ddtree::cp_async_commit();   // one group per stage, empty at the tail: the waits hold
+      if constexpr (MBAR) {
+        if (!CHECKED || u + X_AHEAD < units) fill_x(xbuf, u + X_AHEAD);
+      } else {
+        if (!CHECKED || u + X_AHEAD < units) load_x(smem_base + xbuf * X_TILE, u + X_AHEAD);
+        ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
+      }
       const long long t_mma = ddtree::trace_stall_begin<ddtree::kStallMmaWait>();
       cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its A set and x buffer are free
 #pragma unroll
@@ -550,11 +554,11 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
           constexpr int N = decltype(n_cols)::value;
           gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, true, N, W_RING_20, PIPE == 21>(
               acc, wp, sp, t, units, smem_base,
-              [&](uint32_t tile, int u) { load_x_rows(tile, u, n_cols); }, fill_t0, xr);
+              [&](uint32_t tile, int u) { load_x_rows(tile, u, n_cols); }, fill_t0, PIPE == 21 ? &xr : nullptr);
         });
       } else if constexpr (RA) {
         gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, PIPE == 8>(
-            acc, wp, sp, t, units, smem_base, load_x, fill_t0, xr);
+            acc, wp, sp, t, units, smem_base, load_x, fill_t0, nullptr);
       } else {
         // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
         // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with
