@@ -440,12 +440,13 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGmmaGateUp : ddtree::kTraceMoeGmmaDown);
   using namespace moe90;
   static_assert(TN == 32 || TN == 64 || TN == 128 || TN == 256, "token tile");
-  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8) || PIPE == 20 || PIPE == 21, "pipeline");
+  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8) || (PIPE >= 20 && PIPE <= 22), "pipeline");
   static_assert(TN != 32 || PIPE >= 6, "32-token tiles: PIPE 6 / 7 / 8 only (PIPE 3's lost to its 64: PERF.md)");
   static_assert(gmma_blocks_per_sm(PIPE) == 1 || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
   static_assert(PIPE != 8 || TN <= 64, "PIPE 8: 32- / 64-token tiles (its weight ring beside the 8-buffer x ring)");
-  // PIPE 21: PIPE 20 with the x ring's hand-offs through mbarriers instead of a block barrier per stage
-  constexpr bool P20 = PIPE == 20 || PIPE == 21;
+  // PIPE 21: PIPE 20 with the x ring's hand-offs through mbarriers instead of a block barrier per stage; PIPE 22:
+  // PIPE 21 with x 3 stages ahead, so that a warp may run two stages ahead of the slowest (21: one)
+  constexpr bool P20 = PIPE >= 20 && PIPE <= 22, MBAR = PIPE == 21 || PIPE == 22;
   static_assert(!P20 || TN == 256, "PIPE 20 / 21: 256-token tiles (at 128, two blocks per SM, it lost: PERF.md 42)");
   constexpr bool SLOT = PIPE >= 6;   // otherwise PIPE 3's pipeline
   constexpr bool SPLIT = PIPE >= 7;   // PIPE 7: PIPE 6 with the steady-state stages unchecked, an 8-buffer x ring
@@ -466,7 +467,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   // PIPE 8: x 5 stages ahead (the most its 8 buffers allow): a cp.async wait covers every older group, the
   // weights' too, so this distance less PAIR, not the weight ring's depth, is how many stages any of its loads
   // have to land (PIPE 20 at 2 ahead left them one stage: PERF.md session 42)
-  constexpr int X_AHEAD = PIPE == 8 ? 5 : P20 ? 4 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
+  constexpr int X_AHEAD = PIPE == 8 ? 5 : PIPE == 22 ? 3 : P20 ? 4 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
   constexpr int W_RING_20 = 6;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
@@ -474,7 +475,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   using O = typename ddtree::GmmaOp<TN>::type;
   // PIPE 21: the x ring's mbarriers past the weight ring (gmma_register_a_mainloop), initialized once per block
   XRingBars xr{0xffff0000u};
-  if constexpr (PIPE == 21) {
+  if constexpr (MBAR) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
     const uint32_t bars = base + BUFFERS * X_TILE + W_RING_20 * THREADS * 20;
@@ -552,9 +553,9 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         // of 72 tokens costs 96 token columns, not TN
         dispatch_n<32, TN>((min(TN, count - c0) + 31) / 32, [&](auto n_cols) {
           constexpr int N = decltype(n_cols)::value;
-          gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, true, N, W_RING_20, PIPE == 21>(
+          gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, true, N, W_RING_20, MBAR>(
               acc, wp, sp, t, units, smem_base,
-              [&](uint32_t tile, int u) { load_x_rows(tile, u, n_cols); }, fill_t0, PIPE == 21 ? &xr : nullptr);
+              [&](uint32_t tile, int u) { load_x_rows(tile, u, n_cols); }, fill_t0, MBAR ? &xr : nullptr);
         });
       } else if constexpr (RA) {
         gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, PIPE == 8>(

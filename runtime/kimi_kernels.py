@@ -426,19 +426,20 @@ GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks
               20: "PIPE 8 at 256-token tiles (one block per SM), x 4 stages ahead in 6 buffers, the wgmma N cut to "
                   "each chunk's tokens (rounded up to 32)",
               21: "PIPE 20 with the x ring's hand-offs through mbarriers (each buffer's copies landed / its readers "
-                  "done) instead of a block barrier per stage"}
+                  "done) instead of a block barrier per stage",
+              22: "PIPE 21 with x 3 stages ahead (a warp may run two stages ahead of the slowest)"}
 # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
 _WS_TEMPLATE = {4: "0", 5: "16"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
-GMMA_SLOT_PIPES = (6, 7, 8, 20, 21)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
+GMMA_SLOT_PIPES = (6, 7, 8, 20, 21, 22)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_PIPE = 8
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
     """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 for 32/64, the
-    warp-specialized 4/5 for 128/256, PIPE 20 / 21 for 256."""
-    return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64) or (pipe in (20, 21) and tile != 256)
+    warp-specialized 4/5 for 128/256, PIPE 20 / 21 / 22 for 256."""
+    return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64) or (pipe in (20, 21, 22) and tile != 256)
                 or (pipe in GMMA_WS_PIPES and tile < 128) or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
@@ -452,16 +453,16 @@ def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6 (and 7
     at 128-token tiles), 8 for PIPE 7 at 32 / 64, those and PIPE 8's weight ring for PIPE 8, 6 and a 6-stage ring
-    for PIPE 20 (21: and the x ring's 12 mbarriers); PIPE 4 / 5 below), or the epilogue's staging where that is larger
+    for PIPE 20 (21 / 22: and the x ring's 12 mbarriers); PIPE 4 / 5 below), or the epilogue's staging where that is larger
     (PIPE 0 at 256-token tiles)."""
     if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
         buffers = 8 if pipe in (7, 8) and tile <= 64 else 6 if pipe in GMMA_SLOT_PIPES else 4
-        ring = 6 if pipe in (20, 21) else 8   # PIPE 8 / 20's weight ring: stages of 16 + 4 bytes per thread
-        weight_ring = ring * 256 * (16 + 4) if pipe in (8, 20, 21) else 0
-        bars = 2 * buffers * 8 if pipe == 21 else 0
+        ring = 6 if pipe in (20, 21, 22) else 8   # PIPE 8 / 20's weight ring: stages of 16 + 4 bytes per thread
+        weight_ring = ring * 256 * (16 + 4) if pipe in (8, 20, 21, 22) else 0
+        bars = 2 * buffers * 8 if pipe in (21, 22) else 0
         return 1024 + max(buffers * tile * 128 + weight_ring + bars, staging)
     return 1024 + max((2 + pipe) * (128 * 128 + tile * 128), staging)
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens

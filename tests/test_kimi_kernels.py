@@ -616,7 +616,7 @@ def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipe", [20, 21])
+@pytest.mark.parametrize("pipe", [20, 21, 22])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_moe_layer_gmma_pipe20_chunk_widths(cuda_device, parallel, pipe):
     """PIPE 20 / 21 cut each chunk's wgmma N to its tokens rounded up to 32: skewed routing at T = 1000 (16 experts,

@@ -23,7 +23,7 @@ import numpy as np
 
 HIDDEN, INTER, EXPERTS = 7168, 2048, 8
 # label -> the hot tier (min tokens, token tile, PIPE) that every expert of >= its minimum runs on
-PLANS = {"p20": (64, 256, 20), "p21": (64, 256, 21), "ws5": (64, 256, 5), "p8": (16, 64, 8)}
+PLANS = {"p20": (64, 256, 20), "p21": (64, 256, 21), "p22": (64, 256, 22), "ws5": (64, 256, 5), "p8": (16, 64, 8)}
 
 
 def gemm_flops(T: int) -> dict[str, float]:

@@ -542,8 +542,9 @@ def launch_plans(default_fused_combine: bool, T: int):
         # before session 43): one block row per possibly hot slot up to GMMA_AUTO_GRID_ROWS
         *([("wide-rows-all", dict(gmma_tiers=gmma_auto_tiers(T), gmma_grid_rows=rows))] if T >= 256 else []),
         # PIPE 21 (PIPE 20 with mbarrier hand-offs, no block barrier per stage) in the default's 256-token tier
-        *([("p21", dict(gmma_tiers=[(64, 256, 21), *gmma_auto_tiers(T)[1:]], gmma_grid_rows=rows,
-                        gmma_wide_grid_rows=GMMA_AUTO_WIDE_GRID_ROWS))] if T >= 256 else []),
+        # (PIPE 22: x 3 stages ahead)
+        *([(f"p{p}", dict(gmma_tiers=[(64, 256, p), *gmma_auto_tiers(T)[1:]], gmma_grid_rows=rows,
+                          gmma_wide_grid_rows=GMMA_AUTO_WIDE_GRID_ROWS)) for p in (21, 22)] if T >= 256 else []),
         ("wide-rows8", dict(gmma_wide_grid_rows=8)),
         ("wide-rows16", dict(gmma_wide_grid_rows=16)),
         # the routing (kimi_kernels.ROUTINGS) against the default: moe_topk + moe_group (two kernels); one warp
