@@ -9,7 +9,7 @@
 // split the hot slots between pipelines); moe_slot_split_kernel writes the counts the mma.sync kernel sees
 // (count < the lowest tier's min_count ? count : 0), so each slot is done by exactly one kernel.
 //
-// Two kernels, eight pipelines (PIPE; runtime/kimi_kernels.py GMMA_PIPES, measurements in docs/PERF.md):
+// Two kernels, ten pipelines (PIPE; runtime/kimi_kernels.py GMMA_PIPES, measurements in docs/PERF.md):
 // moe_gmma_kernel<MODE, TN, PIPE>: 2 warpgroups, 128 weight rows (MODE 0: 64 gate rows = warpgroup 0, the same
 // 64 up rows = warpgroup 1; MODE 1: 128 down rows) x up to TN tokens; token chunks of TN loop inside the block
 // (or, with the (slot, chunk) item list, one chunk per block). Every warp dequantizes its 16-row block: lane
@@ -38,6 +38,9 @@
 //   stages ahead in 6 buffers, a 6-stage weight ring, and the wgmma N cut to the chunk's tokens rounded up to 32
 //   (one main loop per N). The register-A wgmma reads only x from shared memory, where the warp-specialized PIPE 5
 //   also stores and re-reads the dequantized weights there.
+// - PIPE 21: PIPE 20 without the block barrier per stage: each x buffer is handed over through mbarriers (full: all
+//   threads' copies landed, one cp.async arrival each; empty: all warps' wgmma on it retired), so a warp may run
+//   one stage ahead of the slowest. PIPE 22: the same with x 3 stages ahead (two stages of slack).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
 // below). Traced builds count each warp's cycles in the spans DDTREE_TRACE_STALLS selects
