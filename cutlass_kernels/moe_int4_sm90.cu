@@ -215,7 +215,7 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
     a[j][3] = dequant_bf16x2(nib_to_bf16x2_biased(q[j] >> 12), s_hi);    // row g + 8
   }
 }
-// PIPE 21: this thread's phase bits of the x ring's mbarriers (gmma_register_a_mainloop), carried across the
+// PIPE 21 / 22: this thread's phase bits of the x ring's mbarriers (gmma_register_a_mainloop), carried across the
 // block's chunks. full[b] completes when all 256 threads' copies into buffer b have landed (one cp.async arrival
 // each), empty[b] when all 8 warps have retired the wgmma that read it (lane 0's arrival after the wait). Bit b:
 // the parity of buffer b's next full phase; bit 16 + b: the parity its next refill waits for (ones at the start: a
@@ -223,6 +223,11 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
 struct XRingBars {
   uint32_t parity;
 };
+// Where those mbarriers lie: full[0 .. buffers - 1], then empty[0 .. buffers - 1], past the x buffers and the
+// weight ring (wr stages of 16 + 4 bytes per thread).
+__host__ __device__ constexpr uint32_t x_ring_bars(uint32_t smem_base, int buffers, int x_tile, int wr) {
+  return smem_base + buffers * x_tile + wr * THREADS * 20;
+}
 }  // namespace moe90
 
 // PIPE 2 main loop over the k units of one token chunk: the warpgroup's 64 weight rows dequantized into A
@@ -288,9 +293,9 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a);
     }
   };
-  // MBAR (PIPE 21): the x ring's mbarriers (moe90::XRingBars) past the weight ring; xr->parity bit b is buffer b's
-  // next full phase, bit 16 + b the empty phase its next refill waits for
-  const uint32_t bars = smem_base + BUFFERS * X_TILE + WR * moe90::THREADS * 20;
+  // MBAR (PIPE 21 / 22): the x ring's mbarriers (moe90::XRingBars); xr->parity bit b is buffer b's next full phase,
+  // bit 16 + b the empty phase its next refill waits for
+  const uint32_t bars = moe90::x_ring_bars(smem_base, BUFFERS, X_TILE, WR);
   // MBAR: x of stage u into buffer b once every warp has released the buffer, then this thread's arrival on its
   // full barrier when its copies (and all its earlier ones, the weight ring's) have landed; no cp.async groups.
   auto fill_x = [&](int b, int u) {
@@ -450,7 +455,7 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   // PIPE 21: PIPE 20 with the x ring's hand-offs through mbarriers instead of a block barrier per stage; PIPE 22:
   // PIPE 21 with x 3 stages ahead, so that a warp may run two stages ahead of the slowest (21: one)
   constexpr bool P20 = PIPE >= 20 && PIPE <= 22, MBAR = PIPE == 21 || PIPE == 22;
-  static_assert(!P20 || TN == 256, "PIPE 20 / 21: 256-token tiles (at 128, two blocks per SM, it lost: PERF.md 42)");
+  static_assert(!P20 || TN == 256, "PIPE 20-22: 256-token tiles (at 128, two blocks per SM, it lost: PERF.md 42)");
   constexpr bool SLOT = PIPE >= 6;   // otherwise PIPE 3's pipeline
   constexpr bool SPLIT = PIPE >= 7;   // PIPE 7: PIPE 6 with the steady-state stages unchecked, an 8-buffer x ring
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
@@ -476,12 +481,12 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
   using O = typename ddtree::GmmaOp<TN>::type;
-  // PIPE 21: the x ring's mbarriers past the weight ring (gmma_register_a_mainloop), initialized once per block
+  // PIPE 21 / 22: the x ring's mbarriers (gmma_register_a_mainloop), initialized once per block
   XRingBars xr{0xffff0000u};
   if constexpr (MBAR) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-    const uint32_t bars = base + BUFFERS * X_TILE + W_RING_20 * THREADS * 20;
+    const uint32_t bars = x_ring_bars(base, BUFFERS, X_TILE, W_RING_20);
     if (threadIdx.x == 0) {
 #pragma unroll
       for (int b = 0; b < BUFFERS; ++b) {

@@ -397,8 +397,8 @@ register(KernelFamily(
     pdl=True,
 ))
 # The same grouped GEMMs on Hopper wgmma for experts with many tokens (weights dequantized once per stage into
-# shared memory, or into wgmma A registers with PIPE 2 / 3 / 6 / 7 / 8 / 20 / 21 / 22): moe_gmma_kernel<MODE, TN, PIPE>, plus
-# the slot split between it and moe_w4a16_kernel. sm_90a only.
+# shared memory, or into wgmma A registers with PIPE 2 / 3 / 6 / 7 / 8 / 20 / 21 / 22): moe_gmma_kernel<MODE, TN,
+# PIPE>, plus the slot split between it and moe_w4a16_kernel. sm_90a only.
 MOE_GMMA_VARIANTS = tuple(f"moe_gmma_kernel<{mode}, {tn}, {pipe}>" for mode in (0, 1) for tn in (64, 128, 256)
                           for pipe in (0, 1, 2)) + tuple(
     f"moe_gmma_kernel<{mode}, {tn}, {pipe}>" for mode in (0, 1) for tn in (64, 128) for pipe in (3, 6, 7)) + tuple(

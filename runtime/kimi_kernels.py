@@ -431,7 +431,8 @@ GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks
 # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
 _WS_TEMPLATE = {4: "0", 5: "16"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
-GMMA_SLOT_PIPES = (6, 7, 8, 20, 21, 22)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
+# register A in slot order: they read the slot-ordered x copy, write h in slot order
+GMMA_SLOT_PIPES = (6, 7, 8, 20, 21, 22)
 GMMA_PIPE = 8
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
@@ -439,8 +440,9 @@ GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
     """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 for 32/64, the
     warp-specialized 4/5 for 128/256, PIPE 20 / 21 / 22 for 256."""
-    return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64) or (pipe in (20, 21, 22) and tile != 256)
-                or (pipe in GMMA_WS_PIPES and tile < 128) or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
+    return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64)
+                or (pipe in (20, 21, 22) and tile != 256) or (pipe in GMMA_WS_PIPES and tile < 128)
+                or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
 def _check_grid_rows(name: str, rows, other_values: str) -> None:
@@ -453,14 +455,14 @@ def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6 (and 7
     at 128-token tiles), 8 for PIPE 7 at 32 / 64, those and PIPE 8's weight ring for PIPE 8, 6 and a 6-stage ring
-    for PIPE 20 (21 / 22: and the x ring's 12 mbarriers); PIPE 4 / 5 below), or the epilogue's staging where that is larger
-    (PIPE 0 at 256-token tiles)."""
+    for PIPE 20 (21 / 22: and the x ring's 12 mbarriers); PIPE 4 / 5 below), or the epilogue's staging where that
+    is larger (PIPE 0 at 256-token tiles)."""
     if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
         buffers = 8 if pipe in (7, 8) and tile <= 64 else 6 if pipe in GMMA_SLOT_PIPES else 4
-        ring = 6 if pipe in (20, 21, 22) else 8   # PIPE 8 / 20's weight ring: stages of 16 + 4 bytes per thread
+        ring = 6 if pipe in (20, 21, 22) else 8   # PIPE 8 / 20-22's weight ring: stages of 16 + 4 bytes per thread
         weight_ring = ring * 256 * (16 + 4) if pipe in (8, 20, 21, 22) else 0
         bars = 2 * buffers * 8 if pipe in (21, 22) else 0
         return 1024 + max(buffers * tile * 128 + weight_ring + bars, staging)

@@ -580,8 +580,8 @@ def test_moe_layer_default_hot_tiers_from_256(cuda_device, T, E):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pipe,tile", [(7, 32), (7, 64), (7, 128), (8, 32), (8, 64), (20, 256), (21, 256)])
 def test_moe_layer_gmma_pipe7_steady_state(cuda_device, pipe, tile):
-    """PIPE 7 / 8 / 20 / 21 at K = 2048 / 1024 (32 / 16 units): both GEMMs run unchecked steady-state stage groups before
-    the checked tail (at the other tests' K = 512 down has no steady group), every expert hot: the layer vs the
+    """PIPE 7 / 8 / 20 / 21 at K = 2048 / 1024 (32 / 16 units): both GEMMs run unchecked steady-state stage groups
+    before the checked tail (at the other tests' K = 512 down has no steady group), every expert hot: the layer vs the
     float32 reference, twice."""
     from runtime import cuda
     if cuda.get_device().arch != "90a":
@@ -619,11 +619,11 @@ def test_moe_layer_gmma_tiers(cuda_device, T, E, tiers, parallel, overlap, grid_
 @pytest.mark.parametrize("pipe", [20, 21, 22])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_moe_layer_gmma_pipe20_chunk_widths(cuda_device, parallel, pipe):
-    """PIPE 20 / 21 cut each chunk's wgmma N to its tokens rounded up to 32: skewed routing at T = 1000 (16 experts,
-    top-4, ~60..600 tokens each) gives last chunks of many widths (and, with the chunks in turn, blocks that walk
-    several chunks and slots: PIPE 21's mbarrier phases carried across them). Every expert on the pipeline against
-    the float32 reference, and bit for bit against PIPE 8's 64-token tiles (the same products summed in the same
-    order)."""
+    """PIPE 20 / 21 / 22 cut each chunk's wgmma N to its tokens rounded up to 32: skewed routing at T = 1000 (16
+    experts, top-4, ~60..600 tokens each) gives last chunks of many widths (and, with the chunks in turn, blocks that
+    walk several chunks and slots: PIPE 21 / 22's mbarrier phases carried across them). Every expert on the pipeline
+    against the float32 reference, and bit for bit against PIPE 8's 64-token tiles (the same products summed in the
+    same order)."""
     from runtime import cuda
     if cuda.get_device().arch != "90a":
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
