@@ -433,6 +433,10 @@ _WS_TEMPLATE = {4: "0", 5: "16"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
 # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_SLOT_PIPES = (6, 7, 8, 20, 21, 22)
+# PIPE 20 and its variants: 256-token tiles, 6 x buffers beside a 6-stage weight ring; of them, the ones whose x ring
+# hands over through mbarriers (12 of them in shared memory)
+GMMA_WIDE_PIPES = (20, 21, 22)
+GMMA_MBAR_PIPES = (21, 22)
 GMMA_PIPE = 8
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
@@ -441,7 +445,7 @@ def _pipe_takes_tile(pipe: int, tile: int) -> bool:
     """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 for 32/64, the
     warp-specialized 4/5 for 128/256, PIPE 20 / 21 / 22 for 256."""
     return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64)
-                or (pipe in (20, 21, 22) and tile != 256) or (pipe in GMMA_WS_PIPES and tile < 128)
+                or (pipe in GMMA_WIDE_PIPES and tile != 256) or (pipe in GMMA_WS_PIPES and tile < 128)
                 or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
@@ -462,9 +466,9 @@ def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
         buffers = 8 if pipe in (7, 8) and tile <= 64 else 6 if pipe in GMMA_SLOT_PIPES else 4
-        ring = 6 if pipe in (20, 21, 22) else 8   # PIPE 8 / 20-22's weight ring: stages of 16 + 4 bytes per thread
-        weight_ring = ring * 256 * (16 + 4) if pipe in (8, 20, 21, 22) else 0
-        bars = 2 * buffers * 8 if pipe in (21, 22) else 0
+        ring = 6 if pipe in GMMA_WIDE_PIPES else 8   # PIPE 8 / 20-22's weight ring: stages of 16 + 4 bytes per thread
+        weight_ring = ring * 256 * (16 + 4) if pipe == 8 or pipe in GMMA_WIDE_PIPES else 0
+        bars = 2 * buffers * 8 if pipe in GMMA_MBAR_PIPES else 0
         return 1024 + max(buffers * tile * 128 + weight_ring + bars, staging)
     return 1024 + max((2 + pipe) * (128 * 128 + tile * 128), staging)
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens

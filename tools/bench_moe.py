@@ -376,7 +376,7 @@ def select_plans(plans, spec: str):
 def launch_plans(default_fused_combine: bool, T: int):
     """(label, MoeLayer keyword arguments) at T tokens: the plan before issue 7's launch work, then one change at a
     time."""
-    from runtime.kimi_kernels import GMMA_AUTO_WIDE_GRID_ROWS, gmma_auto_grid_rows, gmma_auto_tiers
+    from runtime.kimi_kernels import GMMA_AUTO_WIDE_GRID_ROWS, GMMA_MBAR_PIPES, gmma_auto_grid_rows, gmma_auto_tiers
     rows = gmma_auto_grid_rows(T)   # the default plan's grid cap for T, given to tiers named below where noted
     before = dict(routing="two", fuse_combine=False, early=False, pdl=False, gmma_min_tokens=None)
     return [
@@ -544,7 +544,7 @@ def launch_plans(default_fused_combine: bool, T: int):
         # PIPE 21 (PIPE 20 with mbarrier hand-offs, no block barrier per stage) in the default's 256-token tier
         # (PIPE 22: x 3 stages ahead)
         *([(f"p{p}", dict(gmma_tiers=[(64, 256, p), *gmma_auto_tiers(T)[1:]], gmma_grid_rows=rows,
-                          gmma_wide_grid_rows=GMMA_AUTO_WIDE_GRID_ROWS)) for p in (21, 22)] if T >= 256 else []),
+                          gmma_wide_grid_rows=GMMA_AUTO_WIDE_GRID_ROWS)) for p in GMMA_MBAR_PIPES] if T >= 256 else []),
         ("wide-rows8", dict(gmma_wide_grid_rows=8)),
         ("wide-rows16", dict(gmma_wide_grid_rows=16)),
         # the routing (kimi_kernels.ROUTINGS) against the default: moe_topk + moe_group (two kernels); one warp
