@@ -625,6 +625,10 @@ class MoeLayer:
     GMMA_AUTO_GRID_ROWS by T with GMMA_AUTO's tiers, else None). gmma_wide_grid_rows: a further cap on the
     256-token tiers of moe_gmma_kernel (one block per SM; default "auto": GMMA_AUTO_WIDE_GRID_ROWS with GMMA_AUTO's
     tiers, else None).
+    hot_sms: with gmma_overlap, the hot chain runs on this many SMs only and the cold chain (gate_up, down) on the
+    others, each on the stream of its own green context (runtime.cuda.green.SmPartition), forked after the routing
+    and joined before the combine; the count is rounded up to the driver's partition granularity (.hot_sms tells).
+    None (default): both chains share every SM.
     signals: down's blocks wait for their own slot's gate_up blocks, and the combine for down's blocks, through
     counters (moe_int4.cu) instead of for the previous kernel's whole grid; plans with PDL, down's early start, the
     block routings and an XS down variant (default: on there from SIGNALS_MIN_TOKENS to SIGNALS_MAX_TOKENS tokens).
@@ -641,7 +645,7 @@ class MoeLayer:
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
                  gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | str | None = "auto",
-                 gmma_wide_grid_rows: int | str | None = "auto",
+                 gmma_wide_grid_rows: int | str | None = "auto", hot_sms: int | None = None,
                  signals: bool | None = None):
         cuda = _cuda()
         w = self.weights = weights
@@ -885,9 +889,18 @@ class MoeLayer:
             raise ValueError("gmma_overlap: the combine folded into the cold down GEMM would not wait for the "
                              "hot chain; use the separate combine (fuse_combine=False)")
         self.gmma_overlap = bool(gmma_overlap) and bool(tiers)
+        if hot_sms is not None and not self.gmma_overlap:
+            raise ValueError("hot_sms: needs the hot chain on its own stream (gmma_overlap) and a hot tier")
+        self.partition, self.hot_sms = None, None
         if self.gmma_overlap:   # a side stream and the fork / join events, made once
             self._side = cuda.Stream()
             self._fork, self._join = cuda.Event(timing=False), cuda.Event(timing=False)
+        if hot_sms is not None:   # the hot chain and the cold one each on a green context's stream
+            from runtime.cuda.green import SmPartition
+            self.partition = SmPartition(int(hot_sms))
+            self.hot_sms = self.partition.sizes[0]
+            self._side, self._cold = self.partition.streams
+            self._cold_join = cuda.Event(timing=False)
         cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
     def _gmma_launch(self, mode, tier, x, ldx, q0, s0, q1, s1, n_rows, k, out):
@@ -993,13 +1006,21 @@ class MoeLayer:
             if self.gmma_overlap and name != "route" and not hot_forked:
                 self._fork.record(stream)   # the hot chain after the routing, beside gate_up / down
                 self._side.wait(self._fork)
+                if self.partition is not None:
+                    self._cold.wait(self._fork)
                 hot_forked = True
             if self.gmma_overlap and name.endswith("_hot"):
                 launch(self._side)
                 continue
+            if self.partition is not None and name in ("gate_up", "down"):
+                launch(self._cold)
+                continue
             if name == "combine" and self.gmma_overlap:
                 self._join.record(self._side)
                 cuda.stream.wait_event(stream, self._join)
+                if self.partition is not None:
+                    self._cold_join.record(self._cold)
+                    cuda.stream.wait_event(stream, self._cold_join)
             if name == reads_shared and self.shared_mlp is not None:
                 cuda.stream.wait_event(stream, self._shared_join)
             launch(stream)

@@ -409,6 +409,55 @@ def test_memory_freed_inside_a_capture(cuda_device):
 
 
 @gpu
+def test_sm_partition_streams_run_kernels_eager_and_in_a_graph(cuda_device):
+    """SmPartition: two green contexts' streams; a kernel of the primary context runs on each, on its own and as
+    the branches of a captured fork / join, and each side reports the SMs it holds."""
+    from runtime.cuda.green import SmPartition
+    total = cuda_device.sm_count
+    with pytest.raises(ValueError, match="want 1 .."):
+        SmPartition(total)
+    part = SmPartition(total // 2)
+    assert part.sizes[0] >= total // 2 and part.sizes[0] + part.sizes[1] <= total and part.sizes[1] > 0
+    k = rc.get_kernel("runtime_probe", "add_scalar_kernel")
+    n = 100_003
+    rng = np.random.default_rng(5)
+    a0, b0 = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    a, b = rc.to_device(a0), rc.to_device(b0)
+    hot, cold = part.streams
+    k.launch((n + 255) // 256, 256, [a, np.float32(3.0), np.float32(1.0), np.int32(n)], stream=hot)
+    k.launch((n + 255) // 256, 256, [b, np.float32(-2.0), np.float32(0.5), np.int32(n)], stream=cold)
+    hot.synchronize()
+    cold.synchronize()
+    assert_close(a.download(), a0 * 3 + 1, "green stream 0", rtol=1e-6)
+    assert_close(b.download(), b0 * -2 + 0.5, "green stream 1", rtol=1e-6)
+    s, fork, join0, join1 = rc.Stream(), rc.Event(timing=False), rc.Event(timing=False), rc.Event(timing=False)
+    a.upload(a0)
+    b.upload(b0)
+    with rc.capture(s) as g:
+        k.launch((n + 255) // 256, 256, [a, np.float32(2.0), np.float32(0.0), np.int32(n)], stream=s)
+        fork.record(s)
+        hot.wait(fork)
+        cold.wait(fork)
+        k.launch((n + 255) // 256, 256, [a, np.float32(1.0), np.float32(5.0), np.int32(n)], stream=hot)
+        k.launch((n + 255) // 256, 256, [b, np.float32(0.5), np.float32(0.0), np.int32(n)], stream=cold)
+        join0.record(hot)
+        join1.record(cold)
+        s.wait(join0)
+        s.wait(join1)
+        k.launch((n + 255) // 256, 256, [a, np.float32(-1.0), np.float32(0.0), np.int32(n)], stream=s)
+    ge = g.instantiate()
+    assert ge.num_kernels == 4
+    for _ in range(3):   # replays: each starts from the previous one's result
+        ge.launch(s)
+    s.synchronize()
+    want_a, want_b = a0.copy(), b0.copy()
+    for _ in range(3):
+        want_a, want_b = -(want_a * 2 + 5), want_b * 0.5
+    assert_close(a.download(), want_a, "graph over the partition, a", rtol=1e-5)
+    assert_close(b.download(), want_b, "graph over the partition, b", rtol=1e-6)
+
+
+@gpu
 def test_bucket_graph_replayed_1000_times(cuda_device):
     k = rc.get_kernel("runtime_probe", "add_scalar_kernel")
     s = rc.Stream()

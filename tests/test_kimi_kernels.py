@@ -634,8 +634,23 @@ def test_moe_layer_gmma_pipe20_chunk_widths(cuda_device, parallel, pipe):
 
 
 @pytest.mark.gpu
+def test_moe_layer_hot_sms(cuda_device):
+    """The hot chain on half the SMs and the cold one on the rest (hot_sms: green contexts): the same kernels on
+    other SMs, so the same bits as the default placement; against the float32 reference, twice."""
+    from runtime import cuda
+    if cuda.get_device().arch != "90a":
+        pytest.skip("the wgmma MoE kernel is built for sm_90a only")
+    tiers = [(64, 256, 20), (17, 32, 8)]
+    y_split = _check_moe(300, 16, 1024, 512, None, topk=4, skew=True, gmma_tiers=tiers, runs=2,
+                         hot_sms=cuda.get_device().sm_count // 2)
+    y_all = _check_moe(300, 16, 1024, 512, None, topk=4, skew=True, gmma_tiers=tiers)
+    np.testing.assert_array_equal(y_split, y_all, err_msg="hot_sms changed the layer's output")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("plan", [dict(), dict(gmma_pipe=3, gmma_overlap=True),
-                                  dict(gmma_pipe=4, gmma_tile=128, gmma_overlap=True)])
+                                  dict(gmma_pipe=4, gmma_tile=128, gmma_overlap=True),
+                                  dict(gmma_pipe=8, gmma_overlap=True, hot_sms=64)])
 def test_moe_graph_replay_gmma_hot_experts(cuda_device, plan):
     """The layer with wgmma hot experts captured once and replayed with new inputs (the overlapped plan's
     hot chain is a parallel branch of the graph)."""

@@ -546,12 +546,9 @@ def launch_plans(default_fused_combine: bool, T: int):
         *([(f"p{p}", dict(gmma_tiers=[(64, 256, p), *gmma_auto_tiers(T)[1:]], gmma_grid_rows=rows,
                           gmma_wide_grid_rows=GMMA_AUTO_WIDE_GRID_ROWS)) for p in GMMA_MBAR_PIPES] if T >= 256 else []),
         ("wide-rows8", dict(gmma_wide_grid_rows=8)),
-        # the hot grids held to one block row (gate_up 64, down 56 blocks, all resident at once, each walking every
-        # slot of its tier), so the cold chain's blocks take the other SMs beside them instead of after them: does
-        # the cold (DRAM-bound) chain keep its rate on ~70 SMs while the hot (tensor-bound) one runs? (split1: every
-        # hot tier; split1-wide: the 256-token tier only)
-        ("split1", dict(gmma_grid_rows=1, gmma_wide_grid_rows=1)),
-        ("split1-wide", dict(gmma_wide_grid_rows=1)),
+        # the hot chain on N SMs only and the cold one on the others (green contexts, MoeLayer hot_sms): the
+        # tensor-bound and the DRAM-bound work side by side instead of in turn
+        *[(f"sms{n}", dict(hot_sms=n)) for n in (64, 80, 96, 112)],
         ("wide-rows16", dict(gmma_wide_grid_rows=16)),
         # the routing (kimi_kernels.ROUTINGS) against the default: moe_topk + moe_group (two kernels); one warp
         # (T = 1); a block per token, the last one grouping; up to 4 tokens in one block that groups them (T <= 4);
