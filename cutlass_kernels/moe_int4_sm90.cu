@@ -9,7 +9,7 @@
 // split the hot slots between pipelines); moe_slot_split_kernel writes the counts the mma.sync kernel sees
 // (count < the lowest tier's min_count ? count : 0), so each slot is done by exactly one kernel.
 //
-// Two kernels, ten pipelines (PIPE; runtime/kimi_kernels.py GMMA_PIPES, measurements in docs/PERF.md):
+// Two kernels, eight pipelines (PIPE; runtime/kimi_kernels.py GMMA_PIPES, measurements in docs/PERF.md):
 // moe_gmma_kernel<MODE, TN, PIPE>: 2 warpgroups, 128 weight rows (MODE 0: 64 gate rows = warpgroup 0, the same
 // 64 up rows = warpgroup 1; MODE 1: 128 down rows) x up to TN tokens; token chunks of TN loop inside the block
 // (or, with the (slot, chunk) item list, one chunk per block). Every warp dequantizes its 16-row block: lane
@@ -38,9 +38,6 @@
 //   stages ahead in 6 buffers, a 6-stage weight ring, and the wgmma N cut to the chunk's tokens rounded up to 32
 //   (one main loop per N). The register-A wgmma reads only x from shared memory, where the warp-specialized PIPE 5
 //   also stores and re-reads the dequantized weights there.
-// - PIPE 21: PIPE 20 without the block barrier per stage: each x buffer is handed over through mbarriers (full: all
-//   threads' copies landed, one cp.async arrival each; empty: all warps' wgmma on it retired), so a warp may run
-//   one stage ahead of the slowest. PIPE 22: the same with x 3 stages ahead (two stages of slack).
 // moe_gmma_ws_kernel<MODE, TN, NSTEP> (PIPE 4 / 5 = NSTEP 0 / 16): warp-specialized, one warpgroup dequantizing
 // into a shared W ring (mbarriers) for two wgmma warpgroups on half of the tile's tokens each (see its comment
 // below). Traced builds count each warp's cycles in the spans DDTREE_TRACE_STALLS selects
@@ -215,19 +212,6 @@ __device__ __forceinline__ void dequant_frag(const uint4& w, uint32_t sc_lo_grou
     a[j][3] = dequant_bf16x2(nib_to_bf16x2_biased(q[j] >> 12), s_hi);    // row g + 8
   }
 }
-// PIPE 21 / 22: this thread's phase bits of the x ring's mbarriers (gmma_register_a_mainloop), carried across the
-// block's chunks. full[b] completes when all 256 threads' copies into buffer b have landed (one cp.async arrival
-// each), empty[b] when all 8 warps have retired the wgmma that read it (lane 0's arrival after the wait). Bit b:
-// the parity of buffer b's next full phase; bit 16 + b: the parity its next refill waits for (ones at the start: a
-// fresh barrier passes parity 1, so the first fill of each buffer does not wait).
-struct XRingBars {
-  uint32_t parity;
-};
-// Where those mbarriers lie: full[0 .. buffers - 1], then empty[0 .. buffers - 1], past the x buffers and the
-// weight ring (wr stages of 16 + 4 bytes per thread).
-__host__ __device__ constexpr uint32_t x_ring_bars(uint32_t smem_base, int buffers, int x_tile, int wr) {
-  return smem_base + buffers * x_tile + wr * THREADS * 20;
-}
 }  // namespace moe90
 
 // PIPE 2 main loop over the k units of one token chunk: the warpgroup's 64 weight rows dequantized into A
@@ -250,10 +234,10 @@ __host__ __device__ constexpr uint32_t x_ring_bars(uint32_t smem_base, int buffe
 // N: the wgmma's token columns (PIPE 20: the chunk's tokens rounded up, at most TN; the x buffers stay TN rows).
 // fill_t0: the traced build's start of the item's fill span (ddtree::kStallRaFill), ended at the first barrier.
 template <int TN, int W_AHEAD, int BUFFERS, int X_AHEAD, int PAIR, bool SLOT, bool SPLIT, bool SMEM_W = false,
-          int N = TN, int WR = moe90::W_RING, bool MBAR = false, class LoadX>
+          int N = TN, int WR = moe90::W_RING, class LoadX>
 __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4* wp, const uint4* sp, int t,
                                                          int units, uint32_t smem_base, LoadX&& load_x,
-                                                         long long fill_t0, moe90::XRingBars* xr) {
+                                                         long long fill_t0) {
   static_assert(W_AHEAD % 2 == 0 && (PAIR == 1 || PAIR == 2) && X_AHEAD >= PAIR && X_AHEAD + 1 + PAIR <= BUFFERS,
                 "ring sizes");
   static_assert(!SMEM_W || (SLOT && SPLIT && WR % BUFFERS == 0 && WR >= X_AHEAD + 1),
@@ -293,55 +277,26 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       moe90::dequant_frag(wr[slot], s0r[slot], s1r[slot], t, a);
     }
   };
-  // MBAR (PIPE 21 / 22): the x ring's mbarriers (moe90::XRingBars); xr->parity bit b is buffer b's next full phase,
-  // bit 16 + b the empty phase its next refill waits for
-  const uint32_t bars = moe90::x_ring_bars(smem_base, BUFFERS, X_TILE, WR);
-  // MBAR: x of stage u into buffer b once every warp has released the buffer, then this thread's arrival on its
-  // full barrier when its copies (and all its earlier ones, the weight ring's) have landed; no cp.async groups.
-  auto fill_x = [&](int b, int u) {
-    ddtree::mbar_wait(bars + 8 * (BUFFERS + b), (xr->parity >> (16 + b)) & 1u);
-    xr->parity ^= 1u << (16 + b);
-    load_x(smem_base + b * X_TILE, u);
-    ddtree::mbar_arrive_cp_async(bars + 8 * b);
-  };
-  auto wait_x = [&](int b) {   // MBAR: every thread's copies into buffer b have landed (and this thread's weights)
-    ddtree::mbar_wait(bars + 8 * b, (xr->parity >> b) & 1u);
-    xr->parity ^= 1u << b;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
-  };
-  auto release_x = [&](int b) {   // MBAR: this warp's wgmma reading buffer b have retired
-    if ((threadIdx.x & 31) == 0) ddtree::mbar_arrive(bars + 8 * (BUFFERS + b));
-  };
 #pragma unroll
   for (int d = 0; d < LEAD; ++d)
     if (d < units) load_stage(d, d);
 #pragma unroll
   for (int a = 0; a < X_AHEAD; ++a) {
-    if constexpr (MBAR) {
-      if (a < units) fill_x(a, a);
-    } else {
-      if (a < units) load_x(smem_base + a * X_TILE, a);
-      ddtree::cp_async_commit();
-    }
+    if (a < units) load_x(smem_base + a * X_TILE, a);
+    ddtree::cp_async_commit();
   }
   uint32_t a_frag[2][4][4];
   if constexpr (!SMEM_W) {
     dequant(0, a_frag[0]);
     if (W_AHEAD < units) load_stage(0, W_AHEAD);
   }
-  if constexpr (MBAR) {
-    wait_x(0);   // x of stage 0, and the weights of 0 .. LEAD - 1 copied before it
-  } else {
-    ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages 0 .. PAIR - 1 (SMEM_W: and the weights of 0 .. LEAD - 1)
-  }
+  ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages 0 .. PAIR - 1 (SMEM_W: and the weights of 0 .. LEAD - 1)
   if constexpr (SMEM_W) {
     dequant(0, a_frag[0]);
     if (LEAD < units) load_stage(0, LEAD);   // into the slot just read; the group of stage 0
   }
-  if constexpr (!MBAR) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
-    __syncthreads();
-  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async -> wgmma
+  __syncthreads();
   ddtree::trace_stall_end<ddtree::kStallRaFill>(fill_t0);
   // W_AHEAD stages, unrolled (ring slot, A set and barrier placement are constants). CHECKED: the bound checks
   // of the last groups; without them (SPLIT, the steady state) every check below holds by the loop's bound.
@@ -364,20 +319,13 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
       }
       cute::warpgroup_commit_batch();
       const int xbuf = phase >= 0 ? (phase + d + X_AHEAD) % BUFFERS : (u + X_AHEAD) % BUFFERS;
-      if constexpr (MBAR) {
-        if (!CHECKED || u + X_AHEAD < units) fill_x(xbuf, u + X_AHEAD);
-      } else {
-        if (!CHECKED || u + X_AHEAD < units) load_x(smem_base + xbuf * X_TILE, u + X_AHEAD);
-        ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
-      }
+      if (!CHECKED || u + X_AHEAD < units) load_x(smem_base + xbuf * X_TILE, u + X_AHEAD);
+      ddtree::cp_async_commit();   // one group per stage, empty at the tail, so the wait count below holds
       const long long t_mma = ddtree::trace_stall_begin<ddtree::kStallMmaWait>();
       cute::warpgroup_wait<1>();   // stage u - 1's wgmma retired: its A set and x buffer are free
 #pragma unroll
       for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
       ddtree::trace_stall_end<ddtree::kStallMmaWait>(t_mma);
-      if constexpr (MBAR) {
-        if (u != 0) release_x(phase >= 0 ? (phase + d + BUFFERS - 1) % BUFFERS : (u + BUFFERS - 1) % BUFFERS);
-      }
       const long long t_dq = ddtree::trace_stall_begin<ddtree::kStallDequant>();
       if (!CHECKED || u + 1 < units) {
         if constexpr (SMEM_W) {
@@ -392,13 +340,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
         }
       }
       ddtree::trace_stall_end<ddtree::kStallDequant>(t_dq);
-      if constexpr (MBAR) {   // no block barrier: wait for stage u + 1's x alone
-        if (!CHECKED || u + 1 < units) {
-          const long long t_x = ddtree::trace_stall_begin<ddtree::kStallXWait>();
-          wait_x(phase >= 0 ? (phase + d + 1) % BUFFERS : (u + 1) % BUFFERS);
-          ddtree::trace_stall_end<ddtree::kStallXWait>(t_x);
-        }
-      } else if (d % PAIR == PAIR - 1) {   // u0 is a multiple of PAIR
+      if (d % PAIR == PAIR - 1) {   // u0 is a multiple of PAIR
         const long long t_x = ddtree::trace_stall_begin<ddtree::kStallXWait>();
         ddtree::cp_async_wait<X_AHEAD - PAIR>();   // x of stages u + 1 .. u + PAIR has landed
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -427,7 +369,6 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int i = 0; i < ACC; ++i) cute::warpgroup_fence_operand(acc[i]);
-  if constexpr (MBAR) release_x((units - 1) % BUFFERS);   // the last stage's buffer (every use is released once)
 }
 
 // MODE 0: x bf16 [T, ldx] gathered by sorted_token, weights gate (wq0/ws0) and up (wq1/ws1), out h bf16
@@ -448,14 +389,11 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   DDTREE_TRACE_WARP(MODE == 0 ? ddtree::kTraceMoeGmmaGateUp : ddtree::kTraceMoeGmmaDown);
   using namespace moe90;
   static_assert(TN == 32 || TN == 64 || TN == 128 || TN == 256, "token tile");
-  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8) || (PIPE >= 20 && PIPE <= 22), "pipeline");
+  static_assert((PIPE >= 0 && PIPE <= 3) || (PIPE >= 6 && PIPE <= 8) || PIPE == 20, "pipeline");
   static_assert(TN != 32 || PIPE >= 6, "32-token tiles: PIPE 6 / 7 / 8 only (PIPE 3's lost to its 64: PERF.md)");
   static_assert(gmma_blocks_per_sm(PIPE) == 1 || TN <= 128, "two blocks per SM only fit 64- and 128-token tiles");
   static_assert(PIPE != 8 || TN <= 64, "PIPE 8: 32- / 64-token tiles (its weight ring beside the 8-buffer x ring)");
-  // PIPE 21: PIPE 20 with the x ring's hand-offs through mbarriers instead of a block barrier per stage; PIPE 22:
-  // PIPE 21 with x 3 stages ahead, so that a warp may run two stages ahead of the slowest (21: one)
-  constexpr bool P20 = PIPE >= 20 && PIPE <= 22, MBAR = PIPE == 21 || PIPE == 22;
-  static_assert(!P20 || TN == 256, "PIPE 20-22: 256-token tiles (at 128, two blocks per SM, it lost: PERF.md 42)");
+  static_assert(PIPE != 20 || TN == 256, "PIPE 20: 256-token tiles (at 128, two blocks per SM, it lost: PERF.md 42)");
   constexpr bool SLOT = PIPE >= 6;   // otherwise PIPE 3's pipeline
   constexpr bool SPLIT = PIPE >= 7;   // PIPE 7: PIPE 6 with the steady-state stages unchecked, an 8-buffer x ring
   // PIPE 1: packed weights W_AHEAD = 8 stages ahead in a register ring, 3 stage buffers (W tile + x) with x two
@@ -466,36 +404,21 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
   constexpr int P = SLOT ? 3 : PIPE;
   // (PIPE 20: the stages per unrolled group; its weights are W_RING_20 ahead)
   constexpr int W_AHEAD =
-      P20 ? 2 : P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
+      PIPE == 20 ? 2 : P == 0 ? 1 : P == 3 && TN == 128 ? 2 : (P == 2 && TN == 256) || P == 3 ? 4 : 8;
   // PIPE 6: x 3 stages ahead in 6 buffers, a barrier every second stage (PAIR; gmma_register_a_mainloop);
   // PIPE 20 (a barrier every stage): 4 ahead in 6 buffers beside a 6-stage weight ring (223 KB)
-  constexpr int PAIR = P20 ? 1 : SLOT ? 2 : 1;
+  constexpr int PAIR = PIPE == 20 ? 1 : SLOT ? 2 : 1;
   // (PIPE 7: 8 buffers up to 64-token tiles, so the buffer index is a mask)
-  constexpr int BUFFERS = P20 ? 6 : SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
+  constexpr int BUFFERS = PIPE == 20 ? 6 : SPLIT && TN <= 64 ? 8 : SLOT ? 6 : RA ? 4 : PIPE ? 3 : 2;
   // PIPE 8: x 5 stages ahead (the most its 8 buffers allow): a cp.async wait covers every older group, the
   // weights' too, so this distance less PAIR, not the weight ring's depth, is how many stages any of its loads
   // have to land (PIPE 20 at 2 ahead left them one stage: PERF.md session 42)
-  constexpr int X_AHEAD = PIPE == 8 ? 5 : PIPE == 22 ? 3 : P20 ? 4 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
+  constexpr int X_AHEAD = PIPE == 8 ? 5 : PIPE == 20 ? 4 : SLOT ? 3 : RA ? 2 : BUFFERS - 1;
   constexpr int W_RING_20 = 6;
   constexpr int X_TILE = TN * 128;
   constexpr int STAGE = (RA ? 0 : W_TILE) + X_TILE;   // bytes per stage buffer; x at offset STAGE - X_TILE
   constexpr int ACC = TN / 2;
   using O = typename ddtree::GmmaOp<TN>::type;
-  // PIPE 21 / 22: the x ring's mbarriers (gmma_register_a_mainloop), initialized once per block
-  XRingBars xr{0xffff0000u};
-  if constexpr (MBAR) {
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-    const uint32_t bars = x_ring_bars(base, BUFFERS, X_TILE, W_RING_20);
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int b = 0; b < BUFFERS; ++b) {
-        ddtree::mbar_init(bars + 8 * b, THREADS);                      // full: one cp.async arrival per thread
-        ddtree::mbar_init(bars + 8 * (BUFFERS + b), THREADS / 32);     // empty: one arrival per warp
-      }
-    }
-    __syncthreads();
-  }
   // Rows y = blockIdx.y, + gridDim.y, .. < n_items (one pass when the grid has n_items rows). item_slot null:
   // row y is slot y and runs all of its token chunks in turn; else it is item y, one TN-token chunk
   // (item_chunk[y]) of slot item_slot[y], so a hot expert's chunks run on blocks side by side. Slots are sorted
@@ -556,18 +479,18 @@ moe_gmma_kernel(const uint16_t* __restrict__ x, int ldx, const uint4* __restrict
         acc[i] = 0.f;
         cute::warpgroup_fence_operand(acc[i]);
       }
-      if constexpr (P20) {
+      if constexpr (PIPE == 20) {
         // the wgmma N (and the x rows loaded): the chunk's tokens rounded up to 32, so an expert's last chunk
         // of 72 tokens costs 96 token columns, not TN
         dispatch_n<32, TN>((min(TN, count - c0) + 31) / 32, [&](auto n_cols) {
           constexpr int N = decltype(n_cols)::value;
-          gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, true, N, W_RING_20, MBAR>(
+          gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, true, N, W_RING_20>(
               acc, wp, sp, t, units, smem_base,
-              [&](uint32_t tile, int u) { load_x_rows(tile, u, n_cols); }, fill_t0, MBAR ? &xr : nullptr);
+              [&](uint32_t tile, int u) { load_x_rows(tile, u, n_cols); }, fill_t0);
         });
       } else if constexpr (RA) {
         gmma_register_a_mainloop<TN, W_AHEAD, BUFFERS, X_AHEAD, PAIR, SLOT, SPLIT, PIPE == 8>(
-            acc, wp, sp, t, units, smem_base, load_x, fill_t0, nullptr);
+            acc, wp, sp, t, units, smem_base, load_x, fill_t0);
       } else {
         // Prologue: the packed weights of stages 0 .. W_AHEAD - 1 into the register ring, x of stages
         // 0 .. X_AHEAD - 1 (one cp.async group each), stage 0's W tile dequantized, its ring slot refilled with

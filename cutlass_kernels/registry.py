@@ -397,14 +397,14 @@ register(KernelFamily(
     pdl=True,
 ))
 # The same grouped GEMMs on Hopper wgmma for experts with many tokens (weights dequantized once per stage into
-# shared memory, or into wgmma A registers with PIPE 2 / 3 / 6 / 7 / 8 / 20 / 21 / 22): moe_gmma_kernel<MODE, TN,
-# PIPE>, plus the slot split between it and moe_w4a16_kernel. sm_90a only.
+# shared memory, or into wgmma A registers with PIPE 2 / 3 / 6 / 7 / 8 / 20): moe_gmma_kernel<MODE, TN, PIPE>, plus
+# the slot split between it and moe_w4a16_kernel. sm_90a only.
 MOE_GMMA_VARIANTS = tuple(f"moe_gmma_kernel<{mode}, {tn}, {pipe}>" for mode in (0, 1) for tn in (64, 128, 256)
                           for pipe in (0, 1, 2)) + tuple(
     f"moe_gmma_kernel<{mode}, {tn}, {pipe}>" for mode in (0, 1) for tn in (64, 128) for pipe in (3, 6, 7)) + tuple(
     f"moe_gmma_kernel<{mode}, 32, {pipe}>" for mode in (0, 1) for pipe in (6, 7)) + tuple(
     f"moe_gmma_kernel<{mode}, {tn}, 8>" for mode in (0, 1) for tn in (32, 64)) + tuple(
-    f"moe_gmma_kernel<{mode}, 256, {pipe}>" for mode in (0, 1) for pipe in (20, 21, 22)) + tuple(
+    f"moe_gmma_kernel<{mode}, 256, 20>" for mode in (0, 1)) + tuple(
     f"moe_gmma_ws_kernel<{mode}, {tn}, {nstep}>" for mode in (0, 1) for tn in (128, 256) for nstep in (0, 16))
 register(KernelFamily(
     name="moe_int4_sm90",

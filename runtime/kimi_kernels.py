@@ -424,29 +424,20 @@ GMMA_PIPES = {0: "shallow", 1: "deep", 2: "register A", 3: "register A, 2 blocks
               7: "PIPE 6 with its steady-state stages unchecked, a whole x ring per loop step (32/64/128-token tiles)",
               8: "PIPE 7 with the weights 8 stages ahead in a shared-memory cp.async ring (32/64-token tiles)",
               20: "PIPE 8 at 256-token tiles (one block per SM), x 4 stages ahead in 6 buffers, the wgmma N cut to "
-                  "each chunk's tokens (rounded up to 32)",
-              21: "PIPE 20 with the x ring's hand-offs through mbarriers (each buffer's copies landed / its readers "
-                  "done) instead of a block barrier per stage",
-              22: "PIPE 21 with x 3 stages ahead (a warp may run two stages ahead of the slowest)"}
+                  "each chunk's tokens (rounded up to 32)"}
 # the pipelines of moe_gmma_ws_kernel (the others are moe_gmma_kernel's) -> its template tail (NSTEP)
 _WS_TEMPLATE = {4: "0", 5: "16"}
 GMMA_WS_PIPES = tuple(_WS_TEMPLATE)
-# register A in slot order: they read the slot-ordered x copy, write h in slot order
-GMMA_SLOT_PIPES = (6, 7, 8, 20, 21, 22)
-# PIPE 20 and its variants: 256-token tiles, 6 x buffers beside a 6-stage weight ring; of them, the ones whose x ring
-# hands over through mbarriers (12 of them in shared memory)
-GMMA_WIDE_PIPES = (20, 21, 22)
-GMMA_MBAR_PIPES = (21, 22)
+GMMA_SLOT_PIPES = (6, 7, 8, 20)   # register A in slot order: they read the slot-ordered x copy, write h in slot order
 GMMA_PIPE = 8
 GMMA_OVERLAP = True   # the hot chain on its own stream (gmma_overlap's default where the combine is separate)
 
 
 def _pipe_takes_tile(pipe: int, tile: int) -> bool:
     """PIPE 3 / 6 / 7 (two blocks per SM) are built for 64/128-token tiles (6 / 7 also 32), PIPE 8 for 32/64, the
-    warp-specialized 4/5 for 128/256, PIPE 20 / 21 / 22 for 256."""
-    return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64)
-                or (pipe in GMMA_WIDE_PIPES and tile != 256) or (pipe in GMMA_WS_PIPES and tile < 128)
-                or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
+    warp-specialized 4/5 for 128/256, PIPE 20 for 256."""
+    return not ((pipe in (3, 6, 7) and tile > 128) or (pipe == 8 and tile > 64) or (pipe == 20 and tile != 256)
+                or (pipe in GMMA_WS_PIPES and tile < 128) or (tile == 32 and pipe not in GMMA_SLOT_PIPES))
 
 
 def _check_grid_rows(name: str, rows, other_values: str) -> None:
@@ -459,17 +450,15 @@ def moe_gmma_smem_bytes(tile: int, pipe: int) -> int:
     """moe_gmma_kernel's dynamic shared memory: 1024 (alignment slack) + its stage buffers (W [128][64] bf16 +
     x [tile][64] bf16 each, 2 or 3 of them for PIPE 0 / 1; x only, 4 of them for PIPE 2 / 3, 6 for PIPE 6 (and 7
     at 128-token tiles), 8 for PIPE 7 at 32 / 64, those and PIPE 8's weight ring for PIPE 8, 6 and a 6-stage ring
-    for PIPE 20 (21 / 22: and the x ring's 12 mbarriers); PIPE 4 / 5 below), or the epilogue's staging where that
-    is larger (PIPE 0 at 256-token tiles)."""
+    for PIPE 20; PIPE 4 / 5 below), or the epilogue's staging where that is larger (PIPE 0 at 256-token tiles)."""
     if pipe in GMMA_WS_PIPES:   # moe_gmma_ws_kernel: 4 W stages, 4 x buffers per consumer half, 8 mbarriers
         return 1024 + 4 * 128 * 128 + 2 * 4 * (tile // 2) * 128 + 2 * 4 * 8
     staging = tile * (4 * 68 + 2 * 72)   # the epilogue's up (float) and h (bf16) tiles, over the stage buffers
     if pipe >= 2:
         buffers = 8 if pipe in (7, 8) and tile <= 64 else 6 if pipe in GMMA_SLOT_PIPES else 4
-        ring = 6 if pipe in GMMA_WIDE_PIPES else 8   # PIPE 8 / 20-22's weight ring: stages of 16 + 4 bytes per thread
-        weight_ring = ring * 256 * (16 + 4) if pipe == 8 or pipe in GMMA_WIDE_PIPES else 0
-        bars = 2 * buffers * 8 if pipe in GMMA_MBAR_PIPES else 0
-        return 1024 + max(buffers * tile * 128 + weight_ring + bars, staging)
+        ring = 6 if pipe == 20 else 8   # PIPE 8 / 20's weight ring: stages of 16 + 4 bytes per thread
+        weight_ring = ring * 256 * (16 + 4) if pipe in (8, 20) else 0
+        return 1024 + max(buffers * tile * 128 + weight_ring, staging)
     return 1024 + max((2 + pipe) * (128 * 128 + tile * 128), staging)
 ROUTE_TOKENS_PER_BLOCK = 64   # moe_route_kernel: 32 warps x ROUTE_TOKENS_PER_WARP (2) tokens
 

@@ -5,12 +5,12 @@ K2.x shape (top-8 of 8: every token picks every expert), so the layer's gate_up_
 [T, 7168] x [7168 -> 2 x 2048] (+ SiLU(gate) * up) and down_hot 8 GEMMs [T, 2048] x [2048 -> 7168], each stage
 graph-replayed alone (tools/bench_moe.time_plan); 8 experts give 256 / 448 column blocks, enough to fill the GPU
 as a skewed layer's hot experts do (one expert alone gives 32 / 56). Per plan: the hot tier forced onto one
-pipeline (PIPE 20 / 21 / 22 / 5 at 256-token tiles, PIPE 8 at 64). The peer: torch.bmm of the same 8 bf16 GEMMs
-(cuBLAS), timed in a child process (torch and the runtime's CUDA wheels clash in one process on the device image), in the
+pipeline (PIPE 20 / PIPE 5 at 256-token tiles, PIPE 8 at 64). The peer: torch.bmm of the same 8 bf16 GEMMs (cuBLAS),
+timed in a child process (torch and the runtime's CUDA wheels clash in one process on the device image), in the
 same device session. Prints per T: time and TFLOP/s of each, ours / cuBLAS as a rate ratio, and the read floor of
 the 8 experts' INT4 weights.
 
-    python -m tools.bench_hot_gemm [--tokens 64,128,256,512,1024,2048] [--plans p20,p21,p22,ws5,p8] [--no-torch]
+    python -m tools.bench_hot_gemm [--tokens 64,128,256,512,1024,2048] [--plans p20,ws5,p8] [--no-torch]
     python -m tools.bench_hot_gemm --torch-only F    # the torch GEMMs alone (the child), JSON into F
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 HIDDEN, INTER, EXPERTS = 7168, 2048, 8
 # label -> the hot tier (min tokens, token tile, PIPE) that every expert of >= its minimum runs on
-PLANS = {"p20": (64, 256, 20), "p21": (64, 256, 21), "p22": (64, 256, 22), "ws5": (64, 256, 5), "p8": (16, 64, 8)}
+PLANS = {"p20": (64, 256, 20), "ws5": (64, 256, 5), "p8": (16, 64, 8)}
 
 
 def gemm_flops(T: int) -> dict[str, float]:

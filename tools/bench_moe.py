@@ -376,7 +376,7 @@ def select_plans(plans, spec: str):
 def launch_plans(default_fused_combine: bool, T: int):
     """(label, MoeLayer keyword arguments) at T tokens: the plan before issue 7's launch work, then one change at a
     time."""
-    from runtime.kimi_kernels import GMMA_AUTO_WIDE_GRID_ROWS, GMMA_MBAR_PIPES, gmma_auto_grid_rows, gmma_auto_tiers
+    from runtime.kimi_kernels import gmma_auto_grid_rows, gmma_auto_tiers
     rows = gmma_auto_grid_rows(T)   # the default plan's grid cap for T, given to tiers named below where noted
     before = dict(routing="two", fuse_combine=False, early=False, pdl=False, gmma_min_tokens=None)
     return [
@@ -541,10 +541,6 @@ def launch_plans(default_fused_combine: bool, T: int):
         # the default's tiers without the cap on the 256-token tier's rows (GMMA_AUTO_WIDE_GRID_ROWS; the default
         # before session 43): one block row per possibly hot slot up to GMMA_AUTO_GRID_ROWS
         *([("wide-rows-all", dict(gmma_tiers=gmma_auto_tiers(T), gmma_grid_rows=rows))] if T >= 256 else []),
-        # PIPE 21 (PIPE 20 with mbarrier hand-offs, no block barrier per stage) in the default's 256-token tier
-        # (PIPE 22: x 3 stages ahead)
-        *([(f"p{p}", dict(gmma_tiers=[(64, 256, p), *gmma_auto_tiers(T)[1:]], gmma_grid_rows=rows,
-                          gmma_wide_grid_rows=GMMA_AUTO_WIDE_GRID_ROWS)) for p in GMMA_MBAR_PIPES] if T >= 256 else []),
         ("wide-rows8", dict(gmma_wide_grid_rows=8)),
         # the hot chain on N SMs only and the cold one on the others (green contexts, MoeLayer hot_sms): the
         # tensor-bound and the DRAM-bound work side by side instead of in turn
