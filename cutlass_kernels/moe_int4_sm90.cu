@@ -66,11 +66,13 @@ enum WsProbe : int {
   kProbeNoDequant = 1,   // the producer skips the dequantization and its stores (loads and the ring hand-off stay)
   kProbeNoX = 2,         // the consumers issue no x cp.async (the waits and barriers stay)
   kProbeNoMma = 4,       // the consumers issue no wgmma (the waits, barriers and releases stay)
-  // moe_gmma_kernel's register-A pipelines in slot order (PIPE 6 / 7 / 8)
+  // moe_gmma_kernel's register-A pipelines in slot order (PIPE 6 / 7 / 8 / 20)
   kProbeRaNoDequant = 8,   // the A fragments are the loaded weight words as they are (one xor keeps the scale load)
   kProbeRaNoX = 16,        // no x cp.async (the waits and barriers stay)
   kProbeRaNoMma = 32,      // no wgmma (the arrive / commit / wait stay)
   kProbeRaNoStore = 64,    // the epilogue's global stores left out (its shared-memory staging stays)
+  kProbeRaNoW = 128,       // PIPE 8 / 20: no weight-ring cp.async (the ring's shared loads stay)
+  kProbeRaNoBarrier = 256, // no block barrier between stages (buffers then refilled under their readers)
 };
 constexpr int THREADS = 256;
 constexpr int W_RING = 8;   // PIPE 8's shared weight ring: stages (16 + 4 bytes per thread each)
@@ -255,8 +257,10 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   const uint32_t s_ring = smem_base + BUFFERS * X_TILE + WR * moe90::THREADS * 16 + 4 * threadIdx.x;
   auto load_stage = [&](int slot, int u) {   // SMEM_W: slot = u % WR
     if constexpr (SMEM_W) {
-      ddtree::cp_async16_s(w_ring + slot * (moe90::THREADS * 16), wp + u * 32, true);
-      ddtree::cp_async4_s(s_ring + slot * (moe90::THREADS * 4), moe90::scale_word(sp, u));
+      if constexpr ((DDTREE_WS_PROBE & moe90::kProbeRaNoW) == 0) {
+        ddtree::cp_async16_s(w_ring + slot * (moe90::THREADS * 16), wp + u * 32, true);
+        ddtree::cp_async4_s(s_ring + slot * (moe90::THREADS * 4), moe90::scale_word(sp, u));
+      }
     } else {
       wr[slot] = moe90::load_w(wp, u);
       s0r[slot] = moe90::load_scale(sp, u);
@@ -346,7 +350,7 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         ddtree::trace_stall_end<ddtree::kStallXWait>(t_x);
         const long long t_bar = ddtree::trace_stall_begin<ddtree::kStallBarrier>();
-        __syncthreads();
+        if constexpr ((DDTREE_WS_PROBE & moe90::kProbeRaNoBarrier) == 0) __syncthreads();
         ddtree::trace_stall_end<ddtree::kStallBarrier>(t_bar);
       }
     }

@@ -194,6 +194,27 @@ def test_ra_probe_builds(monkeypatch):
     assert stores[64] < stores[0] == stores[8] == stores[16] == stores[32]
 
 
+def test_ra_probe_builds_weight_ring_and_barrier(monkeypatch):
+    """The register-A probes 128 (no weight-ring cp.async) and 256 (no block barrier between stages) of PIPE 20 compile
+    for sm_90a and leave exactly that out of the PTX: 128 drops the 16- and 4-byte weight copies (the x copies stay),
+    256 drops barriers (the copies stay)."""
+    from cutlass_kernels.registry import FAMILIES
+    from runtime.cuda import nvrtc
+    f = dataclasses.replace(FAMILIES["moe_int4_sm90"], entries=("moe_gmma_kernel<1, 256, 20>",))
+    ptx = {}
+    for mask in (0, 128, 256):
+        monkeypatch.setattr(nvrtc, "WS_PROBE", mask)
+        opts = nvrtc.build_options(f, "90a")
+        _, ptx[mask], _, _ = nvrtc.nvrtc_compile(f.source_path.read_text(), f.source, f.entries, opts, f.name, "90a")
+    copies16 = {m: ptx[m].count("cp.async.cg.shared.global") for m in ptx}
+    copies4 = {m: ptx[m].count("cp.async.ca.shared.global") for m in ptx}
+    bars = {m: ptx[m].count("bar.sync") + ptx[m].count("barrier.sync") for m in ptx}
+    assert 0 < copies16[128] < copies16[0] == copies16[256], copies16   # the x copies stay
+    assert copies4[128] < copies4[0] == copies4[256], copies4
+    assert bars[256] < bars[0] == bars[128], bars
+    assert ptx[0].count("wgmma.mma_async") == ptx[128].count("wgmma.mma_async") == ptx[256].count("wgmma.mma_async")
+
+
 def test_ra_trace_spans():
     """The register-A kernel's traced spans (kStallRaFill = 64, kStallRaEpilogue = 128) each add clock reads to PIPE 8's
     traced build over the default mask (ring waits, which it has none of); sm_90a."""
