@@ -882,14 +882,15 @@ class MoeLayer:
             raise ValueError("hot_sms: needs the hot chain on its own stream (gmma_overlap) and a hot tier")
         self.partition, self.hot_sms = None, None
         if self.gmma_overlap:   # a side stream and the fork / join events, made once
-            self._side = cuda.Stream()
             self._fork, self._join = cuda.Event(timing=False), cuda.Event(timing=False)
-        if hot_sms is not None:   # the hot chain and the cold one each on a green context's stream
-            from runtime.cuda.green import SmPartition
-            self.partition = SmPartition(int(hot_sms))
-            self.hot_sms = self.partition.sizes[0]
-            self._side, self._cold = self.partition.streams
-            self._cold_join = cuda.Event(timing=False)
+            if hot_sms is None:
+                self._side = cuda.Stream()
+            else:   # the hot chain and the cold one each on a green context's stream
+                from runtime.cuda.green import SmPartition
+                self.partition = SmPartition(int(hot_sms))
+                self.hot_sms = self.partition.sizes[0]
+                self._side, self._cold = self.partition.streams
+                self._cold_join = cuda.Event(timing=False)
         cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
     def _gmma_launch(self, mode, tier, x, ldx, q0, s0, q1, s1, n_rows, k, out):
