@@ -49,8 +49,7 @@ class SmPartition:
                                                int(drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)),
                           "cuGreenCtxCreate")
             self.green_contexts.append(green)
-            self.streams.append(GreenStream(green))
-        dev.make_current()   # creating them leaves the primary context current, but say so
+            self.streams.append(GreenStream(green))   # (neither call changes this thread's current context)
 
     def close(self):
         """Destroy the streams, then the green contexts (their work must be done)."""
