@@ -542,10 +542,10 @@ def launch_plans(default_fused_combine: bool, T: int):
         # before session 43): one block row per possibly hot slot up to GMMA_AUTO_GRID_ROWS
         *([("wide-rows-all", dict(gmma_tiers=gmma_auto_tiers(T), gmma_grid_rows=rows))] if T >= 256 else []),
         ("wide-rows8", dict(gmma_wide_grid_rows=8)),
+        ("wide-rows16", dict(gmma_wide_grid_rows=16)),
         # the hot chain on N SMs only and the cold one on the others (green contexts, MoeLayer hot_sms): the
         # tensor-bound and the DRAM-bound work side by side instead of in turn
         *[(f"sms{n}", dict(hot_sms=n)) for n in (64, 80, 96, 112)],
-        ("wide-rows16", dict(gmma_wide_grid_rows=16)),
         # the routing (kimi_kernels.ROUTINGS) against the default: moe_topk + moe_group (two kernels); one warp
         # (T = 1); a block per token, the last one grouping; up to 4 tokens in one block that groups them (T <= 4);
         # a warp per token, the last block grouping
