@@ -73,6 +73,8 @@ enum WsProbe : int {
   kProbeRaNoStore = 64,    // the epilogue's global stores left out (its shared-memory staging stays)
   kProbeRaNoW = 128,       // PIPE 8 / 20: no weight-ring cp.async (the ring's shared loads stay)
   kProbeRaNoBarrier = 256, // no block barrier between stages (buffers then refilled under their readers)
+  kProbeRaNoWScale = 512,  // PIPE 8 / 20: no 4-byte scale-word cp.async (the 16-byte weight copies stay)
+  kProbeRaNoWPacked = 1024,  // PIPE 8 / 20: no 16-byte packed-weight cp.async (the scale copies stay)
 };
 constexpr int THREADS = 256;
 constexpr int W_RING = 8;   // PIPE 8's shared weight ring: stages (16 + 4 bytes per thread each)
@@ -257,10 +259,10 @@ __device__ __forceinline__ void gmma_register_a_mainloop(float* acc, const uint4
   const uint32_t s_ring = smem_base + BUFFERS * X_TILE + WR * moe90::THREADS * 16 + 4 * threadIdx.x;
   auto load_stage = [&](int slot, int u) {   // SMEM_W: slot = u % WR
     if constexpr (SMEM_W) {
-      if constexpr ((DDTREE_WS_PROBE & moe90::kProbeRaNoW) == 0) {
+      if constexpr ((DDTREE_WS_PROBE & (moe90::kProbeRaNoW | moe90::kProbeRaNoWPacked)) == 0)
         ddtree::cp_async16_s(w_ring + slot * (moe90::THREADS * 16), wp + u * 32, true);
+      if constexpr ((DDTREE_WS_PROBE & (moe90::kProbeRaNoW | moe90::kProbeRaNoWScale)) == 0)
         ddtree::cp_async4_s(s_ring + slot * (moe90::THREADS * 4), moe90::scale_word(sp, u));
-      }
     } else {
       wr[slot] = moe90::load_w(wp, u);
       s0r[slot] = moe90::load_scale(sp, u);

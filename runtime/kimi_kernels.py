@@ -614,10 +614,13 @@ class MoeLayer:
     GMMA_AUTO_GRID_ROWS by T with GMMA_AUTO's tiers, else None). gmma_wide_grid_rows: a further cap on the
     256-token tiers of moe_gmma_kernel (one block per SM; default "auto": GMMA_AUTO_WIDE_GRID_ROWS with GMMA_AUTO's
     tiers, else None).
-    hot_sms: with gmma_overlap, the hot chain runs on this many SMs only and the cold chain (gate_up, down) on the
-    others, each on the stream of its own green context (runtime.cuda.green.SmPartition), forked after the routing
-    and joined before the combine; the count is rounded up to the driver's partition granularity (.hot_sms tells).
-    None (default): both chains share every SM.
+    hot_sms: with gmma_overlap, the hot chain runs on this many SMs only, on the stream of a green context
+    (runtime.cuda.green.SmPartition), forked after the routing and joined before the combine; the count is rounded
+    up to the driver's partition granularity (.hot_sms tells). cold_sms: where the cold chain (gate_up, down) runs
+    then: "rest" (default) the other SMs, on the other green context's stream; "all" every SM, on the layer's
+    stream (with no hot work it keeps the whole GPU). None (default): both chains share every SM.
+    hot_priority: the hot chain's stream (gmma_overlap) at the highest stream priority, so that where both chains
+    have blocks queued the block scheduler starts the hot ones first (graphs keep it: runtime.cuda.graph).
     signals: down's blocks wait for their own slot's gate_up blocks, and the combine for down's blocks, through
     counters (moe_int4.cu) instead of for the previous kernel's whole grid; plans with PDL, down's early start, the
     block routings and an XS down variant (default: on there from SIGNALS_MIN_TOKENS to SIGNALS_MAX_TOKENS tokens).
@@ -635,7 +638,7 @@ class MoeLayer:
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
                  gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | str | None = "auto",
                  gmma_wide_grid_rows: int | str | None = "auto", hot_sms: int | None = None,
-                 signals: bool | None = None):
+                 cold_sms: str = "rest", hot_priority: bool = False, signals: bool | None = None):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -878,19 +881,27 @@ class MoeLayer:
             raise ValueError("gmma_overlap: the combine folded into the cold down GEMM would not wait for the "
                              "hot chain; use the separate combine (fuse_combine=False)")
         self.gmma_overlap = bool(gmma_overlap) and bool(tiers)
-        if hot_sms is not None and not self.gmma_overlap:
-            raise ValueError("hot_sms: needs the hot chain on its own stream (gmma_overlap) and a hot tier")
-        self.partition, self.hot_sms = None, None
+        if (hot_sms is not None or hot_priority) and not self.gmma_overlap:
+            raise ValueError("hot_sms / hot_priority: need the hot chain on its own stream (gmma_overlap) and a hot "
+                             "tier")
+        if cold_sms not in ("rest", "all"):
+            raise ValueError(f"cold_sms={cold_sms!r}: 'rest' (the SMs hot_sms leaves) or 'all'")
+        self.partition, self.hot_sms, self.cold_sms = None, None, cold_sms
+        # the cold chain's own stream: the other green context's with hot_sms and cold_sms "rest", else the layer's
+        self._cold = None
         if self.gmma_overlap:   # a side stream and the fork / join events, made once
             self._fork, self._join = cuda.Event(timing=False), cuda.Event(timing=False)
+            hot_prio = cuda.priority_range()[1] if hot_priority else 0
             if hot_sms is None:
-                self._side = cuda.Stream()
-            else:   # the hot chain and the cold one each on a green context's stream
+                self._side = cuda.Stream(priority=hot_prio)
+            else:
                 from runtime.cuda.green import SmPartition
-                self.partition = SmPartition(int(hot_sms))
+                self.partition = SmPartition(int(hot_sms), priorities=(hot_prio, 0))
                 self.hot_sms = self.partition.sizes[0]
-                self._side, self._cold = self.partition.streams
-                self._cold_join = cuda.Event(timing=False)
+                self._side = self.partition.streams[0]
+                if cold_sms == "rest":
+                    self._cold = self.partition.streams[1]
+                    self._cold_join = cuda.Event(timing=False)
         cuda.default_stream().synchronize()   # the zeroed tickets are in place before any stream uses them
 
     def _gmma_launch(self, mode, tier, x, ldx, q0, s0, q1, s1, n_rows, k, out):
@@ -996,19 +1007,19 @@ class MoeLayer:
             if self.gmma_overlap and name != "route" and not hot_forked:
                 self._fork.record(stream)   # the hot chain after the routing, beside gate_up / down
                 self._side.wait(self._fork)
-                if self.partition is not None:
+                if self._cold is not None:
                     self._cold.wait(self._fork)
                 hot_forked = True
             if self.gmma_overlap and name.endswith("_hot"):
                 launch(self._side)
                 continue
-            if self.partition is not None and name in ("gate_up", "down"):
+            if self._cold is not None and name in ("gate_up", "down"):
                 launch(self._cold)
                 continue
             if name == "combine" and self.gmma_overlap:
                 self._join.record(self._side)
                 cuda.stream.wait_event(stream, self._join)
-                if self.partition is not None:
+                if self._cold is not None:
                     self._cold_join.record(self._cold)
                     cuda.stream.wait_event(stream, self._cold_join)
             if name == reads_shared and self.shared_mlp is not None:

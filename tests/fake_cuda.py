@@ -127,8 +127,11 @@ class FakeDevice:
                 dev.view(ptr, (int(n),), np.uint8)[:] = v
                 return (0,)
 
-            def cuStreamCreate(self, flags):
+            def cuStreamCreateWithPriority(self, flags, priority):
                 return (0, 1)
+
+            def cuCtxGetStreamPriorityRange(self):
+                return (0, 0, -5)
 
             def cuStreamSynchronize(self, s):
                 return (0,)

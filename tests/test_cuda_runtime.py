@@ -32,6 +32,19 @@ def test_check_turns_results_into_exceptions():
         rc.check((driver.CUresult.CUDA_ERROR_INVALID_VALUE,), "cuLaunchKernel")
 
 
+def test_stream_priority_in_the_context_range(monkeypatch):
+    """Stream(priority=...): the context's range (the fake device's is 0 lowest .. -5 highest), a clear error
+    outside it."""
+    from fake_cuda import install
+    install(monkeypatch)
+    assert rc.priority_range() == (0, -5)
+    for ok in (0, -1, -5):
+        rc.Stream(priority=ok)
+    for bad in (1, -6):
+        with pytest.raises(ValueError, match=r"want -5 \(highest\) .. 0"):
+            rc.Stream(priority=bad)
+
+
 def test_argument_packing():
     arr = rc.DeviceArray(0x7F0000001000, (4, 4), np.uint16)
     assert _slot_value(arr, 0)[0] == 0x7F0000001000
@@ -416,7 +429,7 @@ def test_sm_partition_streams_run_kernels_eager_and_in_a_graph(cuda_device):
     total = cuda_device.sm_count
     with pytest.raises(ValueError, match="want 1 .."):
         SmPartition(total)
-    part = SmPartition(total // 2)
+    part = SmPartition(total // 2, priorities=(rc.priority_range()[1], 0))   # the first side's stream at the top
     assert part.sizes[0] >= total // 2 and part.sizes[0] + part.sizes[1] <= total and part.sizes[1] > 0
     k = rc.get_kernel("runtime_probe", "add_scalar_kernel")
     n = 100_003
@@ -428,8 +441,12 @@ def test_sm_partition_streams_run_kernels_eager_and_in_a_graph(cuda_device):
     k.launch((n + 255) // 256, 256, [b, np.float32(-2.0), np.float32(0.5), np.int32(n)], stream=cold)
     hot.synchronize()
     cold.synchronize()
-    assert_close(a.download(), a0 * 3 + 1, "green stream 0", rtol=1e-6)
-    assert_close(b.download(), b0 * -2 + 0.5, "green stream 1", rtol=1e-6)
+
+    def fma(v, mul, add):   # the kernel's x * mul + add, rounded once (float64 holds the product and sum exactly)
+        return (v.astype(np.float64) * mul + add).astype(np.float32)
+
+    np.testing.assert_array_equal(a.download(), fma(a0, 3, 1), "green stream 0")
+    np.testing.assert_array_equal(b.download(), fma(b0, -2, 0.5), "green stream 1")
     s, fork, join0, join1 = rc.Stream(), rc.Event(timing=False), rc.Event(timing=False), rc.Event(timing=False)
     a.upload(a0)
     b.upload(b0)
@@ -452,9 +469,9 @@ def test_sm_partition_streams_run_kernels_eager_and_in_a_graph(cuda_device):
     s.synchronize()
     want_a, want_b = a0.copy(), b0.copy()
     for _ in range(3):
-        want_a, want_b = -(want_a * 2 + 5), want_b * 0.5
-    assert_close(a.download(), want_a, "graph over the partition, a", rtol=1e-5)
-    assert_close(b.download(), want_b, "graph over the partition, b", rtol=1e-6)
+        want_a, want_b = -fma(fma(want_a, 2, 0), 1, 5), fma(want_b, 0.5, 0)
+    np.testing.assert_array_equal(a.download(), want_a, "graph over the partition, a")
+    np.testing.assert_array_equal(b.download(), want_b, "graph over the partition, b")
 
 
 @gpu

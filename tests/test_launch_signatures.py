@@ -97,7 +97,8 @@ def _checking_cuda(prepared):
         empty=_FakeArray, to_device=lambda a: _FakeArray(np.asarray(a).shape, np.asarray(a).dtype),
         get_kernel=get_kernel,
         get_device=lambda: types.SimpleNamespace(arch="90a", sm_count=132, smem_optin_bytes=232448),
-        default_stream=lambda: nothing, Stream=lambda: nothing, Event=lambda timing=True: nothing)
+        default_stream=lambda: nothing, Stream=lambda priority=0: nothing, Event=lambda timing=True: nothing,
+        priority_range=lambda: (0, -5))
 
 
 @pytest.mark.parametrize("T,plan", [

@@ -195,14 +195,15 @@ def test_ra_probe_builds(monkeypatch):
 
 
 def test_ra_probe_builds_weight_ring_and_barrier(monkeypatch):
-    """The register-A probes 128 (no weight-ring cp.async) and 256 (no block barrier between stages) of PIPE 20 compile
-    for sm_90a and leave exactly that out of the PTX: 128 drops the 16- and 4-byte weight copies (the x copies stay),
+    """The register-A probes 128 (no weight-ring cp.async), 512 / 1024 (no scale / no packed-weight cp.async) and
+    256 (no block barrier between stages) of PIPE 20 compile for sm_90a and leave exactly that out of the PTX: 128
+    drops the 16- and 4-byte weight copies (the x copies stay), 512 the 4-byte ones, 1024 the 16-byte weight ones,
     256 drops barriers (the copies stay)."""
     from cutlass_kernels.registry import FAMILIES
     from runtime.cuda import nvrtc
     f = dataclasses.replace(FAMILIES["moe_int4_sm90"], entries=("moe_gmma_kernel<1, 256, 20>",))
     ptx = {}
-    for mask in (0, 128, 256):
+    for mask in (0, 128, 256, 512, 1024):
         monkeypatch.setattr(nvrtc, "WS_PROBE", mask)
         opts = nvrtc.build_options(f, "90a")
         _, ptx[mask], _, _ = nvrtc.nvrtc_compile(f.source_path.read_text(), f.source, f.entries, opts, f.name, "90a")
@@ -211,7 +212,9 @@ def test_ra_probe_builds_weight_ring_and_barrier(monkeypatch):
     bars = {m: ptx[m].count("bar.sync") + ptx[m].count("barrier.sync") for m in ptx}
     assert 0 < copies16[128] < copies16[0] == copies16[256], copies16   # the x copies stay
     assert copies4[128] < copies4[0] == copies4[256], copies4
-    assert bars[256] < bars[0] == bars[128], bars
+    assert copies16[512] == copies16[0] and copies4[512] == copies4[128], (copies16, copies4)
+    assert copies16[1024] == copies16[128] and copies4[1024] == copies4[0], (copies16, copies4)
+    assert bars[256] < bars[0] == bars[128] == bars[512] == bars[1024], bars
     assert ptx[0].count("wgmma.mma_async") == ptx[128].count("wgmma.mma_async") == ptx[256].count("wgmma.mma_async")
 
 

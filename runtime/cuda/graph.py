@@ -114,7 +114,10 @@ def capture(stream=None) -> Capture:
 class GraphExec:
     def __init__(self, cap: Capture):
         self.capture = cap  # keeps the graph, its nodes and the launch copies alive
-        self.handle = check(driver().cuGraphInstantiate(cap.graph, 0), "cuGraphInstantiate")
+        # kernel nodes keep the priority of the stream they were captured on (streams made with a priority: the
+        # block scheduler's pick among grids queued at once), not the priority of the stream the graph is launched on
+        flags = int(driver().CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
+        self.handle = check(driver().cuGraphInstantiate(cap.graph, flags), "cuGraphInstantiate")
         self.launches = cap.launches
         self._params = [None] * len(cap.launches)  # node parameter structs, built on first update
 

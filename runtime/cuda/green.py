@@ -10,24 +10,26 @@ from __future__ import annotations
 
 from .device import driver, get_device
 from .errors import CudaError, check
-from .stream import Stream
+from .stream import Stream, check_priority
 
 
 class GreenStream(Stream):
     """A non-blocking stream of a green context (made by SmPartition)."""
 
-    def __init__(self, green_ctx):
+    def __init__(self, green_ctx, priority: int = 0):
         drv = driver()
-        self.handle = check(drv.cuGreenCtxStreamCreate(green_ctx, int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), 0),
+        flags = int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        self.handle = check(drv.cuGreenCtxStreamCreate(green_ctx, flags, check_priority(priority)),
                             "cuGreenCtxStreamCreate")
         self.ptr = int(self.handle)
 
 
 class SmPartition:
     """The device's SMs in two disjoint sets: at least `sms` of them (rounded up to the driver's partition
-    granularity, reported in `sizes[0]`) and the rest (`sizes[1]`), each with a stream (`streams`)."""
+    granularity, reported in `sizes[0]`) and the rest (`sizes[1]`), each with a stream (`streams`) of the given
+    priorities (runtime.cuda.stream.priority_range)."""
 
-    def __init__(self, sms: int):
+    def __init__(self, sms: int, priorities: tuple[int, int] = (0, 0)):
         dev = get_device()
         drv = driver()
         sm_type = drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
@@ -43,13 +45,13 @@ class SmPartition:
                             f"{int(whole.sm.minSmPartitionSize)}, in steps of {int(whole.sm.smCoscheduledAlignment)})")
         self.sizes = (int(groups[0].sm.smCount), int(rest.sm.smCount))
         self.green_contexts, self.streams = [], []
-        for part in (groups[0], rest):
+        for part, priority in zip((groups[0], rest), priorities):
             desc = check(drv.cuDevResourceGenerateDesc([part], 1), "cuDevResourceGenerateDesc")
             green = check(drv.cuGreenCtxCreate(desc, dev.handle,
                                                int(drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)),
                           "cuGreenCtxCreate")
             self.green_contexts.append(green)
-            self.streams.append(GreenStream(green))   # (neither call changes this thread's current context)
+            self.streams.append(GreenStream(green, priority))   # (neither call changes this thread's current context)
 
     def close(self):
         """Destroy the streams, then the green contexts (their work must be done)."""

@@ -8,14 +8,32 @@ from .device import driver, get_device
 from .errors import check
 
 
+def priority_range() -> tuple[int, int]:
+    """(least, greatest) stream priority of the current context: numerically lower is higher (e.g. (0, -5)). A
+    stream's priority orders the block scheduler's pick among grids queued at once; captured kernels keep it
+    (graphs here are instantiated to use it)."""
+    get_device()
+    least, greatest = check(driver().cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+    return int(least), int(greatest)
+
+
+def check_priority(priority: int) -> int:
+    least, greatest = priority_range()
+    if not greatest <= int(priority) <= least:
+        raise ValueError(f"stream priority {priority}: want {greatest} (highest) .. {least} (lowest, the default)")
+    return int(priority)
+
+
 class Stream:
     """A non-blocking stream on the current device (never the legacy default stream, which graphs
     cannot capture)."""
 
-    def __init__(self):
+    def __init__(self, priority: int = 0):
         get_device()
         drv = driver()
-        self.handle = check(drv.cuStreamCreate(int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
+        flags = int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        self.handle = check(drv.cuStreamCreateWithPriority(flags, check_priority(priority)),
+                            "cuStreamCreateWithPriority")
         self.ptr = int(self.handle)  # the raw CUstream, for the ctypes launch path
 
     def synchronize(self):
