@@ -895,8 +895,8 @@ class MoeLayer:
             if hot_sms is None:
                 self._side = cuda.Stream(priority=hot_prio)
             else:
-                from runtime.cuda.green import SmPartition
-                self.partition = SmPartition(int(hot_sms), priorities=(hot_prio, 0))
+                from runtime.cuda.green import shared_partition
+                self.partition = shared_partition(int(hot_sms), priorities=(hot_prio, 0))
                 self.hot_sms = self.partition.sizes[0]
                 self._side = self.partition.streams[0]
                 if cold_sms == "rest":

@@ -549,7 +549,7 @@ def launch_plans(default_fused_combine: bool, T: int):
         # the same with the cold chain free to take every SM (cold_sms "all": under uniform routing, with no hot
         # work, it keeps the whole GPU), and with the hot chain's grids picked first where both have blocks queued
         *[(f"sms{n}-all", dict(hot_sms=n, cold_sms="all")) for n in (48, 64, 80)],
-        *[(f"sms{n}-all-prio", dict(hot_sms=n, cold_sms="all", hot_priority=True)) for n in (48, 64, 80)],
+        *[(f"sms{n}-all-prio", dict(hot_sms=n, cold_sms="all", hot_priority=True)) for n in (48, 64, 72, 80, 88, 96)],
         ("hot-prio", dict(hot_priority=True)),
         # the routing (kimi_kernels.ROUTINGS) against the default: moe_topk + moe_group (two kernels); one warp
         # (T = 1); a block per token, the last one grouping; up to 4 tokens in one block that groups them (T <= 4);

@@ -39,11 +39,17 @@ def _release_deferred():
 
 
 def _note_launch(stream, launch):
-    """Called by Launch after cuLaunchKernel while any capture is active."""
+    """Called by Launch after cuLaunchKernel while any capture is active. A launch on a stream the capture forked
+    (one that waited on an event recorded inside it) belongs to that capture too: found by its capture id."""
     cap = _active.get(int(stream))
+    drv = driver()
+    info = check(drv.cuStreamGetCaptureInfo(stream), "cuStreamGetCaptureInfo")
     if cap is None:
-        return
-    info = check(driver().cuStreamGetCaptureInfo(stream), "cuStreamGetCaptureInfo")
+        if info[0] != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            return
+        cap = next((c for c in _active.values() if c.capture_id == int(info[1])), None)
+        if cap is None:
+            return
     deps = info[3]  # (status, id, graph, dependencies, edge data, count): the node just added
     if not deps:
         raise RuntimeError("graph capture: the launched kernel left no node to record")
@@ -72,7 +78,8 @@ class Capture:
         self.stream = stream
         self.handle = stream_handle(stream)
         self.graph = None
-        self.launches: list = []  # Launch copies, in capture order
+        self.capture_id = None  # the driver's id of the capture, while it runs
+        self.launches: list = []  # Launch copies, in capture order (forked streams' included)
         self.nodes: list = []  # their graph nodes
 
     def __enter__(self):
@@ -82,6 +89,7 @@ class Capture:
         check(drv.cuStreamBeginCapture(self.handle,
                                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
               "cuStreamBeginCapture")
+        self.capture_id = int(check(drv.cuStreamGetCaptureInfo(self.handle), "cuStreamGetCaptureInfo")[1])
         _active[int(self.handle)] = self
         return self
 

@@ -8,6 +8,8 @@ too: a fork / join of graph branches).
 """
 from __future__ import annotations
 
+import threading
+
 from .device import driver, get_device
 from .errors import CudaError, check
 from .stream import Stream, check_priority
@@ -69,3 +71,17 @@ class SmPartition:
 
     def __repr__(self):
         return f"SmPartition({self.sizes[0]} + {self.sizes[1]} SMs)"
+
+
+_shared: dict = {}
+_shared_lock = threading.Lock()
+
+
+def shared_partition(sms: int, priorities: tuple[int, int] = (0, 0)) -> SmPartition:
+    """One SmPartition per (sms, priorities) for the process, made on first use: the MoE layers of a model share its
+    green contexts and streams (each layer's own events fork and join them, so the layers' work stays in order)."""
+    key = (int(sms), tuple(int(p) for p in priorities))
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = SmPartition(*key)
+        return _shared[key]
