@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -411,6 +412,13 @@ GMMA_AUTO_GRID_ROWS = {255: None, 511: 32, 767: 64, 1 << 30: 128}
 # were no better (skewed +0.4..+2.1%). Under skewed routing the bench's T = 1024 has 23 such experts; past 32 a block
 # row walks two slots.
 GMMA_AUTO_WIDE_GRID_ROWS = 32
+# T bound -> where the default plan runs its hot chain: (SMs of a green partition for it, or None: every SM; its stream
+# at the top priority). With a partition the cold chain keeps every SM (cold_sms "all"), so under uniform routing,
+# where no expert is hot below T = 512, it loses nothing, and under skewed routing the top priority gives the hot
+# blocks their SMs as the cold blocks there retire. Above T = 256 uniform routing puts most of the work in the hot tiers,
+# which a partition would hold to its SMs. H100, PERF.md session 46, layer graph replay against the default without:
+# FILLED IN FROM THE SWEEP
+GMMA_AUTO_HOT_PLACEMENT = {1 << 30: (None, False)}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
@@ -479,6 +487,12 @@ def gmma_auto_tiers(tokens: int) -> tuple[tuple[int, int, int], ...]:
     """GMMA_AUTO's hot tiers (min tokens, tile, pipeline) for a T bucket, most tokens first."""
     from .cuda.graph import bucket_for
     return GMMA_AUTO[bucket_for(tokens, GMMA_AUTO)]
+
+
+def gmma_auto_hot_placement(tokens: int) -> tuple[int | None, bool]:
+    """GMMA_AUTO_HOT_PLACEMENT for a T bucket: (the hot chain's SMs or None, its stream at the top priority)."""
+    from .cuda.graph import bucket_for
+    return GMMA_AUTO_HOT_PLACEMENT[bucket_for(tokens, GMMA_AUTO_HOT_PLACEMENT)]
 
 
 def gmma_auto_grid_rows(tokens: int) -> int | None:
@@ -615,12 +629,13 @@ class MoeLayer:
     256-token tiers of moe_gmma_kernel (one block per SM; default "auto": GMMA_AUTO_WIDE_GRID_ROWS with GMMA_AUTO's
     tiers, else None).
     hot_sms: with gmma_overlap, the hot chain runs on this many SMs only, on the stream of a green context
-    (runtime.cuda.green.SmPartition), forked after the routing and joined before the combine; the count is rounded
-    up to the driver's partition granularity (.hot_sms tells). cold_sms: where the cold chain (gate_up, down) runs
-    then: "rest" (default) the other SMs, on the other green context's stream; "all" every SM, on the layer's
-    stream (with no hot work it keeps the whole GPU). None (default): both chains share every SM.
+    (runtime.cuda.green.shared_partition), forked after the routing and joined before the combine; the count is
+    rounded up to the driver's partition granularity (.hot_sms tells). cold_sms: where the cold chain (gate_up, down)
+    runs then: "all" (default) every SM, on the layer's stream (with no hot work it keeps the whole GPU); "rest" the
+    other SMs, on the other green context's stream. None: both chains share every SM.
     hot_priority: the hot chain's stream (gmma_overlap) at the highest stream priority, so that where both chains
     have blocks queued the block scheduler starts the hot ones first (graphs keep it: runtime.cuda.graph).
+    Both default to "auto": GMMA_AUTO_HOT_PLACEMENT by T with GMMA_AUTO's tiers and the overlap, else None / False.
     signals: down's blocks wait for their own slot's gate_up blocks, and the combine for down's blocks, through
     counters (moe_int4.cu) instead of for the previous kernel's whole grid; plans with PDL, down's early start, the
     block routings and an XS down variant (default: on there from SIGNALS_MIN_TOKENS to SIGNALS_MAX_TOKENS tokens).
@@ -637,8 +652,8 @@ class MoeLayer:
                  pdl: bool | None = None, gmma_min_tokens: int | str | None = "auto", gmma_tile: int | None = None,
                  gmma_parallel_chunks: bool = False, gmma_pipe: int | None = None,
                  gmma_overlap: bool | None = None, gmma_tiers=None, gmma_grid_rows: int | str | None = "auto",
-                 gmma_wide_grid_rows: int | str | None = "auto", hot_sms: int | None = None,
-                 cold_sms: str = "rest", hot_priority: bool = False, signals: bool | None = None):
+                 gmma_wide_grid_rows: int | str | None = "auto", hot_sms: int | str | None = "auto",
+                 cold_sms: str = "all", hot_priority: bool | str = "auto", signals: bool | None = None):
         cuda = _cuda()
         w = self.weights = weights
         T, E = int(tokens), w.num_experts
@@ -655,6 +670,7 @@ class MoeLayer:
         wide_grid_rows = None if gmma_wide_grid_rows == "auto" else gmma_wide_grid_rows
         _check_grid_rows("gmma_wide_grid_rows", wide_grid_rows,
                          "None: no cap of its own; 'auto': GMMA_AUTO_WIDE_GRID_ROWS with the default tiers")
+        auto_placement = (None, False)   # hot_sms / hot_priority "auto": GMMA_AUTO_HOT_PLACEMENT's with GMMA_AUTO's tiers
         if gmma_tiers is not None:
             if gmma_min_tokens != "auto" or gmma_tile is not None or gmma_pipe is not None:
                 raise ValueError("gmma_tiers replaces gmma_min_tokens / gmma_tile / gmma_pipe: give one or the other")
@@ -685,6 +701,7 @@ class MoeLayer:
                     gmma_grid_rows = gmma_auto_grid_rows(T)
                 if gmma_wide_grid_rows == "auto":
                     wide_grid_rows = GMMA_AUTO_WIDE_GRID_ROWS
+                auto_placement = gmma_auto_hot_placement(T)
             else:
                 tiers = [(gmma_min_tokens, gmma_tile, default_pipe if gmma_pipe is None else int(gmma_pipe))]
         for m, tile, pipe in tiers:
@@ -881,22 +898,33 @@ class MoeLayer:
             raise ValueError("gmma_overlap: the combine folded into the cold down GEMM would not wait for the "
                              "hot chain; use the separate combine (fuse_combine=False)")
         self.gmma_overlap = bool(gmma_overlap) and bool(tiers)
+        if cold_sms not in ("rest", "all"):
+            raise ValueError(f"cold_sms={cold_sms!r}: 'rest' (the SMs hot_sms leaves) or 'all'")
+        hot_sms_auto = hot_sms == "auto"
+        if hot_sms_auto:
+            hot_sms = auto_placement[0] if self.gmma_overlap else None
+        if hot_priority == "auto":
+            hot_priority = auto_placement[1] and self.gmma_overlap
         if (hot_sms is not None or hot_priority) and not self.gmma_overlap:
             raise ValueError("hot_sms / hot_priority: need the hot chain on its own stream (gmma_overlap) and a hot "
                              "tier")
-        if cold_sms not in ("rest", "all"):
-            raise ValueError(f"cold_sms={cold_sms!r}: 'rest' (the SMs hot_sms leaves) or 'all'")
-        self.partition, self.hot_sms, self.cold_sms = None, None, cold_sms
+        self.partition, self.hot_sms, self.cold_sms, self.hot_priority = None, None, cold_sms, bool(hot_priority)
         # the cold chain's own stream: the other green context's with hot_sms and cold_sms "rest", else the layer's
         self._cold = None
         if self.gmma_overlap:   # a side stream and the fork / join events, made once
             self._fork, self._join = cuda.Event(timing=False), cuda.Event(timing=False)
             hot_prio = cuda.priority_range()[1] if hot_priority else 0
-            if hot_sms is None:
+            if hot_sms is not None:
+                try:
+                    self.partition = cuda.shared_partition(int(hot_sms), priorities=(hot_prio, 0))
+                except cuda.CudaError as e:   # no green contexts here (driver, MPS, MIG): asked for, an error
+                    if not hot_sms_auto:
+                        raise
+                    warnings.warn(f"MoeLayer: no SM partition for the hot chain here ({e}); it shares every SM "
+                                  "(hot_sms=None)", RuntimeWarning, stacklevel=2)
+            if self.partition is None:
                 self._side = cuda.Stream(priority=hot_prio)
             else:
-                from runtime.cuda.green import shared_partition
-                self.partition = shared_partition(int(hot_sms), priorities=(hot_prio, 0))
                 self.hot_sms = self.partition.sizes[0]
                 self._side = self.partition.streams[0]
                 if cold_sms == "rest":

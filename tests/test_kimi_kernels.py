@@ -639,7 +639,7 @@ def test_moe_layer_hot_sms(cuda_device):
         pytest.skip("the wgmma MoE kernel is built for sm_90a only")
     tiers = [(64, 256, 20), (17, 32, 8)]
     y_split = _check_moe(300, 16, 1024, 512, None, topk=4, skew=True, gmma_tiers=tiers, runs=2,
-                         hot_sms=cuda.get_device().sm_count // 2)
+                         hot_sms=cuda.get_device().sm_count // 2, cold_sms="rest")
     y_all = _check_moe(300, 16, 1024, 512, None, topk=4, skew=True, gmma_tiers=tiers)
     np.testing.assert_array_equal(y_split, y_all, err_msg="hot_sms changed the layer's output")
     # the cold chain on every SM (its own stream: the layer's), the hot one on its partition at the top priority
@@ -651,7 +651,7 @@ def test_moe_layer_hot_sms(cuda_device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("plan", [dict(), dict(gmma_pipe=3, gmma_overlap=True),
                                   dict(gmma_pipe=4, gmma_tile=128, gmma_overlap=True),
-                                  dict(gmma_pipe=8, gmma_overlap=True, hot_sms=64),
+                                  dict(gmma_pipe=8, gmma_overlap=True, hot_sms=64, cold_sms="rest"),
                                   dict(gmma_pipe=8, gmma_overlap=True, hot_sms=48, cold_sms="all", hot_priority=True)])
 def test_moe_graph_replay_gmma_hot_experts(cuda_device, plan):
     """The layer with wgmma hot experts captured once and replayed with new inputs (the overlapped plan's

@@ -9,6 +9,7 @@ import pytest
 from fake_cuda import ptx_param_sizes
 from runtime import kimi_kernels as kk
 from runtime.cuda import DeviceArray
+from runtime.cuda.errors import CudaError
 from runtime.cuda.kernel import Launch, check_arguments
 from runtime.cuda.nvrtc import ptx_entry_params
 
@@ -98,7 +99,10 @@ def _checking_cuda(prepared):
         get_kernel=get_kernel,
         get_device=lambda: types.SimpleNamespace(arch="90a", sm_count=132, smem_optin_bytes=232448),
         default_stream=lambda: nothing, Stream=lambda priority=0: nothing, Event=lambda timing=True: nothing,
-        priority_range=lambda: (0, -5))
+        priority_range=lambda: (0, -5), CudaError=CudaError,
+        shared_partition=lambda sms, priorities=(0, 0): types.SimpleNamespace(
+            sizes=(sms, 132 - sms), streams=(types.SimpleNamespace(priority=priorities[0], name="hot"),
+                                             types.SimpleNamespace(priority=priorities[1], name="rest"))))
 
 
 @pytest.mark.parametrize("T,plan", [
@@ -222,6 +226,31 @@ def test_moe_layer_default_hot_tiers(monkeypatch, T):
         assert asked.gmma_grid_rows is None and asked.gmma_wide_grid_rows is None
         named = kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_tiers=auto)
         assert named.gmma_grid_rows is None and named.gmma_wide_grid_rows is None
+
+
+@pytest.mark.parametrize("T", [24, 25, 127, 128, 255, 256, 511, 512, 1024])
+def test_moe_layer_default_hot_placement(monkeypatch, T):
+    """hot_sms / hot_priority "auto": GMMA_AUTO_HOT_PLACEMENT by T with GMMA_AUTO's tiers (the hot chain on a green
+    partition's stream at the top priority, the cold chain on the layer's), nothing with tiers asked for or without
+    the overlap; asked for without a hot chain, an error."""
+    monkeypatch.setattr(kk, "_cuda", lambda: _checking_cuda([]))
+    E, hidden, inter = 384, 7168, 2048
+    w = kk.MoeWeights(E, hidden, inter, *(_FakeArray((1,), np.uint8) for _ in range(6)))
+    sms, prio = kk.gmma_auto_hot_placement(T) if T >= kk.GMMA_AUTO_TOKENS else (None, False)
+    layer = kk.MoeLayer(w, T, np.zeros(E, np.float32))
+    assert (layer.hot_sms, layer.hot_priority) == (sms, prio)
+    if sms is not None:
+        assert layer._side.name == "hot" and layer._side.priority == -5 * prio and layer._cold is None
+    named = kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_tiers=[(64, 256, 20)] if T >= 256 else [(16, 64, 8)])
+    assert (named.hot_sms, named.hot_priority) == (None, False)
+    plain = kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_overlap=False)
+    assert (plain.hot_sms, plain.hot_priority) == (None, False)
+    with pytest.raises(ValueError, match="hot_sms / hot_priority"):
+        kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_overlap=False, hot_sms=64)
+    with pytest.raises(ValueError, match="cold_sms"):
+        kk.MoeLayer(w, T, np.zeros(E, np.float32), hot_sms=64, cold_sms="some")
+    rest = kk.MoeLayer(w, T, np.zeros(E, np.float32), gmma_tiers=[(16, 64, 8)], hot_sms=64, cold_sms="rest")
+    assert rest.hot_sms == 64 and rest._cold.name == "rest"
 
 
 @pytest.mark.parametrize("T,rows", [(255, None), (256, 32), (511, 32), (512, 64), (767, 64), (768, 128),

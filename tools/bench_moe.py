@@ -545,12 +545,14 @@ def launch_plans(default_fused_combine: bool, T: int):
         ("wide-rows16", dict(gmma_wide_grid_rows=16)),
         # the hot chain on N SMs only and the cold one on the others (green contexts, MoeLayer hot_sms): the
         # tensor-bound and the DRAM-bound work side by side instead of in turn (80 / 96 / 112 lost: session 46)
-        *[(f"sms{n}", dict(hot_sms=n)) for n in (48, 56, 64)],
+        *[(f"sms{n}", dict(hot_sms=n, cold_sms="rest")) for n in (48, 56, 64)],
         # the same with the cold chain free to take every SM (cold_sms "all": under uniform routing, with no hot
         # work, it keeps the whole GPU), and with the hot chain's grids picked first where both have blocks queued
         *[(f"sms{n}-all", dict(hot_sms=n, cold_sms="all")) for n in (48, 64, 80)],
         *[(f"sms{n}-all-prio", dict(hot_sms=n, cold_sms="all", hot_priority=True)) for n in (48, 64, 72, 80, 88, 96)],
-        ("hot-prio", dict(hot_priority=True)),
+        ("hot-prio", dict(hot_sms=None, hot_priority=True)),
+        # the hot chain on every SM at the default priority (the default before session 46)
+        ("shared-sms", dict(hot_sms=None, hot_priority=False)),
         # the routing (kimi_kernels.ROUTINGS) against the default: moe_topk + moe_group (two kernels); one warp
         # (T = 1); a block per token, the last one grouping; up to 4 tokens in one block that groups them (T <= 4);
         # a warp per token, the last block grouping

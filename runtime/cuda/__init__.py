@@ -7,6 +7,7 @@ from .stream import Event, Stream, bench, default_stream, priority_range
 from .nvrtc import ARCHS, CompiledModule, cache_dir, compile_all, compile_family, resolve_arch
 from .kernel import Kernel, Launch, get_kernel, load_module, plain_launches
 from .graph import Capture, GraphCache, GraphExec, bucket_for, capture
+from .green import SmPartition, shared_partition
 
 __all__ = [
     "CompileError", "CudaError", "NoDeviceError", "OutOfMemoryError", "check",
@@ -16,4 +17,5 @@ __all__ = [
     "ARCHS", "CompiledModule", "cache_dir", "compile_all", "compile_family", "resolve_arch",
     "Kernel", "Launch", "get_kernel", "load_module", "plain_launches",
     "Capture", "GraphCache", "GraphExec", "bucket_for", "capture",
+    "SmPartition", "shared_partition",
 ]
