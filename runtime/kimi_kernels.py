@@ -414,11 +414,15 @@ GMMA_AUTO_GRID_ROWS = {255: None, 511: 32, 767: 64, 1 << 30: 128}
 GMMA_AUTO_WIDE_GRID_ROWS = 32
 # T bound -> where the default plan runs its hot chain: (SMs of a green partition for it, or None: every SM; its stream
 # at the top priority). With a partition the cold chain keeps every SM (cold_sms "all"), so under uniform routing,
-# where no expert is hot below T = 512, it loses nothing, and under skewed routing the top priority gives the hot
-# blocks their SMs as the cold blocks there retire. Above T = 256 uniform routing puts most of the work in the hot tiers,
-# which a partition would hold to its SMs. H100, PERF.md session 46, layer graph replay against the default without:
-# FILLED IN FROM THE SWEEP
-GMMA_AUTO_HOT_PLACEMENT = {1 << 30: (None, False)}
+# where next to no expert is hot up to T = 256, it loses little, and under skewed routing the top priority gives the
+# hot blocks their partition's SMs as the cold blocks there retire. From T = 512 uniform routing puts most of the work
+# in the hot tiers, which a partition would hold to its SMs (+16..+115%); the top priority alone still pays there.
+# H100, PERF.md session 46 (call 2), layer graph replay, us, against the hot chain on every SM at the default priority:
+# T = 128, 64 SMs: uniform 2896.7 / 2881.5, skewed 751.8 / 772.8 (80 SMs: 2900.8 / 769.3); T = 256, 80 SMs: uniform
+# 3172.3 / 3143.9, skewed 986.3 / 1111.4 (64 SMs: 3165.9 / 1071.7); the priority alone at T = 512: uniform 3424.6 /
+# 3410.3, skewed 1470.7 / 1526.9, T = 1024: 3709.7 / 3695.6, 2317.1 / 2348.5 (at T = 128: 2928.1 / 799.8, a loss).
+# Each bucket takes the plan measured at its bound; below T = 128 none was measured.
+GMMA_AUTO_HOT_PLACEMENT = {127: (None, False), 128: (64, True), 256: (80, True), 1 << 30: (None, True)}
 GMMA_TILE = 64   # tokens per pass when gmma_min_tokens is given without a tile
 # moe_gmma_kernel's PIPE: 0 shallow (weights 1 stage ahead, 2 buffers of W tile + x), 1 deep (8 ahead, 3
 # buffers), 2 register A (weights dequantized into wgmma A registers, 4 x-only buffers, one wgmma batch kept in
@@ -670,7 +674,7 @@ class MoeLayer:
         wide_grid_rows = None if gmma_wide_grid_rows == "auto" else gmma_wide_grid_rows
         _check_grid_rows("gmma_wide_grid_rows", wide_grid_rows,
                          "None: no cap of its own; 'auto': GMMA_AUTO_WIDE_GRID_ROWS with the default tiers")
-        auto_placement = (None, False)   # hot_sms / hot_priority "auto": GMMA_AUTO_HOT_PLACEMENT's with GMMA_AUTO's tiers
+        auto_placement = (None, False)   # hot_sms / hot_priority "auto": GMMA_AUTO_HOT_PLACEMENT's with GMMA_AUTO
         if gmma_tiers is not None:
             if gmma_min_tokens != "auto" or gmma_tile is not None or gmma_pipe is not None:
                 raise ValueError("gmma_tiers replaces gmma_min_tokens / gmma_tile / gmma_pipe: give one or the other")

@@ -44,9 +44,9 @@ def _env_mask(name: str, what: str) -> str:
 # with it, DDTREE_TRACE_STALLS=mask: the spans counted in each warp's stall word (device_common.cuh TraceStallSite)
 TRACE_STALLS = _env_mask("DDTREE_TRACE_STALLS", "device_common.cuh's TraceStallSite values")
 # DDTREE_WS_PROBE=mask: timing probes of moe_gmma_ws_kernel (1 / 2 / 4) and of moe_gmma_kernel's register-A
-# pipelines (8 / 16 / 32 / 64 / 128 / 256 / 512 / 1024) that leave out parts of their stage (moe_int4_sm90.cu WsProbe); their
-# outputs are then wrong. Diagnostics only (tools/bench_moe.py's stage times); that family's own cache entries, the
-# others unchanged.
+# pipelines (8 / 16 / 32 / 64 / 128 / 256 / 512 / 1024) that leave out parts of their stage (moe_int4_sm90.cu
+# WsProbe); their outputs are then wrong. Diagnostics only (tools/bench_moe.py's stage times); that family's own
+# cache entries, the others unchanged.
 WS_PROBE = int(_env_mask("DDTREE_WS_PROBE", "moe_int4_sm90.cu's WsProbe values") or 0)   # 0: the real kernel
 if WS_PROBE:
     print(f"[ddtree] DDTREE_WS_PROBE={WS_PROBE}: the wgmma MoE kernels built as timing probes, their outputs are wrong",
