@@ -543,13 +543,14 @@ def launch_plans(default_fused_combine: bool, T: int):
         *([("wide-rows-all", dict(gmma_tiers=gmma_auto_tiers(T), gmma_grid_rows=rows))] if T >= 256 else []),
         ("wide-rows8", dict(gmma_wide_grid_rows=8)),
         ("wide-rows16", dict(gmma_wide_grid_rows=16)),
-        # the hot chain on N SMs only and the cold one on the others (green contexts, MoeLayer hot_sms): the
-        # tensor-bound and the DRAM-bound work side by side instead of in turn (80 / 96 / 112 lost: session 46)
-        *[(f"sms{n}", dict(hot_sms=n, cold_sms="rest")) for n in (48, 56, 64)],
-        # the same with the cold chain free to take every SM (cold_sms "all": under uniform routing, with no hot
-        # work, it keeps the whole GPU), and with the hot chain's grids picked first where both have blocks queued
-        *[(f"sms{n}-all", dict(hot_sms=n, cold_sms="all")) for n in (48, 64, 80)],
-        *[(f"sms{n}-all-prio", dict(hot_sms=n, cold_sms="all", hot_priority=True)) for n in (48, 64, 72, 80, 88, 96)],
+        # the hot chain on 64 SMs only and the cold one on the others (green contexts, MoeLayer hot_sms, cold_sms
+        # "rest"): side by side instead of in turn (48 / 56 / 80 / 96 / 112 lost to it, and it to sms80-all-prio under
+        # uniform routing: session 46)
+        ("sms64", dict(hot_sms=64, cold_sms="rest")),
+        # the hot chain on N SMs at the top priority, the cold chain on every SM (under uniform routing, with no hot
+        # work, it keeps the whole GPU; the default's form by T). Without the priority (the cold grid, queued first,
+        # takes the hot SMs too) and at 48 SMs it lost (session 46).
+        *[(f"sms{n}-all-prio", dict(hot_sms=n, cold_sms="all", hot_priority=True)) for n in (64, 72, 80, 88, 96)],
         ("hot-prio", dict(hot_sms=None, hot_priority=True)),
         # the hot chain on every SM at the default priority (the default before session 46)
         ("shared-sms", dict(hot_sms=None, hot_priority=False)),
