@@ -174,18 +174,24 @@ def test_ws_probe_builds(monkeypatch):
     assert nvrtc.cache_key(f, "90a") == key
 
 
+def _ptx_by_probe(monkeypatch, entry: str, masks) -> dict:
+    """mask -> the sm_90a PTX of one moe_int4_sm90 entry built under DDTREE_WS_PROBE = mask."""
+    from cutlass_kernels.registry import FAMILIES
+    from runtime.cuda import nvrtc
+    f = dataclasses.replace(FAMILIES["moe_int4_sm90"], entries=(entry,))
+    ptx = {}
+    for mask in masks:
+        monkeypatch.setattr(nvrtc, "WS_PROBE", mask)
+        _, ptx[mask], _, _ = nvrtc.nvrtc_compile(f.source_path.read_text(), f.source, f.entries,
+                                                 nvrtc.build_options(f, "90a"), f.name, "90a")
+    return ptx
+
+
 def test_ra_probe_builds(monkeypatch):
     """The register-A probes (DDTREE_WS_PROBE 8 / 16 / 32 / 64) of moe_gmma_kernel's PIPE 8 compile for sm_90a and leave
     their part out of the PTX: no wgmma, no x cp.async (the weights' 16-byte copies stay), fewer global stores, and
     no dequantization's bf16x2 fma; each probe build leaves the others' parts in."""
-    from cutlass_kernels.registry import FAMILIES
-    from runtime.cuda import nvrtc
-    f = dataclasses.replace(FAMILIES["moe_int4_sm90"], entries=("moe_gmma_kernel<1, 32, 8>",))
-    ptx = {}
-    for mask in (0, 8, 16, 32, 64):
-        monkeypatch.setattr(nvrtc, "WS_PROBE", mask)
-        opts = nvrtc.build_options(f, "90a")
-        _, ptx[mask], _, _ = nvrtc.nvrtc_compile(f.source_path.read_text(), f.source, f.entries, opts, f.name, "90a")
+    ptx = _ptx_by_probe(monkeypatch, "moe_gmma_kernel<1, 32, 8>", (0, 8, 16, 32, 64))
     wgmma, fma = "wgmma.mma_async", "fma.rn.bf16x2"
     stores = {m: ptx[m].count("st.global") for m in ptx}
     assert ptx[0].count(wgmma) and not ptx[32].count(wgmma) and ptx[8].count(wgmma) == ptx[0].count(wgmma)
@@ -199,14 +205,7 @@ def test_ra_probe_builds_weight_ring_and_barrier(monkeypatch):
     256 (no block barrier between stages) of PIPE 20 compile for sm_90a and leave exactly that out of the PTX: 128
     drops the 16- and 4-byte weight copies (the x copies stay), 512 the 4-byte ones, 1024 the 16-byte weight ones,
     256 drops barriers (the copies stay)."""
-    from cutlass_kernels.registry import FAMILIES
-    from runtime.cuda import nvrtc
-    f = dataclasses.replace(FAMILIES["moe_int4_sm90"], entries=("moe_gmma_kernel<1, 256, 20>",))
-    ptx = {}
-    for mask in (0, 128, 256, 512, 1024):
-        monkeypatch.setattr(nvrtc, "WS_PROBE", mask)
-        opts = nvrtc.build_options(f, "90a")
-        _, ptx[mask], _, _ = nvrtc.nvrtc_compile(f.source_path.read_text(), f.source, f.entries, opts, f.name, "90a")
+    ptx = _ptx_by_probe(monkeypatch, "moe_gmma_kernel<1, 256, 20>", (0, 128, 256, 512, 1024))
     copies16 = {m: ptx[m].count("cp.async.cg.shared.global") for m in ptx}
     copies4 = {m: ptx[m].count("cp.async.ca.shared.global") for m in ptx}
     bars = {m: ptx[m].count("bar.sync") + ptx[m].count("barrier.sync") for m in ptx}
